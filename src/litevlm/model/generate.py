@@ -1,0 +1,130 @@
+"""Prefill, one decode step and the generation loop over the static KV cache.
+
+Prefill writes a prompt's K/V into slots 0..T-1 (positions may skip, as after token pruning);
+`decode_step` appends one token. On CUDA the step is a fixed-shape function (mask over the whole
+cache, slot as a tensor) that `torch.compile(mode="reduce-overhead")` replays as a CUDA graph; on
+the CPU it attends over the live prefix only, which is faster eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from litevlm.errors import LiteVLMError
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StageTimer:
+    """Wall milliseconds per named stage, with the device synchronised at both boundaries."""
+
+    def __init__(self, device):
+        self.device = device
+        self.ms: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        return _Stage(self, name)
+
+
+class _Stage:
+    def __init__(self, timer: StageTimer, name: str):
+        self.timer, self.name = timer, name
+
+    def __enter__(self):
+        sync(self.timer.device)
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        sync(self.timer.device)
+        self.timer.ms[self.name] = self.timer.ms.get(self.name, 0.0) + (time.perf_counter() - self.t0) * 1e3
+
+
+def causal_mask(kv_len: int, start: int, n: int, device) -> torch.Tensor:
+    """(1, 1, n, kv_len) boolean: new tokens at slots start..start+n-1 see every slot up to their own."""
+    rows = torch.arange(start, start + n, device=device)[:, None]
+    cols = torch.arange(kv_len, device=device)[None, :]
+    return (cols <= rows)[None, None]
+
+
+@torch.no_grad()
+def prefill(model, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the prompt (B, T, C) into cache slots 0..T-1; return (last logits (B, V), hidden (B, T, C))."""
+    lm = model.language_model
+    t = embeds.shape[1]
+    if t > lm.cache_len:
+        raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {lm.cache_len}; shorten the prompt or raise max_len")
+    slots = torch.arange(t, device=embeds.device)
+    hidden = lm(embeds, positions, slots=slots, mask=causal_mask(t, 0, t, embeds.device), kv_len=t)
+    return model.lm_head(hidden[:, -1]), hidden
+
+
+@torch.no_grad()
+def decode_step(model, token: torch.Tensor, position: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token (B, 1) at RoPE `position`, written at cache `slot`; returns (logits (B, V), hidden (B, 1, C))."""
+    lm = model.language_model
+    dev = token.device
+    pos = torch.full_like(token, position)
+    hidden = lm(lm.embed_tokens(token), pos, slots=torch.tensor([slot], device=dev), kv_len=slot + 1)
+    return model.lm_head(hidden[:, -1]), hidden
+
+
+def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator=None) -> torch.Tensor:
+    """Greedy when temperature == 0, else temperature + nucleus sampling. logits (B, V) -> (B,)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, -1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the top token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    prompt_len: int
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    accept_lengths: list[int] = field(default_factory=list)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    embeds: torch.Tensor,
+    positions: torch.Tensor,
+    max_new_tokens: int,
+    eos_id: int | None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator=None,
+    timer: StageTimer | None = None,
+) -> Generation:
+    """Plain autoregressive decoding for batch 1: prefill, then one token per step until EOS."""
+    timer = timer or StageTimer(embeds.device)
+    t = embeds.shape[1]
+    if t + max_new_tokens > model.language_model.cache_len:
+        raise LiteVLMError(
+            f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds the KV cache ({model.language_model.cache_len})"
+        )
+    with timer("prefill"):
+        logits, _ = prefill(model, embeds, positions)
+        tok = sample_token(logits, temperature, top_p, generator)
+    out = [int(tok)]
+    next_pos = int(positions[0, -1]) + 1
+    with timer("decode"):
+        for i in range(max_new_tokens - 1):
+            if eos_id is not None and out[-1] == eos_id:
+                break
+            logits, _ = decode_step(model, tok.view(1, 1), next_pos + i, t + i)
+            tok = sample_token(logits, temperature, top_p, generator)
+            out.append(int(tok))
+    return Generation(out, t, dict(timer.ms))

@@ -1,0 +1,162 @@
+"""InternViT vision encoder, pixel shuffle and the MLP projector (InternVL, arXiv 2404.16821).
+
+Each 448 px tile (or smaller, in tiny configs) is cut into patches, a CLS token is prepended and
+absolute position embeddings added; pre-norm blocks with per-channel layer scale follow. The last
+layer's features, CLS dropped, are pixel-shuffled 2x2 -> 1 token (4x the channels) and projected
+into the language model's width. Parameter names follow transformers' InternVL so checkpoints map
+one to one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from litevlm.config import VisionConfig, VLMConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _act(name: str):
+    if name == "gelu":
+        return nn.GELU()
+    if name == "gelu_pytorch_tanh":
+        return nn.GELU(approximate="tanh")
+    return _QuickGELU()
+
+
+class _QuickGELU(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(1.702 * x)
+
+
+def _norm(cfg: VisionConfig) -> nn.Module:
+    if cfg.norm_type == "rms_norm":
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+class PatchEmbeddings(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.projection = nn.Conv2d(3, cfg.hidden_size, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+
+
+class Embeddings(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.hidden_size))
+        self.patch_embeddings = PatchEmbeddings(cfg)
+        self.position_embeddings = nn.Parameter(torch.zeros(1, cfg.num_patches + 1, cfg.hidden_size))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embeddings.projection(pixels)  # (T, C, g, g)
+        x = x.flatten(2).transpose(1, 2)  # (T, g*g, C)
+        cls = self.cls_token.expand(x.shape[0], -1, -1)
+        return torch.cat([cls, x], dim=1) + self.position_embeddings  # (T, 1 + g*g, C)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        c = cfg.hidden_size
+        self.num_heads = cfg.num_heads
+        self.q_proj = nn.Linear(c, c, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(c, c, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(c, c, bias=cfg.qkv_bias)
+        self.projection_layer = nn.Linear(c, c)
+        # qk-norm normalises over the full width before the head split (the 6B ViTs).
+        self.q_norm = RMSNorm(c) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(c) if cfg.qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, n, c = x.shape
+        q = self.q_norm(self.q_proj(x)).view(t, n, self.num_heads, -1).transpose(1, 2)  # (T, H, N, D)
+        k = self.k_norm(self.k_proj(x)).view(t, n, self.num_heads, -1).transpose(1, 2)
+        v = self.v_proj(x).view(t, n, self.num_heads, -1).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v)  # bidirectional
+        return self.projection_layer(y.transpose(1, 2).reshape(t, n, c))  # (T, N, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.act = _act(cfg.hidden_act)
+        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.layernorm_before = _norm(cfg)
+        self.layernorm_after = _norm(cfg)
+        self.lambda_1 = nn.Parameter(cfg.layer_scale_init * torch.ones(cfg.hidden_size))
+        self.lambda_2 = nn.Parameter(cfg.layer_scale_init * torch.ones(cfg.hidden_size))
+
+    def forward(self, x):
+        x = x + self.lambda_1 * self.attention(self.layernorm_before(x))
+        return x + self.lambda_2 * self.mlp(self.layernorm_after(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+
+
+class VisionTower(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = Embeddings(cfg)
+        self.encoder = Encoder(cfg)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(tiles, 3, S, S) -> last-layer features without CLS, (tiles, g*g, C)."""
+        x = self.embeddings(pixels)
+        for block in self.encoder.layer:
+            x = block(x)
+        return x[:, 1:]
+
+
+def pixel_shuffle(x: torch.Tensor, grid: int) -> torch.Tensor:
+    """(T, g*g, C) -> (T, g*g/4, 4C), with exactly transformers' (and the original v2) channel order."""
+    t, _, c = x.shape
+    x = x.reshape(t, grid, grid, c)  # (T, W, H, C) in transformers' naming
+    x = x.view(t, grid, grid // 2, c * 2)  # fold pairs along the second spatial axis
+    x = x.permute(0, 2, 1, 3).contiguous()  # (T, H/2, W, 2C)
+    x = x.view(t, grid // 2, grid // 2, c * 4)  # fold pairs along the first spatial axis
+    x = x.permute(0, 2, 1, 3).contiguous()  # (T, W/2, H/2, 4C)
+    return x.reshape(t, -1, c * 4)
+
+
+class Projector(nn.Module):
+    """LayerNorm(4C, eps 1e-5) -> Linear -> GELU -> Linear, into the LLM's width."""
+
+    def __init__(self, cfg: VLMConfig):
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(cfg.projector_in)
+        self.linear_1 = nn.Linear(cfg.projector_in, cfg.text.hidden_size)
+        self.act = _act(cfg.projector_act)
+        self.linear_2 = nn.Linear(cfg.text.hidden_size, cfg.text.hidden_size)
+
+    def forward(self, x):
+        return self.linear_2(self.act(self.linear_1(self.layer_norm(x))))

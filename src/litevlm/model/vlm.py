@@ -1,0 +1,110 @@
+"""The assembled vision-language model: InternViT -> pixel shuffle -> projector -> decoder.
+
+`encode_tiles` turns image tiles into LLM-width visual tokens; `embed` places them at the
+`<IMG_CONTEXT>` placeholders of a prompt (tile-major, then row-major, as transformers'
+masked_scatter does); the decoder then runs over text and visual tokens alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from litevlm.config import VLMConfig
+from litevlm.errors import LiteVLMError
+from litevlm.model.lm import TextModel
+from litevlm.model.vision import Projector, VisionTower, pixel_shuffle
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class VLM(nn.Module):
+    def __init__(self, cfg: VLMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.vision_tower = VisionTower(cfg.vision)
+        self.multi_modal_projector = Projector(cfg)
+        self.language_model = TextModel(cfg.text)
+        self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+        if cfg.text.tie_embeddings:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    # -- vision ---------------------------------------------------------------------------------
+    def encode_tiles(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(tiles, 3, S, S) normalised pixels -> (tiles, tokens_per_tile, C_llm) visual tokens."""
+        s = self.cfg.vision.image_size
+        if pixels.ndim != 4 or tuple(pixels.shape[1:]) != (3, s, s):
+            raise LiteVLMError(f"image tiles must have shape (tiles, 3, {s}, {s}); got {tuple(pixels.shape)}")
+        feats = self.vision_tower(pixels.to(self.dtype))  # (T, g*g, Cv)
+        return self.multi_modal_projector(pixel_shuffle(feats, self.cfg.vision.grid))  # (T, g*g/4, C)
+
+    # -- text -----------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor, visual: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings with the visual tokens (N, C) scattered into the image placeholders in order."""
+        x = self.language_model.embed_tokens(input_ids)  # (B, L, C)
+        slots = input_ids == self.cfg.image_token_id
+        n_slots = int(slots.sum())
+        n_visual = 0 if visual is None else visual.reshape(-1, x.shape[-1]).shape[0]
+        if n_slots != n_visual:
+            raise LiteVLMError(
+                f"the prompt has {n_slots} image placeholder tokens but {n_visual} visual tokens were given "
+                f"({self.cfg.tokens_per_tile} per tile): the images do not match the prompt"
+            )
+        if n_visual:
+            x = x.masked_scatter(slots[..., None], visual.reshape(-1, x.shape[-1]).to(x.dtype))
+        return x
+
+    def forward(self, input_ids: torch.Tensor, pixels: torch.Tensor | None = None, positions=None) -> torch.Tensor:
+        """Full-sequence logits without a cache (training and equivalence checks)."""
+        visual = self.encode_tiles(pixels) if pixels is not None else None
+        x = self.embed(input_ids, visual)
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        return self.lm_head(self.language_model(x, positions))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+
+def image_to_tiles(image, image_size: int, tiles_per_view: int) -> torch.Tensor:
+    """A PIL image (any size) -> (tiles_per_view, 3, S, S): resized to (S*tiles, S), cut left to right."""
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        raise LiteVLMError(f"expected a PIL image, got {type(image).__name__}")
+    w = image_size * tiles_per_view
+    img = image.convert("RGB").resize((w, image_size), Image.BICUBIC)
+    a = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)  # (S, W, 3)
+    a = (a - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD)
+    a = a.permute(2, 0, 1)  # (3, S, W)
+    return torch.stack([a[:, :, i * image_size : (i + 1) * image_size] for i in range(tiles_per_view)])
+
+
+def load_image(source) -> "Image.Image":
+    """A path, PIL image or HxWx3 uint8 array -> RGB PIL image, or a LiteVLMError naming the problem."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        return source.convert("RGB")
+    if isinstance(source, np.ndarray):
+        if source.ndim != 3 or source.shape[2] not in (3, 4):
+            raise LiteVLMError(f"an image array must be HxWx3 (or 4); got shape {source.shape}")
+        return Image.fromarray(source.astype(np.uint8)).convert("RGB")
+    path = Path(source)
+    if not path.is_file():
+        raise LiteVLMError(f"image file not found: {path}")
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise LiteVLMError(f"cannot read image {path}: {e}") from None
