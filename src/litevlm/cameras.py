@@ -32,3 +32,20 @@ def check_camera(name: str) -> str:
     if name not in CAMERAS:
         raise LiteVLMError(f"unknown camera {name!r}; expected one of {', '.join(CAMERAS)}")
     return name
+
+# DriveLM's direction words for each camera ("What are objects to the back left of the ego car?").
+DIRECTION: dict[str, str] = {
+    "CAM_FRONT": "front",
+    "CAM_FRONT_LEFT": "front left",
+    "CAM_FRONT_RIGHT": "front right",
+    "CAM_BACK": "back",
+    "CAM_BACK_LEFT": "back left",
+    "CAM_BACK_RIGHT": "back right",
+}
+
+
+def focal_px(cam: str) -> float:
+    """Pinhole focal length in 1600x900 pixels that gives `cam` its usable HFOV (~1268; ~814 for CAM_BACK)."""
+    import math
+
+    return (IMAGE_WIDTH / 2) / math.tan(math.radians(HFOV_DEG[cam] / 2))

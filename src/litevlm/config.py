@@ -105,6 +105,7 @@ class VLMConfig:
         for f in ("image_token_id", "img_start_id", "img_end_id", "eos_token_id", "pad_token_id"):
             _require(0 <= getattr(self, f) < self.text.vocab_size, f, f"must be a token id below vocab_size={self.text.vocab_size}")
         _require(self.tiles_per_view in (1, 2), "tiles_per_view", "must be 1 or 2")
+        _require(self.projector_act in ("gelu", "quick_gelu", "gelu_pytorch_tanh"), "projector_act", "unsupported")
 
     @property
     def tokens_per_tile(self) -> int:

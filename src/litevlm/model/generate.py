@@ -60,7 +60,7 @@ def prefill(model, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     if t > lm.cache_len:
         raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {lm.cache_len}; shorten the prompt or raise max_len")
     slots = torch.arange(t, device=embeds.device)
-    hidden = lm(embeds, positions, slots=slots, mask=causal_mask(t, 0, t, embeds.device), kv_len=t)
+    hidden = lm(embeds, positions, slots=slots, mask=None, kv_len=t)  # causal over slots 0..t-1
     return model.lm_head(hidden[:, -1]), hidden
 
 

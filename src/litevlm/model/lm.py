@@ -64,7 +64,9 @@ class SelfAttention(nn.Module):
             k, v = self.kv_cache.k, self.kv_cache.v
             if kv_len is not None:  # attend over the live prefix only (eager CPU path)
                 k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            # A prompt written from slot 0 with no mask is plain causal: the fused kernel's fast path.
+            causal = mask is None and t > 1 and k.shape[2] == t
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, H*D) -> (B, T, C)
 
 

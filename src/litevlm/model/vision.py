@@ -34,7 +34,9 @@ def _act(name: str):
         return nn.GELU()
     if name == "gelu_pytorch_tanh":
         return nn.GELU(approximate="tanh")
-    return _QuickGELU()
+    if name == "quick_gelu":
+        return _QuickGELU()
+    raise ValueError(f"unsupported activation {name!r}")
 
 
 class _QuickGELU(nn.Module):

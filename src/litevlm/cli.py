@@ -1,0 +1,166 @@
+"""The `litevlm` command line. Every command with `--json` ends its standard output with one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from litevlm.errors import LiteVLMError
+
+
+def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pipeline")
+    g.add_argument("--model", default="drive-tiny", help="bundled model name or checkpoint directory (ours or transformers InternVL)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    g.add_argument("--max-new-tokens", type=int, default=48)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _pipeline(args):
+    from litevlm.pipeline import Pipeline
+
+    return Pipeline.from_pretrained(
+        args.model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+    )
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, separators=(",", ":")))
+
+
+def cmd_demo(args) -> None:
+    from litevlm.demo import run_demo
+
+    run_demo(args.model, out=args.out, seed=args.seed, n_questions=args.questions, as_json=args.json)
+
+
+def cmd_ask(args) -> None:
+    from litevlm.pipeline import images_from_dir
+
+    pipe = _pipeline(args)
+    ans = pipe.answer(args.question, images_from_dir(args.images))
+    if args.json:
+        _print_json(ans.to_dict())
+    else:
+        print(ans.text)
+        print(f"views: {', '.join(ans.views)}   total {ans.timings_ms['total']:.1f} ms")
+
+
+def cmd_data_synth(args) -> None:
+    from litevlm.data.synthetic import write_dataset
+
+    path = write_dataset(args.out, frames=args.frames, seed=args.seed, size=(args.width, args.height), progress=not args.json)
+    if args.json:
+        _print_json({"path": str(path), "frames": args.frames, "seed": args.seed})
+    else:
+        print(f"wrote {args.frames} frames to {path}")
+
+
+def cmd_train_vlm(args) -> None:
+    from litevlm.train.vlm import VLMRecipe, train_vlm
+
+    recipe = VLMRecipe(frames=args.frames, seed=args.seed, minutes=args.minutes, steps=args.steps, batch_frames=args.batch_frames)
+    out = train_vlm(args.out, recipe)
+    print(f"saved to {out}")
+
+
+def cmd_eval(args) -> None:
+    from litevlm.eval.run import evaluate
+
+    result = evaluate(_pipeline(args), args.data, images_root=args.images, limit=args.n, blank=args.blank, progress=not args.json)
+    if args.predictions:
+        Path(args.predictions).write_text(json.dumps(result.pop("records"), indent=1))
+    else:
+        result.pop("records")
+    if args.json:
+        _print_json(result)
+    else:
+        for k, v in result.items():
+            print(f"{k:>22}: {v}")
+
+
+def cmd_convert(args) -> None:
+    from litevlm.model.hf import hf_to_litevlm, litevlm_to_hf
+
+    if args.to == "hf":
+        litevlm_to_hf(args.src, args.dst)
+    else:
+        hf_to_litevlm(args.src, args.dst)
+    print(f"wrote {args.dst}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="litevlm", description="Low-latency VLM inference for six-camera driving rigs (LiteVLM).")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="render a fresh scene, ask questions, show answers and the stage table")
+    d.add_argument("--model", default="drive-tiny")
+    d.add_argument("--seed", type=int, default=2026)
+    d.add_argument("--questions", type=int, default=6)
+    d.add_argument("--out", default="demo.png", help="where to save the 2x3 picture of the six views")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_demo)
+
+    a = sub.add_parser("ask", help="answer a question about your own six camera images")
+    a.add_argument("--images", required=True, help="folder with one image per camera, named CAM_FRONT.png etc.")
+    a.add_argument("--question", required=True)
+    a.add_argument("--json", action="store_true")
+    _add_pipeline_options(a)
+    a.set_defaults(func=cmd_ask)
+
+    data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
+    s = data.add_parser("synth", help="write synthetic six-camera frames with DriveLM-style QA")
+    s.add_argument("--out", required=True)
+    s.add_argument("--frames", type=int, default=100)
+    s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--width", type=int, default=1600)
+    s.add_argument("--height", type=int, default=900)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_data_synth)
+
+    train = sub.add_parser("train", help="training recipes").add_subparsers(dest="train_command", required=True)
+    tv = train.add_parser("vlm", help="train an InternVL-architecture model from scratch on synthetic frames")
+    tv.add_argument("--out", required=True)
+    tv.add_argument("--frames", type=int, default=6000)
+    tv.add_argument("--seed", type=int, default=0)
+    tv.add_argument("--minutes", type=float, default=40.0)
+    tv.add_argument("--steps", type=int, default=100000)
+    tv.add_argument("--batch-frames", type=int, default=8)
+    tv.set_defaults(func=cmd_train_vlm)
+
+    e = sub.add_parser("eval", help="DriveLM scores of a pipeline configuration")
+    e.add_argument("--data", required=True, help="a folder written by `litevlm data synth`, or a DriveLM JSON file")
+    e.add_argument("--images", default=None, help="image root for a DriveLM JSON file")
+    e.add_argument("--n", type=int, default=None, help="evaluate the first N questions only")
+    e.add_argument("--blank", action="store_true", help="replace every camera image by an empty road (does the model look?)")
+    e.add_argument("--predictions", default=None, help="write per-question records to this JSON file")
+    e.add_argument("--json", action="store_true")
+    _add_pipeline_options(e)
+    e.set_defaults(func=cmd_eval)
+
+    c = sub.add_parser("convert", help="convert checkpoints to and from transformers InternVL")
+    c.add_argument("--to", choices=["hf", "litevlm"], required=True)
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.set_defaults(func=cmd_convert)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except LiteVLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The LiteVLM inference pipeline: stages wired together and timed.
+
+    select_views -> vit -> select_tokens -> prefill -> decode
+
+Each stage is switchable, so the paper's ablation rows (arXiv 2506.07416, Table 1) are
+configurations of one `Pipeline`. Stage times are wall milliseconds with the device synchronised
+at stage boundaries; `total` = select_views + vit + select_tokens + prefill + decode (image
+decoding and resizing are reported apart as `preprocess`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from litevlm.cameras import CAMERAS
+from litevlm.errors import LiteVLMError
+from litevlm.model.generate import StageTimer, generate
+from litevlm.model.prompt import build_prompt
+from litevlm.model.vlm import VLM, image_to_tiles, load_image
+from litevlm.quant.fp8 import precision_of
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+STAGES = ("select_views", "vit", "select_tokens", "prefill", "decode")
+
+
+@dataclass
+class Answer:
+    text: str
+    views: list[str]
+    num_visual_tokens: int
+    timings_ms: dict[str, float]
+    accept_lengths: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    input_tokens: int = 0
+    precision: str = "fp32"
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "views": self.views,
+            "num_visual_tokens": self.num_visual_tokens,
+            "input_tokens": self.input_tokens,
+            "generated_tokens": len(self.tokens),
+            "timings_ms": {k: round(v, 3) for k, v in self.timings_ms.items()},
+            "accept_lengths": self.accept_lengths,
+            "precision": self.precision,
+        }
+
+
+def resolve_model_dir(name_or_path: str | Path) -> Path:
+    """A bundled model name ("drive-tiny") or a directory holding config.json."""
+    p = Path(name_or_path)
+    if not p.exists() and (WEIGHTS_DIR / str(name_or_path)).is_dir():
+        p = WEIGHTS_DIR / str(name_or_path)
+    if not (p / "config.json").is_file():
+        bundled = sorted(d.name for d in WEIGHTS_DIR.iterdir() if d.is_dir()) if WEIGHTS_DIR.is_dir() else []
+        raise LiteVLMError(
+            f"no model at {name_or_path!r}: expected a directory with config.json and model.safetensors, "
+            f"or a bundled model name ({', '.join(bundled) or 'none installed'})"
+        )
+    return p
+
+
+class Pipeline:
+    def __init__(
+        self,
+        model: VLM,
+        tokenizer,
+        *,
+        max_new_tokens: int = 48,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        max_question_tokens: int = 256,
+        name: str = "custom",
+    ):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.cfg = model.cfg
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_question_tokens = max_question_tokens
+        self.name = name
+        self.generator = torch.Generator(device=model.device).manual_seed(seed)
+        self.tokens_per_view = self.cfg.tokens_per_tile * self.cfg.tiles_per_view
+        # Room for the longest prompt (all views, longest question) plus the answer.
+        self.max_len = 64 + len(CAMERAS) * (self.tokens_per_view + 16) + max_question_tokens + max_new_tokens
+        model.language_model.setup_cache(1, self.max_len)
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path = "drive-tiny", *, device: str = "cpu", dtype: str = "float32", **options) -> "Pipeline":
+        from litevlm.data.tokenizer import Tokenizer
+        from litevlm.model.hf import load_hf, load_native
+
+        path = resolve_model_dir(name_or_path)
+        meta = json.loads((path / "config.json").read_text())
+        torch_dtype = _dtype(dtype)
+        if "litevlm" not in meta:  # a transformers checkpoint
+            return cls.from_hf(path, device=device, dtype=dtype, **options)
+        if "fp8" in meta:
+            from litevlm.quant.fp8 import load_fp8
+
+            model = load_fp8(path, device=device, dtype=torch_dtype)
+        else:
+            model = load_native(path).to(device=device, dtype=torch_dtype)
+        return cls(model, Tokenizer.from_dir(path), name=path.name, **options)
+
+    @classmethod
+    def from_hf(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32", **options) -> "Pipeline":
+        from litevlm.data.tokenizer import Tokenizer
+        from litevlm.model.hf import load_hf
+
+        model, tok_dir = load_hf(path, dtype=_dtype(dtype), device=device)
+        if tok_dir is None:
+            raise LiteVLMError(f"{path} has no tokenizer.json: a pipeline needs the checkpoint's tokenizer")
+        return cls(model, Tokenizer.from_dir(tok_dir), name=Path(path).name, **options)
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def check_question(self, question: str) -> list[int]:
+        if not isinstance(question, str) or not question.strip():
+            raise LiteVLMError("the question is empty: ask something about the scene")
+        ids = self.tokenizer.encode(question)
+        if len(ids) > self.max_question_tokens:
+            raise LiteVLMError(f"the question is {len(ids)} tokens long; the limit is {self.max_question_tokens}")
+        return ids
+
+    @staticmethod
+    def check_images(images: Mapping) -> None:
+        if not isinstance(images, Mapping):
+            raise LiteVLMError("images must map camera names to images, e.g. {'CAM_FRONT': 'front.png', ...}")
+        unknown = [c for c in images if c not in CAMERAS]
+        if unknown:
+            raise LiteVLMError(f"unknown camera name(s) {unknown}; expected {', '.join(CAMERAS)}")
+        missing = [c for c in CAMERAS if c not in images]
+        if missing:
+            raise LiteVLMError(f"{len(images)} camera views given, missing {', '.join(missing)}: all six are required")
+
+    # -- the pipeline ---------------------------------------------------------------------------
+    def select_views(self, question: str) -> list[str]:
+        return list(CAMERAS)
+
+    @torch.no_grad()
+    def answer(self, question: str, images: Mapping) -> Answer:
+        self.check_question(question)
+        self.check_images(images)
+        dev = self.model.device
+        timer = StageTimer(dev)
+        with timer("select_views"):
+            views = self.select_views(question)
+        with timer("preprocess"):
+            pixels = torch.cat([image_to_tiles(load_image(images[c]), self.cfg.vision.image_size, self.cfg.tiles_per_view) for c in views])
+            pixels = pixels.to(dev)
+        with timer("vit"):
+            visual = self.model.encode_tiles(pixels)  # (tiles, tokens_per_tile, C)
+        layout = build_prompt(self.tokenizer, question, views, self.tokens_per_view)
+        ids = torch.tensor([layout.ids], device=dev)
+        embeds = self.model.embed(ids, visual)
+        positions = torch.arange(ids.shape[1], device=dev)[None]
+        timer.ms["select_tokens"] = 0.0
+        gen = generate(
+            self.model, embeds, positions, self.max_new_tokens, self.tokenizer.eos_id,
+            self.temperature, self.top_p, self.generator, timer,
+        )
+        tokens = [t for t in gen.tokens if t != self.tokenizer.eos_id]
+        ms = dict(timer.ms)
+        ms["total"] = sum(ms.get(s, 0.0) for s in STAGES)
+        return Answer(
+            text=self.tokenizer.decode(tokens).strip(),
+            views=views,
+            num_visual_tokens=int(visual.shape[0] * visual.shape[1]),
+            timings_ms=ms,
+            tokens=gen.tokens,
+            input_tokens=ids.shape[1],
+            precision=precision_of(self.model),
+        )
+
+
+def images_from_dir(folder: str | Path) -> dict[str, Path]:
+    """A folder with one image per camera, named by camera (CAM_FRONT.png, CAM_BACK.jpg, ...)."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise LiteVLMError(f"image folder not found: {root}")
+    files = [f for f in sorted(root.iterdir()) if f.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp", ".bmp")]
+    images = {}
+    for f in files:
+        if f.stem not in CAMERAS:
+            raise LiteVLMError(f"{f.name}: unknown camera name {f.stem!r}; name images {', '.join(c + '.png' for c in CAMERAS)}")
+        images[f.stem] = f
+    missing = [c for c in CAMERAS if c not in images]
+    if missing:
+        raise LiteVLMError(f"{root} has {len(images)} camera views; missing {', '.join(missing)}: all six are required")
+    return images
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise LiteVLMError(f"unknown dtype {name!r}; use one of {', '.join(table)}")
+    return table[name]

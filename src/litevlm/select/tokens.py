@@ -1,0 +1,407 @@
+"""Visual-token selection: LiteVLM's Token Selection Module (`TokenSelector`) and its baselines.
+
+After view selection the visual tokens are still most of the prompt. The paper (arXiv 2506.07416,
+section 3, "Token Selection Module") copies the fine-tuned LLM's first decoder layer out as a
+standalone module, fine-tunes it to score visual tokens, and feeds the LLM only the top fraction r
+(r = fraction KEPT); the LLM graph is untouched and simply sees a shorter prompt. Kept tokens keep
+their ORIGINAL RoPE position ids at contiguous cache slots 0..T'-1 (`litevlm.model.generate.prefill`
+accepts such positions), and generation continues at position T (the unpruned prompt length).
+
+FastV (arXiv 2403.06764) is the in-LLM baseline: layers [0, K) run on the whole prompt, the last
+prompt token's attention over the visual tokens at layer K ranks them, and layers [K, L) run on
+the kept tokens only. Every attention-scored step here computes just the query rows it needs
+(q of a few tokens against all keys, fp32 softmax, head mean); the decoder itself stays on fused
+SDPA and no T x T attention matrix is formed (research/token_pruning.md sections 2.4 and 8.3).
+
+FastV cache handling (our choice): after the ranking, the cache of layers [0, K) is COMPACTED to
+the kept tokens, so every layer holds the same T' entries at slots 0..T'-1 and decoding is the
+ordinary `decode_step(model, token, position=T + i, slot=T' + i)`, exactly like a prompt pruned at
+the input (EAGLE, CUDA graphs and the pipeline's decode stage need no special case). Generated
+tokens therefore do not see pruned tokens in layers < K either, as in FastV implementations that
+prune the KV cache; `tests/test_tokens.py` checks decoding against a no-cache masked forward of
+exactly this scheme.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from litevlm.config import TextConfig
+from litevlm.errors import LiteVLMError
+from litevlm.model.generate import Generation, StageTimer, causal_mask, decode_step, sample_token
+from litevlm.model.lm import DecoderLayer, apply_rope, rope_cos_sin
+from litevlm.model.vision import RMSNorm
+
+SELECTOR_DIR = "token_selector"
+SELECTOR_FORMAT = "litevlm-token-selector"
+Span = tuple[str, int, int]  # (camera, first placeholder index, one past the last), as PromptLayout.view_spans
+
+
+# ---------------------------------------------------------------------------------------------
+# Budgets and bookkeeping
+# ---------------------------------------------------------------------------------------------
+
+
+def keep_count(n_visual: int, keep_ratio: float) -> int:
+    """How many of `n_visual` tokens a keep ratio r keeps: round(r * n), at least 1."""
+    if not 0.0 < keep_ratio <= 1.0:
+        raise LiteVLMError(f"keep_ratio must be in (0, 1] (the fraction of visual tokens KEPT); got {keep_ratio}")
+    return max(1, min(n_visual, math.floor(keep_ratio * n_visual + 0.5)))
+
+
+def visual_index(view_spans: Sequence[Span], device=None) -> torch.Tensor:
+    """Prompt indices of every visual token, view after view, (N,)."""
+    if not view_spans:
+        raise LiteVLMError("the prompt has no image views: there are no visual tokens to select")
+    return torch.cat([torch.arange(s, e, device=device) for _, s, e in view_spans])
+
+
+def view_sizes(view_spans: Sequence[Span]) -> list[int]:
+    return [e - s for _, s, e in view_spans]
+
+
+def select_by_scores(scores: torch.Tensor, sizes: Sequence[int], keep_ratio: float, min_per_view: int = 0) -> torch.Tensor:
+    """Indices (ascending, into the visual tokens) of the kept ones: a quota per view, then global top score.
+
+    Exactly keep_count(N, r) tokens are kept, so methods compare at equal token counts; the quota
+    per view is min(min_per_view, budget // views, view size) and never exceeds the budget.
+    """
+    n = int(sum(sizes))
+    if scores.shape != (n,):
+        raise LiteVLMError(f"expected {n} visual-token scores, got shape {tuple(scores.shape)}")
+    k = keep_count(n, keep_ratio)
+    scores = scores.float()
+    chosen = torch.zeros(n, dtype=torch.bool, device=scores.device)
+    quota = min(int(min_per_view), k // len(sizes))
+    off = 0
+    for size in sizes:
+        q = min(quota, size)
+        if q > 0:
+            chosen[scores[off : off + size].topk(q).indices + off] = True
+        off += size
+    rest = k - int(chosen.sum())
+    if rest > 0:
+        chosen[scores.masked_fill(chosen, float("-inf")).topk(rest).indices] = True
+    return chosen.nonzero().squeeze(1)
+
+
+def kept_prompt_index(t: int, view_spans: Sequence[Span], kept_visual: torch.Tensor) -> torch.Tensor:
+    """Prompt indices (ascending) of every text token plus the kept visual tokens, (T',)."""
+    vis = visual_index(view_spans, kept_visual.device)
+    keep = torch.ones(t, dtype=torch.bool, device=kept_visual.device)
+    keep[vis] = False
+    keep[vis[kept_visual]] = True
+    return keep.nonzero().squeeze(1)
+
+
+def prune_prompt(embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], kept_visual: torch.Tensor):
+    """(embeds (B, T', C), positions (B, T') with their ORIGINAL values, kept prompt indices (T',))."""
+    kept = kept_prompt_index(embeds.shape[1], view_spans, kept_visual.to(embeds.device))
+    return embeds[:, kept], positions[:, kept], kept
+
+
+def random_select(embeds, positions, view_spans, keep_ratio: float, min_per_view: int = 0, generator: torch.Generator | None = None):
+    """Baseline: a uniformly random subset of the visual tokens (with the same per-view quota rule)."""
+    n = int(sum(view_sizes(view_spans)))
+    scores = torch.rand(n, generator=generator)
+    return prune_prompt(embeds, positions, view_spans, select_by_scores(scores, view_sizes(view_spans), keep_ratio, min_per_view))
+
+
+def uniform_select(embeds, positions, view_spans, keep_ratio: float):
+    """Baseline: each view gets its proportional share (largest remainder), evenly strided in raster order."""
+    sizes = view_sizes(view_spans)
+    k = keep_count(sum(sizes), keep_ratio)
+    exact = [k * s / sum(sizes) for s in sizes]
+    share = [int(x) for x in exact]
+    for i in sorted(range(len(sizes)), key=lambda i: exact[i] - share[i], reverse=True)[: k - sum(share)]:
+        share[i] += 1
+    kept, off = [], 0
+    for size, m in zip(sizes, share):
+        kept += [off + int((j + 0.5) * size / m) for j in range(m)]
+        off += size
+    return prune_prompt(embeds, positions, view_spans, torch.tensor(kept, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention rows without the attention matrix
+# ---------------------------------------------------------------------------------------------
+
+
+def row_logits(q_proj: nn.Linear, k_proj: nn.Linear, xn: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, cfg: TextConfig) -> torch.Tensor:
+    """Attention logits (B, H, n, T), fp32, of the query tokens `rows` (n,) against every key, causal by index.
+
+    xn is the normed layer input (B, T, C). q and k get RoPE at their own positions; the GQA
+    groups are folded into the query axis, so keys are never repeated and no T x T matrix exists.
+    """
+    b, t, _ = xn.shape
+    d, h, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    n = rows.numel()
+    cos, sin = rope_cos_sin(positions, d, cfg.rope_theta, xn.dtype)  # (B, 1, T, D)
+    q = q_proj(xn[:, rows]).view(b, n, h, d).transpose(1, 2)  # (B, H, n, D)
+    q = apply_rope(q, cos[:, :, rows], sin[:, :, rows])
+    k = k_proj(xn).view(b, t, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
+    k = apply_rope(k, cos, sin)
+    q = q.float().reshape(b, hkv, (h // hkv) * n, d)  # (B, Hkv, G*n, D): head = kv * G + g, as enable_gqa
+    logits = (q @ k.float().transpose(-1, -2)) * d**-0.5  # (B, Hkv, G*n, T)
+    logits = logits.view(b, h, n, t)  # (B, H, n, T)
+    future = torch.arange(t, device=xn.device)[None, :] > rows[:, None]  # (n, T)
+    return logits.masked_fill(future, float("-inf"))
+
+
+def attention_rows(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of `layer` from the query tokens `rows` over all keys, averaged over heads: (B, n, T).
+
+    x is the layer's input (B, T, C), before its input norm. Equal to the matching rows of the
+    layer's full causal attention matrix (a test), at O(n * T) memory.
+    """
+    attn = layer.self_attn
+    logits = row_logits(attn.q_proj, attn.k_proj, layer.input_layernorm(x), positions, rows, attn.cfg)
+    return logits.softmax(-1).mean(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# FastV (in-LLM pruning at layer K), the baseline
+# ---------------------------------------------------------------------------------------------
+
+
+class FastVPrefill(NamedTuple):
+    logits: torch.Tensor  # (B, V) at the last prompt token
+    kept_count: int  # T': every layer's cache holds slots 0..T'-1; decoding writes slot T' + i
+    kept_index: torch.Tensor  # (T',) prompt indices kept
+    next_position: int  # RoPE position of the first generated token: the unpruned prompt length
+
+
+@torch.no_grad()
+def fastv_scores(model, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], k: int) -> torch.Tensor:
+    """FastV's ranking (N,): the last prompt token's head-mean attention over the visual tokens at layer k, given its input x."""
+    t = x.shape[1]
+    row = attention_rows(model.language_model.layers[k], x, positions, torch.tensor([t - 1], device=x.device))
+    return row[0, 0, visual_index(view_spans, x.device)]
+
+
+@torch.no_grad()
+def fastv_prefill(model, embeds, positions, view_spans: Sequence[Span], k: int, keep_ratio: float, min_per_view: int = 0) -> FastVPrefill:
+    """FastV prefill (batch 1): layers [0, k) on the whole prompt, rank at layer k, layers [k, L) on the kept tokens.
+
+    The cache is left compacted (see the module docstring): continue with
+    `decode_step(model, tok, result.next_position + i, result.kept_count + i)`. min_per_view=0 is
+    FastV's own global top-k; keep_ratio=1 reproduces plain prefill.
+    """
+    lm = model.language_model
+    n_layers = len(lm.layers)
+    if not 1 <= k < n_layers:
+        raise LiteVLMError(f"FastV K must be in 1..{n_layers - 1} for a {n_layers}-layer decoder; got {k}")
+    if embeds.shape[0] != 1:
+        raise LiteVLMError("fastv_prefill runs one prompt at a time (batch 1)")
+    t = embeds.shape[1]
+    if t > lm.cache_len:
+        raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {lm.cache_len}; shorten the prompt or raise max_len")
+    dev = embeds.device
+    x = lm(embeds, positions, slots=torch.arange(t, device=dev), mask=causal_mask(t, 0, t, dev), kv_len=t, end_layer=k)
+    kept_visual = select_by_scores(fastv_scores(model, x, positions, view_spans, k), view_sizes(view_spans), keep_ratio, min_per_view)
+    kept = kept_prompt_index(t, view_spans, kept_visual)
+    n = kept.numel()
+    for layer in lm.layers[:k]:  # compact layers < k to the kept tokens, slots 0..n-1
+        layer.self_attn.kv_cache.commit(kept, 0)
+    hidden = lm(x[:, kept], positions[:, kept], slots=torch.arange(n, device=dev), mask=causal_mask(n, 0, n, dev), kv_len=n, start_layer=k)
+    return FastVPrefill(model.lm_head(hidden[:, -1]), n, kept, int(positions[0, -1]) + 1)
+
+
+@torch.no_grad()
+def fastv_generate(
+    model, embeds, positions, view_spans: Sequence[Span], k: int, keep_ratio: float, max_new_tokens: int, eos_id: int | None,
+    temperature: float = 0.0, top_p: float = 1.0, generator=None, timer: StageTimer | None = None, min_per_view: int = 0,
+) -> Generation:
+    """`litevlm.model.generate.generate` with FastV's prefill: same decoding, `prompt_len` = kept tokens."""
+    timer = timer or StageTimer(embeds.device)
+    if embeds.shape[1] + max_new_tokens > model.language_model.cache_len:
+        raise LiteVLMError(
+            f"prompt ({embeds.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the KV cache ({model.language_model.cache_len})"
+        )
+    with timer("prefill"):
+        pre = fastv_prefill(model, embeds, positions, view_spans, k, keep_ratio, min_per_view)
+        tok = sample_token(pre.logits, temperature, top_p, generator)
+    out = [int(tok)]
+    with timer("decode"):
+        for i in range(max_new_tokens - 1):
+            if eos_id is not None and out[-1] == eos_id:
+                break
+            logits, _ = decode_step(model, tok.view(1, 1), pre.next_position + i, pre.kept_count + i)
+            tok = sample_token(logits, temperature, top_p, generator)
+            out.append(int(tok))
+    return Generation(out, pre.kept_count, dict(timer.ms))
+
+
+# ---------------------------------------------------------------------------------------------
+# TokenSelector (the paper's Token Selection Module)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SelectorConfig:
+    """The scoring head's shape and the selection defaults a checkpoint carries."""
+
+    keep_ratio: float = 0.5  # default r (fraction KEPT) when select() is not given one
+    min_per_view: int = 1  # default quota of kept tokens per view
+    mlp_hidden: int = 128  # width of the per-token content MLP
+    last_bonus: float = 2.0  # initial extra pooling weight (logit) of the last prompt token
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.keep_ratio <= 1.0:
+            raise ValueError(f"config field 'keep_ratio': must be in (0, 1]; got {self.keep_ratio}")
+        if self.min_per_view < 0:
+            raise ValueError(f"config field 'min_per_view': must be >= 0; got {self.min_per_view}")
+        if self.mlp_hidden < 1:
+            raise ValueError(f"config field 'mlp_hidden': must be positive; got {self.mlp_hidden}")
+
+
+class TokenSelector(nn.Module):
+    """A copy of the served LLM's decoder layer 0 plus a small scoring head over its output.
+
+    Score of visual token j (the question's point of view, all from the layer-0 output h):
+        s_j = log sum_{heads m, query tokens i} w_m * beta_i * softmax_keys(q_i^m . k^m / sqrt(d))_j
+              + MLP([norm(h_j), sum_i beta_i norm(h_i)])
+    with query tokens i = every text token after the last view (question and chat template), w a
+    learned softmax over heads, beta a learned softmax pooling over the query tokens (plus a bonus
+    for the last token), and q/k projections initialised from decoder layer 1: before training,
+    with all pooling on the last token, the first term is FastV K=1's ranking. The MLP (zero at
+    init) adds query-conditioned content evidence (is an object in this cell?).
+    """
+
+    def __init__(self, text_cfg: TextConfig, cfg: SelectorConfig | None = None):
+        super().__init__()
+        self.text_cfg = text_cfg
+        self.cfg = cfg or SelectorConfig()
+        c = text_cfg.hidden_size
+        self.layer = DecoderLayer(text_cfg)  # decoder layer 0 of the served model
+        self.norm = RMSNorm(c, text_cfg.norm_eps)
+        self.q_proj = nn.Linear(c, text_cfg.num_heads * text_cfg.head_dim, bias=text_cfg.qkv_bias)
+        self.k_proj = nn.Linear(c, text_cfg.num_kv_heads * text_cfg.head_dim, bias=text_cfg.qkv_bias)
+        self.head_logits = nn.Parameter(torch.zeros(text_cfg.num_heads))
+        self.query_gate = nn.Linear(c, 1)
+        self.last_bonus = nn.Parameter(torch.tensor(float(self.cfg.last_bonus)))
+        self.mlp = nn.Sequential(nn.Linear(2 * c, self.cfg.mlp_hidden), nn.GELU(), nn.Linear(self.cfg.mlp_hidden, 1))
+        nn.init.zeros_(self.query_gate.weight)
+        nn.init.zeros_(self.query_gate.bias)
+        nn.init.zeros_(self.mlp[2].weight)
+        nn.init.zeros_(self.mlp[2].bias)
+
+    @classmethod
+    def from_model(cls, model, cfg: SelectorConfig | None = None) -> "TokenSelector":
+        """Initialised from `model`: layer 0 copied, the scoring q/k and norm from layer 1 (or 0 for a 1-layer LLM)."""
+        lm = model.language_model
+        sel = cls(lm.cfg, cfg)
+        sel.layer.load_state_dict(lm.layers[0].state_dict())
+        src = lm.layers[1 if len(lm.layers) > 1 else 0]
+        sel.norm.load_state_dict(src.input_layernorm.state_dict())
+        sel.q_proj.load_state_dict(src.self_attn.q_proj.state_dict())
+        sel.k_proj.load_state_dict(src.self_attn.k_proj.state_dict())
+        return sel.to(device=model.device, dtype=model.dtype)
+
+    def _check(self, model) -> None:
+        mine, theirs = self.text_cfg, model.language_model.cfg
+        for f in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rope_theta", "qkv_bias"):
+            if getattr(mine, f) != getattr(theirs, f):
+                raise LiteVLMError(
+                    f"this TokenSelector was made for a decoder with {f}={getattr(mine, f)}, the model has {getattr(theirs, f)}: "
+                    "train a selector for this model (`litevlm train tokens`)"
+                )
+
+    def scores(self, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span]) -> torch.Tensor:
+        """Log-scores (B, N) of the visual tokens, view after view; differentiable (training)."""
+        cfg = self.text_cfg
+        b, t, _ = embeds.shape
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, embeds.dtype)
+        h = self.norm(self.layer(embeds, cos, sin))  # (B, T, C): causal SDPA, no cache
+        vis = visual_index(view_spans, embeds.device)
+        last_visual = max(e for _, _, e in view_spans)
+        if last_visual >= t:
+            raise LiteVLMError("the prompt ends inside an image block: a question must follow the views")
+        rows = torch.arange(last_visual, t, device=embeds.device)  # the question's tokens
+        logits = row_logits(self.q_proj, self.k_proj, h, positions, rows, cfg)  # (B, H, n, T)
+        attn = logits.softmax(-1)[..., vis]  # (B, H, n, N)
+        gate = self.query_gate(h[:, rows]).squeeze(-1).float()  # (B, n)
+        gate = torch.cat([gate[:, :-1], gate[:, -1:] + self.last_bonus], dim=1)
+        beta = gate.softmax(-1)  # (B, n)
+        w = self.head_logits.float().softmax(-1)  # (H,)
+        mix = torch.einsum("bhqn,h,bq->bn", attn, w, beta)  # (B, N)
+        ctx = torch.einsum("bq,bqc->bc", beta.to(h.dtype), h[:, rows])  # (B, C)
+        feat = torch.cat([h[:, vis], ctx[:, None].expand(-1, vis.numel(), -1)], dim=-1)  # (B, N, 2C)
+        return torch.log(mix + 1e-9) + self.mlp(feat).squeeze(-1).float()
+
+    @torch.no_grad()
+    def select(
+        self, model, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span],
+        keep_ratio: float | None = None, min_per_view: int | None = None,
+    ):
+        """Keep a fraction r of the visual tokens (batch 1): (embeds_kept, positions_kept, kept_index).
+
+        positions_kept are the ORIGINAL positions of the kept tokens; every text token is kept;
+        kept_index (T',) are the prompt indices kept, ascending. keep_ratio=1 returns the prompt as
+        it is (bit for bit the unpruned output). Defaults come from the checkpoint's config.
+        """
+        r = self.cfg.keep_ratio if keep_ratio is None else keep_ratio
+        quota = self.cfg.min_per_view if min_per_view is None else min_per_view
+        keep_count(1, r)  # validates r
+        if embeds.shape[0] != 1:
+            raise LiteVLMError("TokenSelector.select runs one prompt at a time (batch 1)")
+        self._check(model)
+        if r >= 1.0:
+            return embeds, positions, torch.arange(embeds.shape[1], device=embeds.device)
+        s = self.scores(embeds, positions, view_spans)[0]
+        return prune_prompt(embeds, positions, view_spans, select_by_scores(s, view_sizes(view_spans), r, quota))
+
+    # -- checkpoint -----------------------------------------------------------------------------
+    def save(self, model_dir: str | Path, recipe: dict | None = None, extra: dict | None = None) -> Path:
+        """Write `model_dir/token_selector/` (selector.safetensors + config.json with shapes and recipe)."""
+        from safetensors.torch import save_file
+
+        d = Path(model_dir) / SELECTOR_DIR
+        d.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "format": SELECTOR_FORMAT, "text": asdict(self.text_cfg), "selector": asdict(self.cfg),
+            "recipe": recipe or {}, **(extra or {}),
+        }
+        text = json.dumps(meta, indent=2)
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        save_file(tensors, str(d / "selector.safetensors"), metadata={"format": SELECTOR_FORMAT})
+        (d / "config.json").write_text(text + "\n", encoding="utf-8")
+        return d
+
+    @classmethod
+    def load(cls, model_dir: str | Path, model) -> "TokenSelector":
+        """Load from `model_dir/token_selector/` (or that folder itself), checked against `model`'s decoder."""
+        from safetensors.torch import load_file
+
+        d = Path(model_dir)
+        if not (d / "config.json").is_file() or not (d / "selector.safetensors").is_file():
+            d = d / SELECTOR_DIR
+        if not (d / "config.json").is_file() or not (d / "selector.safetensors").is_file():
+            raise LiteVLMError(f"no TokenSelector at {model_dir}: expected {SELECTOR_DIR}/config.json and selector.safetensors; train one with `litevlm train tokens`")
+        meta = json.loads((d / "config.json").read_text())
+        if meta.get("format") != SELECTOR_FORMAT:
+            raise LiteVLMError(f"{d}/config.json is not a TokenSelector checkpoint (format {meta.get('format')!r})")
+        try:
+            text_cfg = TextConfig(**meta["text"])
+            known = {f.name for f in fields(SelectorConfig)}
+            cfg = SelectorConfig(**{k: v for k, v in meta["selector"].items() if k in known})
+        except (TypeError, ValueError, KeyError) as e:
+            raise LiteVLMError(f"{d}/config.json holds an invalid TokenSelector config: {e}") from None
+        sel = cls(text_cfg, cfg)
+        sel._check(model)
+        state = load_file(str(d / "selector.safetensors"))
+        missing = set(sel.state_dict()) - set(state)
+        extra = set(state) - set(sel.state_dict())
+        if missing or extra:
+            raise LiteVLMError(f"{d}/selector.safetensors does not match the TokenSelector: missing {sorted(missing)}, unexpected {sorted(extra)}")
+        sel.load_state_dict(state)
+        sel.meta = meta
+        return sel.to(device=model.device, dtype=model.dtype).eval()

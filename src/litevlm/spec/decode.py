@@ -1,0 +1,107 @@
+"""The speculative decoding loop: draft a tree, verify it in one target pass, commit, repeat.
+
+EAGLE-2 (arXiv 2406.16858) around the static KV cache. Loop invariant at the top of a cycle: the
+target cache holds the L committed tokens in slots 0..L-1; the root (the newest token, sampled
+from the target) is not cached yet; the draft cache holds the pairs (f_j, x_{j+1}) for j < L once
+the cycle's extend step has run. A cycle: extend the draft with the target's *true* features of
+the tokens committed last cycle (its tree-step K/V are discarded, never reused), expand a tree,
+verify root + tree at slots L..L+N-1, accept a path, move its K/V to slots L..L+a, and take the
+bonus token as the next root. Greedy output equals plain greedy decoding token for token; sampled
+output has the target's distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from litevlm.errors import LiteVLMError
+from litevlm.model.generate import Generation, StageTimer, decode_step, prefill, sample_token
+from litevlm.spec.tree import TreeConfig, accept_greedy, accept_sampled, commit_path, draft_tree, verify_tree
+
+
+@torch.no_grad()
+def speculative_generate(
+    model,
+    draft,
+    embeds: torch.Tensor,
+    positions: torch.Tensor,
+    max_new_tokens: int,
+    eos_id: int | None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    timer: StageTimer | None = None,
+    tree: TreeConfig = TreeConfig(),
+) -> Generation:
+    """`litevlm.model.generate.generate` with EAGLE-2 speculation (batch 1).
+
+    Same prefill (prompt in slots 0..T-1 at the given positions, generated tokens after
+    positions[0, -1]), same stopping (after EOS, or at max_new_tokens), same timer stages
+    ("prefill", "decode"; plus "draft" and "verify" inside decode). `accept_lengths` holds the
+    tokens emitted per target forward, bonus included (tau = their mean).
+    """
+    timer = timer or StageTimer(embeds.device)
+    lm = model.language_model
+    b, t, _ = embeds.shape
+    cap = lm.cache_len
+    if b != 1:
+        raise LiteVLMError(f"speculative decoding runs one sequence at a time; got a batch of {b}")
+    if t + max_new_tokens > cap:
+        raise LiteVLMError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds the KV cache ({cap})")
+    n_tree = tree.total_tokens
+    live = embeds.device.type != "cuda"  # eager CPU: attend over the live prefix; GPU: fixed shapes
+    next_pos = int(positions[0, -1]) + 1  # RoPE position of the first generated token (slot t)
+    draft.prepare(cap + (tree.depth - 1) * tree.top_k, next_pos + max_new_tokens + tree.depth + 1)
+
+    with timer("prefill"):
+        logits, hidden = prefill(model, embeds, positions)
+        root = sample_token(logits, temperature, top_p, generator)  # (1,)
+    out = [int(root)]
+    accept: list[int] = []
+
+    def finished() -> bool:
+        return len(out) >= max_new_tokens or (eos_id is not None and out[-1] == eos_id)
+
+    with timer("decode"):
+        # The first extend covers the whole prompt: pair j = (f_j, what the target consumed at j+1).
+        feats = hidden[0]  # (t, C)
+        nxt = torch.cat([embeds[0, 1:], lm.embed_tokens(root)])  # (t, C)
+        pair_pos = positions[0]
+        done, L = 0, t  # draft pairs done (= draft slots filled), tokens in the target cache
+        while not finished():
+            root_pos = next_pos + L - t
+            if L + n_tree > cap:  # no room for a tree: finish with plain steps (the cache is exact)
+                logits, _ = decode_step(model, root.view(1, 1), root_pos, L)
+                root = sample_token(logits, temperature, top_p, generator)
+                out.append(int(root))
+                accept.append(1)
+                L += 1
+                continue
+            with timer("draft"):
+                h_root = draft.extend(feats, nxt, pair_pos, done)[-1:]  # (1, C): predicted f_L
+                tr = draft_tree(draft, root, h_root, L, root_pos, tree)
+            with timer("verify"):
+                logits, hid = verify_tree(model, tr, L, root_pos, live)
+                if temperature <= 0:
+                    path, bonus = accept_greedy(tr, logits)
+                else:
+                    path, bonus = accept_sampled(tr, logits, temperature, top_p, generator)
+                new = torch.cat([tr.tokens[path[1:]], bonus.view(1)])  # accepted drafts + bonus
+                host = torch.cat([path, new]).tolist()  # the cycle's one host sync
+                a = path.numel() - 1
+                path_list, new_list = host[: a + 1], host[a + 1 :]
+                emitted = []
+                for tok in new_list:
+                    emitted.append(tok)
+                    if (eos_id is not None and tok == eos_id) or len(out) + len(emitted) >= max_new_tokens:
+                        break
+                out.extend(emitted)
+                accept.append(len(emitted))
+                if finished():
+                    break
+                if path_list != list(range(a + 1)):  # a chain's path is already in place
+                    commit_path(model, path, L)
+            feats, nxt = hid[path], lm.embed_tokens(new)  # f_L..f_{L+a} and x_{L+1}..x_{L+a+1}
+            pair_pos = torch.arange(root_pos, root_pos + a + 1, device=embeds.device)
+            done, L, root = L, L + a + 1, bonus.view(1)
+    return Generation(out, t, dict(timer.ms), accept)

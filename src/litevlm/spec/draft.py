@@ -1,0 +1,302 @@
+"""The EAGLE draft head: one decoder layer that predicts the target's next top feature.
+
+EAGLE (Li et al., arXiv 2401.15077, section 3.1) drafts at the feature level: pair j joins the
+target's final post-norm hidden state f_j with the embedding of the token that follows it, x_{j+1}
+(`fc` on [embedding ; feature]), and one decoder layer predicts f_{j+1}; the target's own frozen LM
+head turns that into the distribution of x_{j+2}. The head then feeds on its own predictions to
+draft further ahead. As in SpecVLM (arXiv 2509.11815, 3.3) the layer keeps its input RMSNorm, and
+the draft's positions are those of the features (pair j sits at the RoPE position of token j).
+Image placeholders are paired with the visual embeddings the target itself consumed.
+
+The embedding table and the LM head are the target's, shared and never stored with the draft: a
+checkpoint holds `fc` and the layer (safetensors) plus its config and training recipe (json).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from litevlm.config import TextConfig
+from litevlm.errors import LiteVLMError
+from litevlm.model.kv_cache import KVCache
+from litevlm.model.lm import DecoderLayer, rope_cos_sin
+
+DRAFT_FORMAT = "litevlm-draft"
+DRAFT_SUBDIR = "draft"  # a model directory keeps its draft head here
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 1e6
+    norm_eps: float = 1e-6
+    qkv_bias: bool = True
+    input_norm: bool = True
+
+    def __post_init__(self) -> None:
+        self.layer_config()  # validates heads / head_dim like the target's config does
+
+    @classmethod
+    def for_target(cls, text: TextConfig, intermediate_size: int | None = None) -> "DraftConfig":
+        """The target's layer shapes (EAGLE), optionally with a narrower MLP."""
+        return cls(
+            hidden_size=text.hidden_size, vocab_size=text.vocab_size, num_heads=text.num_heads,
+            num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
+            intermediate_size=intermediate_size or text.intermediate_size, rope_theta=text.rope_theta,
+            norm_eps=text.norm_eps, qkv_bias=text.qkv_bias,
+        )
+
+    def layer_config(self) -> TextConfig:
+        return TextConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=1, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, intermediate_size=self.intermediate_size, head_dim=self.head_dim,
+            rope_theta=self.rope_theta, norm_eps=self.norm_eps, qkv_bias=self.qkv_bias,
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DraftConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(d) - known:
+            raise LiteVLMError(f"draft config has unknown fields {sorted(set(d) - known)}; re-train the draft head")
+        return cls(**d)
+
+
+class DraftHead(nn.Module):
+    """fc(2H -> H) + one decoder layer; the target's embedding and LM head are borrowed, not owned."""
+
+    def __init__(self, cfg: DraftConfig, target=None):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.layer = DecoderLayer(cfg.layer_config())
+        if not cfg.input_norm:
+            self.layer.input_layernorm = nn.Identity()
+        self.recipe: dict = {}  # how it was trained; saved with the weights
+        self.metrics: dict = {}
+        self._shared: tuple[nn.Embedding, nn.Linear] | None = None
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, D) cos / sin tables
+        self._fused: tuple | None = None
+        if target is not None:
+            self.attach(target)
+
+    # -- the target's shared modules --------------------------------------------------------------
+    def attach(self, target) -> "DraftHead":
+        """Share `target`'s embedding table and LM head (a VLM, or anything with the same attributes)."""
+        emb, head = target.language_model.embed_tokens, target.lm_head
+        if emb.weight.shape != (self.cfg.vocab_size, self.cfg.hidden_size) or head.weight.shape != (self.cfg.vocab_size, self.cfg.hidden_size):
+            raise LiteVLMError(
+                f"this draft head was built for hidden_size={self.cfg.hidden_size}, vocab_size={self.cfg.vocab_size}; "
+                f"the target has embeddings {tuple(emb.weight.shape)}: train a draft head for this model"
+            )
+        self._shared = (emb, head)
+        return self
+
+    def _target(self) -> tuple[nn.Embedding, nn.Linear]:
+        if self._shared is None:
+            raise LiteVLMError("the draft head is not attached to a target model; call draft.attach(model)")
+        return self._shared
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._target()[0](tokens)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._target()[1](hidden)
+
+    def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Predicted features (..., C) -> log-probabilities of the token after next (..., V)."""
+        return torch.log_softmax(self.logits(hidden).float(), -1)
+
+    # -- the layer, as few ops as possible (CPU decode is op-overhead bound) ----------------------
+    def _weights(self) -> tuple:
+        """q|k|v and gate|up fused: rebuilt every call while training, cached (until a weight changes) otherwise."""
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        training = self.training and torch.is_grad_enabled()
+        params = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight)
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if not training and self._fused is not None and self._fused[0] == key:
+            return self._fused[1]
+        with torch.set_grad_enabled(training):
+            qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            qkv_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]) if attn.q_proj.bias is not None else None
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        if not training:
+            self._fused = (key, (qkv_w, qkv_b, gate_up))
+        return qkv_w, qkv_b, gate_up
+
+    def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        if isinstance(norm, nn.Identity):
+            return x
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, self.cfg.norm_eps)
+
+    def _layer(self, x, cos, sin, cache: KVCache | None = None, start: int = 0, mask=None) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C). cos / sin (B or 1, T, 1, D). With a cache: write slots start..start+T-1
+        and attend over slots 0..start+T-1 where `mask` (1, 1, T, S) allows (None: everything)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        h_q, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_w, qkv_b, gate_up = self._weights()
+        qkv = F.linear(self._norm(x, self.layer.input_layernorm), qkv_w, qkv_b)  # (B, T, (Hq + 2 Hkv) D)
+        qk, v = qkv.split(((h_q + h_kv) * d, h_kv * d), -1)
+        qk = qk.view(b, t, h_q + h_kv, d)  # (B, T, Hq + Hkv, D): RoPE on q and k at once
+        qk = qk * cos + torch.cat([-qk[..., d // 2 :], qk[..., : d // 2]], -1) * sin
+        q = qk[:, :, :h_q].transpose(1, 2)  # (B, Hq, T, D)
+        k = qk[:, :, h_q:].transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(b, t, h_kv, d).transpose(1, 2)  # (B, Hkv, T, D)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        else:
+            end = start + t
+            cache.k[:, :, start:end] = k
+            cache.v[:, :, start:end] = v
+            y = F.scaled_dot_product_attention(q, cache.k[:, :, :end], cache.v[:, :, :end], attn_mask=mask, enable_gqa=True)
+        x = x + self.layer.self_attn.o_proj(y.transpose(1, 2).reshape(b, t, h_q * d))  # (B, T, C)
+        g, u = F.linear(self._norm(x, self.layer.post_attention_layernorm), gate_up).chunk(2, -1)
+        return x + self.layer.mlp.down_proj(F.silu(g) * u)
+
+    def _fuse(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([next_embeds.to(features.dtype), features], -1))  # [embedding ; feature] -> H
+
+    # -- training ---------------------------------------------------------------------------------
+    def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, mask=None) -> torch.Tensor:
+        """Teacher-forced pairs: features f_j (B, T, C), embeddings of x_{j+1} (B, T, C), positions of
+        token j (B, T) -> predicted f_{j+1} (B, T, C). Causal attention unless `mask` (B, 1, T, T) is given."""
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, features.dtype)
+        return self._layer(self._fuse(features, next_embeds), cos.transpose(1, 2), sin.transpose(1, 2), mask=mask)
+
+    # -- inference over the draft's own static cache ----------------------------------------------
+    def setup_cache(self, max_len: int) -> None:
+        """Allocate the draft KV cache (one layer): committed pairs, then the tree's scratch entries."""
+        p = self.fc.weight
+        self.layer.self_attn.kv_cache = KVCache(1, self.cfg.num_kv_heads, max_len, self.cfg.head_dim, p.dtype, p.device)
+
+    @property
+    def cache_len(self) -> int:
+        cache = self.layer.self_attn.kv_cache
+        return 0 if cache is None else cache.max_len
+
+    def prepare(self, cache_len: int, max_position: int) -> None:
+        """Ready the draft for a generation: a cache of at least `cache_len` slots and RoPE tables
+        covering positions 0..max_position."""
+        w = self.fc.weight
+        cache = self.layer.self_attn.kv_cache
+        if cache is None or cache.max_len < cache_len or cache.k.dtype != w.dtype or cache.k.device != w.device:
+            self.setup_cache(cache_len)
+        if self._rope is None or self._rope[0].shape[0] <= max_position or self._rope[0].dtype != w.dtype or self._rope[0].device != w.device:
+            size = max(max_position + 1, 1024)
+            cos, sin = rope_cos_sin(torch.arange(size, device=w.device)[None], self.cfg.head_dim, self.cfg.rope_theta, w.dtype)
+            self._rope = (cos[0, 0], sin[0, 0])  # (P, D)
+
+    def _cos_sin(self, positions: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin (1, T, 1, D) for positions (T,), or for one int position (T = 1)."""
+        if self._rope is None:
+            raise LiteVLMError("call draft.prepare(cache_len, max_position) before drafting")
+        cos, sin = self._rope
+        if isinstance(positions, int):
+            return cos[positions : positions + 1][None, :, None], sin[positions : positions + 1][None, :, None]
+        return cos[positions][None, :, None], sin[positions][None, :, None]
+
+    @torch.no_grad()
+    def extend(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, start: int) -> torch.Tensor:
+        """Committed pairs (n of them) into draft slots start..start+n-1, causally -> predicted features (n, C).
+
+        features: the target's true features (n, C); next_embeds: what the target consumed at the
+        following tokens (n, C); positions (n,): the RoPE positions of the features' tokens.
+        """
+        n = features.shape[0]
+        cos, sin = self._cos_sin(positions)
+        mask = None
+        if n > 1:
+            rows = torch.arange(start, start + n, device=features.device)[:, None]
+            mask = (torch.arange(start + n, device=features.device)[None, :] <= rows)[None, None]  # (1, 1, n, start + n)
+        return self._layer(self._fuse(features, next_embeds)[None], cos, sin, self.layer.self_attn.kv_cache, start, mask)[0]
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, position: int, start: int, mask: torch.Tensor) -> torch.Tensor:
+        """k tree nodes at one draft position: tokens (k,), their parents' predicted features (k, C),
+        mask (k, S) over draft slots 0..S-1 (S = start + k) -> predicted features (k, C)."""
+        cos, sin = self._cos_sin(position)
+        x = self._fuse(hidden, self.embed(tokens))[None]  # (1, k, C)
+        return self._layer(x, cos, sin, self.layer.self_attn.kv_cache, start, mask[None, None])[0]
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def save(self, path: str | Path) -> Path:
+        """Write path/model.safetensors and path/config.json (config, recipe, metrics). `path` is the
+        draft folder itself, conventionally MODEL_DIR/draft."""
+        from safetensors.torch import save_file
+
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(out / "model.safetensors"))
+        meta = {"format": DRAFT_FORMAT, "version": 1, "config": asdict(self.cfg), "recipe": self.recipe, "metrics": self.metrics}
+        (out / "config.json").write_text(json.dumps(meta, indent=1))
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path, target) -> "DraftHead":
+        """Load a draft head for `target` from its folder (or from a model folder holding draft/)."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not (path / "config.json").is_file() or _format(path) != DRAFT_FORMAT:
+            if (path / DRAFT_SUBDIR / "config.json").is_file():
+                path = path / DRAFT_SUBDIR
+        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+            raise LiteVLMError(
+                f"no draft head at {path}: expected config.json and model.safetensors; train one with `litevlm train draft`"
+            )
+        meta = json.loads((path / "config.json").read_text())
+        if meta.get("format") != DRAFT_FORMAT:
+            raise LiteVLMError(f"{path / 'config.json'} is not a litevlm draft head config")
+        try:
+            cfg = DraftConfig.from_dict(meta["config"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise LiteVLMError(f"bad draft config in {path}: {e}") from None
+        head = cls(cfg)
+        head.recipe, head.metrics = meta.get("recipe", {}), meta.get("metrics", {})
+        expected = head.state_dict()
+        problems = []
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            keys = set(f.keys())
+            for k in sorted(keys - set(expected)):
+                problems.append(f"unexpected tensor {k}")
+            for k in sorted(set(expected) - keys):
+                problems.append(f"missing tensor {k}")
+            state = {}
+            for k in sorted(keys & set(expected)):
+                t = f.get_tensor(k)
+                if t.shape != expected[k].shape:
+                    problems.append(f"{k}: shape {tuple(t.shape)} in the file, {tuple(expected[k].shape)} expected")
+                state[k] = t
+        if problems:
+            raise LiteVLMError(f"draft checkpoint {path} does not match its config: " + "; ".join(problems))
+        head.load_state_dict(state)
+        head.attach(target)  # checks hidden / vocab sizes against the target
+        w = target.lm_head.weight
+        return head.to(device=w.device, dtype=w.dtype).eval()
+
+
+def _format(path: Path) -> str | None:
+    try:
+        return json.loads((path / "config.json").read_text()).get("format")
+    except (OSError, ValueError):
+        return None
+
+
+def draft_dir(model_dir: str | Path) -> Path:
+    """Where a model directory keeps its draft head."""
+    return Path(model_dir) / DRAFT_SUBDIR

@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from litevlm.config import TextConfig, VisionConfig, VLMConfig
+
+
+def tiny_config(tokenizer, **overrides) -> VLMConfig:
+    """A few-thousand-parameter drive-tiny lookalike: 56 px tiles -> 4 visual tokens per view."""
+    kw = dict(
+        vision=VisionConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=56, patch_size=14),
+        text=TextConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                        intermediate_size=64, rope_theta=10000.0, tie_embeddings=True, max_position_embeddings=4096),
+        image_token_id=tokenizer.image_id, img_start_id=tokenizer.img_start_id, img_end_id=tokenizer.img_end_id,
+        eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, name="tiny",
+    )
+    kw.update(overrides)
+    return VLMConfig(**kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from litevlm.data.synthetic import question_corpus
+    from litevlm.data.tokenizer import train_default
+
+    return train_default(question_corpus(n_frames=40, seed=0), vocab_size=400)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
+    """A random tiny model saved in our checkpoint format, with its tokenizer."""
+    from litevlm.model.hf import save_native
+    from litevlm.model.vlm import VLM
+
+    torch.manual_seed(0)
+    model = VLM(tiny_config(tiny_tokenizer))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    out = tmp_path_factory.mktemp("tiny-model")
+    save_native(model, out)
+    tiny_tokenizer.save(out)
+    return out

@@ -1,0 +1,105 @@
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from litevlm import LiteVLMError, Pipeline
+from litevlm.cameras import CAMERAS
+from litevlm.pipeline import STAGES, images_from_dir
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_model_dir):
+    return Pipeline.from_pretrained(tiny_model_dir, max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def images():
+    from litevlm.data.synthetic import make_frame, render_views
+
+    return render_views(make_frame(1, 0), size=(160, 90))
+
+
+def test_answer_reports_stages_views_and_tokens(pipe, images):
+    ans = pipe.answer("Is there a red car to the front of the ego car?", images)
+    assert ans.views == list(CAMERAS)
+    assert ans.num_visual_tokens == 6 * pipe.cfg.tokens_per_tile
+    for stage in (*STAGES, "total", "preprocess"):
+        assert stage in ans.timings_ms and ans.timings_ms[stage] >= 0
+    assert ans.timings_ms["total"] == pytest.approx(sum(ans.timings_ms[s] for s in STAGES))
+    assert 1 <= len(ans.tokens) <= 12
+    assert ans.input_tokens > ans.num_visual_tokens
+    assert ans.precision == "float32"
+
+
+def test_greedy_is_deterministic_and_matches_a_full_forward(pipe, images):
+    q = "What is the state of the traffic light in front of the ego car?"
+    a, b = pipe.answer(q, images), pipe.answer(q, images)
+    assert a.tokens == b.tokens
+    # The first generated token equals the argmax of an uncached full forward over the same prompt.
+    from litevlm.model.prompt import build_prompt
+    from litevlm.model.vlm import image_to_tiles
+
+    pix = torch.cat([image_to_tiles(images[c], pipe.cfg.vision.image_size, 1) for c in CAMERAS])
+    ids = torch.tensor([build_prompt(pipe.tokenizer, q, list(CAMERAS), pipe.tokens_per_view).ids])
+    with torch.no_grad():
+        logits = pipe.model(ids, pix)
+    assert int(logits[0, -1].argmax()) == a.tokens[0]
+
+
+def test_sampling_is_seeded(tiny_model_dir, images):
+    q = "What are objects to the back left of the ego car?"
+    a = Pipeline.from_pretrained(tiny_model_dir, temperature=1.0, top_p=0.9, seed=3, max_new_tokens=8).answer(q, images)
+    b = Pipeline.from_pretrained(tiny_model_dir, temperature=1.0, top_p=0.9, seed=3, max_new_tokens=8).answer(q, images)
+    assert a.tokens == b.tokens
+
+
+def test_images_accept_paths_arrays_and_pil(pipe, images, tmp_path):
+    mixed = dict(images)
+    mixed["CAM_FRONT"] = np.asarray(images["CAM_FRONT"])
+    path = tmp_path / "back.png"
+    images["CAM_BACK"].save(path)
+    mixed["CAM_BACK"] = str(path)
+    assert pipe.answer("Is it safe to turn left?", mixed).tokens == pipe.answer("Is it safe to turn left?", images).tokens
+
+
+@pytest.mark.parametrize("question, message", [("", "empty"), ("   ", "empty"), ("word " * 400, "limit")])
+def test_bad_questions(pipe, images, question, message):
+    with pytest.raises(LiteVLMError, match=message):
+        pipe.answer(question, images)
+
+
+def test_bad_images(pipe, images, tmp_path):
+    five = {c: images[c] for c in CAMERAS[:5]}
+    with pytest.raises(LiteVLMError, match="missing CAM_BACK_RIGHT"):
+        pipe.answer("Anything ahead?", five)
+    with pytest.raises(LiteVLMError, match="unknown camera"):
+        pipe.answer("Anything ahead?", {**images, "CAM_ROOF": images["CAM_FRONT"]})
+    with pytest.raises(LiteVLMError, match="not found"):
+        pipe.answer("Anything ahead?", {**images, "CAM_FRONT": tmp_path / "nope.png"})
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(b"\x89PNG\r\n\x1a\nthis is not a png")
+    with pytest.raises(LiteVLMError, match="cannot read image"):
+        pipe.answer("Anything ahead?", {**images, "CAM_FRONT": corrupt})
+    with pytest.raises(LiteVLMError, match="HxWx3"):
+        pipe.answer("Anything ahead?", {**images, "CAM_FRONT": np.zeros((4, 4))})
+
+
+def test_images_from_dir(images, tmp_path):
+    for c in CAMERAS:
+        images[c].save(tmp_path / f"{c}.png")
+    found = images_from_dir(tmp_path)
+    assert sorted(found) == sorted(CAMERAS)
+    (tmp_path / "CAM_BACK_RIGHT.png").unlink()
+    with pytest.raises(LiteVLMError, match="5 camera views"):
+        images_from_dir(tmp_path)
+    Image.new("RGB", (8, 8)).save(tmp_path / "CAM_SIDE.png")
+    with pytest.raises(LiteVLMError, match="unknown camera name"):
+        images_from_dir(tmp_path)
+    with pytest.raises(LiteVLMError, match="not found"):
+        images_from_dir(tmp_path / "missing")
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(LiteVLMError, match="no model at"):
+        Pipeline.from_pretrained(tmp_path / "nothing-here")

@@ -1,0 +1,277 @@
+"""Token selection (TokenSelector, FastV, baselines) on tiny random VLMs, CPU, fp32.
+
+The invariants: kept tokens keep their original positions and every text token survives; the
+per-view quota and the exact budget hold; r = 1 is the unpruned computation bit for bit; FastV's
+one attention row equals the row of the full attention matrix; and decoding after FastV's
+compacted-cache prefill equals a no-cache forward of the same scheme written as attention masks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from litevlm.config import TextConfig, VisionConfig, VLMConfig
+from litevlm.errors import LiteVLMError
+from litevlm.model.generate import causal_mask, generate, prefill
+from litevlm.model.vlm import VLM
+from litevlm.select.tokens import (
+    SelectorConfig,
+    TokenSelector,
+    attention_rows,
+    fastv_generate,
+    fastv_prefill,
+    fastv_scores,
+    keep_count,
+    random_select,
+    select_by_scores,
+    uniform_select,
+    visual_index,
+)
+
+TPV = 16  # tokens per view, as drive-tiny
+VIEWS = ["CAM_FRONT", "CAM_BACK", "CAM_BACK_LEFT"]
+
+
+def tiny_vlm(seed: int = 0, layers: int = 3) -> VLM:
+    torch.manual_seed(seed)
+    cfg = VLMConfig(
+        vision=VisionConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=28, patch_size=7),
+        text=TextConfig(vocab_size=96, hidden_size=48, num_layers=layers, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                        rope_theta=10000.0, max_position_embeddings=512),
+        image_token_id=95, img_start_id=93, img_end_id=94, eos_token_id=92, pad_token_id=0,
+    )
+    model = VLM(cfg).eval()
+    for p in model.language_model.parameters():  # sharper attention than the default init gives
+        if p.ndim == 2:
+            p.data.normal_(0, 0.15)
+    model.language_model.setup_cache(1, 256)
+    return model
+
+
+def tiny_prompt(model: VLM, seed: int = 0, views=VIEWS, question_len: int = 9):
+    """embeds (1, T, C), positions (1, T), view_spans: a marker + <img> + TPV visual + </img> per view, then a question."""
+    g = torch.Generator().manual_seed(seed)
+    ids, spans = [1, 2], []
+    for i, cam in enumerate(views):
+        ids += [10 + i, model.cfg.img_start_id]
+        spans.append((cam, len(ids), len(ids) + TPV))
+        ids += [model.cfg.image_token_id] * TPV + [model.cfg.img_end_id, 3]
+    ids += torch.randint(20, 90, (question_len,), generator=g).tolist() + [4, 5]
+    ids = torch.tensor([ids])
+    visual = torch.randn(len(views) * TPV, model.cfg.text.hidden_size, generator=g)
+    with torch.no_grad():
+        embeds = model.embed(ids, visual)
+    positions = torch.arange(ids.shape[1])[None]
+    return embeds, positions, spans
+
+
+def full_attention_rows(layer, x, positions, rows):
+    """Reference: the full causal T x T attention of `layer` (head mean), then the wanted rows."""
+    attn = layer.self_attn
+    cfg = attn.cfg
+    from litevlm.model.lm import rope_cos_sin
+
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+    q, k, _ = attn.qkv(layer.input_layernorm(x), cos, sin)  # (B, H, T, D), (B, Hkv, T, D)
+    k = k.repeat_interleave(cfg.num_heads // cfg.num_kv_heads, dim=1)
+    t = x.shape[1]
+    scores = (q @ k.transpose(-1, -2)) / cfg.head_dim**0.5  # (B, H, T, T)
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    return scores.softmax(-1).mean(1)[:, rows]  # (B, n, T)
+
+
+def test_attention_rows_equal_full_attention():
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    positions = positions + 7  # positions need not start at 0
+    lm = model.language_model
+    with torch.no_grad():
+        x = lm(embeds, positions, start_layer=0, end_layer=1)
+        rows = torch.tensor([5, 30, embeds.shape[1] - 1])
+        got = attention_rows(lm.layers[1], x, positions, rows)
+        want = full_attention_rows(lm.layers[1], x, positions, rows)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(got.sum(-1), torch.ones(1, 3))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_fastv_row_equals_row_of_full_attention(k):
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    lm = model.language_model
+    t = embeds.shape[1]
+    with torch.no_grad():
+        x = lm(embeds, positions, start_layer=0, end_layer=k)  # no cache: plain causal SDPA
+        got = fastv_scores(model, x, positions, spans, k)
+        want = full_attention_rows(lm.layers[k], x, positions, torch.tensor([t - 1]))[0, 0, visual_index(spans)]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("r", [0.05, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0])
+@pytest.mark.parametrize("quota", [0, 1, 3, 20])
+def test_budget_and_quota_per_view(r, quota):
+    sizes = [16, 16, 16, 16]
+    g = torch.Generator().manual_seed(int(r * 100) + quota)
+    scores = torch.rand(64, generator=g)
+    scores[:16] += 5.0  # one view dominates: the quota must still feed the others
+    kept = select_by_scores(scores, sizes, r, quota)
+    k = keep_count(64, r)
+    assert kept.numel() == k and torch.equal(kept, kept.sort().values) and kept.unique().numel() == k
+    per_view = torch.bincount(kept // 16, minlength=4)
+    assert (per_view >= min(quota, k // 4)).all()
+    if quota == 0:
+        assert set(kept.tolist()) == set(scores.topk(k).indices.tolist())
+
+
+def test_keep_ratio_is_validated():
+    with pytest.raises(LiteVLMError):
+        keep_count(10, 0.0)
+    with pytest.raises(LiteVLMError):
+        keep_count(10, 1.5)
+
+
+@pytest.mark.parametrize("method", ["selector", "random", "uniform"])
+def test_kept_tokens_keep_original_positions(method):
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    positions = positions + 3
+    sel = TokenSelector.from_model(model)
+    r = 0.3
+    if method == "selector":
+        e, p, kept = sel.select(model, embeds, positions, spans, keep_ratio=r, min_per_view=2)
+    elif method == "random":
+        e, p, kept = random_select(embeds, positions, spans, r, 2, torch.Generator().manual_seed(0))
+    else:
+        e, p, kept = uniform_select(embeds, positions, spans, r)
+    vis = visual_index(spans)
+    text = torch.tensor([i for i in range(embeds.shape[1]) if i not in set(vis.tolist())])
+    assert torch.equal(kept, kept.sort().values)
+    assert set(text.tolist()) <= set(kept.tolist())  # every text token survives
+    kept_vis = sorted(set(kept.tolist()) & set(vis.tolist()))
+    assert len(kept_vis) == keep_count(vis.numel(), r)
+    assert torch.equal(p, positions[:, kept]) and torch.equal(e, embeds[:, kept])  # original RoPE positions
+    per_view = [sum(s <= i < e_ for i in kept_vis) for _, s, e_ in spans]
+    assert min(per_view) >= (2 if method != "uniform" else 1)
+
+
+def masked_reference(model, embeds, positions, keep_cols_by_layer):
+    """No-cache forward over embeds with per-layer boolean key masks (S, S); returns logits (S, V)."""
+    lm = model.language_model
+    x = embeds
+    n = len(lm.layers)
+    for layer_i in range(n):
+        mask = keep_cols_by_layer(layer_i)[None, None]
+        x = lm(x, positions, mask=mask, start_layer=layer_i, end_layer=None if layer_i == n - 1 else layer_i + 1)
+    return model.lm_head(x)[0]
+
+
+def test_pruning_at_the_input_equals_masking_the_pruned_tokens():
+    """A pruned prompt at its original positions computes what the full prompt computes with the pruned keys masked."""
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    sel = TokenSelector.from_model(model)
+    e, p, kept = sel.select(model, embeds, positions, spans, keep_ratio=0.4)
+    with torch.no_grad():
+        logits, _ = prefill(model, e, p)
+        t = embeds.shape[1]
+        allowed = torch.zeros(t, t, dtype=torch.bool)
+        allowed[:, kept] = True
+        allowed &= torch.ones(t, t, dtype=torch.bool).tril()
+        allowed |= torch.eye(t, dtype=torch.bool)
+        ref = masked_reference(model, embeds, positions, lambda _: allowed)
+    torch.testing.assert_close(logits[0], ref[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_keep_ratio_one_is_the_unpruned_output():
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    sel = TokenSelector.from_model(model)
+    e, p, kept = sel.select(model, embeds, positions, spans, keep_ratio=1.0)
+    assert torch.equal(e, embeds) and torch.equal(p, positions) and kept.numel() == embeds.shape[1]
+    full = generate(model, embeds, positions, 12, eos_id=None)
+    pruned = generate(model, e, p, 12, eos_id=None)
+    assert pruned.tokens == full.tokens
+    with torch.no_grad():
+        want, _ = prefill(model, embeds, positions)
+        for k in (1, 2):
+            got = fastv_prefill(model, embeds, positions, spans, k, 1.0)
+            assert got.kept_count == embeds.shape[1]
+            assert torch.equal(got.logits, want)
+        assert fastv_generate(model, embeds, positions, spans, 2, 1.0, 12, eos_id=None).tokens == full.tokens
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_fastv_decode_is_exact_for_the_compacted_cache(k):
+    """FastV prefill + decode_step equals a no-cache forward of the same scheme written as attention masks:
+    layers < k: prompt tokens see the whole prompt, generated tokens see the kept prompt tokens;
+    layers >= k: everything sees only the kept prompt tokens (and the generated ones)."""
+    model = tiny_vlm(seed=1)
+    embeds, positions, spans = tiny_prompt(model, seed=1)
+    t, n_new = embeds.shape[1], 6
+    gen = fastv_generate(model, embeds, positions, spans, k, 0.3, n_new, eos_id=None)
+    pre = fastv_prefill(model, embeds, positions, spans, k, 0.3)
+    assert gen.prompt_len == pre.kept_count == t - (len(spans) * TPV - keep_count(len(spans) * TPV, 0.3))
+    step_logits = [pre.logits[0]]
+    from litevlm.model.generate import decode_step
+
+    with torch.no_grad():
+        for i, tok in enumerate(gen.tokens[:-1]):
+            logits, _ = decode_step(model, torch.tensor([[tok]]), pre.next_position + i, pre.kept_count + i)
+            step_logits.append(logits[0])
+        s = t + len(gen.tokens) - 1
+        ids = torch.tensor([gen.tokens[:-1]])
+        all_embeds = torch.cat([embeds, model.language_model.embed_tokens(ids)], 1)
+        all_pos = torch.cat([positions, torch.arange(t, s)[None]], 1)
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        kept_cols = torch.zeros(s, dtype=torch.bool)
+        kept_cols[pre.kept_index] = True
+        kept_cols[t:] = True
+        late = causal & kept_cols[None, :] | torch.eye(s, dtype=torch.bool)
+        early = late.clone()
+        early[:t, :t] = causal[:t, :t]
+        ref = masked_reference(model, all_embeds, all_pos, lambda layer_i: early if layer_i < k else late)
+    got = torch.stack(step_logits)
+    torch.testing.assert_close(got, ref[t - 1 :], atol=1e-5, rtol=1e-5)
+    assert [int(x) for x in got.argmax(-1)] == gen.tokens
+
+
+def test_untrained_selector_ranks_like_fastv_k1():
+    """At init (all pooling on the last token, MLP zero) the selector's score is FastV K=1's attention row."""
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    sel = TokenSelector.from_model(model, SelectorConfig(last_bonus=1e4))
+    with torch.no_grad():
+        got = sel.scores(embeds, positions, spans)[0].exp()
+        x = model.language_model(embeds, positions, start_layer=0, end_layer=1)
+        want = fastv_scores(model, x, positions, spans, 1)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+def test_selector_save_load_roundtrip(tmp_path):
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    sel = TokenSelector.from_model(model, SelectorConfig(keep_ratio=0.3, min_per_view=2))
+    with torch.no_grad():
+        sel.mlp[2].weight.normal_()  # make the head non-trivial
+    sel.save(tmp_path, recipe={"note": "test"})
+    assert (tmp_path / "token_selector" / "selector.safetensors").is_file()
+    back = TokenSelector.load(tmp_path, model)
+    assert back.cfg == sel.cfg and back.meta["recipe"] == {"note": "test"}
+    a = sel.select(model, embeds, positions, spans)[2]
+    b = back.select(model, embeds, positions, spans)[2]
+    assert torch.equal(a, b)
+    other = tiny_vlm()
+    other.language_model.cfg = TextConfig(vocab_size=96, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2)
+    with pytest.raises(LiteVLMError, match="hidden_size"):
+        TokenSelector.load(tmp_path, other)
+    with pytest.raises(LiteVLMError, match="no TokenSelector"):
+        TokenSelector.load(tmp_path / "nowhere", model)
+
+
+def test_fastv_rejects_bad_k():
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    for k in (0, 3):
+        with pytest.raises(LiteVLMError, match="FastV K"):
+            fastv_prefill(model, embeds, positions, spans, k, 0.5)
