@@ -111,7 +111,9 @@ def run_accuracy(model, tokenizer, selector, samples, prompts: Prompts, ratios, 
         embeds, positions, spans = prompts(sample)
         n_vis = sum(view_sizes(spans))
         add(("unpruned", 1.0), sample, generate(model, embeds, positions, max_new, eos).tokens, n_vis)
-        sel_scores = selector.scores(embeds, positions, spans)[0] if "selector" in methods else None
+        sel_scores = None
+        if "selector" in methods:
+            sel_scores = selector.scores(embeds, positions, spans, selector.tag_features(model, sample.question, spans))[0]
         for r in ratios:
             for m in methods:
                 if m == "selector":
@@ -158,17 +160,17 @@ def run_timing(model, selector, samples, prompts: Prompts, ratios, repeats: int,
     def rec(name, ms):
         rows.setdefault(name, []).append(ms)
 
-    inputs = [prompts(s) for s in samples]
-    embeds, positions, spans = inputs[0]
+    inputs = [(*prompts(s), s.question) for s in samples]
+    embeds, positions, spans, _ = inputs[0]
     for _ in range(2):  # warm-up
         prefill(model, embeds, positions)
         selector.scores(embeds, positions, spans)
         fastv_prefill(model, embeds, positions, spans, 1, 0.5)
-    for embeds, positions, spans in inputs:
+    for embeds, positions, spans, question in inputs:
         rec("prefill_unpruned", _median_ms(lambda: prefill(model, embeds, positions), repeats, dev))
         for r in ratios:
             def select():
-                s = selector.scores(embeds, positions, spans)[0]
+                s = selector.scores(embeds, positions, spans, selector.tag_features(model, question, spans))[0]
                 return prune_prompt(embeds, positions, spans, select_by_scores(s, view_sizes(spans), r, min_per_view))
 
             rec(f"selector@{r}", _median_ms(select, repeats, dev))

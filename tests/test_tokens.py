@@ -275,3 +275,75 @@ def test_fastv_rejects_bad_k():
     for k in (0, 3):
         with pytest.raises(LiteVLMError, match="FastV K"):
             fastv_prefill(model, embeds, positions, spans, k, 0.5)
+
+
+def test_box_cells_and_tag_features_follow_the_token_grid():
+    from litevlm.select.tokens import box_cells, tag_features
+
+    # 1600x900 view -> 4x4 tokens of 400x225 px, row-major; with 2 tiles per view, 2 tiles of 4x4 side by side.
+    assert box_cells((0, 0, 399, 224), 4, 1) == [0]
+    assert box_cells((410, 460, 790, 670), 4, 1) == [9]
+    assert box_cells((-50, 800, 1700, 950), 4, 1) == [12, 13, 14, 15]
+    assert box_cells((820, 0, 990, 100), 4, 2) == [16]  # second tile, top-left cell
+    spans = [("CAM_FRONT", 10, 26), ("CAM_BACK", 30, 46)]
+    f = tag_features("What is <c4,CAM_BACK,520.5,495.3> doing? And <c9,CAM_FRONT_LEFT,10.0,10.0>?", spans, 4, 1)
+    assert f.shape == (2, 32)
+    assert f[0].nonzero().flatten().tolist() == [16 + 9]  # CAM_BACK starts at visual index 16; cell (row 2, col 1)
+    assert sorted(f[1].nonzero().flatten().tolist()) == [16 + j for j in (4, 5, 6, 8, 10, 12, 13, 14)]
+    assert tag_features("no tags here", spans, 4, 1).sum() == 0
+
+
+def test_teacher_attention_equals_rows_of_the_full_attention():
+    from litevlm.train.tokens import teacher_attention
+
+    model = tiny_vlm(layers=4)
+    embeds, positions, spans = tiny_prompt(model)
+    answer = [30, 31, 32, 92]
+    got = teacher_attention(model, embeds, positions, spans, answer, band=(1, 3), last_row_weight=0.25)
+    lm = model.language_model
+    t = embeds.shape[1]
+    with torch.no_grad():
+        x = torch.cat([embeds, lm.embed_tokens(torch.tensor([answer]))], 1)
+        pos = torch.arange(x.shape[1])[None]
+        want = torch.zeros(len(spans) * TPV)
+        for layer_i in range(3):
+            if layer_i >= 1:
+                rows = full_attention_rows(lm.layers[layer_i], x, pos, torch.arange(t - 1, t + 3))[0][:, visual_index(spans)]
+                want += 0.25 * rows[0] + 0.75 / 3 * rows[1:].sum(0)
+            x = lm(x, pos, start_layer=layer_i, end_layer=layer_i + 1)
+    torch.testing.assert_close(got, want / want.sum(), atol=1e-6, rtol=1e-5)
+
+
+def test_box_prior_marks_the_boxed_cells():
+    from litevlm.train.tokens import box_prior
+
+    p = box_prior({"CAM_BACK": [(410, 460, 790, 670)], "CAM_FRONT": [(0, 0, 399, 224), (0, 0, 10, 10)]}, ["CAM_FRONT", "CAM_BACK"], 4, 1)
+    assert p.nonzero().flatten().tolist() == [0, 16 + 9] and torch.isclose(p.sum(), torch.tensor(1.0))
+    assert box_prior({}, ["CAM_FRONT"], 4, 1).sum() == 0
+
+
+def test_train_token_selector_smoke(tmp_path):
+    """`litevlm train tokens` end to end on a tiny random model: labels, a few steps, a loadable checkpoint."""
+    from litevlm.data.tokenizer import default_tokenizer
+    from litevlm.model.hf import save_native
+    from litevlm.train.tokens import TokenRecipe, train_token_selector
+
+    tok = default_tokenizer(vocab_size=300, n_frames=4)
+    torch.manual_seed(0)
+    cfg = VLMConfig(
+        vision=VisionConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=56, patch_size=14),
+        text=TextConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64),
+        image_token_id=tok.image_id, img_start_id=tok.img_start_id, img_end_id=tok.img_end_id, eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+    )
+    save_native(VLM(cfg), tmp_path / "m")
+    tok.save(tmp_path / "m")
+    recipe = TokenRecipe(frames=2, val_frames=1, questions_per_frame=3, epochs=2, batch=2, minutes=1, render_size=(160, 90))
+    out = train_token_selector(tmp_path / "m", recipe, progress=False)
+    assert out == tmp_path / "m" / "token_selector"
+    from litevlm.model.hf import load_native
+
+    model = load_native(tmp_path / "m")
+    sel = TokenSelector.load(tmp_path / "m", model)
+    assert sel.meta["recipe"]["frames"] == 2 and sel.meta["training"]["steps"] == 6
+    assert "fastv_k1" in sel.meta["training"]["validation"]

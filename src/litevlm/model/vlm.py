@@ -75,18 +75,27 @@ class VLM(nn.Module):
         return self.lm_head.weight.device
 
 
-def image_to_tiles(image, image_size: int, tiles_per_view: int) -> torch.Tensor:
-    """A PIL image (any size) -> (tiles_per_view, 3, S, S): resized to (S*tiles, S), cut left to right."""
+def image_to_uint8_tiles(image, image_size: int, tiles_per_view: int) -> np.ndarray:
+    """A PIL image (any size) -> (tiles_per_view, 3, S, S) uint8: resized to (S*tiles, S), cut left to right."""
     from PIL import Image
 
     if not isinstance(image, Image.Image):
         raise LiteVLMError(f"expected a PIL image, got {type(image).__name__}")
-    w = image_size * tiles_per_view
-    img = image.convert("RGB").resize((w, image_size), Image.BICUBIC)
-    a = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)  # (S, W, 3)
-    a = (a - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD)
-    a = a.permute(2, 0, 1)  # (3, S, W)
-    return torch.stack([a[:, :, i * image_size : (i + 1) * image_size] for i in range(tiles_per_view)])
+    img = image.convert("RGB").resize((image_size * tiles_per_view, image_size), Image.BICUBIC)
+    a = np.asarray(img).reshape(image_size, tiles_per_view, image_size, 3)  # (S, tiles, S, 3)
+    return np.ascontiguousarray(a.transpose(1, 3, 0, 2))  # (tiles, 3, S, S)
+
+
+def normalize_tiles(tiles: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., 3, S, S) -> float32 normalised with the ImageNet mean and std, as InternVL does."""
+    mean = torch.tensor(IMAGENET_MEAN, device=tiles.device)[:, None, None]
+    std = torch.tensor(IMAGENET_STD, device=tiles.device)[:, None, None]
+    return (tiles.float() / 255.0 - mean) / std
+
+
+def image_to_tiles(image, image_size: int, tiles_per_view: int) -> torch.Tensor:
+    """A PIL image (any size) -> (tiles_per_view, 3, S, S) float32, normalised."""
+    return normalize_tiles(torch.from_numpy(image_to_uint8_tiles(image, image_size, tiles_per_view)))
 
 
 def load_image(source) -> "Image.Image":

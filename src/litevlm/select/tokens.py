@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -34,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model.generate import Generation, StageTimer, causal_mask, decode_step, sample_token
@@ -43,6 +45,7 @@ from litevlm.model.vision import RMSNorm
 SELECTOR_DIR = "token_selector"
 SELECTOR_FORMAT = "litevlm-token-selector"
 Span = tuple[str, int, int]  # (camera, first placeholder index, one past the last), as PromptLayout.view_spans
+C_TAG = re.compile(r"<c\d+,(CAM_[A-Z_]+),(-?[\d.]+),(-?[\d.]+)>")  # DriveLM object tag <c1,CAM_BACK,x,y>
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,6 +131,67 @@ def uniform_select(embeds, positions, view_spans, keep_ratio: float):
         kept += [off + int((j + 0.5) * size / m) for j in range(m)]
         off += size
     return prune_prompt(embeds, positions, view_spans, torch.tensor(kept, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-grid geometry: which visual token sees which pixels
+# ---------------------------------------------------------------------------------------------
+
+
+def box_cells(box: Sequence[float], grid: int, tiles_per_view: int, min_cover: float = 0.02) -> list[int]:
+    """Token indices (within one view) whose cell a (u0, v0, u1, v1) box in 1600x900 pixels covers.
+
+    A view is resized to tiles_per_view square tiles side by side, each a grid x grid token raster
+    (row-major, as pixel shuffle leaves it); a cell counts when the box covers >= min_cover of it.
+    """
+    u0, v0, u1, v1 = (float(c) for c in box)
+    u0, v0, u1, v1 = max(u0, 0.0), max(v0, 0.0), min(u1, IMAGE_WIDTH), min(v1, IMAGE_HEIGHT)
+    if u1 <= u0 or v1 <= v0:
+        return []
+    cols = grid * tiles_per_view
+    cw, ch = IMAGE_WIDTH / cols, IMAGE_HEIGHT / grid
+    out = []
+    for gc in range(cols):
+        ox = min(u1, (gc + 1) * cw) - max(u0, gc * cw)
+        if ox <= 0:
+            continue
+        for r in range(grid):
+            oy = min(v1, (r + 1) * ch) - max(v0, r * ch)
+            if oy > 0 and ox * oy >= min_cover * cw * ch:
+                tile, c = divmod(gc, grid)
+                out.append(tile * grid * grid + r * grid + c)
+    return sorted(out)
+
+
+def tag_features(question: str, view_spans: Sequence[Span], grid: int, tiles_per_view: int) -> torch.Tensor:
+    """(2, N) features of the visual tokens from the question's c-tags <cK,CAM,x,y> (x, y in 1600x900 pixels).
+
+    Row 0 marks the token whose cell holds a tagged point, row 1 its 8 neighbours (a point is an
+    object's centre, objects span cells). Tags of cameras that are not in the prompt are ignored.
+    """
+    n = int(sum(view_sizes(view_spans)))
+    feats = torch.zeros(2, n)
+    starts, off = {}, 0
+    for cam, s, e in view_spans:
+        starts[cam] = off
+        off += e - s
+    cols = grid * tiles_per_view
+    for cam, xs, ys in C_TAG.findall(question or ""):
+        if cam not in starts:
+            continue
+        x, y = float(xs), float(ys)
+        gc = min(cols - 1, max(0, int(x * cols / IMAGE_WIDTH)))
+        gr = min(grid - 1, max(0, int(y * grid / IMAGE_HEIGHT)))
+        for dr in (-1, 0, 1):
+            for dc in (-1, 0, 1):
+                r, c = gr + dr, gc + dc
+                if 0 <= r < grid and 0 <= c < cols:
+                    tile, cc = divmod(c, grid)
+                    j = starts[cam] + tile * grid * grid + r * grid + cc
+                    row = 0 if dr == dc == 0 else 1
+                    feats[row, j] = 1.0
+    feats[1] *= 1 - feats[0]  # a tagged cell is not also a neighbour
+    return feats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,6 +317,7 @@ class SelectorConfig:
     min_per_view: int = 1  # default quota of kept tokens per view
     mlp_hidden: int = 128  # width of the per-token content MLP
     last_bonus: float = 2.0  # initial extra pooling weight (logit) of the last prompt token
+    use_tags: bool = True  # add learned bonuses for the cells the question's c-tags point at
 
     def __post_init__(self) -> None:
         if not 0.0 < self.keep_ratio <= 1.0:
@@ -273,7 +338,10 @@ class TokenSelector(nn.Module):
     learned softmax over heads, beta a learned softmax pooling over the query tokens (plus a bonus
     for the last token), and q/k projections initialised from decoder layer 1: before training,
     with all pooling on the last token, the first term is FastV K=1's ranking. The MLP (zero at
-    init) adds query-conditioned content evidence (is an object in this cell?).
+    init) adds query-conditioned content evidence (is an object in this cell?). With `use_tags`, the
+    cells that the question's DriveLM c-tags <cK,CAM,x,y> point at (and their neighbours) get a
+    learned bonus: the question gives object coordinates outright, and a one-layer scorer cannot
+    read digit strings into grid cells reliably.
     """
 
     def __init__(self, text_cfg: TextConfig, cfg: SelectorConfig | None = None):
@@ -289,6 +357,7 @@ class TokenSelector(nn.Module):
         self.query_gate = nn.Linear(c, 1)
         self.last_bonus = nn.Parameter(torch.tensor(float(self.cfg.last_bonus)))
         self.mlp = nn.Sequential(nn.Linear(2 * c, self.cfg.mlp_hidden), nn.GELU(), nn.Linear(self.cfg.mlp_hidden, 1))
+        self.tag_weight = nn.Parameter(torch.zeros(2))  # tagged cell, its neighbours
         nn.init.zeros_(self.query_gate.weight)
         nn.init.zeros_(self.query_gate.bias)
         nn.init.zeros_(self.mlp[2].weight)
@@ -315,8 +384,14 @@ class TokenSelector(nn.Module):
                     "train a selector for this model (`litevlm train tokens`)"
                 )
 
-    def scores(self, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span]) -> torch.Tensor:
-        """Log-scores (B, N) of the visual tokens, view after view; differentiable (training)."""
+    def tag_features(self, model, question: str | None, view_spans: Sequence[Span]) -> torch.Tensor | None:
+        """(2, N) c-tag features for `scores`, or None when the question has none or tags are off."""
+        if not self.cfg.use_tags or not question or not C_TAG.search(question):
+            return None
+        return tag_features(question, view_spans, model.cfg.vision.grid // 2, model.cfg.tiles_per_view).to(model.device)
+
+    def scores(self, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], tags: torch.Tensor | None = None) -> torch.Tensor:
+        """Log-scores (B, N) of the visual tokens, view after view; differentiable (training). tags: (2, N) or None."""
         cfg = self.text_cfg
         b, t, _ = embeds.shape
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, embeds.dtype)
@@ -335,14 +410,20 @@ class TokenSelector(nn.Module):
         mix = torch.einsum("bhqn,h,bq->bn", attn, w, beta)  # (B, N)
         ctx = torch.einsum("bq,bqc->bc", beta.to(h.dtype), h[:, rows])  # (B, C)
         feat = torch.cat([h[:, vis], ctx[:, None].expand(-1, vis.numel(), -1)], dim=-1)  # (B, N, 2C)
-        return torch.log(mix + 1e-9) + self.mlp(feat).squeeze(-1).float()
+        s = torch.log(mix + 1e-9) + self.mlp(feat).squeeze(-1).float()
+        if tags is not None:
+            s = s + (self.tag_weight.float()[:, None] * tags.float()).sum(0)
+        return s
 
     @torch.no_grad()
     def select(
         self, model, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span],
-        keep_ratio: float | None = None, min_per_view: int | None = None,
+        keep_ratio: float | None = None, min_per_view: int | None = None, question: str | None = None,
     ):
         """Keep a fraction r of the visual tokens (batch 1): (embeds_kept, positions_kept, kept_index).
+
+        `question` (the raw text) lets the selector use the c-tags it contains; without it the
+        selector scores from the embeddings alone.
 
         positions_kept are the ORIGINAL positions of the kept tokens; every text token is kept;
         kept_index (T',) are the prompt indices kept, ascending. keep_ratio=1 returns the prompt as
@@ -356,7 +437,7 @@ class TokenSelector(nn.Module):
         self._check(model)
         if r >= 1.0:
             return embeds, positions, torch.arange(embeds.shape[1], device=embeds.device)
-        s = self.scores(embeds, positions, view_spans)[0]
+        s = self.scores(embeds, positions, view_spans, self.tag_features(model, question, view_spans))[0]
         return prune_prompt(embeds, positions, view_spans, select_by_scores(s, view_sizes(view_spans), r, quota))
 
     # -- checkpoint -----------------------------------------------------------------------------

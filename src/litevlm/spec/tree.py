@@ -255,20 +255,26 @@ def accept_sampled(
     children: list[list[int]] = [[] for _ in parents]
     for node in range(1, len(parents)):
         children[parents[node]].append(node)  # ascending index = draft rank among siblings
-    gen_dev = generator.device if generator is not None else probs.device
+    gen_dev = generator.device if generator is not None else torch.device("cpu")
     node, path = 0, [0]
     while True:
-        p = probs[node].clone()
+        if not children[node]:  # a leaf: the bonus comes from the fresh distribution
+            bonus = torch.multinomial(probs[node], 1, generator=generator)[0]
+            break
+        row = probs[node].double().tolist()
+        total = sum(row)
         for c in children[node]:
             u = float(torch.rand((), generator=generator, device=gen_dev))
-            if u * float(p.sum()) < float(p[tokens[c]]):  # accept with probability P(c) / P.sum()
+            if u * total < row[tokens[c]]:  # accept with probability P(c) / (remaining mass)
                 path.append(c)
                 node = c
                 break
-            p[tokens[c]] = 0.0
-        else:
-            bonus = torch.multinomial(p / p.sum(), 1, generator=generator)[0]
-            return torch.tensor(path, device=logits.device), bonus.to(logits.device)
+            total -= row[tokens[c]]
+            row[tokens[c]] = 0.0
+        else:  # every child rejected: the bonus comes from the residual
+            bonus = torch.multinomial(torch.tensor(row, device=probs.device), 1, generator=generator)[0]
+            break
+    return torch.tensor(path, device=logits.device), bonus.to(logits.device)
 
 
 def commit_path(model, path: torch.Tensor, start: int) -> None:

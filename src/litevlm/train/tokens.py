@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from litevlm.cameras import CAMERAS, IMAGE_HEIGHT, IMAGE_WIDTH
+from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
-from litevlm.select.tokens import SelectorConfig, TokenSelector, attention_rows, fastv_scores, keep_count, visual_index
+from litevlm.select.tokens import (SelectorConfig, TokenSelector, attention_rows, box_cells, fastv_scores, keep_count,
+                                   visual_index)
 
 
 
@@ -54,37 +55,13 @@ class TokenRecipe:
     keep_ratio: float = 0.5  # defaults stored in the checkpoint for select()
     min_per_view: int = 1
     mlp_hidden: int = 128
+    use_tags: bool = True  # the selector's c-tag cell bonuses
     threads: int = 2
 
 
 # ---------------------------------------------------------------------------------------------
 # Labels
 # ---------------------------------------------------------------------------------------------
-
-
-def box_cells(box: Sequence[float], grid: int, tiles_per_view: int, min_cover: float = 0.02) -> list[int]:
-    """Token indices (within one view) whose cell a (u0, v0, u1, v1) box in 1600x900 pixels covers.
-
-    A view is resized to tiles_per_view square tiles side by side, each a grid x grid token raster
-    (row-major, as pixel shuffle leaves them); a cell counts when the box covers >= min_cover of it.
-    """
-    u0, v0, u1, v1 = (float(c) for c in box)
-    u0, v0, u1, v1 = max(u0, 0.0), max(v0, 0.0), min(u1, IMAGE_WIDTH), min(v1, IMAGE_HEIGHT)
-    if u1 <= u0 or v1 <= v0:
-        return []
-    cols = grid * tiles_per_view
-    cw, ch = IMAGE_WIDTH / cols, IMAGE_HEIGHT / grid
-    out = []
-    for gc in range(cols):
-        ox = min(u1, (gc + 1) * cw) - max(u0, gc * cw)
-        if ox <= 0:
-            continue
-        for r in range(grid):
-            oy = min(v1, (r + 1) * ch) - max(v0, r * ch)
-            if oy > 0 and ox * oy >= min_cover * cw * ch:
-                tile, c = divmod(gc, grid)
-                out.append(tile * grid * grid + r * grid + c)
-    return sorted(out)
 
 
 def box_prior(boxes_by_view: dict[str, list[Sequence[float]]], views: Sequence[str], grid: int, tiles_per_view: int) -> torch.Tensor:
@@ -157,6 +134,7 @@ def label(attn: torch.Tensor, prior: torch.Tensor, prior_weight: float) -> torch
 class Item:
     frame: int  # index into the visual-token bank
     views: tuple[str, ...]
+    question: str
     ids: list[int]
     spans: list[tuple[str, int, int]]
     target: torch.Tensor  # (N,) label distribution
@@ -207,7 +185,7 @@ def build_items(model, tokenizer, recipe: TokenRecipe, frame_range: range, rng: 
             answer = tokenizer.encode(qa.answer) + [tokenizer.eos_id]
             attn = teacher_attention(model, embeds, positions, spans, answer, recipe.band, recipe.last_row_weight).cpu()
             prior = box_prior(frame_boxes(frame, qa.question, qa.answer, qa.views), views, grid, cfg.tiles_per_view)
-            items.append(Item(len(bank) - 1, views, ids, spans, label(attn, prior, recipe.prior_weight), attn, prior))
+            items.append(Item(len(bank) - 1, views, qa.question, ids, spans, label(attn, prior, recipe.prior_weight), attn, prior))
     return bank, items
 
 
@@ -222,6 +200,12 @@ def item_inputs(model, bank, item: Item):
     with torch.no_grad():
         embeds = model.embed(ids, visual)
     return embeds, torch.arange(len(item.ids), device=model.device)[None]
+
+
+def item_scores(selector: TokenSelector, model, bank, item: Item) -> torch.Tensor:
+    """The selector's (N,) scores for an item, c-tag features included."""
+    embeds, positions = item_inputs(model, bank, item)
+    return selector.scores(embeds, positions, item.spans, selector.tag_features(model, item.question, item.spans))[0]
 
 
 def kl_loss(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -247,7 +231,7 @@ def agreement(model, selector: TokenSelector | None, bank, items: list[Item], ra
             x = model.language_model(embeds, positions, end_layer=1)
             s = fastv_scores(model, x, positions, it.spans, 1).clamp_min(1e-12).log()
         else:
-            s = selector.scores(embeds, positions, it.spans)[0]
+            s = item_scores(selector, model, bank, it)
         kl.append(float(kl_loss(s, it.target.to(s.device))))
         sizes = [e - b for _, b, e in it.spans]
         for r in ratios:
@@ -281,7 +265,7 @@ def train_token_selector(model_dir: str | Path, recipe: TokenRecipe | None = Non
     vbank, val = build_items(model, tokenizer, recipe, range(recipe.frames, recipe.frames + recipe.val_frames), rng, math.inf, progress)
     if not items:
         raise LiteVLMError("no training items were labelled within the time budget; raise --minutes")
-    selector = TokenSelector.from_model(model, SelectorConfig(recipe.keep_ratio, recipe.min_per_view, recipe.mlp_hidden)).float()
+    selector = TokenSelector.from_model(model, SelectorConfig(recipe.keep_ratio, recipe.min_per_view, recipe.mlp_hidden, use_tags=recipe.use_tags)).float()
     before = {"fastv_k1": agreement(model, None, vbank, val), "selector_init": agreement(model, selector, vbank, val)}
 
     params = [p for p in selector.parameters() if p.requires_grad]
@@ -304,8 +288,7 @@ def train_token_selector(model_dir: str | Path, recipe: TokenRecipe | None = Non
             opt.zero_grad(set_to_none=True)
             loss_sum = 0.0
             for it in batch:
-                embeds, positions = item_inputs(model, bank, it)
-                loss = kl_loss(selector.scores(embeds, positions, it.spans)[0], it.target.to(embeds.device)) / len(batch)
+                loss = kl_loss(item_scores(selector, model, bank, it), it.target.to(model.device)) / len(batch)
                 loss.backward()
                 loss_sum += float(loss.detach())
             torch.nn.utils.clip_grad_norm_(params, 1.0)

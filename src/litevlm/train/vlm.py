@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.config import TextConfig, VisionConfig, VLMConfig
-from litevlm.model.vlm import IMAGENET_MEAN, IMAGENET_STD, VLM
+from litevlm.model.vlm import VLM, normalize_tiles
 
 IGNORE = -100
 
@@ -57,6 +57,7 @@ class VLMRecipe:
     warmup: int = 200
     weight_decay: float = 0.05
     view_subset_prob: float = 0.5
+    token_drop_prob: float = 0.35  # frames whose visual tokens are randomly thinned (keep 30-95%)
     render_size: tuple[int, int] = (400, 225)
     vocab_size: int = 1024
     threads: int = 2
@@ -67,25 +68,21 @@ class FrameBank:
 
     def __init__(self, recipe: VLMRecipe, cfg: VLMConfig, tokenizer, progress: bool = True):
         from litevlm.data.synthetic import make_frame, render_views
-        from litevlm.model.vlm import image_to_tiles
+        from litevlm.model.vlm import image_to_uint8_tiles
 
         s, tpv = cfg.vision.image_size, cfg.tiles_per_view
         self.tiles = torch.empty(recipe.frames, len(CAMERAS) * tpv, 3, s, s, dtype=torch.uint8)
         self.qas: list[list[tuple[list[int], list[int], tuple[str, ...]]]] = []
-        mean, std = torch.tensor(IMAGENET_MEAN)[:, None, None], torch.tensor(IMAGENET_STD)[:, None, None]
         for i in tqdm(range(recipe.frames), desc="rendering frames", disable=not progress):
             frame = make_frame(recipe.seed, i)
             views = render_views(frame, size=recipe.render_size)
-            t = torch.cat([image_to_tiles(views[c], s, tpv) for c in CAMERAS])  # normalised
-            self.tiles[i] = ((t * std + mean) * 255).round().clamp(0, 255).to(torch.uint8)
+            self.tiles[i] = torch.from_numpy(np.concatenate([image_to_uint8_tiles(views[c], s, tpv) for c in CAMERAS]))
             self.qas.append([(tokenizer.encode(q.question), tokenizer.encode(q.answer), tuple(q.views)) for q in frame.qas])
-        self.mean, self.std = mean, std
         self.tpv = tpv
 
     def pixels(self, frame: int, views: list[str]) -> torch.Tensor:
         idx = [CAMERAS.index(c) * self.tpv + j for c in views for j in range(self.tpv)]
-        x = self.tiles[frame, idx].float() / 255.0
-        return (x - self.mean) / self.std
+        return normalize_tiles(self.tiles[frame, idx])
 
 
 def pack_frame(tokenizer, views: list[str], tokens_per_view: int, blocks: list[tuple[list[int], list[int]]]):
@@ -117,7 +114,7 @@ def block_mask(block: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rng: random.Random):
     frames = rng.sample(range(len(bank.qas)), recipe.batch_frames)
     tpv_tokens = cfg.tokens_per_tile * cfg.tiles_per_view
-    seqs, pixels = [], []
+    seqs, pixels, keeps = [], [], []
     for f in frames:
         qas = bank.qas[f]
         views = list(CAMERAS)
@@ -128,7 +125,12 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
             views = [c for c in CAMERAS if c in keep]
             pool = [qa for qa in qas if set(qa[2]) <= keep]
         chosen = rng.sample(pool, min(recipe.questions_per_frame, len(pool)))
-        seqs.append(pack_frame(tokenizer, views, tpv_tokens, [(q, a) for q, a, _ in chosen]))
+        seq = pack_frame(tokenizer, views, tpv_tokens, [(q, a) for q, a, _ in chosen])
+        keep = torch.ones(len(views) * tpv_tokens, dtype=torch.bool)
+        if rng.random() < recipe.token_drop_prob:
+            seq, keep = drop_visual_tokens(seq, tokenizer.image_id, len(views), tpv_tokens, rng)
+        seqs.append(seq)
+        keeps.append(keep)
         pixels.append(bank.pixels(f, views))
     t = max(len(s[0]) for s in seqs)
     b = len(seqs)
@@ -141,7 +143,26 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         n = len(a)
         ids[i, :n], labels[i, :n], pos[i, :n], block[i, :n] = torch.tensor(a), torch.tensor(l), torch.tensor(p), torch.tensor(bl)
         valid[i, :n] = True
-    return ids, labels, pos, block_mask(block, valid), torch.cat(pixels)
+    return ids, labels, pos, block_mask(block, valid), torch.cat(pixels), torch.cat(keeps)
+
+
+def drop_visual_tokens(seq, image_id: int, n_views: int, per_view: int, rng: random.Random):
+    """Remove a random fraction of a frame's visual tokens (at least one per view); the rest keep
+    their positions, as token selection at inference leaves them. Teaches the model pruned inputs."""
+    ratio = rng.uniform(0.3, 0.95)
+    keep = torch.rand(n_views * per_view, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) < ratio
+    for v in range(n_views):
+        keep[v * per_view + rng.randrange(per_view)] = True
+    ids, labels, pos, block = seq
+    out, k = ([], [], [], []), 0
+    for i, tok in enumerate(ids):
+        if tok == image_id:
+            k += 1
+            if not keep[k - 1]:
+                continue
+        for lst, src in zip(out, (ids, labels, pos, block)):
+            lst.append(src[i])
+    return out, keep
 
 
 def lr_at(step: int, total: int, recipe: VLMRecipe) -> float:
@@ -167,7 +188,6 @@ def init_weights(model: VLM, seed: int) -> None:
 def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> Path:
     from litevlm.data.synthetic import question_corpus
     from litevlm.data.tokenizer import train_default
-    from litevlm.model.hf import save_native
 
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
@@ -186,13 +206,13 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     # Estimate the total number of steps the budget allows after a short timing, for the LR schedule.
     total = recipe.steps
     bar = tqdm(total=recipe.steps, desc="training vlm", disable=not progress)
-    losses, step, t_loop = [], 0, time.time()
+    losses, step, t_loop, last_save = [], 0, time.time(), time.time()
     model.train()
     while step < total and time.time() < deadline:
-        ids, labels, pos, mask, pixels = make_batch(bank, tokenizer, cfg, recipe, rng)
+        ids, labels, pos, mask, pixels, keep = make_batch(bank, tokenizer, cfg, recipe, rng)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, recipe)
-        visual = model.encode_tiles(pixels)
+        visual = model.encode_tiles(pixels).reshape(-1, cfg.text.hidden_size)[keep]
         x = model.embed(ids, visual)
         hidden = model.language_model(x, pos, mask=mask)
         sel = labels != IGNORE
@@ -208,12 +228,22 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
             total = min(recipe.steps, int(step + (deadline - time.time()) / per_step))
             bar.total = total
         bar.update(1)
+        if time.time() - last_save > 600:  # a usable checkpoint survives an interrupted run
+            _save(model, tokenizer, out, recipe, step, losses, t_start)
+            model.train()
+            last_save = time.time()
         if step % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}")
     bar.close()
+    return _save(model, tokenizer, out, recipe, step, losses, t_start)
+
+
+def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, losses: list[float], t_start: float) -> Path:
+    from litevlm.model.hf import save_native
+
     model.eval()
-    train_s = time.time() - t_start
-    meta = {"recipe": asdict(recipe), "steps": step, "train_seconds": round(train_s, 1), "final_loss": float(np.mean(losses[-100:])) if losses else None}
+    meta = {"recipe": asdict(recipe), "steps": step, "train_seconds": round(time.time() - t_start, 1),
+            "final_loss": float(np.mean(losses[-100:])) if losses else None}
     save_native(model, out, extra_meta=meta)
     tokenizer.save(out)
     (out / "train_log.json").write_text(json.dumps({"loss": losses[::10], **meta}, indent=1))
