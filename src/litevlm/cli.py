@@ -15,7 +15,7 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="drive-tiny", help="bundled model name or checkpoint directory (ours or transformers InternVL)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    g.add_argument("--max-new-tokens", type=int, default=48)
+    g.add_argument("--max-new-tokens", type=int, default=160)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
@@ -65,7 +65,8 @@ def cmd_data_synth(args) -> None:
 def cmd_train_vlm(args) -> None:
     from litevlm.train.vlm import VLMRecipe, train_vlm
 
-    recipe = VLMRecipe(frames=args.frames, seed=args.seed, minutes=args.minutes, steps=args.steps, batch_frames=args.batch_frames)
+    recipe = VLMRecipe(frames=args.frames, seed=args.seed, minutes=args.minutes, steps=args.steps,
+                       batch_frames=args.batch_frames, threads=args.threads)
     out = train_vlm(args.out, recipe)
     print(f"saved to {out}")
 
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     tv.add_argument("--minutes", type=float, default=40.0)
     tv.add_argument("--steps", type=int, default=100000)
     tv.add_argument("--batch-frames", type=int, default=8)
+    tv.add_argument("--threads", type=int, default=2)
     tv.set_defaults(func=cmd_train_vlm)
 
     e = sub.add_parser("eval", help="DriveLM scores of a pipeline configuration")
@@ -149,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src")
     c.add_argument("dst")
     c.set_defaults(func=cmd_convert)
+
+    from litevlm.serve import add_serve_parser
+
+    add_serve_parser(sub, _add_pipeline_options, _pipeline)
     return p
 
 

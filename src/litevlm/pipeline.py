@@ -72,7 +72,7 @@ class Pipeline:
         model: VLM,
         tokenizer,
         *,
-        max_new_tokens: int = 48,
+        max_new_tokens: int = 160,
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int = 0,

@@ -16,7 +16,7 @@ def evaluate(pipe, data: str | Path, images_root=None, limit: int | None = None,
     blank=True replaces every camera image by the same empty road: a model that really looks at
     the images must then lose most of its closed-question accuracy.
     """
-    from litevlm.data.drivelm import load_samples
+    from litevlm.data.drivelm import load_images, load_samples
 
     samples = load_samples(data, images_root=images_root)
     if limit:

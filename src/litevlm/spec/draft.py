@@ -44,18 +44,21 @@ class DraftConfig:
     norm_eps: float = 1e-6
     qkv_bias: bool = True
     input_norm: bool = True
+    draft_vocab: int = 0  # > 0: draft only among this many target tokens (a cheaper LM head, as EAGLE-3's d2t)
 
     def __post_init__(self) -> None:
         self.layer_config()  # validates heads / head_dim like the target's config does
+        if not 0 <= self.draft_vocab <= self.vocab_size:
+            raise LiteVLMError(f"draft config field 'draft_vocab': must lie in [0, vocab_size={self.vocab_size}]")
 
     @classmethod
-    def for_target(cls, text: TextConfig, intermediate_size: int | None = None) -> "DraftConfig":
-        """The target's layer shapes (EAGLE), optionally with a narrower MLP."""
+    def for_target(cls, text: TextConfig, intermediate_size: int | None = None, draft_vocab: int = 0) -> "DraftConfig":
+        """The target's layer shapes (EAGLE), optionally with a narrower MLP and a reduced draft vocabulary."""
         return cls(
             hidden_size=text.hidden_size, vocab_size=text.vocab_size, num_heads=text.num_heads,
             num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
             intermediate_size=intermediate_size or text.intermediate_size, rope_theta=text.rope_theta,
-            norm_eps=text.norm_eps, qkv_bias=text.qkv_bias,
+            norm_eps=text.norm_eps, qkv_bias=text.qkv_bias, draft_vocab=draft_vocab,
         )
 
     def layer_config(self) -> TextConfig:
@@ -83,6 +86,9 @@ class DraftHead(nn.Module):
         self.layer = DecoderLayer(cfg.layer_config())
         if not cfg.input_norm:
             self.layer.input_layernorm = nn.Identity()
+        if cfg.draft_vocab:  # draft id -> target id (saved with the weights)
+            self.register_buffer("vocab_map", torch.arange(cfg.draft_vocab))
+        self._sub_head: tuple | None = None
         self.recipe: dict = {}  # how it was trained; saved with the weights
         self.metrics: dict = {}
         self._shared: tuple[nn.Embedding, nn.Linear] | None = None
@@ -112,11 +118,35 @@ class DraftHead(nn.Module):
         return self._target()[0](tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head over the full vocabulary (training, evaluation)."""
         return self._target()[1](hidden)
 
+    def _draft_head(self) -> torch.Tensor:
+        """The LM head's rows of the draft vocabulary, gathered once per weight version."""
+        w = self._target()[1].weight
+        key = (w.data_ptr(), w._version, self.vocab_map.data_ptr(), self.vocab_map._version)
+        if self._sub_head is None or self._sub_head[0] != key:
+            self._sub_head = (key, w.detach()[self.vocab_map])
+        return self._sub_head[1]
+
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Predicted features (..., C) -> log-probabilities of the token after next (..., V)."""
+        """Predicted features (..., C) -> log-probabilities of the token after next over the draft
+        vocabulary (..., V or draft_vocab); `token_ids` maps their indices to target token ids."""
+        if self.cfg.draft_vocab:
+            return torch.log_softmax(F.linear(hidden, self._draft_head()).float(), -1)
         return torch.log_softmax(self.logits(hidden).float(), -1)
+
+    def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, C) -> the k most likely next tokens: (log-probs (n, k), target token ids (n, k))."""
+        lp, idx = self.logprobs(hidden).topk(k, -1)
+        return lp, (self.vocab_map[idx] if self.cfg.draft_vocab else idx)
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """The target ids the draft may propose (e.g. the most frequent answer tokens)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.fc.weight.device)
+        if ids.shape != (self.cfg.draft_vocab,) or int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
+            raise LiteVLMError(f"a draft vocabulary needs {self.cfg.draft_vocab} distinct token ids below {self.cfg.vocab_size}")
+        self.vocab_map.copy_(ids)
 
     # -- the layer, as few ops as possible (CPU decode is op-overhead bound) ----------------------
     def _weights(self) -> tuple:

@@ -143,7 +143,7 @@ def tree_from_pool(
 def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start: int, position: int, cfg: TreeConfig) -> Tree:
     """Expand a draft tree below `root_token` (EAGLE-2 4.1) and rerank it.
 
-    `draft` provides `logprobs(hidden (n, C)) -> (n, V)` and
+    `draft` provides `topk(hidden (n, C), k) -> (log-probs (n, k), token ids (n, k))` and
     `step(tokens (k,), hidden (k, C), position, start, mask (k, S)) -> hidden (k, C)`, which runs k
     pairs at one draft position, writes their K/V at draft-cache slots start..start+k-1 and lets
     them attend where `mask` (over slots 0..S-1) allows. root_hidden (1, C) is the draft's output
@@ -153,7 +153,7 @@ def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start
     """
     k, levels = cfg.top_k, cfg.depth
     dev = root_hidden.device
-    scores, tokens = draft.logprobs(root_hidden)[0].topk(k)  # (k,) level 1
+    scores, tokens = (x[0] for x in draft.topk(root_hidden, k))  # (k,) level 1
     pool_scores, pool_tokens, pool_parents = [scores], [tokens], [torch.full((k,), -1, device=dev)]
     frontier = torch.arange(k, device=dev)  # pool indices of the nodes expanded next
     hidden = root_hidden.expand(k, -1)
@@ -162,7 +162,7 @@ def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start
     tmask = eye  # (k, k * (level)): which scratch entries each frontier node may see
     for i in range(levels - 1):
         out = draft.step(tokens, hidden, position + i, start + i * k, torch.cat([prefix, tmask], 1))  # (k, C)
-        child_lp, child_tok = draft.logprobs(out).topk(k, -1)  # (k, k)
+        child_lp, child_tok = draft.topk(out, k)  # (k, k)
         cum = (scores[:, None] + child_lp).flatten()  # (k*k,) value of every child
         child_tok = child_tok.flatten()
         pool_scores.append(cum)

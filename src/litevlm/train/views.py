@@ -1,0 +1,309 @@
+"""Training recipe for the ViewSelector: BCE summed over views, then (weight, threshold) calibration.
+
+Labels are hybrid, as in the paper (arXiv 2506.07416, section 3; research/token_pruning.md
+section 1.2): the synthetic generator's own per-question views (seed 0 frames), plus any JSONL of
+`{"question", "views"}` lines, such as `litevlm label-views` writes from a language model for
+implicit questions. Single-tag questions are augmented by moving the tag to every camera (the view
+comes from the tag, not from the phrase around it: the generator only asks "in the moving
+direction" about front objects, real DriveLM asks it about any). Identical questions (tags reduced
+to their camera, numbers to one token) are trained once.
+
+Calibration runs on a validation split that training never sees (seed 2 frames, and one extra
+label line in ten): a grid over the lexical weight and the threshold, keeping the pair that reaches
+the target recall (needed views kept / needed views) with the fewest views per question, subject
+to weight >= threshold (a camera the question names is always kept). The held-out test split is
+seed 1 and is never touched here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from litevlm.cameras import CAMERAS, check_camera
+from litevlm.errors import LiteVLMError
+from litevlm.select.views import TAG_RE, ViewSelector, ViewSelectorConfig, fuse, keep_mask, lexical_views, question_words
+
+HELD_OUT_SEED = 1  # the synthetic test split
+
+
+@dataclass
+class ViewRecipe:
+    frames: int = 3000  # training frames: seed `seed`, indices 0..frames-1
+    seed: int = 0
+    val_frames: int = 500  # calibration frames: seed `val_seed`, indices 0..val_frames-1
+    val_seed: int = 2
+    steps: int = 1200
+    batch: int = 64
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    warmup: int = 100
+    minutes: float = 10.0  # wall-clock cap on the optimisation
+    tag_augment: bool = True
+    target_recall: float = 0.995  # on the validation split
+    torch_seed: int = 0
+    threads: int = 1
+    width: int = 64
+    layers: int = 4
+    heads: int = 4
+    ffn: int = 128
+    buckets: int = 4096
+    dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        if HELD_OUT_SEED in (self.seed, self.val_seed):
+            raise ValueError(f"recipe field {'seed' if self.seed == HELD_OUT_SEED else 'val_seed'!r}: seed "
+                             f"{HELD_OUT_SEED} is the held-out test split; train and calibrate on other seeds")
+        if self.seed == self.val_seed:
+            raise ValueError("recipe field 'val_seed': must differ from 'seed' (calibration frames are held out from training)")
+        if not 0.0 < self.target_recall <= 1.0:
+            raise ValueError(f"recipe field 'target_recall': must be in (0, 1]; got {self.target_recall}")
+        for name in ("frames", "val_frames", "steps", "batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"recipe field {name!r}: must be positive; got {getattr(self, name)}")
+
+    def selector_config(self) -> ViewSelectorConfig:
+        return ViewSelectorConfig(width=self.width, layers=self.layers, heads=self.heads, ffn=self.ffn,
+                                  buckets=self.buckets, dropout=self.dropout)
+
+
+Example = tuple[str, tuple[str, ...]]  # (question, needed views in CAMERAS order)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------
+def generator_examples(seed: int, frames: int, progress: bool = False) -> list[Example]:
+    """Every question of synthetic frames 0..frames-1 of `seed` with the views it needs."""
+    from litevlm.data.synthetic import make_frame
+
+    out: list[Example] = []
+    for i in tqdm(range(frames), desc=f"questions (seed {seed})", unit="frame", disable=not progress, leave=False):
+        out += [(qa.question, tuple(qa.views)) for qa in make_frame(seed, i).qas]
+    return out
+
+
+def read_labels(path: str | Path) -> list[Example]:
+    """`{"question": str, "views": [camera, ...]}` lines (label-views output); a bad line names itself."""
+    p = Path(path)
+    if not p.is_file():
+        raise LiteVLMError(f"no view labels at {p}: pass a JSONL file written by `litevlm label-views`")
+    out: list[Example] = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            q, views = item["question"], item["views"]
+            if not isinstance(q, str) or not isinstance(views, list) or not views:
+                raise TypeError
+            named = {check_camera(str(v)) for v in views}
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise LiteVLMError(f"{p}:{n}: expected {{\"question\": str, \"views\": [camera, ...]}} ({type(e).__name__})") from None
+        except LiteVLMError as e:
+            raise LiteVLMError(f"{p}:{n}: {e}") from None
+        out.append((q, tuple(c for c in CAMERAS if c in named)))
+    return out
+
+
+def augment_tags(examples: Sequence[Example]) -> list[Example]:
+    """For each question with one c-tag whose views are that tag's camera: the same question with
+    the tag on each of the six cameras."""
+    out: list[Example] = []
+    for q, views in examples:
+        tags = TAG_RE.findall(q)
+        if len(tags) == 1 and views == (tags[0].upper(),):
+            m = TAG_RE.search(q)
+            for cam in CAMERAS:
+                tag = m.group(0)[: m.start(1) - m.start()] + cam + m.group(0)[m.end(1) - m.start():]
+                out.append((q[: m.start()] + tag + q[m.end():], (cam,)))
+        else:
+            out.append((q, views))
+    return out
+
+
+def dedupe(examples: Sequence[Example]) -> list[Example]:
+    """One example per (module words, views): coordinates and numbers do not make a new question."""
+    seen: dict[tuple, Example] = {}
+    for q, views in examples:
+        seen.setdefault((tuple(question_words(q)), views), (q, views))
+    return list(seen.values())
+
+
+def is_validation_label(question: str) -> bool:
+    """One extra-label line in ten (by a hash of its text) is kept for calibration."""
+    return zlib.crc32(question.encode("utf-8")) % 10 == 0
+
+
+def label_matrix(examples: Sequence[Example]) -> torch.Tensor:
+    """(M, N) float: 1 where a view is needed."""
+    return torch.tensor([[1.0 if c in views else 0.0 for c in CAMERAS] for _, views in examples]).reshape(-1, len(CAMERAS))
+
+
+# ------------------------------------------------------------------------------------------------
+# Calibration
+# ------------------------------------------------------------------------------------------------
+def selection_metrics(keep: torch.Tensor, labels: torch.Tensor) -> dict:
+    """View recall (needed kept / needed), views per question, needed views per question, exact-set rate."""
+    needed = labels.sum()
+    return {
+        "recall": float((keep.float() * labels).sum() / needed) if needed > 0 else 1.0,
+        "views_per_question": float(keep.float().sum(1).mean()),
+        "needed_per_question": float(labels.sum(1).mean()),
+        "exact": float((keep.float() == labels).all(1).float().mean()),
+        "questions": int(labels.shape[0]),
+    }
+
+
+def calibrate(lexical: torch.Tensor, probs: torch.Tensor, labels: torch.Tensor, target_recall: float,
+              weights: Sequence[float] | None = None, thresholds: Sequence[float] | None = None) -> dict:
+    """The (weight, threshold) reaching `target_recall` with the fewest views per question.
+
+    Only pairs with weight >= threshold are considered, so a camera the lexical map names always
+    passes. Among pairs within 0.005 views of the best: the highest recall, then the lowest
+    threshold (the most forgiving on phrasing calibration never saw). If no pair reaches the
+    target, the pair with the highest recall is returned with "reached": False.
+    """
+    weights = [round(0.05 * i, 2) for i in range(21)] if weights is None else list(weights)
+    thresholds = [round(0.02 * i, 2) for i in range(1, 50)] if thresholds is None else list(thresholds)
+    rows = []
+    for w in weights:
+        s = fuse(lexical, probs, w)
+        for t in thresholds:
+            if w < t:
+                continue
+            m = selection_metrics(keep_mask(s, t), labels)
+            rows.append((w, t, m))
+    if not rows:
+        raise LiteVLMError("calibration grid is empty: some weight must be >= some threshold")
+    ok = [r for r in rows if r[2]["recall"] >= target_recall]
+    if not ok:
+        w, t, m = max(rows, key=lambda r: (r[2]["recall"], -r[2]["views_per_question"]))
+        return {"weight": w, "threshold": t, "reached": False, **m}
+    best = min(r[2]["views_per_question"] for r in ok)
+    near = [r for r in ok if r[2]["views_per_question"] <= best + 0.005]
+    w, t, m = max(near, key=lambda r: (r[2]["recall"], -r[1], -abs(r[0] - 0.5)))
+    return {"weight": w, "threshold": t, "reached": True, **m}
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+# ------------------------------------------------------------------------------------------------
+def _lr(step: int, recipe: ViewRecipe) -> float:
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    frac = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+    return recipe.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
+
+
+def train_view_selector(out_dir: str | Path, recipe: ViewRecipe | None = None, extra_labels: Sequence[str | Path] = (),
+                        progress: bool = True) -> Path:
+    """Train, calibrate and save a ViewSelector to `out_dir/view_selector/`; returns that folder."""
+    recipe = recipe or ViewRecipe()
+    torch.manual_seed(recipe.torch_seed)
+    rng = random.Random(recipe.torch_seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.threads)
+    try:
+        train = generator_examples(recipe.seed, recipe.frames, progress)
+        val = generator_examples(recipe.val_seed, recipe.val_frames, progress)
+        extra_train, extra_val = [], []
+        for path in extra_labels:
+            for ex in read_labels(path):
+                (extra_val if is_validation_label(ex[0]) else extra_train).append(ex)
+        train_set = dedupe((augment_tags(train) if recipe.tag_augment else train) + extra_train)
+        val += extra_val
+
+        sel = ViewSelector(recipe.selector_config(), target_recall=recipe.target_recall)
+        labels = label_matrix(train_set)
+        opt = torch.optim.AdamW(sel.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+        sel.train()
+        deadline = time.monotonic() + 60.0 * recipe.minutes
+        bar = tqdm(range(recipe.steps), desc="train views", unit="step", disable=not progress)
+        ema = None
+        steps_done = 0
+        for step in bar:
+            idx = [rng.randrange(len(train_set)) for _ in range(recipe.batch)]
+            ids, mask = sel.cfg.features([train_set[i][0] for i in idx])
+            logits = sel(ids, mask)  # (B, N)
+            loss = F.binary_cross_entropy_with_logits(logits, labels[idx], reduction="none").sum(1).mean()  # BCE summed over views
+            for group in opt.param_groups:
+                group["lr"] = _lr(step, recipe)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(sel.parameters(), 1.0)
+            opt.step()
+            steps_done = step + 1
+            value = loss.item()
+            ema = value if ema is None else 0.95 * ema + 0.05 * value
+            if step % 20 == 0:
+                bar.set_postfix(loss=f"{ema:.4f}")
+            if time.monotonic() > deadline:
+                break
+        bar.close()
+
+        sel.eval()
+        questions = [q for q, _ in val]
+        lex = torch.tensor([[lexical_views(q)[c] for c in CAMERAS] for q in questions])
+        probs = sel.probabilities(questions)
+        val_labels = label_matrix(val)
+        cal = calibrate(lex, probs, val_labels, recipe.target_recall)
+        sel.weight, sel.threshold = cal["weight"], cal["threshold"]
+        lexical_alone = selection_metrics(keep_mask(lex, 0.5), val_labels)
+        extra = {
+            "validation": cal,
+            "validation_lexical_only": lexical_alone,
+            "data": {"train_questions": len(train), "train_unique": len(train_set), "extra_train": len(extra_train),
+                     "val_questions": len(val), "extra_val": len(extra_val), "extra_labels": [str(p) for p in extra_labels]},
+            "steps_done": steps_done,
+            "final_loss": ema,
+        }
+        out = sel.save(out_dir, recipe=asdict(recipe), extra=extra)
+    finally:
+        torch.set_num_threads(threads)
+    if progress:
+        print(f"validation: recall {cal['recall']:.4f} with {cal['views_per_question']:.3f} views/question "
+              f"(needed {cal['needed_per_question']:.3f}); weight {cal['weight']}, threshold {cal['threshold']}"
+              + ("" if cal["reached"] else f"  [target recall {recipe.target_recall} NOT reached]"))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line: `litevlm train views --out DIR`
+# ------------------------------------------------------------------------------------------------
+def cmd_train_views(args) -> None:
+    recipe = ViewRecipe(frames=args.frames, val_frames=args.val_frames, steps=args.steps, minutes=args.minutes,
+                        torch_seed=args.seed, target_recall=args.target_recall, threads=args.threads)
+    out = train_view_selector(args.out, recipe, extra_labels=args.labels, progress=not args.json)
+    meta = json.loads((out / "config.json").read_text())
+    if args.json:
+        print(json.dumps({"path": str(out), "weight": meta["weight"], "threshold": meta["threshold"],
+                          "validation": meta["validation"]}, separators=(",", ":")))
+    else:
+        print(f"saved to {out}")
+
+
+def add_train_views_parser(train_sub) -> None:
+    """Register `views` on the `litevlm train` subparsers."""
+    p = train_sub.add_parser("views", help="train the ViewSelector (which cameras a question needs) and calibrate it")
+    p.add_argument("--out", required=True, help="model directory; the selector is written to OUT/view_selector/")
+    p.add_argument("--labels", nargs="*", default=[], help='extra JSONL of {"question", "views"} lines (litevlm label-views)')
+    p.add_argument("--frames", type=int, default=ViewRecipe.frames, help="synthetic training frames (seed 0)")
+    p.add_argument("--val-frames", type=int, default=ViewRecipe.val_frames, help="calibration frames (seed 2)")
+    p.add_argument("--steps", type=int, default=ViewRecipe.steps)
+    p.add_argument("--minutes", type=float, default=ViewRecipe.minutes)
+    p.add_argument("--target-recall", type=float, default=ViewRecipe.target_recall)
+    p.add_argument("--seed", type=int, default=0, help="torch / sampling seed")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_train_views)
