@@ -9,6 +9,8 @@ from pathlib import Path
 
 from litevlm.errors import LiteVLMError
 
+LITEVLM_KEEP_RATIO = 0.5  # r for the LiteVLM configuration (fraction of visual tokens kept)
+
 
 def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline")
@@ -19,14 +21,30 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--select-views", action="store_true", help="ViewSelector: encode only the cameras the question needs")
+    g.add_argument("--select-tokens", type=float, default=None, metavar="R", help="TokenSelector keeping a fraction R of visual tokens")
+    g.add_argument("--fastv-k", type=int, default=None, metavar="K", help="FastV baseline: prune at decoder layer K")
+    g.add_argument("--fastv-r", type=float, default=None, metavar="R", help="FastV baseline: fraction of visual tokens kept")
+    g.add_argument("--speculative", action="store_true", help="EAGLE-2 speculative decoding with the model's draft head")
+    g.add_argument("--tree-top-k", type=int, default=None)
+    g.add_argument("--tree-depth", type=int, default=None)
+    g.add_argument("--tree-total", type=int, default=None, help="draft tree size verified per step (root included)")
+    g.add_argument("--fp8", default=None, metavar="RECIPE", help="fp8-dynamic-per-row: quantise decoder linears at load")
+    g.add_argument("--litevlm", action="store_true", help="the full LiteVLM configuration: --select-views --select-tokens 0.5 --speculative")
 
 
 def _pipeline(args):
     from litevlm.pipeline import Pipeline
 
+    if args.litevlm:
+        args.select_views, args.speculative = True, True
+        args.select_tokens = args.select_tokens or LITEVLM_KEEP_RATIO
     return Pipeline.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        select_views=args.select_views, select_tokens=args.select_tokens, fastv_k=args.fastv_k, fastv_r=args.fastv_r,
+        speculative=args.speculative, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, tree_total=args.tree_total,
+        fp8=args.fp8,
     )
 
 

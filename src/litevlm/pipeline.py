@@ -67,11 +67,25 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
 
 
 class Pipeline:
+    """Question + six camera images -> Answer, through the switchable LiteVLM stages.
+
+    view_selector: ViewSelector or None (all six views are encoded).
+    token_selector + keep_ratio: TokenSelector keeping a fraction r of the visual tokens, or None.
+    fastv: (K, r) for FastV pruning inside the LLM (the baseline), or None.
+    draft + tree: EAGLE-2 speculative decoding with this draft head and tree envelope, or None.
+    """
+
     def __init__(
         self,
         model: VLM,
         tokenizer,
         *,
+        view_selector=None,
+        token_selector=None,
+        keep_ratio: float | None = None,
+        fastv: tuple[int, float] | None = None,
+        draft=None,
+        tree=None,
         max_new_tokens: int = 160,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -79,9 +93,20 @@ class Pipeline:
         max_question_tokens: int = 256,
         name: str = "custom",
     ):
+        if token_selector is not None and fastv is not None:
+            raise LiteVLMError("choose TokenSelector or FastV, not both")
+        for r in (keep_ratio, fastv[1] if fastv else None):
+            if r is not None and not 0.0 < r <= 1.0:
+                raise LiteVLMError(f"keep ratio r (fraction of visual tokens KEPT) must be in (0, 1]; got {r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.cfg = model.cfg
+        self.view_selector = view_selector
+        self.token_selector = token_selector
+        self.keep_ratio = keep_ratio
+        self.fastv = fastv
+        self.draft = draft
+        self.tree = tree
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
@@ -89,15 +114,40 @@ class Pipeline:
         self.name = name
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.tokens_per_view = self.cfg.tokens_per_tile * self.cfg.tiles_per_view
-        # Room for the longest prompt (all views, longest question) plus the answer.
-        self.max_len = 64 + len(CAMERAS) * (self.tokens_per_view + 16) + max_question_tokens + max_new_tokens
+        # Room for the longest prompt (all views, longest question) plus the answer and a draft tree.
+        self.max_len = 96 + len(CAMERAS) * (self.tokens_per_view + 16) + max_question_tokens + max_new_tokens
         model.language_model.setup_cache(1, self.max_len)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, name_or_path: str | Path = "drive-tiny", *, device: str = "cpu", dtype: str = "float32", **options) -> "Pipeline":
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path = "drive-tiny",
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        select_views: bool = False,
+        select_tokens: float | None = None,
+        fastv_k: int | None = None,
+        fastv_r: float | None = None,
+        speculative: bool = False,
+        tree_top_k: int | None = None,
+        tree_depth: int | None = None,
+        tree_total: int | None = None,
+        fp8: str | None = None,
+        **options,
+    ) -> "Pipeline":
+        """A pipeline over a bundled model ("drive-tiny") or a checkpoint directory.
+
+        select_views: use the model's ViewSelector (model_dir/view_selector).
+        select_tokens=r: use its TokenSelector (model_dir/token_selector), keeping a fraction r.
+        fastv_k, fastv_r: FastV at layer K keeping r (the comparison baseline).
+        speculative: EAGLE-2 with its draft head (model_dir/draft), tree_* override the default tree.
+        fp8: "fp8-dynamic-per-row" quantises the decoder linears at load; a checkpoint written by
+            `litevlm quantize` is FP8 already (static scales) and needs no option.
+        """
         from litevlm.data.tokenizer import Tokenizer
-        from litevlm.model.hf import load_hf, load_native
+        from litevlm.model.hf import load_native
 
         path = resolve_model_dir(name_or_path)
         meta = json.loads((path / "config.json").read_text())
@@ -110,7 +160,37 @@ class Pipeline:
             model = load_fp8(path, device=device, dtype=torch_dtype)
         else:
             model = load_native(path).to(device=device, dtype=torch_dtype)
-        return cls(model, Tokenizer.from_dir(path), name=path.name, **options)
+        if fp8 is not None:
+            from litevlm.quant.fp8 import FP8Recipe, quantize_model
+
+            if fp8 != "fp8-dynamic-per-row":
+                raise LiteVLMError(f"fp8={fp8!r}: only fp8-dynamic-per-row applies at load; static scales come from `litevlm quantize`")
+            quantize_model(model, FP8Recipe(fp8))
+        base = Path(meta.get("base_model_dir", path)) if "fp8" in meta else path
+        parts = {}
+        if select_views:
+            from litevlm.select.views import ViewSelector
+
+            parts["view_selector"] = ViewSelector.load(_part(path, base, "view_selector"), device=device)
+        if select_tokens is not None:
+            from litevlm.select.tokens import TokenSelector
+
+            parts["token_selector"] = TokenSelector.load(_part(path, base, "token_selector"), model).to(device)
+            parts["keep_ratio"] = select_tokens
+        if fastv_k is not None or fastv_r is not None:
+            if fastv_k is None or fastv_r is None:
+                raise LiteVLMError("FastV needs both K (layer) and r (fraction kept)")
+            parts["fastv"] = (fastv_k, fastv_r)
+        if speculative:
+            from litevlm.spec.draft import DraftHead
+            from litevlm.spec.tree import TreeConfig
+
+            parts["draft"] = DraftHead.load(_part(path, base, "draft"), model).to(device=device)
+            default = TreeConfig()
+            parts["tree"] = TreeConfig(
+                top_k=tree_top_k or default.top_k, depth=tree_depth or default.depth, total_tokens=tree_total or default.total_tokens
+            )
+        return cls(model, Tokenizer.from_dir(path), name=path.name, **parts, **options)
 
     @classmethod
     def from_hf(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32", **options) -> "Pipeline":
@@ -121,6 +201,19 @@ class Pipeline:
         if tok_dir is None:
             raise LiteVLMError(f"{path} has no tokenizer.json: a pipeline needs the checkpoint's tokenizer")
         return cls(model, Tokenizer.from_dir(tok_dir), name=Path(path).name, **options)
+
+    @property
+    def config_name(self) -> str:
+        parts = []
+        if self.view_selector is not None:
+            parts.append("views")
+        if self.token_selector is not None:
+            parts.append(f"tokens r={self.keep_ratio}")
+        if self.fastv is not None:
+            parts.append(f"fastv K={self.fastv[0]} r={self.fastv[1]}")
+        if self.draft is not None:
+            parts.append(f"eagle {self.tree.top_k}/{self.tree.depth}/{self.tree.total_tokens}")
+        return " + ".join(parts) or "baseline"
 
     # -- inputs ---------------------------------------------------------------------------------
     def check_question(self, question: str) -> list[int]:
@@ -144,7 +237,9 @@ class Pipeline:
 
     # -- the pipeline ---------------------------------------------------------------------------
     def select_views(self, question: str) -> list[str]:
-        return list(CAMERAS)
+        if self.view_selector is None:
+            return list(CAMERAS)
+        return self.view_selector.select(question)[0]
 
     @torch.no_grad()
     def answer(self, question: str, images: Mapping) -> Answer:
@@ -163,23 +258,50 @@ class Pipeline:
         ids = torch.tensor([layout.ids], device=dev)
         embeds = self.model.embed(ids, visual)
         positions = torch.arange(ids.shape[1], device=dev)[None]
-        timer.ms["select_tokens"] = 0.0
-        gen = generate(
-            self.model, embeds, positions, self.max_new_tokens, self.tokenizer.eos_id,
-            self.temperature, self.top_p, self.generator, timer,
-        )
+        n_visual = int(visual.shape[0] * visual.shape[1])
+        with timer("select_tokens"):
+            if self.token_selector is not None:
+                embeds, positions, kept = self.token_selector.select(
+                    self.model, embeds, positions, layout.view_spans, keep_ratio=self.keep_ratio, question=question
+                )
+                n_visual -= ids.shape[1] - kept.numel()
+        gen = self._generate(embeds, positions, layout.view_spans, timer)
+        if self.fastv is not None:
+            n_visual -= ids.shape[1] - gen.prompt_len
         tokens = [t for t in gen.tokens if t != self.tokenizer.eos_id]
         ms = dict(timer.ms)
         ms["total"] = sum(ms.get(s, 0.0) for s in STAGES)
         return Answer(
             text=self.tokenizer.decode(tokens).strip(),
             views=views,
-            num_visual_tokens=int(visual.shape[0] * visual.shape[1]),
+            num_visual_tokens=n_visual,
             timings_ms=ms,
+            accept_lengths=list(gen.accept_lengths),
             tokens=gen.tokens,
-            input_tokens=ids.shape[1],
+            input_tokens=gen.prompt_len,
             precision=precision_of(self.model),
         )
+
+    def _generate(self, embeds, positions, view_spans, timer):
+        args = (self.max_new_tokens, self.tokenizer.eos_id, self.temperature, self.top_p, self.generator, timer)
+        if self.fastv is not None:
+            from litevlm.select.tokens import fastv_generate
+
+            k, r = self.fastv
+            return fastv_generate(self.model, embeds, positions, view_spans, k, r, *args)
+        if self.draft is not None:
+            from litevlm.spec.decode import speculative_generate
+
+            return speculative_generate(self.model, self.draft, embeds, positions, *args, tree=self.tree)
+        return generate(self.model, embeds, positions, *args)
+
+
+def _part(path: Path, base: Path, name: str) -> Path:
+    """A trained module's folder: beside the weights, else beside the unquantised model they came from."""
+    for root in (path, base):
+        if (root / name).is_dir():
+            return root / name
+    raise LiteVLMError(f"{path} has no {name}/ folder: train it first (litevlm train {name.split('_')[0]})")
 
 
 def images_from_dir(folder: str | Path) -> dict[str, Path]:
