@@ -177,7 +177,7 @@ class TableDraft:
         return self.table[hidden[:, 0].long(), hidden[:, 1].long()].topk(k, -1)
 
     def step(self, tokens, hidden, position, start, mask):
-        assert mask.shape == (tokens.numel(), start + tokens.numel())
+        assert mask is None or mask.shape == (tokens.numel(), start + tokens.numel())
         return torch.stack([tokens.float(), hidden[:, 1] + 1], 1)
 
 

@@ -144,7 +144,7 @@ class StubSelector(ViewSelector):
         super().__init__(ViewSelectorConfig(width=8, layers=1, heads=1, ffn=8, buckets=16), weight=weight, threshold=threshold)
         self.fixed = torch.tensor(probs)
 
-    def probabilities(self, questions, batch=256):
+    def probabilities(self, questions, lexical=None, batch=256):
         return self.fixed.expand(len(questions), -1).clone()
 
 

@@ -104,6 +104,43 @@ def cmd_eval(args) -> None:
             print(f"{k:>22}: {v}")
 
 
+def cmd_quantize(args) -> None:
+    """FP8 post-training quantisation calibrated on what the deployed pipeline's layers really see."""
+    import shutil
+
+    from litevlm.data.drivelm import samples_from_frame
+    from litevlm.data.synthetic import make_frame, render_views
+    from litevlm.pipeline import resolve_model_dir
+    from litevlm.quant.fp8 import FP8Recipe, calibrate, quantize_model, save_fp8
+
+    if args.calib < 1:
+        raise LiteVLMError("--calib must be at least 1 calibration question")
+    pipe = _pipeline(args)
+    recipe = FP8Recipe(args.recipe, include_vision=args.vision)
+    # Calibration questions come from seed 2 frames: neither the training (0) nor the held-out (1) split.
+    samples, i = [], 0
+    while len(samples) < args.calib:
+        frame = make_frame(2, i)
+        samples += samples_from_frame(frame, render_views(frame, size=(800, 450)))
+        i += 1
+    samples = samples[: args.calib]
+    amax = None
+    if recipe.static:
+        amax = calibrate(pipe.model, [(lambda s=s: pipe.answer(s.question, s.images)) for s in samples], recipe,
+                         progress=not args.json, total=len(samples))
+    report = quantize_model(pipe.model, recipe, amax)
+    src = resolve_model_dir(args.model)
+    out = save_fp8(pipe.model, args.out, recipe, report, tokenizer_dir=src)
+    for part in ("view_selector", "token_selector", "draft"):  # the small modules stay in full precision
+        if (src / part).is_dir() and not (out / part).exists():
+            shutil.copytree(src / part, out / part)
+    if args.json:
+        _print_json({"out": str(out), "recipe": recipe.name, "calib": len(samples), **report.to_dict()})
+    else:
+        print(report.summary())
+        print(f"wrote {out}")
+
+
 def cmd_convert(args) -> None:
     from litevlm.model.hf import hf_to_litevlm, litevlm_to_hf
 
@@ -163,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
     _add_pipeline_options(e)
     e.set_defaults(func=cmd_eval)
+
+    q = sub.add_parser("quantize", help="FP8 post-training quantisation into a new checkpoint")
+    q.add_argument("--out", required=True)
+    q.add_argument("--calib", type=int, default=64, help="calibration questions (drawn from seed-2 synthetic frames)")
+    q.add_argument("--recipe", default="fp8-static-per-tensor", help="fp8-static-per-tensor | fp8-dynamic-per-row")
+    q.add_argument("--vision", action="store_true", help="quantise the vision tower and projector too")
+    q.add_argument("--json", action="store_true")
+    _add_pipeline_options(q)
+    q.set_defaults(func=cmd_quantize)
 
     c = sub.add_parser("convert", help="convert checkpoints to and from transformers InternVL")
     c.add_argument("--to", choices=["hf", "litevlm"], required=True)

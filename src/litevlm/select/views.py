@@ -8,7 +8,10 @@ encode before any pixel is touched. Two scorers are fused per view:
      variants ("behind us on the right", "rear-right camera", "on the left side ahead"); it scores a
      named camera 1 and stays silent on scene-wide questions;
   2. a learned module: a 4-layer transformer encoder over the hashed question words, N learned latent
-     queries (one per camera) cross-attending to it, a shared MLP giving one logit per latent.
+     queries (one per camera) cross-attending to it, a shared MLP giving one logit per latent. Our
+     addition: a latent whose camera the lexical map named (and, apart, every latent when some other
+     camera was named) gets a learned offset, so the module learns what the map misses (implicit
+     questions, "turn left" -> both left cameras) instead of re-deriving the map from words.
 score_v = weight * lexical_v + (1 - weight) * sigmoid(logit_v); views with score >= threshold are
 encoded. weight and threshold are calibrated on a validation split for a stated target recall
 (`litevlm.train.views`) and stored with the checkpoint. When no view passes, every view is kept:
@@ -266,6 +269,7 @@ class ViewSelector(nn.Module):
         # residual sum with the attention output and the head's LayerNorm from the first step.
         self.latents = nn.Parameter(torch.randn(n, c))
         self.latent_norm = nn.LayerNorm(c)
+        self.lexical_query = nn.Parameter(torch.zeros(2, c))  # offsets: this camera named, another one named
         self.cross = nn.MultiheadAttention(c, self.cfg.heads, dropout=self.cfg.dropout, batch_first=True)
         self.head = nn.Sequential(nn.LayerNorm(c), nn.Linear(c, c), nn.GELU(), nn.Linear(c, 1))
 
@@ -276,31 +280,41 @@ class ViewSelector(nn.Module):
                    weight=1.0, threshold=0.5).eval()
 
     # -- the module ---------------------------------------------------------------------------------
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Logits (B, N) from hashed words ids (B, T, K) and their mask (B, T)."""
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, lexical: torch.Tensor) -> torch.Tensor:
+        """Logits (B, N) from hashed word ids (B, T, K), their mask (B, T) and the lexical map (B, N)."""
         b, t, k = ids.shape
         x = self.embed(ids.reshape(b * t, k)).reshape(b, t, -1) + self.pos[:t]  # (B, T, C)
         x = self.norm(self.encoder(x, src_key_padding_mask=~mask))  # (B, T, C)
-        q = self.latents.unsqueeze(0).expand(b, -1, -1)  # (B, N, C)
+        named = lexical.to(x.dtype)  # (B, N)
+        other = (named.sum(-1, keepdim=True) > 0).to(x.dtype) * (1.0 - named)  # (B, N)
+        q = (self.latents + named[..., None] * self.lexical_query[0]
+             + other[..., None] * self.lexical_query[1])  # (B, N, C)
         qn = self.latent_norm(q)
         z = q + self.cross(qn, x, x, key_padding_mask=~mask, need_weights=False)[0]  # (B, N, C)
         return self.head(z).squeeze(-1)  # (B, N)
 
-    def probabilities(self, questions: Sequence[str], batch: int = 256) -> torch.Tensor:
+    def lexical(self, questions: Sequence[str]) -> torch.Tensor:
+        """The lexical map (B, N) of a batch of questions."""
+        return torch.tensor([[lexical_views(q)[c] for c in self.cameras] for q in questions]).reshape(-1, len(self.cameras))
+
+    def probabilities(self, questions: Sequence[str], lexical: torch.Tensor | None = None, batch: int = 256) -> torch.Tensor:
         """The module's probability (B, N) that each view is needed (call .eval() first)."""
+        lexical = self.lexical(questions) if lexical is None else lexical
+        dev = self.latents.device
         out = []
         with torch.inference_mode():
             for i in range(0, len(questions), batch):
                 ids, mask = self.cfg.features(questions[i: i + batch])
-                out.append(torch.sigmoid(self(ids.to(self.latents.device), mask.to(self.latents.device)).float()).cpu())
+                logits = self(ids.to(dev), mask.to(dev), lexical[i: i + batch].to(dev))
+                out.append(torch.sigmoid(logits.float()).cpu())
         return torch.cat(out) if out else torch.zeros(0, len(self.cameras))
 
     def scores(self, questions: Sequence[str]) -> torch.Tensor:
         """Fused scores (B, N) for a batch of questions."""
-        lex = torch.tensor([[lexical_views(q)[c] for c in self.cameras] for q in questions]).reshape(-1, len(self.cameras))
+        lex = self.lexical(questions)
         if self.weight >= 1.0:
             return lex
-        return fuse(lex, self.probabilities(questions), self.weight)
+        return fuse(lex, self.probabilities(questions, lex), self.weight)
 
     # -- the paper's interface ------------------------------------------------------------------------
     def score(self, question: str) -> dict[str, float]:

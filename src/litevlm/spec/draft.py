@@ -150,20 +150,36 @@ class DraftHead(nn.Module):
 
     # -- the layer, as few ops as possible (CPU decode is op-overhead bound) ----------------------
     def _weights(self) -> tuple:
-        """q|k|v and gate|up fused: rebuilt every call while training, cached (until a weight changes) otherwise."""
+        """Fused projections: rebuilt every call while training, cached (until a weight changes) otherwise.
+
+        One matmul yields [q k | rot(q) rot(k) | v], where rot(x) = rotate_half(x): rotating is a
+        signed permutation of output rows, so it folds into the weights and RoPE becomes
+        qk * cos + rot(qk) * sin. gate and up share a matmul too.
+        """
         attn, mlp = self.layer.self_attn, self.layer.mlp
         training = self.training and torch.is_grad_enabled()
-        params = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight)
-        key = tuple((p.data_ptr(), p._version) for p in params)
+        params = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias, mlp.gate_proj.weight, mlp.up_proj.weight)
+        key = tuple((p.data_ptr(), p._version) for p in params if p is not None)
         if not training and self._fused is not None and self._fused[0] == key:
             return self._fused[1]
+        d = self.cfg.head_dim
+
+        def rot(w: torch.Tensor) -> torch.Tensor:  # rows of each head: [-second half, first half]
+            w = w.view(-1, d, *w.shape[1:])  # (heads, D, ...)
+            return torch.cat([-w[:, d // 2 :], w[:, : d // 2]], 1).reshape(-1, *w.shape[2:])
+
         with torch.set_grad_enabled(training):
-            qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            qkv_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]) if attn.q_proj.bias is not None else None
+            qk_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight])
+            qkv_w = torch.cat([qk_w, rot(qk_w), attn.v_proj.weight])
+            qkv_b = None
+            if attn.q_proj.bias is not None:
+                qk_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias])
+                qkv_b = torch.cat([qk_b, rot(qk_b), attn.v_proj.bias])
             gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        w = (qkv_w, qkv_b, gate_up, attn.o_proj.weight.t(), mlp.down_proj.weight.t())
         if not training:
-            self._fused = (key, (qkv_w, qkv_b, gate_up))
-        return qkv_w, qkv_b, gate_up
+            self._fused = (key, w)
+        return w
 
     def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         if isinstance(norm, nn.Identity):
@@ -174,13 +190,13 @@ class DraftHead(nn.Module):
         """x (B, T, C) -> (B, T, C). cos / sin (B or 1, T, 1, D). With a cache: write slots start..start+T-1
         and attend over slots 0..start+T-1 where `mask` (1, 1, T, S) allows (None: everything)."""
         cfg = self.cfg
-        b, t, _ = x.shape
+        b, t, c = x.shape
         h_q, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv_w, qkv_b, gate_up = self._weights()
-        qkv = F.linear(self._norm(x, self.layer.input_layernorm), qkv_w, qkv_b)  # (B, T, (Hq + 2 Hkv) D)
-        qk, v = qkv.split(((h_q + h_kv) * d, h_kv * d), -1)
-        qk = qk.view(b, t, h_q + h_kv, d)  # (B, T, Hq + Hkv, D): RoPE on q and k at once
-        qk = qk * cos + torch.cat([-qk[..., d // 2 :], qk[..., : d // 2]], -1) * sin
+        nqk = (h_q + h_kv) * d
+        qkv_w, qkv_b, gate_up, o_t, down_t = self._weights()
+        qkv = F.linear(self._norm(x, self.layer.input_layernorm), qkv_w, qkv_b)  # (B, T, 2 nqk + Hkv D)
+        qk, qk_rot, v = qkv.split((nqk, nqk, h_kv * d), -1)
+        qk = torch.addcmul(qk.view(b, t, -1, d) * cos, qk_rot.view(b, t, -1, d), sin)  # (B, T, Hq + Hkv, D) RoPE'd
         q = qk[:, :, :h_q].transpose(1, 2)  # (B, Hq, T, D)
         k = qk[:, :, h_q:].transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(b, t, h_kv, d).transpose(1, 2)  # (B, Hkv, T, D)
@@ -191,9 +207,9 @@ class DraftHead(nn.Module):
             cache.k[:, :, start:end] = k
             cache.v[:, :, start:end] = v
             y = F.scaled_dot_product_attention(q, cache.k[:, :, :end], cache.v[:, :, :end], attn_mask=mask, enable_gqa=True)
-        x = x + self.layer.self_attn.o_proj(y.transpose(1, 2).reshape(b, t, h_q * d))  # (B, T, C)
+        x = torch.addmm(x.reshape(b * t, c), y.transpose(1, 2).reshape(b * t, h_q * d), o_t)  # (B T, C): + o_proj(y)
         g, u = F.linear(self._norm(x, self.layer.post_attention_layernorm), gate_up).chunk(2, -1)
-        return x + self.layer.mlp.down_proj(F.silu(g) * u)
+        return torch.addmm(x, F.silu(g) * u, down_t).view(b, t, c)  # + down_proj(...)
 
     def _fuse(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat([next_embeds.to(features.dtype), features], -1))  # [embedding ; feature] -> H
@@ -255,10 +271,10 @@ class DraftHead(nn.Module):
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, position: int, start: int, mask: torch.Tensor) -> torch.Tensor:
         """k tree nodes at one draft position: tokens (k,), their parents' predicted features (k, C),
-        mask (k, S) over draft slots 0..S-1 (S = start + k) -> predicted features (k, C)."""
+        mask (k, S) over draft slots 0..S-1 (S = start + k; None: all) -> predicted features (k, C)."""
         cos, sin = self._cos_sin(position)
         x = self._fuse(hidden, self.embed(tokens))[None]  # (1, k, C)
-        return self._layer(x, cos, sin, self.layer.self_attn.kv_cache, start, mask[None, None])[0]
+        return self._layer(x, cos, sin, self.layer.self_attn.kv_cache, start, None if mask is None else mask[None, None])[0]
 
     # -- checkpoints ------------------------------------------------------------------------------
     def num_parameters(self) -> int:

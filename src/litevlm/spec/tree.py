@@ -95,6 +95,13 @@ def _eye(n: int, device: torch.device) -> torch.Tensor:
     return torch.eye(n, dtype=torch.bool, device=device)
 
 
+@lru_cache(maxsize=64)
+def _chain(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """parents, depth and mask of a chain of n nodes."""
+    idx = torch.arange(n, device=device)
+    return idx - 1, idx, torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """(N,) parent indices (root -1, parents before children) -> (N, N) ancestor-or-self mask.
 
@@ -153,6 +160,13 @@ def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start
     """
     k, levels = cfg.top_k, cfg.depth
     dev = root_hidden.device
+    if k == 1 and cfg.total_tokens == levels + 1:  # a chain: no reranking, no tree mask to track
+        drafted = [draft.topk(root_hidden, 1)[1][:, 0]]  # (1,)
+        hidden = root_hidden
+        for i in range(levels - 1):
+            hidden = draft.step(drafted[-1], hidden, position + i, start + i, None)  # sees everything before it
+            drafted.append(draft.topk(hidden, 1)[1][:, 0])
+        return Tree(torch.cat([root_token.reshape(1).to(drafted[0].dtype), *drafted]), *_chain(levels + 1, dev))
     scores, tokens = (x[0] for x in draft.topk(root_hidden, k))  # (k,) level 1
     pool_scores, pool_tokens, pool_parents = [scores], [tokens], [torch.full((k,), -1, device=dev)]
     frontier = torch.arange(k, device=dev)  # pool indices of the nodes expanded next

@@ -6,13 +6,17 @@ section 1.2): the synthetic generator's own per-question views (seed 0 frames), 
 implicit questions. Single-tag questions are augmented by moving the tag to every camera (the view
 comes from the tag, not from the phrase around it: the generator only asks "in the moving
 direction" about front objects, real DriveLM asks it about any). Identical questions (tags reduced
-to their camera, numbers to one token) are trained once.
+to their camera, numbers to one token) are trained once. "Cue-free" word salads (training words
+with every direction, side, camera and turn word removed) are added as all-six examples: they
+teach the module DriveLM's rule that a question naming no view needs every view, so phrasing it
+never saw falls back to all six instead of to whatever its words resemble.
 
 Calibration runs on a validation split that training never sees (seed 2 frames, and one extra
 label line in ten): a grid over the lexical weight and the threshold, keeping the pair that reaches
 the target recall (needed views kept / needed views) with the fewest views per question, subject
-to weight >= threshold (a camera the question names is always kept). The held-out test split is
-seed 1 and is never touched here.
+to weight >= threshold (a camera the question names is always kept); ties go to the pair whose
+bar for a view the map did not name, threshold / (1 - weight), is nearest the module's own 0.5.
+The held-out test split is seed 1 and is never touched here.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class ViewRecipe:
     warmup: int = 100
     minutes: float = 10.0  # wall-clock cap on the optimisation
     tag_augment: bool = True
+    cue_free: int = 1000  # all-six word-salad examples (0: none)
     target_recall: float = 0.995  # on the validation split
     torch_seed: int = 0
     threads: int = 1
@@ -140,6 +145,23 @@ def dedupe(examples: Sequence[Example]) -> list[Example]:
     return list(seen.values())
 
 
+CUE_WORDS = {"front", "back", "rear", "left", "right", "ahead", "behind", "forward", "forwards", "backward", "backwards",
+             "rearward", "side", "sides", "view", "views", "camera", "cameras", "cam", "turn", "turns", "turning", "turned",
+             "lane", "lanes", "all", "every", "each", "six", "surround", "around", "direction", "directions"}
+
+
+def cue_free_examples(questions: Sequence[str], n: int, rng: random.Random) -> list[Example]:
+    """`n` word salads from the questions' words without any view cue, each labelled all six views."""
+    vocab = sorted({w for q in questions for w in question_words(q)
+                    if w.isalpha() and w not in CUE_WORDS})
+    out: list[Example] = []
+    while vocab and len(out) < n:
+        text = " ".join(rng.choice(vocab) for _ in range(rng.randint(3, 14))) + "?"
+        if not any(lexical_views(text).values()):
+            out.append((text, CAMERAS))
+    return out
+
+
 def is_validation_label(question: str) -> bool:
     """One extra-label line in ten (by a hash of its text) is kept for calibration."""
     return zlib.crc32(question.encode("utf-8")) % 10 == 0
@@ -170,8 +192,8 @@ def calibrate(lexical: torch.Tensor, probs: torch.Tensor, labels: torch.Tensor, 
     """The (weight, threshold) reaching `target_recall` with the fewest views per question.
 
     Only pairs with weight >= threshold are considered, so a camera the lexical map names always
-    passes. Among pairs within 0.005 views of the best: the highest recall, then the lowest
-    threshold (the most forgiving on phrasing calibration never saw). If no pair reaches the
+    passes. Among pairs within 0.005 views of the best: the highest recall, then the module bar
+    threshold / (1 - weight) nearest 0.5, then the weight nearest 0.5. If no pair reaches the
     target, the pair with the highest recall is returned with "reached": False.
     """
     weights = [round(0.05 * i, 2) for i in range(21)] if weights is None else list(weights)
@@ -192,7 +214,10 @@ def calibrate(lexical: torch.Tensor, probs: torch.Tensor, labels: torch.Tensor, 
         return {"weight": w, "threshold": t, "reached": False, **m}
     best = min(r[2]["views_per_question"] for r in ok)
     near = [r for r in ok if r[2]["views_per_question"] <= best + 0.005]
-    w, t, m = max(near, key=lambda r: (r[2]["recall"], -r[1], -abs(r[0] - 0.5)))
+    def bar(w: float, t: float) -> float:  # what the module alone must reach to add a view
+        return t / (1.0 - w) if w < 1.0 else math.inf
+
+    w, t, m = max(near, key=lambda r: (r[2]["recall"], -abs(bar(r[0], r[1]) - 0.5), -abs(r[0] - 0.5)))
     return {"weight": w, "threshold": t, "reached": True, **m}
 
 
@@ -222,10 +247,12 @@ def train_view_selector(out_dir: str | Path, recipe: ViewRecipe | None = None, e
             for ex in read_labels(path):
                 (extra_val if is_validation_label(ex[0]) else extra_train).append(ex)
         train_set = dedupe((augment_tags(train) if recipe.tag_augment else train) + extra_train)
+        train_set += cue_free_examples([q for q, _ in train_set], recipe.cue_free, rng)
         val += extra_val
 
         sel = ViewSelector(recipe.selector_config(), target_recall=recipe.target_recall)
         labels = label_matrix(train_set)
+        lexical = sel.lexical([q for q, _ in train_set])
         opt = torch.optim.AdamW(sel.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
         sel.train()
         deadline = time.monotonic() + 60.0 * recipe.minutes
@@ -235,7 +262,7 @@ def train_view_selector(out_dir: str | Path, recipe: ViewRecipe | None = None, e
         for step in bar:
             idx = [rng.randrange(len(train_set)) for _ in range(recipe.batch)]
             ids, mask = sel.cfg.features([train_set[i][0] for i in idx])
-            logits = sel(ids, mask)  # (B, N)
+            logits = sel(ids, mask, lexical[idx])  # (B, N)
             loss = F.binary_cross_entropy_with_logits(logits, labels[idx], reduction="none").sum(1).mean()  # BCE summed over views
             for group in opt.param_groups:
                 group["lr"] = _lr(step, recipe)
@@ -254,8 +281,8 @@ def train_view_selector(out_dir: str | Path, recipe: ViewRecipe | None = None, e
 
         sel.eval()
         questions = [q for q, _ in val]
-        lex = torch.tensor([[lexical_views(q)[c] for c in CAMERAS] for q in questions])
-        probs = sel.probabilities(questions)
+        lex = sel.lexical(questions)
+        probs = sel.probabilities(questions, lex)
         val_labels = label_matrix(val)
         cal = calibrate(lex, probs, val_labels, recipe.target_recall)
         sel.weight, sel.threshold = cal["weight"], cal["threshold"]
