@@ -588,3 +588,32 @@ def test_a_reduced_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(tm
     assert DraftHead.load(tmp_path / "d", model).vocab_map.tolist() == allowed
     with pytest.raises(LiteVLMError):
         head.set_draft_vocab([1, 2])
+
+
+def test_a_full_precision_draft_drafts_for_a_bf16_target():
+    model = tiny_vlm(vocab=24)
+    head = random_draft(model)
+    model.to(torch.bfloat16)  # the head stays in fp32, as the pipeline keeps its small modules
+    embeds, pos = prompt(model, 0)
+    out = speculative_generate(model, head, embeds, pos, 12, None, tree=TreeConfig(4, 4, 12))
+    assert len(out.tokens) == 12 and sum(out.accept_lengths) == 11
+
+
+def test_a_windowed_draft_is_lossless_and_sees_only_the_prompt_tail():
+    model = tiny_vlm(vocab=24)
+    torch.manual_seed(1)
+    head = DraftHead(DraftConfig.for_target(model.cfg.text, context=5), model).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.5)
+    for seed, cfg in [(0, TreeConfig(4, 4, 12)), (2, TreeConfig.chain(3))]:
+        embeds, pos = prompt(model, seed, pruned=seed == 2)
+        out = speculative_generate(model, head, embeds, pos, 30, EOS, tree=cfg)
+        assert out.tokens == generate(model, embeds, pos, 30, EOS).tokens
+    # the first extend filled 5 draft slots with the last 5 prompt pairs at their own positions
+    k = head.layer.self_attn.kv_cache.k.clone()
+    head.setup_cache(64)
+    feats = torch.randn(12, 32)
+    head.extend(feats[7:], torch.randn(5, 32), pos[0, 7:], 0)
+    assert k.shape[2] >= 5

@@ -42,6 +42,10 @@ def test_pairs_are_aligned_and_only_answer_pairs_are_trained():
     assert b["mask"][0].nonzero().squeeze(1).tolist() == list(range(t - 1, n - 2))
     assert b["mask"][1].nonzero().squeeze(1).tolist() == list(range(t - 1, 7 - 2))
     assert b["positions"][1].tolist() == list(range(8))
+    # a windowed draft sees the last 3 prompt tokens, at their own positions
+    w = collate([Sequence(embeds, feats, t).window(3)], "cpu")
+    assert w["positions"][0].tolist() == list(range(2, 8)) and w["feats"][0, 0, 0] == 102 and w["nxt"][0, 0, 0] == 3
+    assert w["mask"][0].nonzero().squeeze(1).tolist() == list(range(2, n - 2 - 2))
 
 
 def test_a_few_training_steps_fit_the_target_and_help_speculation():
@@ -81,3 +85,29 @@ def test_train_draft_end_to_end_on_a_saved_model(tiny_model_dir, tmp_path):
     head = DraftHead.load(out, model)
     assert head.recipe["frames"] == 2 and head.recipe["seed"] == 0 and head.metrics["steps"] >= 1
     assert 0.0 <= head.metrics["top1"] <= 1.0 and head.metrics["train_sequences"] > 0
+
+
+def test_unrolled_passes_match_drafting_on_own_predictions():
+    """Pass s at pair i = extend the true pairs up to i-s+1, then s-1 draft steps on predicted features."""
+    model = tiny_vlm()
+    torch.manual_seed(3)
+    head = DraftHead(DraftConfig.for_target(model.cfg.text), model).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.3)
+    g = torch.Generator().manual_seed(0)
+    feats, nxt = torch.randn(1, 10, 32, generator=g), torch.randn(1, 10, 32, generator=g)
+    tokens = torch.randint(8, 64, (10,), generator=g)
+    nxt = model.language_model.embed_tokens(tokens)[None].detach()  # x_{j+1} of pair j is a real token
+    pos = torch.arange(10)[None]
+    with torch.no_grad():
+        preds = head.forward_unrolled(feats, nxt, pos, 3)
+        torch.testing.assert_close(preds[0], head(feats, nxt, pos))
+        head.prepare(32, 64)
+        for s, i in [(2, 6), (3, 7), (3, 9)]:
+            root = i - s + 1  # the last teacher-forced pair
+            h = head.extend(feats[0, : root + 1], nxt[0, : root + 1], pos[0, : root + 1], 0)[-1:]
+            for lvl in range(1, s):
+                h = head.step(tokens[root + lvl : root + lvl + 1], h, root + lvl, root + lvl, None)
+            torch.testing.assert_close(h[0], preds[s - 1][0, i], rtol=1e-4, atol=1e-4)

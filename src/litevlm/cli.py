@@ -141,6 +141,18 @@ def cmd_quantize(args) -> None:
         print(f"wrote {out}")
 
 
+def cmd_bench(args) -> None:
+    from litevlm.eval.bench import format_table, plot, run_bench
+
+    result, per_question = run_bench(args.model, data=args.data, n=args.n, shape=args.shape, hf=not args.no_transformers,
+                                     max_new_tokens=args.max_new_tokens, warmup=args.warmup, progress=not args.json)
+    if args.plot:
+        plot(result, args.plot, per_question)
+    print(format_table(result))
+    if args.json:
+        _print_json(result)
+
+
 def cmd_convert(args) -> None:
     from litevlm.model.hf import hf_to_litevlm, litevlm_to_hf
 
@@ -209,6 +221,18 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     _add_pipeline_options(q)
     q.set_defaults(func=cmd_quantize)
+
+    b = sub.add_parser("bench", help="the paper's Table 1 re-measured: every configuration on the same questions")
+    b.add_argument("--model", default="drive-tiny")
+    b.add_argument("--data", default=None, help="a synth folder or DriveLM JSON (default: held-out synthetic frames, seed 1)")
+    b.add_argument("--n", type=int, default=60, help="questions measured (after the warm-up ones)")
+    b.add_argument("--warmup", type=int, default=3)
+    b.add_argument("--shape", default=None, help="random weights at a real model's shapes (2b, 1b, internvl3-2b, ...): latency only")
+    b.add_argument("--max-new-tokens", type=int, default=160)
+    b.add_argument("--no-transformers", action="store_true", help="skip the transformers generate rows")
+    b.add_argument("--plot", default=None, help="save the stage plots to this PNG")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("convert", help="convert checkpoints to and from transformers InternVL")
     c.add_argument("--to", choices=["hf", "litevlm"], required=True)

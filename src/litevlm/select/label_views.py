@@ -21,7 +21,6 @@ from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
-from litevlm.select.views import lexical_views
 
 SYSTEM_PROMPT = ("You label driving questions for a car with six cameras (the nuScenes rig). You say which "
                  "camera images are needed to answer a question. Reply with a JSON list of camera names only.")
@@ -135,6 +134,7 @@ def label_views(endpoint: str, model: str, in_path: str | Path, out_path: str | 
     counts: total, skipped (already done), lexical, llm, cached, unparsed, calls.
     """
     from litevlm.eval.judge import Judge
+    from litevlm.select.views import lexical_views  # torch: imported only when labelling
 
     src, out = Path(in_path), Path(out_path)
     cache = Path(cache_path) if cache_path is not None else out.with_name(out.name + ".cache.jsonl")

@@ -63,11 +63,14 @@ def speculative_generate(
         return len(out) >= max_new_tokens or (eos_id is not None and out[-1] == eos_id)
 
     with timer("decode"):
-        # The first extend covers the whole prompt: pair j = (f_j, what the target consumed at j+1).
-        feats = hidden[0]  # (t, C)
-        nxt = torch.cat([embeds[0, 1:], lm.embed_tokens(root)])  # (t, C)
-        pair_pos = positions[0]
-        done, L = 0, t  # draft pairs done (= draft slots filled), tokens in the target cache
+        # The first extend covers the prompt (its last `context` pairs when the draft is windowed):
+        # pair j = (f_j, what the target consumed at j+1), at the position of token j.
+        context = getattr(getattr(draft, "cfg", None), "context", 0)
+        c0 = max(0, t - context) if context else 0
+        feats = hidden[0, c0:]  # (t - c0, C)
+        nxt = torch.cat([embeds[0, c0 + 1 :], lm.embed_tokens(root)])  # (t - c0, C)
+        pair_pos = positions[0, c0:]
+        done, L = 0, t  # pairs in the draft cache (its slots 0..done-1), tokens in the target cache
         while not finished():
             root_pos = next_pos + L - t
             if L + n_tree > cap:  # no room for a tree: finish with plain steps (the cache is exact)
@@ -79,7 +82,8 @@ def speculative_generate(
                 continue
             with timer("draft"):
                 h_root = draft.extend(feats, nxt, pair_pos, done)[-1:]  # (1, C): predicted f_L
-                tr = draft_tree(draft, root, h_root, L, root_pos, tree)
+                done += feats.shape[0]
+                tr = draft_tree(draft, root, h_root, done, root_pos, tree)  # scratch from draft slot `done`
             with timer("verify"):
                 logits, hid = verify_tree(model, tr, L, root_pos, live)
                 if temperature <= 0:
@@ -103,5 +107,5 @@ def speculative_generate(
                     commit_path(model, path, L)
             feats, nxt = hid[path], lm.embed_tokens(new)  # f_L..f_{L+a} and x_{L+1}..x_{L+a+1}
             pair_pos = torch.arange(root_pos, root_pos + a + 1, device=embeds.device)
-            done, L, root = L, L + a + 1, bonus.view(1)
+            L, root = L + a + 1, bonus.view(1)
     return Generation(out, t, dict(timer.ms), accept)

@@ -45,20 +45,23 @@ class DraftConfig:
     qkv_bias: bool = True
     input_norm: bool = True
     draft_vocab: int = 0  # > 0: draft only among this many target tokens (a cheaper LM head, as EAGLE-3's d2t)
+    context: int = 0  # > 0: the draft sees only the last `context` prompt pairs (cheaper steps), then all generated ones
 
     def __post_init__(self) -> None:
         self.layer_config()  # validates heads / head_dim like the target's config does
         if not 0 <= self.draft_vocab <= self.vocab_size:
             raise LiteVLMError(f"draft config field 'draft_vocab': must lie in [0, vocab_size={self.vocab_size}]")
+        if self.context < 0:
+            raise LiteVLMError("draft config field 'context': must be >= 0 (0 = the whole prompt)")
 
     @classmethod
-    def for_target(cls, text: TextConfig, intermediate_size: int | None = None, draft_vocab: int = 0) -> "DraftConfig":
+    def for_target(cls, text: TextConfig, intermediate_size: int | None = None, draft_vocab: int = 0, context: int = 0) -> "DraftConfig":
         """The target's layer shapes (EAGLE), optionally with a narrower MLP and a reduced draft vocabulary."""
         return cls(
             hidden_size=text.hidden_size, vocab_size=text.vocab_size, num_heads=text.num_heads,
             num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
             intermediate_size=intermediate_size or text.intermediate_size, rope_theta=text.rope_theta,
-            norm_eps=text.norm_eps, qkv_bias=text.qkv_bias, draft_vocab=draft_vocab,
+            norm_eps=text.norm_eps, qkv_bias=text.qkv_bias, draft_vocab=draft_vocab, context=context,
         )
 
     def layer_config(self) -> TextConfig:
@@ -119,7 +122,8 @@ class DraftHead(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head over the full vocabulary (training, evaluation)."""
-        return self._target()[1](hidden)
+        head = self._target()[1]
+        return head(hidden.to(head.weight.dtype))
 
     def _draft_head(self) -> torch.Tensor:
         """The LM head's rows of the draft vocabulary, gathered once per weight version."""
@@ -133,7 +137,8 @@ class DraftHead(nn.Module):
         """Predicted features (..., C) -> log-probabilities of the token after next over the draft
         vocabulary (..., V or draft_vocab); `token_ids` maps their indices to target token ids."""
         if self.cfg.draft_vocab:
-            return torch.log_softmax(F.linear(hidden, self._draft_head()).float(), -1)
+            w = self._draft_head()
+            return torch.log_softmax(F.linear(hidden.to(w.dtype), w).float(), -1)
         return torch.log_softmax(self.logits(hidden).float(), -1)
 
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,33 +191,43 @@ class DraftHead(nn.Module):
             return x
         return F.rms_norm(x, (x.shape[-1],), norm.weight, self.cfg.norm_eps)
 
+    def _qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, C) -> RoPE'd q (B, Hq, T, D), k (B, Hkv, T, D), v (B, Hkv, T, D)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        h_q, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        nqk = (h_q + h_kv) * d
+        qkv_w, qkv_b = self._weights()[:2]
+        qkv = F.linear(self._norm(x, self.layer.input_layernorm), qkv_w, qkv_b)  # (B, T, 2 nqk + Hkv D)
+        qk, qk_rot, v = qkv.split((nqk, nqk, h_kv * d), -1)
+        qk = torch.addcmul(qk.view(b, t, -1, d) * cos, qk_rot.view(b, t, -1, d), sin)  # (B, T, Hq + Hkv, D)
+        v = v.view(b, t, h_kv, d).transpose(1, 2)  # (B, Hkv, T, D)
+        return qk[:, :, :h_q].transpose(1, 2), qk[:, :, h_q:].transpose(1, 2), v
+
+    def _out(self, x, y) -> torch.Tensor:
+        """Residual + o_proj(attention output y (B, Hq, T, D)), then the MLP block -> (B, T, C)."""
+        b, t, c = x.shape
+        _, _, gate_up, o_t, down_t = self._weights()
+        x = torch.addmm(x.reshape(b * t, c), y.transpose(1, 2).reshape(b * t, -1), o_t)  # (B T, C): x + o_proj(y)
+        g, u = F.linear(self._norm(x, self.layer.post_attention_layernorm), gate_up).chunk(2, -1)
+        return torch.addmm(x, F.silu(g) * u, down_t).view(b, t, c)  # + down_proj(silu(gate) * up)
+
     def _layer(self, x, cos, sin, cache: KVCache | None = None, start: int = 0, mask=None) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C). cos / sin (B or 1, T, 1, D). With a cache: write slots start..start+T-1
         and attend over slots 0..start+T-1 where `mask` (1, 1, T, S) allows (None: everything)."""
-        cfg = self.cfg
-        b, t, c = x.shape
-        h_q, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        nqk = (h_q + h_kv) * d
-        qkv_w, qkv_b, gate_up, o_t, down_t = self._weights()
-        qkv = F.linear(self._norm(x, self.layer.input_layernorm), qkv_w, qkv_b)  # (B, T, 2 nqk + Hkv D)
-        qk, qk_rot, v = qkv.split((nqk, nqk, h_kv * d), -1)
-        qk = torch.addcmul(qk.view(b, t, -1, d) * cos, qk_rot.view(b, t, -1, d), sin)  # (B, T, Hq + Hkv, D) RoPE'd
-        q = qk[:, :, :h_q].transpose(1, 2)  # (B, Hq, T, D)
-        k = qk[:, :, h_q:].transpose(1, 2)  # (B, Hkv, T, D)
-        v = v.view(b, t, h_kv, d).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k, v = self._qkv(x, cos, sin)
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         else:
-            end = start + t
+            end = start + x.shape[1]
             cache.k[:, :, start:end] = k
             cache.v[:, :, start:end] = v
             y = F.scaled_dot_product_attention(q, cache.k[:, :, :end], cache.v[:, :, :end], attn_mask=mask, enable_gqa=True)
-        x = torch.addmm(x.reshape(b * t, c), y.transpose(1, 2).reshape(b * t, h_q * d), o_t)  # (B T, C): + o_proj(y)
-        g, u = F.linear(self._norm(x, self.layer.post_attention_layernorm), gate_up).chunk(2, -1)
-        return torch.addmm(x, F.silu(g) * u, down_t).view(b, t, c)  # + down_proj(...)
+        return self._out(x, y)
 
     def _fuse(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat([next_embeds.to(features.dtype), features], -1))  # [embedding ; feature] -> H
+        dtype = self.fc.weight.dtype  # the draft may run in another precision than the target
+        return self.fc(torch.cat([next_embeds.to(dtype), features.to(dtype)], -1))  # [embedding ; feature] -> H
 
     # -- training ---------------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, mask=None) -> torch.Tensor:
@@ -220,6 +235,32 @@ class DraftHead(nn.Module):
         token j (B, T) -> predicted f_{j+1} (B, T, C). Causal attention unless `mask` (B, 1, T, T) is given."""
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, features.dtype)
         return self._layer(self._fuse(features, next_embeds), cos.transpose(1, 2), sin.transpose(1, 2), mask=mask)
+
+    def forward_unrolled(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, passes: int) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3, arXiv 2503.01840, section 3): pass 1 is `forward`; in pass s
+        the input feature of pair i is pass s-1's prediction at pair i-1, i.e. what the head feeds on
+        when it drafts s tokens ahead. As in a draft tree, pair i of pass s attends to the teacher-forced
+        pairs up to i-s+1 and to its own predicted ancestors (pass r at pair i-s+r). -> predictions per pass."""
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, features.dtype)
+        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # (B, T, 1, D)
+        t = features.shape[1]
+        x = self._fuse(features, next_embeds)
+        q, k, v = self._qkv(x, cos, sin)
+        preds = [self._out(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))]
+        keys, values = [k], [v]
+        i = torch.arange(t, device=features.device)[:, None]
+        j = torch.arange(t, device=features.device)[None, :]
+        for s in range(2, passes + 1):
+            prev = torch.cat([preds[-1][:, :1], preds[-1][:, :-1]], 1)  # pair i gets the prediction of pair i-1
+            x = self._fuse(prev, next_embeds)
+            q, k, v = self._qkv(x, cos, sin)
+            keys.append(k)
+            values.append(v)
+            blocks = [j <= i - s + 1] + [j == i - s + r for r in range(2, s + 1)]  # (T, T) each
+            mask = torch.cat(blocks, 1)[None, None]  # (1, 1, T, s T)
+            y = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=True)
+            preds.append(self._out(x, y))
+        return preds
 
     # -- inference over the draft's own static cache ----------------------------------------------
     def setup_cache(self, max_len: int) -> None:

@@ -39,6 +39,7 @@ class DraftRecipe:
     render_size: tuple[int, int] = (400, 225)
     gen_batch: int = 16  # questions answered at once while generating the data
     intermediate_size: int = 384  # the draft layer's MLP width (the target's when 0)
+    context: int = 0  # > 0: the draft sees only the last `context` prompt pairs (train and inference alike)
     draft_vocab: int = 0  # > 0: the draft proposes only the most frequent answer tokens (cheaper LM head)
     minutes: float = 10.0  # training budget (data generation not included)
     epochs: int = 40  # upper bound on passes over the data
@@ -49,6 +50,7 @@ class DraftRecipe:
     weight_decay: float = 0.0
     grad_clip: float = 0.5  # by value, as EAGLE
     feature_noise: float = 0.1  # U(-a, a) x feature RMS added to input features
+    passes: int = 2  # training-time test: 1 = EAGLE-2's teacher forcing; s > 1 also trains on s-1 own predictions
     ce_weight: float = 0.1
     val_fraction: float = 0.05
     threads: int = 2
@@ -63,6 +65,12 @@ class Sequence:
     features: torch.Tensor  # (n - 1, C) the target's final post-norm hidden states at tokens 0..n-2
     prompt_len: int
     answer: list[int] = field(default_factory=list)  # the answer's token ids (the last n - prompt_len tokens)
+    offset: int = 0  # position of the first token (> 0 once the prompt is windowed)
+
+    def window(self, context: int) -> "Sequence":
+        """Only the last `context` prompt tokens (what a windowed draft sees), positions kept."""
+        start = max(0, self.prompt_len - context) if context else 0
+        return Sequence(self.embeds[start:], self.features[start:], self.prompt_len - start, self.answer, self.offset + start)
 
 
 @torch.no_grad()
@@ -171,26 +179,43 @@ def collate(seqs: list[Sequence], device) -> dict[str, torch.Tensor]:
         target[r, : m - 1] = s.features[1:].float()
         # pair j predicts f_{j+1}, whose LM head gives x_{j+2}: answer pairs are j = T-1 .. n_r-3
         mask[r, s.prompt_len - 1 : m - 1] = True
-    positions = torch.arange(n)[None].expand(b, -1)
+    positions = torch.arange(n)[None] + torch.tensor([s.offset for s in seqs])[:, None]  # (B, T)
     return {k: v.to(device) for k, v in dict(feats=feats, nxt=nxt, target=target, mask=mask, positions=positions).items()}
 
 
-def draft_loss(head: DraftHead, batch: dict, noise: float = 0.0, ce_weight: float = 0.1) -> tuple[torch.Tensor, dict]:
-    """SmoothL1 on the predicted feature + ce_weight x soft cross-entropy through the frozen LM head."""
+def draft_loss(head: DraftHead, batch: dict, noise: float = 0.0, ce_weight: float = 0.1, passes: int = 1) -> tuple[torch.Tensor, dict]:
+    """SmoothL1 on the predicted feature + ce_weight x soft cross-entropy through the frozen LM head.
+
+    passes > 1 adds the training-time-test passes (`DraftHead.forward_unrolled`), weighted 0.8^(s-1);
+    pass s is scored where its whole drafted path lies in the answer. Stats are pass 1's.
+    """
     feats = batch["feats"]
     if noise > 0:
         rms = feats.pow(2).mean(-1, keepdim=True).sqrt()
         feats = feats + (torch.rand_like(feats) * 2 - 1) * noise * rms
-    pred = head(feats, batch["nxt"], batch["positions"])  # (B, T, C)
-    m = batch["mask"]
-    p, t = pred[m], batch["target"][m]  # (M, C)
-    reg = F.smooth_l1_loss(p, t)
-    with torch.no_grad():
-        target_p = torch.softmax(head.logits(t).float(), -1)
-    logp = torch.log_softmax(head.logits(p).float(), -1)
-    ce = -(target_p * logp).sum(-1).mean()
-    acc = (logp.argmax(-1) == target_p.argmax(-1)).float().mean()
-    return reg + ce_weight * ce, {"reg": reg.item(), "ce": ce.item(), "acc": acc.item()}
+    if passes == 1:
+        preds = [head(feats, batch["nxt"], batch["positions"])]  # (B, T, C)
+    else:
+        preds = head.forward_unrolled(feats, batch["nxt"], batch["positions"], passes)
+    total, stats = 0.0, {}
+    for s, pred in enumerate(preds):
+        m = batch["mask"].clone()
+        if s:
+            m[:, :s] = False
+            m[:, s:] &= batch["mask"][:, :-s]  # the pass's first pair (its root) is an answer pair too
+        p, t = pred[m], batch["target"][m]  # (M, C)
+        reg = F.smooth_l1_loss(p, t)
+        with torch.no_grad():
+            target_p = torch.softmax(head.logits(t).float(), -1)
+        logp = torch.log_softmax(head.logits(p).float(), -1)
+        ce = -(target_p * logp).sum(-1).mean()
+        total = total + 0.8**s * (reg + ce_weight * ce)
+        if s == 0:
+            acc = (logp.argmax(-1) == target_p.argmax(-1)).float().mean()
+            stats = {"reg": reg.item(), "ce": ce.item(), "acc": acc.item()}
+        else:
+            stats[f"acc{s + 1}"] = (logp.argmax(-1) == target_p.argmax(-1)).float().mean().item()
+    return total, stats
 
 
 def frequent_tokens(seqs: list[Sequence], n: int, eos_id: int) -> list[int]:
@@ -273,14 +298,15 @@ def train_draft_for(model, tokenizer, out: str | Path, recipe: DraftRecipe, prog
     t0 = time.time()
     torch.manual_seed(recipe.seed)
     dev = model.device
-    seqs = build_sequences(model, tokenizer, recipe, range(recipe.frames), progress)
+    seqs = [s.window(recipe.context) for s in build_sequences(model, tokenizer, recipe, range(recipe.frames), progress)]
     gen_s = time.time() - t0
     rng = random.Random(recipe.seed)
     rng.shuffle(seqs)
     n_val = max(1, int(len(seqs) * recipe.val_fraction))
     val, train = seqs[:n_val], seqs[n_val:]
 
-    head = DraftHead(DraftConfig.for_target(model.cfg.text, recipe.intermediate_size or None, recipe.draft_vocab), model).to(dev)
+    cfg = DraftConfig.for_target(model.cfg.text, recipe.intermediate_size or None, recipe.draft_vocab, recipe.context)
+    head = DraftHead(cfg, model).to(dev)
     _init(head, recipe.seed)
     if recipe.draft_vocab:
         head.set_draft_vocab(frequent_tokens(train, recipe.draft_vocab, tokenizer.eos_id))
@@ -304,7 +330,7 @@ def train_draft_for(model, tokenizer, out: str | Path, recipe: DraftRecipe, prog
                 break
             for g in opt.param_groups:
                 g["lr"] = _lr(step, total, recipe)
-            loss, stats = draft_loss(head, collate([train[i] for i in idx], dev), recipe.feature_noise, recipe.ce_weight)
+            loss, stats = draft_loss(head, collate([train[i] for i in idx], dev), recipe.feature_noise, recipe.ce_weight, recipe.passes)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_value_(head.parameters(), recipe.grad_clip)

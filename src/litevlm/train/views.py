@@ -6,7 +6,9 @@ section 1.2): the synthetic generator's own per-question views (seed 0 frames), 
 implicit questions. Single-tag questions are augmented by moving the tag to every camera (the view
 comes from the tag, not from the phrase around it: the generator only asks "in the moving
 direction" about front objects, real DriveLM asks it about any). Identical questions (tags reduced
-to their camera, numbers to one token) are trained once. "Cue-free" word salads (training words
+to their camera, numbers to one token) are merged and drawn with probability proportional to the
+square root of their count: rare phrasings are seen often, frequent families (six-view scene
+questions, "turn left" questions with six templates) are not drowned. "Cue-free" word salads (training words
 with every direction, side, camera and turn word removed) are added as all-six examples: they
 teach the module DriveLM's rule that a question naming no view needs every view, so phrasing it
 never saw falls back to all six instead of to whatever its words resemble.
@@ -21,6 +23,7 @@ The held-out test split is seed 1 and is never touched here.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -54,7 +57,7 @@ class ViewRecipe:
     warmup: int = 100
     minutes: float = 10.0  # wall-clock cap on the optimisation
     tag_augment: bool = True
-    cue_free: int = 1000  # all-six word-salad examples (0: none)
+    cue_free: int = 500  # all-six word-salad examples (0: none)
     target_recall: float = 0.995  # on the validation split
     torch_seed: int = 0
     threads: int = 1
@@ -137,12 +140,17 @@ def augment_tags(examples: Sequence[Example]) -> list[Example]:
     return out
 
 
-def dedupe(examples: Sequence[Example]) -> list[Example]:
-    """One example per (module words, views): coordinates and numbers do not make a new question."""
-    seen: dict[tuple, Example] = {}
+def dedupe_counts(examples: Sequence[Example]) -> tuple[list[Example], list[int]]:
+    """One example per (module words, views), with how often it occurred: coordinates and numbers do
+    not make a new question."""
+    seen: dict[tuple, list] = {}
     for q, views in examples:
-        seen.setdefault((tuple(question_words(q)), views), (q, views))
-    return list(seen.values())
+        seen.setdefault((tuple(question_words(q)), views), [(q, views), 0])[1] += 1
+    return [e for e, _ in seen.values()], [n for _, n in seen.values()]
+
+
+def dedupe(examples: Sequence[Example]) -> list[Example]:
+    return dedupe_counts(examples)[0]
 
 
 CUE_WORDS = {"front", "back", "rear", "left", "right", "ahead", "behind", "forward", "forwards", "backward", "backwards",
@@ -246,8 +254,10 @@ def train_view_selector(out_dir: str | Path, recipe: ViewRecipe | None = None, e
         for path in extra_labels:
             for ex in read_labels(path):
                 (extra_val if is_validation_label(ex[0]) else extra_train).append(ex)
-        train_set = dedupe((augment_tags(train) if recipe.tag_augment else train) + extra_train)
-        train_set += cue_free_examples([q for q, _ in train_set], recipe.cue_free, rng)
+        train_set, counts = dedupe_counts((augment_tags(train) if recipe.tag_augment else train) + extra_train)
+        salad = cue_free_examples([q for q, _ in train_set], recipe.cue_free, rng)
+        train_set, counts = train_set + salad, counts + [1] * len(salad)
+        cum_weights = list(itertools.accumulate(math.sqrt(n) for n in counts))
         val += extra_val
 
         sel = ViewSelector(recipe.selector_config(), target_recall=recipe.target_recall)
@@ -260,7 +270,7 @@ def train_view_selector(out_dir: str | Path, recipe: ViewRecipe | None = None, e
         ema = None
         steps_done = 0
         for step in bar:
-            idx = [rng.randrange(len(train_set)) for _ in range(recipe.batch)]
+            idx = rng.choices(range(len(train_set)), cum_weights=cum_weights, k=recipe.batch)
             ids, mask = sel.cfg.features([train_set[i][0] for i in idx])
             logits = sel(ids, mask, lexical[idx])  # (B, N)
             loss = F.binary_cross_entropy_with_logits(logits, labels[idx], reduction="none").sum(1).mean()  # BCE summed over views
