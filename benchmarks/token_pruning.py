@@ -33,12 +33,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="drive-tiny", help="model directory (with token_selector/) or bundled name")
     p.add_argument("--selector", default=None, help="TokenSelector directory if not MODEL/token_selector")
     p.add_argument("--data", required=True, help="folder from `litevlm data synth` or a DriveLM JSON file")
-    p.add_argument("--n", type=int, default=300, help="questions (the first N)")
+    p.add_argument("--n", type=int, default=300, help="questions, spread evenly over the file (every len/N-th)")
     p.add_argument("--ratios", default="0.2,0.3,0.5,0.7,0.9")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--views", choices=("needed", "all"), default="needed", help="the views each question needs, or all six")
     p.add_argument("--min-per-view", type=int, default=None, help="selector quota per view (default: the checkpoint's)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=160, help="as the pipeline and `litevlm eval`")
     p.add_argument("--timing-n", type=int, default=24, help="prompts timed (0: no timing)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per prompt (the median is kept)")
     p.add_argument("--threads", type=int, default=2)
@@ -223,7 +223,9 @@ def main(argv=None) -> dict:
     quota = selector.cfg.min_per_view if args.min_per_view is None else args.min_per_view
     tpv = model.cfg.tokens_per_tile * model.cfg.tiles_per_view
     model.language_model.setup_cache(1, 64 + 6 * (tpv + 16) + 256 + args.max_new_tokens)
-    samples = load_samples(args.data)[: args.n]
+    every = load_samples(args.data)
+    step = max(1.0, len(every) / args.n)  # spread over all frames, deterministically
+    samples = [every[int(i * step)] for i in range(min(args.n, len(every)))]
     prompts = Prompts(model, tokenizer, args.views)
 
     t0 = time.time()

@@ -19,7 +19,6 @@ import json
 import statistics
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 

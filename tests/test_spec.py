@@ -611,9 +611,10 @@ def test_a_windowed_draft_is_lossless_and_sees_only_the_prompt_tail():
         embeds, pos = prompt(model, seed, pruned=seed == 2)
         out = speculative_generate(model, head, embeds, pos, 30, EOS, tree=cfg)
         assert out.tokens == generate(model, embeds, pos, 30, EOS).tokens
-    # the first extend filled 5 draft slots with the last 5 prompt pairs at their own positions
-    k = head.layer.self_attn.kv_cache.k.clone()
+    # the first extend filled draft slots 0..4 with the last 5 prompt pairs, at their own positions
+    got = head.layer.self_attn.kv_cache.k[:, :, :5].clone()
+    model.language_model.setup_cache(1, 160)
+    logits, hidden = prefill(model, embeds, pos)
     head.setup_cache(64)
-    feats = torch.randn(12, 32)
-    head.extend(feats[7:], torch.randn(5, 32), pos[0, 7:], 0)
-    assert k.shape[2] >= 5
+    head.extend(hidden[0, 7:], torch.cat([embeds[0, 8:], model.language_model.embed_tokens(logits.argmax(-1))]), pos[0, 7:], 0)
+    torch.testing.assert_close(got, head.layer.self_attn.kv_cache.k[:, :, :5], rtol=1e-4, atol=1e-4)

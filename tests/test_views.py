@@ -175,14 +175,25 @@ def test_lexical_only_selector():
 # ------------------------------------------------------------------------------------------------
 # A small trained selector
 # ------------------------------------------------------------------------------------------------
+# Implicit questions as `litevlm label-views` would label them with a language model (hybrid labels).
+LLM_LABELS = [(f"{lead} {verb} {side}{tail}", [FL, BL] if side == "left" else [FR, BR])
+              for lead in ("Is it safe to", "Can we", "Should the ego vehicle", "Is it a good idea to")
+              for verb in ("turn", "change lanes to the")
+              for side in ("left", "right")
+              for tail in ("?", " now?", " at this moment?")]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     from litevlm.train.views import ViewRecipe, train_view_selector
 
-    recipe = ViewRecipe(frames=150, val_frames=40, steps=160, batch=32, lr=3e-3, warmup=20, width=32, heads=4, ffn=64,
-                        buckets=1024, dropout=0.0, minutes=1.0)
     out = tmp_path_factory.mktemp("selector")
-    path = train_view_selector(out, recipe, progress=False)
+    labels = out / "llm_labels.jsonl"
+    labels.write_text("".join(json.dumps({"question": q, "views": v, "source": "llm"}) + "\n" for q, v in LLM_LABELS))
+    # Small and quick (two layers instead of four); the shipped recipe is ViewRecipe().
+    recipe = ViewRecipe(frames=100, val_frames=40, steps=250, batch=32, lr=5e-3, warmup=20, width=32, layers=2, heads=4,
+                        ffn=64, buckets=1024, dropout=0.0, salads=300, minutes=1.0)
+    path = train_view_selector(out, recipe, extra_labels=[labels], progress=False)
     return out, path
 
 
@@ -198,10 +209,12 @@ def test_trained_selector_gives_the_right_views(trained):
         assert sel.select(question)[0] == list(CAMERAS), question
 
 
-def test_trained_selector_learns_implicit_turn_questions(trained):
+def test_trained_selector_learns_implicit_questions(trained):
     sel = ViewSelector.load(trained[0])
-    assert sel.select("Is it safe for the ego vehicle to turn left?")[0] == [FL, BL]
+    assert sel.meta["data"]["extra_train"] + sel.meta["data"]["extra_val"] == len(LLM_LABELS)
+    assert sel.select("Is it safe for the ego vehicle to turn left?")[0] == [FL, BL]  # the generator's phrasing
     assert sel.select("Would turning right be safe for the ego car?")[0] == [FR, BR]
+    assert sel.select("Can the ego vehicle change lanes to the right safely?")[0] == [FR, BR]
 
 
 def test_save_load_round_trip_and_mismatch(trained, tmp_path):
@@ -213,7 +226,7 @@ def test_save_load_round_trip_and_mismatch(trained, tmp_path):
     q = "Can the ego vehicle safely turn right now?"
     assert a.score(q) == b.score(q)
     assert (a.weight, a.threshold, a.target_recall) == (b.weight, b.threshold, 0.995)
-    assert a.meta["recipe"]["frames"] == 150
+    assert a.meta["recipe"]["frames"] == 100 and a.cfg.layers == 2
 
     state = load_file(str(path / "selector.safetensors"))
     state["latents"] = torch.zeros(6, 16)

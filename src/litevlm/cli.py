@@ -84,7 +84,8 @@ def cmd_train_vlm(args) -> None:
     from litevlm.train.vlm import VLMRecipe, train_vlm
 
     recipe = VLMRecipe(frames=args.frames, seed=args.seed, minutes=args.minutes, steps=args.steps,
-                       batch_frames=args.batch_frames, threads=args.threads)
+                       batch_frames=args.batch_frames, threads=args.threads, lr=args.lr, first_frame=args.first_frame,
+                       closed_weight=args.closed_weight, init=args.init, warmup=args.warmup)
     out = train_vlm(args.out, recipe)
     print(f"saved to {out}")
 
@@ -201,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     tv.add_argument("--steps", type=int, default=100000)
     tv.add_argument("--batch-frames", type=int, default=8)
     tv.add_argument("--threads", type=int, default=2)
+    tv.add_argument("--lr", type=float, default=1.5e-3)
+    tv.add_argument("--warmup", type=int, default=200)
+    tv.add_argument("--first-frame", type=int, default=0, help="training frames are (seed, first-frame + i)")
+    tv.add_argument("--closed-weight", type=float, default=1.0, help="sampling weight of closed questions")
+    tv.add_argument("--init", default=None, help="continue training from this checkpoint")
     tv.set_defaults(func=cmd_train_vlm)
 
     e = sub.add_parser("eval", help="DriveLM scores of a pipeline configuration")
@@ -240,8 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst")
     c.set_defaults(func=cmd_convert)
 
+    from litevlm.select.label_views import add_label_views_parser
+    from litevlm.select.views import add_views_parser
     from litevlm.serve import add_serve_parser
+    from litevlm.train.views import add_train_views_parser
 
+    add_views_parser(sub)
+    add_label_views_parser(sub)
+    add_train_views_parser(train)
     add_serve_parser(sub, _add_pipeline_options, _pipeline)
     return p
 

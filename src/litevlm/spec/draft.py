@@ -123,7 +123,7 @@ class DraftHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head over the full vocabulary (training, evaluation)."""
         head = self._target()[1]
-        return head(hidden.to(head.weight.dtype))
+        return head(hidden if hidden.dtype == head.weight.dtype else hidden.to(head.weight.dtype))
 
     def _draft_head(self) -> torch.Tensor:
         """The LM head's rows of the draft vocabulary, gathered once per weight version."""
@@ -138,8 +138,10 @@ class DraftHead(nn.Module):
         vocabulary (..., V or draft_vocab); `token_ids` maps their indices to target token ids."""
         if self.cfg.draft_vocab:
             w = self._draft_head()
-            return torch.log_softmax(F.linear(hidden.to(w.dtype), w).float(), -1)
-        return torch.log_softmax(self.logits(hidden).float(), -1)
+            logits = F.linear(hidden if hidden.dtype == w.dtype else hidden.to(w.dtype), w)
+        else:
+            logits = self.logits(hidden)
+        return torch.log_softmax(logits if logits.dtype == torch.float32 else logits.float(), -1)
 
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(n, C) -> the k most likely next tokens: (log-probs (n, k), target token ids (n, k))."""
@@ -159,7 +161,7 @@ class DraftHead(nn.Module):
 
         One matmul yields [q k | rot(q) rot(k) | v], where rot(x) = rotate_half(x): rotating is a
         signed permutation of output rows, so it folds into the weights and RoPE becomes
-        qk * cos + rot(qk) * sin. gate and up share a matmul too.
+        qk * cos + rot(qk) * sin (two kernels instead of six). gate and up share a matmul too.
         """
         attn, mlp = self.layer.self_attn, self.layer.mlp
         training = self.training and torch.is_grad_enabled()
@@ -200,7 +202,7 @@ class DraftHead(nn.Module):
         qkv_w, qkv_b = self._weights()[:2]
         qkv = F.linear(self._norm(x, self.layer.input_layernorm), qkv_w, qkv_b)  # (B, T, 2 nqk + Hkv D)
         qk, qk_rot, v = qkv.split((nqk, nqk, h_kv * d), -1)
-        qk = torch.addcmul(qk.view(b, t, -1, d) * cos, qk_rot.view(b, t, -1, d), sin)  # (B, T, Hq + Hkv, D)
+        qk = torch.addcmul(qk.view(b, t, -1, d) * cos, qk_rot.view(b, t, -1, d), sin)  # (B, T, Hq + Hkv, D) RoPE'd
         v = v.view(b, t, h_kv, d).transpose(1, 2)  # (B, Hkv, T, D)
         return qk[:, :, :h_q].transpose(1, 2), qk[:, :, h_q:].transpose(1, 2), v
 
@@ -227,7 +229,9 @@ class DraftHead(nn.Module):
 
     def _fuse(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
         dtype = self.fc.weight.dtype  # the draft may run in another precision than the target
-        return self.fc(torch.cat([next_embeds.to(dtype), features.to(dtype)], -1))  # [embedding ; feature] -> H
+        if features.dtype != dtype or next_embeds.dtype != dtype:
+            features, next_embeds = features.to(dtype), next_embeds.to(dtype)
+        return self.fc(torch.cat([next_embeds, features], -1))  # [embedding ; feature] -> H
 
     # -- training ---------------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, mask=None) -> torch.Tensor:
@@ -283,16 +287,16 @@ class DraftHead(nn.Module):
         if self._rope is None or self._rope[0].shape[0] <= max_position or self._rope[0].dtype != w.dtype or self._rope[0].device != w.device:
             size = max(max_position + 1, 1024)
             cos, sin = rope_cos_sin(torch.arange(size, device=w.device)[None], self.cfg.head_dim, self.cfg.rope_theta, w.dtype)
-            self._rope = (cos[0, 0], sin[0, 0])  # (P, D)
+            self._rope = (cos[0, 0, :, None], sin[0, 0, :, None])  # (P, 1, D): broadcasts over (B, T, heads, D)
 
     def _cos_sin(self, positions: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos / sin (1, T, 1, D) for positions (T,), or for one int position (T = 1)."""
+        """cos / sin (T, 1, D) for positions (T,), or (1, 1, D) for one int position shared by all rows."""
         if self._rope is None:
             raise LiteVLMError("call draft.prepare(cache_len, max_position) before drafting")
         cos, sin = self._rope
         if isinstance(positions, int):
-            return cos[positions : positions + 1][None, :, None], sin[positions : positions + 1][None, :, None]
-        return cos[positions][None, :, None], sin[positions][None, :, None]
+            return cos[positions : positions + 1], sin[positions : positions + 1]
+        return cos[positions], sin[positions]
 
     @torch.no_grad()
     def extend(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, start: int) -> torch.Tensor:

@@ -9,7 +9,12 @@ target's final post-norm hidden states are recorded. The head is then trained te
 the feature and 0.1 x the cross-entropy between the target's next-token distribution
 softmax(LMHead(f_{j+1})) and the draft's LMHead(f^_{j+1}), on the answer's pairs. Uniform noise on
 the input features (relative to their RMS) makes the head robust to its own errors when it drafts
-several tokens ahead.
+several tokens ahead; optional training-time-test passes (EAGLE-3) train on them directly.
+
+The head is sized for a small target on a CPU, where a draft step must cost a small fraction of a
+target step: a narrow MLP, a draft vocabulary of the tokens the target's answers use, and a window
+over the prompt's last pairs; all three are stored in the head's config and used alike in training
+and inference.
 """
 
 from __future__ import annotations
@@ -32,17 +37,20 @@ from litevlm.spec.draft import DRAFT_SUBDIR, DraftConfig, DraftHead
 
 @dataclass
 class DraftRecipe:
-    frames: int = 300  # training frames (seed, 0..frames-1) whose questions the target answers
+    frames: int = 150  # training frames (seed, 0..frames-1), ~18 questions each, answered by the target
     seed: int = 0  # the VLM's training seed: the held-out split is seed 1
     max_new_tokens: int = 96  # answer length cap while generating the data
     view_subset_prob: float = 0.5  # prompts with only the needed views (+ random extras), as view selection feeds
     render_size: tuple[int, int] = (400, 225)
     gen_batch: int = 16  # questions answered at once while generating the data
-    intermediate_size: int = 384  # the draft layer's MLP width (the target's when 0)
-    context: int = 0  # > 0: the draft sees only the last `context` prompt pairs (train and inference alike)
-    draft_vocab: int = 0  # > 0: the draft proposes only the most frequent answer tokens (cheaper LM head)
-    minutes: float = 10.0  # training budget (data generation not included)
-    epochs: int = 40  # upper bound on passes over the data
+    # The head's shape. On a small target the draft must be much cheaper than a target step: a narrow
+    # MLP, a draft vocabulary of the tokens answers actually use, and a window over the prompt (the
+    # target's features already carry what it saw).
+    intermediate_size: int = 128  # the draft layer's MLP width (the target's when 0)
+    draft_vocab: int = 256  # > 0: the draft proposes only the most frequent answer tokens (cheaper LM head)
+    context: int = 48  # > 0: the draft sees only the last `context` prompt pairs (train and inference alike)
+    minutes: float = 12.0  # training budget (data generation not included)
+    epochs: int = 60  # upper bound on passes over the data
     batch: int = 16
     lr: float = 1e-3
     min_lr_ratio: float = 0.05
@@ -50,7 +58,7 @@ class DraftRecipe:
     weight_decay: float = 0.0
     grad_clip: float = 0.5  # by value, as EAGLE
     feature_noise: float = 0.1  # U(-a, a) x feature RMS added to input features
-    passes: int = 2  # training-time test: 1 = EAGLE-2's teacher forcing; s > 1 also trains on s-1 own predictions
+    passes: int = 1  # training-time test: 1 = EAGLE-2's teacher forcing; s > 1 also trains on s-1 own predictions
     ce_weight: float = 0.1
     val_fraction: float = 0.05
     threads: int = 2
@@ -305,11 +313,12 @@ def train_draft_for(model, tokenizer, out: str | Path, recipe: DraftRecipe, prog
     n_val = max(1, int(len(seqs) * recipe.val_fraction))
     val, train = seqs[:n_val], seqs[n_val:]
 
-    cfg = DraftConfig.for_target(model.cfg.text, recipe.intermediate_size or None, recipe.draft_vocab, recipe.context)
+    draft_vocab = min(recipe.draft_vocab, model.cfg.text.vocab_size)
+    cfg = DraftConfig.for_target(model.cfg.text, recipe.intermediate_size or None, draft_vocab, recipe.context)
     head = DraftHead(cfg, model).to(dev)
     _init(head, recipe.seed)
-    if recipe.draft_vocab:
-        head.set_draft_vocab(frequent_tokens(train, recipe.draft_vocab, tokenizer.eos_id))
+    if draft_vocab:
+        head.set_draft_vocab(frequent_tokens(train, draft_vocab, tokenizer.eos_id))
     head.train()
     decay = [p for p in head.parameters() if p.ndim >= 2]
     rest = [p for p in head.parameters() if p.ndim < 2]
@@ -337,9 +346,9 @@ def train_draft_for(model, tokenizer, out: str | Path, recipe: DraftRecipe, prog
             opt.step()
             hist.append(stats)
             step += 1
-            if step == 20:  # re-plan the schedule to the time budget
-                per_step = (time.time() - t_loop) / 20
-                total = min(total, int(step + (deadline - time.time()) / per_step))
+            if step == 20 or step % 200 == 0:  # re-plan the schedule to the time budget
+                per_step = (time.time() - t_loop) / step
+                total = min(recipe.epochs * steps_per_epoch, int(step + (deadline - time.time()) / per_step))
                 bar.total = total
             bar.update(1)
             if step % 10 == 0:

@@ -46,9 +46,10 @@ class TokenRecipe:
     batch: int = 16
     lr: float = 1e-3
     weight_decay: float = 0.01
-    band: tuple[int, int] | None = None  # teacher layers [a, b); None: every layer but the first
-    last_row_weight: float = 0.5  # share of the last prompt token's row; the answer rows share the rest
-    prior_weight: float = 0.3  # share of the box prior in the label
+    band: tuple[int, int] | None = None  # teacher layers [a, b); None: the upper half [L // 2, L)
+    last_row_weight: float = 0.0  # share of the last prompt token's row; the answer rows share the rest
+    row_norm: bool = False  # normalise each teacher row over the visual tokens before averaging
+    prior_weight: float = 0.15  # share of the box prior in the label
     all_views_prob: float = 0.5  # else: the question's views plus random extras
     extra_view_prob: float = 0.15
     render_size: tuple[int, int] = (400, 225)
@@ -88,17 +89,19 @@ def frame_boxes(frame, question: str, answer: str, needed: Sequence[str]) -> dic
 
 
 @torch.no_grad()
-def teacher_attention(model, embeds, positions, view_spans, answer_ids: Sequence[int], band: tuple[int, int] | None, last_row_weight: float) -> torch.Tensor:
+def teacher_attention(model, embeds, positions, view_spans, answer_ids: Sequence[int], band: tuple[int, int] | None, last_row_weight: float,
+                      row_norm: bool = False) -> torch.Tensor:
     """(N,) distribution: the full model's attention to the visual tokens from the last prompt token and the answer.
 
     The answer (with its end token) is appended teacher-forced; the rows are the tokens that
     predict each answer token. Each layer of the band contributes its head-mean rows (summed
     attention mass on the visual tokens, last row weighted `last_row_weight`, the answer rows the
-    rest equally); the band average is normalised over the visual tokens.
+    rest equally); the band average is normalised over the visual tokens. row_norm=True first
+    normalises each row over the visual tokens (every row votes equally, however little it looks).
     """
     lm = model.language_model
     n_layers = len(lm.layers)
-    a, b = band if band is not None else (1 if n_layers > 1 else 0, n_layers)
+    a, b = band if band is not None else (n_layers // 2, n_layers)
     if not 0 <= a < b <= n_layers:
         raise LiteVLMError(f"teacher band {band} must satisfy 0 <= a < b <= {n_layers}")
     t = embeds.shape[1]
@@ -113,7 +116,10 @@ def teacher_attention(model, embeds, positions, view_spans, answer_ids: Sequence
     acc = torch.zeros(vis.numel(), device=dev)
     for layer_i in range(b):
         if layer_i >= a:
-            acc += (w[:, None] * attention_rows(lm.layers[layer_i], x, pos, rows)[0][:, vis].float()).sum(0)
+            a_rows = attention_rows(lm.layers[layer_i], x, pos, rows)[0][:, vis].float()  # (n, N)
+            if row_norm:
+                a_rows = a_rows / a_rows.sum(-1, keepdim=True).clamp_min(1e-12)
+            acc += (w[:, None] * a_rows).sum(0)
         if layer_i < b - 1:
             x = lm(x, pos, start_layer=layer_i, end_layer=layer_i + 1)
     return acc / acc.sum()
@@ -183,7 +189,7 @@ def build_items(model, tokenizer, recipe: TokenRecipe, frame_range: range, rng: 
             views = pick_views(rng, qa.views, recipe)
             ids, embeds, positions, spans = prompt_embeds(model, tokenizer, bank[-1], qa.question, views)
             answer = tokenizer.encode(qa.answer) + [tokenizer.eos_id]
-            attn = teacher_attention(model, embeds, positions, spans, answer, recipe.band, recipe.last_row_weight).cpu()
+            attn = teacher_attention(model, embeds, positions, spans, answer, recipe.band, recipe.last_row_weight, recipe.row_norm).cpu()
             prior = box_prior(frame_boxes(frame, qa.question, qa.answer, qa.views), views, grid, cfg.tiles_per_view)
             items.append(Item(len(bank) - 1, views, qa.question, ids, spans, label(attn, prior, recipe.prior_weight), attn, prior))
     return bank, items

@@ -7,11 +7,13 @@ implicit questions. Single-tag questions are augmented by moving the tag to ever
 comes from the tag, not from the phrase around it: the generator only asks "in the moving
 direction" about front objects, real DriveLM asks it about any). Identical questions (tags reduced
 to their camera, numbers to one token) are merged and drawn with probability proportional to the
-square root of their count: rare phrasings are seen often, frequent families (six-view scene
-questions, "turn left" questions with six templates) are not drowned. "Cue-free" word salads (training words
-with every direction, side, camera and turn word removed) are added as all-six examples: they
-teach the module DriveLM's rule that a question naming no view needs every view, so phrasing it
-never saw falls back to all six instead of to whatever its words resemble.
+square root of their count: rare phrasings are seen often, frequent ones do not drown the rest.
+Word salads (training words with every direction, side, camera and turn word removed) teach the
+module DriveLM's two rules for words it never saw: a question naming no view needs every view
+(salads labelled all six), and a question naming views needs those (salads with one direction
+phrase or c-tag inserted, labelled by the lexical map). And a word the module never saw hashes to
+embeddings training never touched; so that such words carry no view, a share of the training
+questions get one to four random letter strings inserted, their labels unchanged.
 
 Calibration runs on a validation split that training never sees (seed 2 frames, and one extra
 label line in ten): a grid over the lexical weight and the threshold, keeping the pair that reaches
@@ -50,14 +52,15 @@ class ViewRecipe:
     seed: int = 0
     val_frames: int = 500  # calibration frames: seed `val_seed`, indices 0..val_frames-1
     val_seed: int = 2
-    steps: int = 1200
+    steps: int = 1000
     batch: int = 64
     lr: float = 2e-3
     weight_decay: float = 0.01
     warmup: int = 100
     minutes: float = 10.0  # wall-clock cap on the optimisation
     tag_augment: bool = True
-    cue_free: int = 500  # all-six word-salad examples (0: none)
+    salads: int = 800  # word-salad examples, half without a cue (all six), half with one (0: none)
+    noise_words: float = 0.3  # share of training questions given 1-4 random unseen words
     target_recall: float = 0.995  # on the validation split
     torch_seed: int = 0
     threads: int = 1
@@ -158,16 +161,33 @@ CUE_WORDS = {"front", "back", "rear", "left", "right", "ahead", "behind", "forwa
              "lane", "lanes", "all", "every", "each", "six", "surround", "around", "direction", "directions"}
 
 
-def cue_free_examples(questions: Sequence[str], n: int, rng: random.Random) -> list[Example]:
-    """`n` word salads from the questions' words without any view cue, each labelled all six views."""
-    vocab = sorted({w for q in questions for w in question_words(q)
-                    if w.isalpha() and w not in CUE_WORDS})
+def salad_examples(questions: Sequence[str], n: int, rng: random.Random) -> list[Example]:
+    """`n` word salads of the questions' words without any view cue: half labelled all six views,
+    half with one direction phrase or c-tag inserted and labelled with the views it names."""
+    from litevlm.data.synthetic import DIR_PHRASES
+
+    vocab = sorted({w for q in questions for w in question_words(q) if w.isalpha() and w not in CUE_WORDS})
     out: list[Example] = []
     while vocab and len(out) < n:
-        text = " ".join(rng.choice(vocab) for _ in range(rng.randint(3, 14))) + "?"
-        if not any(lexical_views(text).values()):
-            out.append((text, CAMERAS))
+        words = [rng.choice(vocab) for _ in range(rng.randint(3, 40))]
+        if len(out) % 2:
+            cam = rng.choice(CAMERAS)
+            cue = rng.choice(DIR_PHRASES[cam] + (f"<c{rng.randint(1, 6)},{cam},{rng.uniform(0, 1600):.1f},{rng.uniform(0, 900):.1f}>",))
+            words.insert(rng.randint(0, len(words)), cue)
+        text = " ".join(words) + "?"
+        named = tuple(c for c, v in lexical_views(text).items() if v)
+        if bool(named) == bool(len(out) % 2):  # a stray cue from two adjacent words: draw again
+            out.append((text, named or CAMERAS))
     return out
+
+
+def with_unseen_words(question: str, rng: random.Random) -> str:
+    """The question with 1-4 random lower-case letter strings inserted between its words."""
+    words = question.split(" ")
+    for _ in range(rng.randint(1, 4)):
+        junk = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 10)))
+        words.insert(rng.randint(0, len(words)), junk)
+    return " ".join(words)
 
 
 def is_validation_label(question: str) -> bool:
@@ -255,7 +275,7 @@ def train_view_selector(out_dir: str | Path, recipe: ViewRecipe | None = None, e
             for ex in read_labels(path):
                 (extra_val if is_validation_label(ex[0]) else extra_train).append(ex)
         train_set, counts = dedupe_counts((augment_tags(train) if recipe.tag_augment else train) + extra_train)
-        salad = cue_free_examples([q for q, _ in train_set], recipe.cue_free, rng)
+        salad = salad_examples([q for q, _ in train_set], recipe.salads, rng)
         train_set, counts = train_set + salad, counts + [1] * len(salad)
         cum_weights = list(itertools.accumulate(math.sqrt(n) for n in counts))
         val += extra_val
@@ -271,7 +291,9 @@ def train_view_selector(out_dir: str | Path, recipe: ViewRecipe | None = None, e
         steps_done = 0
         for step in bar:
             idx = rng.choices(range(len(train_set)), cum_weights=cum_weights, k=recipe.batch)
-            ids, mask = sel.cfg.features([train_set[i][0] for i in idx])
+            texts = [train_set[i][0] for i in idx]
+            texts = [with_unseen_words(q, rng) if rng.random() < recipe.noise_words else q for q in texts]
+            ids, mask = sel.cfg.features(texts)
             logits = sel(ids, mask, lexical[idx])  # (B, N)
             loss = F.binary_cross_entropy_with_logits(logits, labels[idx], reduction="none").sum(1).mean()  # BCE summed over views
             for group in opt.param_groups:

@@ -61,6 +61,9 @@ class VLMRecipe:
     render_size: tuple[int, int] = (400, 225)
     vocab_size: int = 1024
     threads: int = 2
+    first_frame: int = 0  # training frames are (seed, first_frame .. first_frame + frames - 1)
+    closed_weight: float = 1.0  # sampling weight of closed (yes/no, multiple choice) questions vs open ones
+    init: str | None = None  # continue from this checkpoint (its tokenizer and weights)
 
 
 class FrameBank:
@@ -74,10 +77,10 @@ class FrameBank:
         self.tiles = torch.empty(recipe.frames, len(CAMERAS) * tpv, 3, s, s, dtype=torch.uint8)
         self.qas: list[list[tuple[list[int], list[int], tuple[str, ...]]]] = []
         for i in tqdm(range(recipe.frames), desc="rendering frames", disable=not progress):
-            frame = make_frame(recipe.seed, i)
+            frame = make_frame(recipe.seed, recipe.first_frame + i)
             views = render_views(frame, size=recipe.render_size)
             self.tiles[i] = torch.from_numpy(np.concatenate([image_to_uint8_tiles(views[c], s, tpv) for c in CAMERAS]))
-            self.qas.append([(tokenizer.encode(q.question), tokenizer.encode(q.answer), tuple(q.views)) for q in frame.qas])
+            self.qas.append([(tokenizer.encode(q.question), tokenizer.encode(q.answer), tuple(q.views), q.closed) for q in frame.qas])
         self.tpv = tpv
 
     def pixels(self, frame: int, views: list[str]) -> torch.Tensor:
@@ -124,8 +127,9 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
             keep = set(anchor[2]) | {c for c in CAMERAS if rng.random() < 0.15}
             views = [c for c in CAMERAS if c in keep]
             pool = [qa for qa in qas if set(qa[2]) <= keep]
-        chosen = rng.sample(pool, min(recipe.questions_per_frame, len(pool)))
-        seq = pack_frame(tokenizer, views, tpv_tokens, [(q, a) for q, a, _ in chosen])
+        weights = [recipe.closed_weight if qa[3] else 1.0 for qa in pool]
+        chosen = _weighted_sample(pool, weights, min(recipe.questions_per_frame, len(pool)), rng)
+        seq = pack_frame(tokenizer, views, tpv_tokens, [(q, a) for q, a, _, _ in chosen])
         keep = torch.ones(len(views) * tpv_tokens, dtype=torch.bool)
         if rng.random() < recipe.token_drop_prob:
             seq, keep = drop_visual_tokens(seq, tokenizer.image_id, len(views), tpv_tokens, rng)
@@ -144,6 +148,13 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         ids[i, :n], labels[i, :n], pos[i, :n], block[i, :n] = torch.tensor(a), torch.tensor(l), torch.tensor(p), torch.tensor(bl)
         valid[i, :n] = True
     return ids, labels, pos, block_mask(block, valid), torch.cat(pixels), torch.cat(keeps)
+
+
+def _weighted_sample(items: list, weights: list[float], k: int, rng: random.Random) -> list:
+    """k distinct items, drawn with probability proportional to weight (without replacement)."""
+    keys = [rng.random() ** (1.0 / w) for w in weights]  # Efraimidis-Spirakis
+    order = sorted(range(len(items)), key=lambda i: -keys[i])
+    return [items[i] for i in order[:k]]
 
 
 def drop_visual_tokens(seq, image_id: int, n_views: int, per_view: int, rng: random.Random):
@@ -193,10 +204,18 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     torch.set_num_threads(recipe.threads)
     out = Path(out_dir)
     t_start = time.time()
-    tokenizer = train_default(question_corpus(n_frames=2000, seed=recipe.seed), vocab_size=recipe.vocab_size)
-    cfg = drive_tiny_config(tokenizer)
-    model = VLM(cfg)
-    init_weights(model, recipe.seed)
+    if recipe.init:
+        from litevlm.data.tokenizer import Tokenizer
+        from litevlm.model.hf import load_native
+
+        tokenizer = Tokenizer.from_dir(recipe.init)
+        model = load_native(recipe.init)
+        cfg = model.cfg
+    else:
+        tokenizer = train_default(question_corpus(n_frames=2000, seed=recipe.seed), vocab_size=recipe.vocab_size)
+        cfg = drive_tiny_config(tokenizer)
+        model = VLM(cfg)
+        init_weights(model, recipe.seed)
     bank = FrameBank(recipe, cfg, tokenizer, progress)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
