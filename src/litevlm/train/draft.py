@@ -138,13 +138,17 @@ def build_sequences(model, tokenizer, recipe: DraftRecipe, frames: range, progre
     cfg = model.cfg
     rng = random.Random(recipe.seed)
     tpv = cfg.tokens_per_tile * cfg.tiles_per_view
-    pending: list[torch.Tensor] = []
+    pending: list[tuple[int, torch.Tensor]] = []  # (expected answer length, prompt embeddings)
     seqs: list[Sequence] = []
 
     def flush():
-        for emb, (answer, feats) in zip(pending, greedy_batch(model, pending, recipe.max_new_tokens, tokenizer.eos_id)):
-            ans = model.language_model.embed_tokens(torch.tensor(answer, device=emb.device))
-            seqs.append(Sequence(torch.cat([emb, ans]).half().cpu(), feats.half().cpu(), emb.shape[0], answer))
+        # Batch prompts whose reference answers have similar lengths: a batch runs as long as its longest answer.
+        pending.sort(key=lambda p: p[0])
+        for i in range(0, len(pending), recipe.gen_batch):
+            chunk = [emb for _, emb in pending[i : i + recipe.gen_batch]]
+            for emb, (answer, feats) in zip(chunk, greedy_batch(model, chunk, recipe.max_new_tokens, tokenizer.eos_id)):
+                ans = model.language_model.embed_tokens(torch.tensor(answer, device=emb.device))
+                seqs.append(Sequence(torch.cat([emb, ans]).half().cpu(), feats.half().cpu(), emb.shape[0], answer))
         pending.clear()
 
     for i in tqdm(frames, desc="target answers", disable=not progress):
@@ -160,9 +164,9 @@ def build_sequences(model, tokenizer, recipe: DraftRecipe, frames: range, progre
                 cams = [c for c in CAMERAS if c in keep]
             ids = build_prompt(tokenizer, qa.question, cams, tpv).ids
             vis = visual[[CAMERAS.index(c) for c in cams]]
-            pending.append(model.embed(torch.tensor([ids], device=model.device), vis)[0])
-            if len(pending) == recipe.gen_batch:
-                flush()
+            pending.append((len(tokenizer.encode(qa.answer)), model.embed(torch.tensor([ids], device=model.device), vis)[0]))
+        if len(pending) >= 8 * recipe.gen_batch:
+            flush()
     if pending:
         flush()
     return seqs

@@ -1,0 +1,52 @@
+"""`litevlm bench` end to end on a tiny random model with every module attached (latency columns are
+not asserted: only the table's shape, its consistency and the transformers rows' agreement)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from litevlm.eval.bench import CONFIGS, HF_ROWS, format_table, plot, run_bench
+
+
+@pytest.fixture(scope="module")
+def full_model_dir(tiny_model_dir, tmp_path_factory):
+    from litevlm.model.hf import load_native
+    from litevlm.select.tokens import TokenSelector
+    from litevlm.select.views import ViewSelector
+    from litevlm.spec.draft import DraftConfig, DraftHead
+
+    d = tmp_path_factory.mktemp("full") / "model"
+    shutil.copytree(tiny_model_dir, d)
+    model = load_native(d)
+    torch.manual_seed(0)
+    ViewSelector.lexical_only().save(d)
+    TokenSelector.from_model(model).save(d)
+    DraftHead(DraftConfig.for_target(model.cfg.text), model).save(d / "draft")
+    return d
+
+
+def test_bench_rows_are_consistent(full_model_dir, tmp_path):
+    pytest.importorskip("transformers")
+    result, per_question = run_bench(str(full_model_dir), n=4, warmup=1, max_new_tokens=6, progress=False)
+    rows = {r["config"]: r for r in result["rows"]}
+    assert list(rows) == [*CONFIGS, *HF_ROWS]
+    for r in rows.values():
+        assert r["total_ms"] > 0 and r["vit_ms"] > 0 and r["prefill_ms"] > 0
+        assert r["score"] is not None
+    assert rows["baseline"]["speedup"] == 1.0
+    assert rows["baseline"]["views"] == 6.0
+    # Pruning shortens the prompt; view selection never encodes more views than the baseline.
+    assert rows["fastv r=0.3"]["input_tokens"] < rows["fastv r=0.7"]["input_tokens"] < rows["baseline"]["input_tokens"]
+    assert rows["litevlm"]["views"] <= 6.0
+    assert rows["eagle"]["tau"] >= 1.0
+    assert rows["litevlm fp8"]["precision"].startswith("fp8")
+    # Speculative decoding is lossless and transformers runs the same weights: same answers, same score.
+    assert rows["eagle"]["score"] == rows["baseline"]["score"]
+    assert rows["transformers eager"]["score"] == rows["baseline"]["score"]
+    assert rows["transformers static"]["score"] == rows["baseline"]["score"]
+    json.dumps(result)
+    assert "| baseline |" in format_table(result)
+    plot(result, tmp_path / "bench.png", per_question)
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
