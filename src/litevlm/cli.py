@@ -90,6 +90,20 @@ def cmd_train_vlm(args) -> None:
     print(f"saved to {out}")
 
 
+def cmd_train_tokens(args) -> None:
+    from litevlm.train.tokens import TokenRecipe, train_token_selector
+
+    recipe = TokenRecipe(frames=args.frames, minutes=args.minutes, threads=args.threads)
+    print(f"saved to {train_token_selector(args.model_dir, recipe)}")
+
+
+def cmd_train_draft(args) -> None:
+    from litevlm.train.draft import DraftRecipe, train_draft
+
+    recipe = DraftRecipe(frames=args.frames, minutes=args.minutes, threads=args.threads)
+    print(f"saved to {train_draft(args.model_dir, recipe=recipe)}")
+
+
 def cmd_eval(args) -> None:
     from litevlm.eval.run import evaluate
 
@@ -208,6 +222,19 @@ def build_parser() -> argparse.ArgumentParser:
     tv.add_argument("--closed-weight", type=float, default=1.0, help="sampling weight of closed questions")
     tv.add_argument("--init", default=None, help="continue training from this checkpoint")
     tv.set_defaults(func=cmd_train_vlm)
+
+    tt = train.add_parser("tokens", help="train the TokenSelector of a model (saved in MODEL_DIR/token_selector)")
+    tt.add_argument("model_dir")
+    tt.add_argument("--frames", type=int, default=1200)
+    tt.add_argument("--minutes", type=float, default=10.0)
+    tt.add_argument("--threads", type=int, default=2)
+    tt.set_defaults(func=cmd_train_tokens)
+    td = train.add_parser("draft", help="train the EAGLE-2 draft head of a model (saved in MODEL_DIR/draft)")
+    td.add_argument("model_dir")
+    td.add_argument("--frames", type=int, default=150)
+    td.add_argument("--minutes", type=float, default=12.0)
+    td.add_argument("--threads", type=int, default=2)
+    td.set_defaults(func=cmd_train_draft)
 
     e = sub.add_parser("eval", help="DriveLM scores of a pipeline configuration")
     e.add_argument("--data", required=True, help="a folder written by `litevlm data synth`, or a DriveLM JSON file")
