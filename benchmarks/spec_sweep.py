@@ -27,8 +27,9 @@ from litevlm.spec import DraftHead, TreeConfig, speculative_generate
 SWEEP = [
     TreeConfig.chain(3),
     TreeConfig.chain(5),
+    TreeConfig.chain(7),
+    TreeConfig(2, 6, 8),
     TreeConfig(4, 4, 8),
-    TreeConfig(4, 5, 16),
     TreeConfig(4, 6, 16),
     TreeConfig(8, 5, 16),
     TreeConfig(4, 6, 32),
@@ -37,9 +38,10 @@ SWEEP = [
 
 
 def parse_tree(s: str) -> TreeConfig:
-    """"k4d6n16" or "chain5"."""
+    """"k4d6n16", "chain5" or "chain8v0.2" (a chain cut where its draft probability < 0.2)."""
     if s.startswith("chain"):
-        return TreeConfig.chain(int(s[5:]))
+        depth, _, value = s[5:].partition("v")
+        return TreeConfig.chain(int(depth), float(value or 0))
     k, rest = s[1:].split("d")
     d, n = rest.split("n")
     return TreeConfig(int(k), int(d), int(n))

@@ -181,7 +181,7 @@ def run_timing(model, selector, samples, prompts: Prompts, ratios, repeats: int,
     return {name: statistics.median(v) for name, v in rows.items()}
 
 
-def plot(path, table: dict, unpruned: float, ratios, methods) -> None:
+def plot(path, table: dict, unpruned: float, ratios, methods, subtitle: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -196,7 +196,7 @@ def plot(path, table: dict, unpruned: float, ratios, methods) -> None:
     ax.axhline(unpruned, color="k", ls="--", lw=1, label="unpruned")
     ax.set_xlabel("keep ratio r (fraction of visual tokens kept)")
     ax.set_ylabel("DriveLM final score (no judge)")
-    ax.set_title("Accuracy against kept visual tokens")
+    ax.set_title("Accuracy against kept visual tokens" + (f"\n{subtitle}" if subtitle else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -262,7 +262,7 @@ def main(argv=None) -> dict:
             print(f"| {r} | {vt:.1f} | {timing[f'selector@{r}']:.2f} | {timing[f'prefill_pruned@{r}']:.2f} | {tot:.2f} | "
                   f"{timing['prefill_unpruned'] / tot:.2f}x | {timing[f'fastv_k1@{r}']:.2f} | {timing[f'fastv_k2@{r}']:.2f} |")
     if args.plot:
-        plot(args.plot, table, unpruned["final"], ratios, methods)
+        plot(args.plot, table, unpruned["final"], ratios, methods, f"{path.name}, {len(samples)} held-out questions, views: {args.views}")
         print(f"\nplot saved to {args.plot}")
     if args.predictions:
         Path(args.predictions).write_text(json.dumps({f"{m}@{r}": v for (m, r), v in records.items()}, indent=1))

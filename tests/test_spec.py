@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 
 import pytest
 import torch
@@ -125,7 +124,9 @@ class OracleDraft:
 # Tree building
 # ------------------------------------------------------------------------------------------------
 def test_tree_config_validation():
-    assert TreeConfig.chain(3) == TreeConfig(1, 3, 4)
+    assert TreeConfig.chain(3) == TreeConfig(1, 3, 4) == TreeConfig(top_k=1, depth=3)
+    assert TreeConfig(top_k=4, depth=6).total_tokens == 16 and TreeConfig(top_k=2, depth=2).total_tokens == 7
+    assert TreeConfig().top_k == 1 and TreeConfig().total_tokens == TreeConfig().depth + 1
     assert TreeConfig(4, 6, 16).pool_size == 4 + 5 * 16
     for bad in [dict(top_k=0), dict(depth=0), dict(total_tokens=1), dict(top_k=1, depth=3, total_tokens=5), dict(top_k=2, depth=2, total_tokens=8)]:
         with pytest.raises(LiteVLMError):
@@ -341,7 +342,8 @@ def test_accept_greedy_handcrafted():
 # ------------------------------------------------------------------------------------------------
 # End-to-end greedy losslessness
 # ------------------------------------------------------------------------------------------------
-CONFIGS = [TreeConfig.chain(1), TreeConfig.chain(4), TreeConfig(2, 3, 6), TreeConfig(4, 5, 16), TreeConfig(3, 6, 24)]
+CONFIGS = [TreeConfig.chain(1), TreeConfig.chain(4), TreeConfig.chain(6, min_value=0.6), TreeConfig(2, 3, 6), TreeConfig(4, 5, 16),
+           TreeConfig(3, 6, 24)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.label())
@@ -364,7 +366,10 @@ def test_greedy_lossless_with_an_oracle_draft(cfg):
         assert all(1 <= a <= cfg.depth + 1 for a in out.accept_lengths)
         assert set(out.timings_ms) >= {"prefill", "decode", "draft", "verify"}
         accepted += out.accept_lengths
-    assert max(accepted) == cfg.depth + 1  # full paths were accepted
+    if cfg.min_value:
+        assert 2 <= max(accepted) < cfg.depth + 1  # low-value tails were cut, long paths still accepted
+    else:
+        assert max(accepted) == cfg.depth + 1  # full paths were accepted
 
 
 @pytest.mark.parametrize("cfg", [TreeConfig.chain(3), TreeConfig(4, 5, 16), TreeConfig(8, 4, 32)], ids=lambda c: c.label())
@@ -618,3 +623,17 @@ def test_a_windowed_draft_is_lossless_and_sees_only_the_prompt_tail():
     head.setup_cache(64)
     head.extend(hidden[0, 7:], torch.cat([embeds[0, 8:], model.language_model.embed_tokens(logits.argmax(-1))]), pos[0, 7:], 0)
     torch.testing.assert_close(got, head.layer.self_attn.kv_cache.k[:, :, :5], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_greedy_lossless_on_cuda_with_fixed_shape_verification():
+    model = tiny_vlm(vocab=24).cuda()
+    model.language_model.setup_cache(1, 160)
+    head = random_draft(model).cuda()
+    embeds, pos = prompt(model.cpu(), 0)
+    model.cuda()
+    embeds, pos = embeds.cuda(), pos.cuda()
+    for cfg in [TreeConfig.chain(3), TreeConfig(4, 5, 16)]:
+        out = speculative_generate(model, head, embeds, pos, 30, EOS, tree=cfg)
+        assert out.tokens == generate(model, embeds, pos, 30, EOS).tokens

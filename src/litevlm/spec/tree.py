@@ -12,11 +12,13 @@ arXiv 2401.15077, appendix A.2). The accepted path's K/V entries are then moved 
 cache slots.
 
 Shapes are fixed by `TreeConfig` (the tree's contents are dynamic, its size never is), so a GPU
-can replay verification as a CUDA graph. Chain drafting is the special case top_k = 1.
+can replay verification as a CUDA graph. Chain drafting is the special case top_k = 1; a chain may
+also stop early where its value falls below `min_value` (variable shapes: an option for the CPU).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -33,18 +35,29 @@ class TreeConfig:
         EAGLE code's `depth` is this minus one). The draft runs `depth` forwards per cycle and a
         cycle commits at most depth + 1 tokens (the bonus token included).
     top_k: nodes expanded per level, and children kept per expanded node; 1 = chain drafting.
-    total_tokens: tree size verified by the target, root included.
+    total_tokens: tree size verified by the target, root included; 0 = depth + 1 for a chain
+        (all of it), 16 for a tree.
+
+    The default is a chain: on a CPU a target pass costs more with every verified token (a
+    16-token tree costs about 2 token steps here, a 7-token chain about 1.4), and drive-tiny's
+    templated answers are predictable enough that depth beats width (benchmarks/spec_sweep.py).
+    On a GPU, where a 16-32-token verification costs about one step, a tree (top_k 4-8) pays.
     """
 
-    top_k: int = 4
+    top_k: int = 1
     depth: int = 6
-    total_tokens: int = 16
+    total_tokens: int = 0
+    min_value: float = 0.0  # chains only: stop drafting once the path's draft probability falls below this
 
     def __post_init__(self) -> None:
+        if self.total_tokens == 0 and self.top_k >= 1 and self.depth >= 1:  # frozen: set the derived size once
+            object.__setattr__(self, "total_tokens", self.depth + 1 if self.top_k == 1 else min(16, 1 + self.pool_size))
         if self.top_k < 1:
             raise LiteVLMError(f"tree top_k must be >= 1, got {self.top_k}")
         if self.depth < 1:
             raise LiteVLMError(f"tree depth must be >= 1, got {self.depth}")
+        if not 0.0 <= self.min_value < 1.0:
+            raise LiteVLMError(f"tree min_value must lie in [0, 1), got {self.min_value}")
         if not 2 <= self.total_tokens <= 1 + self.pool_size:
             raise LiteVLMError(
                 f"tree total_tokens={self.total_tokens} must lie in [2, {1 + self.pool_size}] for top_k={self.top_k}, "
@@ -57,13 +70,14 @@ class TreeConfig:
         return self.top_k + (self.depth - 1) * self.top_k**2
 
     @classmethod
-    def chain(cls, depth: int) -> "TreeConfig":
-        """A chain of `depth` draft tokens (top_k = 1)."""
-        return cls(top_k=1, depth=depth, total_tokens=depth + 1)
+    def chain(cls, depth: int, min_value: float = 0.0) -> "TreeConfig":
+        """A chain of `depth` draft tokens (top_k = 1), cut short where its draft probability < min_value."""
+        return cls(top_k=1, depth=depth, total_tokens=depth + 1, min_value=min_value)
 
     def label(self) -> str:
         if self.top_k == 1:
-            return f"chain d{self.depth}" + ("" if self.total_tokens == self.depth + 1 else f" n{self.total_tokens}")
+            return (f"chain d{self.depth}" + ("" if self.total_tokens == self.depth + 1 else f" n{self.total_tokens}")
+                    + (f" v{self.min_value:g}" if self.min_value else ""))
         return f"tree k{self.top_k} d{self.depth} n{self.total_tokens}"
 
 
@@ -161,12 +175,17 @@ def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start
     k, levels = cfg.top_k, cfg.depth
     dev = root_hidden.device
     if k == 1 and cfg.total_tokens == levels + 1:  # a chain: no reranking, no tree mask to track
-        drafted = [draft.topk(root_hidden, 1)[1][:, 0]]  # (1,)
+        value, tok = draft.topk(root_hidden, 1)
+        drafted = [tok[:, 0]]  # (1,)
         hidden = root_hidden
         for i in range(levels - 1):
+            if cfg.min_value > 0 and float(value) < math.log(cfg.min_value):
+                break  # the path's draft probability is too low to be worth a step (a host sync)
             hidden = draft.step(drafted[-1], hidden, position + i, start + i, None)  # sees everything before it
-            drafted.append(draft.topk(hidden, 1)[1][:, 0])
-        return Tree(torch.cat([root_token.reshape(1).to(drafted[0].dtype), *drafted]), *_chain(levels + 1, dev))
+            lp, tok = draft.topk(hidden, 1)
+            value = value + lp
+            drafted.append(tok[:, 0])
+        return Tree(torch.cat([root_token.reshape(1).to(drafted[0].dtype), *drafted]), *_chain(len(drafted) + 1, dev))
     scores, tokens = (x[0] for x in draft.topk(root_hidden, k))  # (k,) level 1
     pool_scores, pool_tokens, pool_parents = [scores], [tokens], [torch.full((k,), -1, device=dev)]
     frontier = torch.arange(k, device=dev)  # pool indices of the nodes expanded next

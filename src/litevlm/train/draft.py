@@ -48,7 +48,7 @@ class DraftRecipe:
     # target's features already carry what it saw).
     intermediate_size: int = 128  # the draft layer's MLP width (the target's when 0)
     draft_vocab: int = 256  # > 0: the draft proposes only the most frequent answer tokens (cheaper LM head)
-    context: int = 48  # > 0: the draft sees only the last `context` prompt pairs (train and inference alike)
+    context: int = 32  # > 0: the draft sees only the last `context` prompt pairs (train and inference alike)
     minutes: float = 12.0  # training budget (data generation not included)
     epochs: int = 60  # upper bound on passes over the data
     batch: int = 16
@@ -302,7 +302,7 @@ def train_draft(model_dir: str | Path, out_dir: str | Path | None = None, recipe
     model = load_native(model_dir).float().eval()
     model.requires_grad_(False)
     tokenizer = Tokenizer.from_dir(model_dir)
-    return train_draft_for(model, tokenizer, out, recipe, progress, source=str(model_dir))
+    return train_draft_for(model, tokenizer, out, recipe, progress, source=model_dir.name)
 
 
 def train_draft_for(model, tokenizer, out: str | Path, recipe: DraftRecipe, progress: bool = True, source: str = "") -> Path:

@@ -3,15 +3,18 @@
 The paper (arXiv 2506.07416, section 3) builds "synthetic ground truth" from two parts, which we
 make concrete (research/token_pruning.md section 8.2):
   1. the served VLM's own attention to the visual tokens, teacher-forced on the ground-truth
-     answer: the rows of the last prompt token and of every answer token, over a band of decoder
-     layers, averaged over heads; each row is computed alone (q of that token against all keys,
-     `litevlm.select.tokens.attention_rows`), never the full attention matrix;
+     answer: the head-mean rows of the tokens that predict each answer token, over a band of
+     decoder layers (default the upper half), each row computed alone (q of that token against
+     all keys, `litevlm.select.tokens.attention_rows`), never the full attention matrix. The last
+     prompt token's row is a recipe knob (`last_row_weight`), 0 by default: on drive-tiny,
+     selecting by it (FastV's signal, with hindsight) was worse than random;
   2. an object prior from the 2D boxes: the token cells that a box covers (the objects the
      question or answer names by c-tag, otherwise the objects seen in the views it needs).
-The label is the distribution p = (1 - prior_weight) * attention + prior_weight * prior over the
-visual tokens; the selector is trained by a listwise KL(p || softmax(scores)). Frames come from
-the synthetic training stream (seed 0; the held-out split is seed 1); view sets mix "the views the
-question needs (plus random extras)" with "all six", as the pipeline feeds the selector.
+The label is p = (1 - prior_weight) * attention + prior_weight * prior over the visual tokens;
+the selector is trained by a listwise KL(p || softmax(scores)), which matches a distribution-valued
+teacher at every budget r at once. Frames come from the synthetic training stream (seed 0; the
+held-out split is seed 1); view sets mix "the views the question needs (plus random extras)" with
+"all six", as the pipeline feeds the selector.
 """
 
 from __future__ import annotations
@@ -279,13 +282,13 @@ def train_token_selector(model_dir: str | Path, recipe: TokenRecipe | None = Non
     steps_per_epoch = math.ceil(len(items) / recipe.batch)
     total = steps_per_epoch * recipe.epochs
     bar = tqdm(total=total, desc="training token selector", disable=not progress)
-    losses, step = [], 0
+    losses, step, t_loop = [], 0, time.time()
     selector.train()
     for epoch in range(recipe.epochs):
         order = list(range(len(items)))
         rng.shuffle(order)
         for s in range(steps_per_epoch):
-            if time.time() > deadline:
+            if time.time() > deadline or step >= total:
                 break
             lr = recipe.lr * 0.5 * (1 + math.cos(math.pi * step / total))
             for g in opt.param_groups:
@@ -301,6 +304,10 @@ def train_token_selector(model_dir: str | Path, recipe: TokenRecipe | None = Non
             opt.step()
             losses.append(loss_sum)
             step += 1
+            if step == 20:  # re-plan the cosine schedule to what the time budget allows
+                per_step = (time.time() - t_loop) / 20
+                total = max(step + 1, min(total, int(step + (deadline - time.time()) / per_step)))
+                bar.total = total
             bar.update(1)
             if step % 10 == 0:
                 bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
