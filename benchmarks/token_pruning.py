@@ -237,6 +237,9 @@ def main(argv=None) -> dict:
         table[key] = {"final": s["final"], "closed_accuracy": closed_accuracy(recs), "accuracy": s["accuracy"],
                       "language": s["language"], "match": s["match"], "visual_tokens": statistics.fmean(kept[key])}
     unpruned = table[("unpruned", 1.0)]
+    base_answers = [r["answer"] for r in records[("unpruned", 1.0)]]
+    for key, recs in records.items():  # how much pruning perturbs the model: answers that differ from unpruned
+        table[key]["changed"] = sum(r["answer"] != a for r, a in zip(recs, base_answers)) / len(recs)
     timing = run_timing(model, selector, samples[: args.timing_n], prompts, ratios, args.repeats, quota) if args.timing_n else {}
 
     # -- report ---------------------------------------------------------------------------------
@@ -251,6 +254,11 @@ def main(argv=None) -> dict:
         cells = [f"{table[(m, r)]['final']:.4f} ({table[(m, r)]['closed_accuracy']:.3f})" for r in ratios]
         print(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + " |")
     print(f"| unpruned | {unpruned['final']:.4f} ({unpruned['closed_accuracy']:.3f}) |" + " |" * (len(ratios) - 1))
+    print("\nAnswers that differ from the unpruned model's (fraction of questions)\n")
+    print(head)
+    print("|" + "---|" * (len(ratios) + 1))
+    for m in methods:
+        print(f"| {LABELS.get(m, m)} | " + " | ".join(f"{table[(m, r)]['changed']:.3f}" for r in ratios) + " |")
     if timing:
         print(f"\nprefill ms (median of {min(args.timing_n, len(samples))} prompts, {args.repeats} repeats each, {model.device}, "
               f"{torch.get_num_threads()} threads); unpruned prefill {timing['prefill_unpruned']:.2f} ms\n")

@@ -1,9 +1,9 @@
 """Prefill, one decode step and the generation loop over the static KV cache.
 
 Prefill writes a prompt's K/V into slots 0..T-1 (positions may skip, as after token pruning);
-`decode_step` appends one token. On CUDA the step is a fixed-shape function (mask over the whole
-cache, slot as a tensor) that `torch.compile(mode="reduce-overhead")` replays as a CUDA graph; on
-the CPU it attends over the live prefix only, which is faster eagerly.
+`decode_step` appends one token attending over the live prefix only, which is fastest eagerly on the
+CPU; `decode_step_static` is the same step with fixed shapes (mask over the whole cache, position and
+slot as tensors), the form `torch.compile(mode="reduce-overhead")` captures as one CUDA graph.
 """
 
 from __future__ import annotations
@@ -72,6 +72,17 @@ def decode_step(model, token: torch.Tensor, position: int, slot: int) -> tuple[t
     pos = torch.full_like(token, position)
     hidden = lm(lm.embed_tokens(token), pos, slots=torch.tensor([slot], device=dev), kv_len=slot + 1)
     return model.lm_head(hidden[:, -1]), hidden
+
+
+@torch.no_grad()
+def decode_step_static(model, token: torch.Tensor, position: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """`decode_step` with fixed shapes and no host values: token (1, 1), position (1, 1) and slot (1,) are
+    tensors and attention covers the whole cache under a mask, so `torch.compile(mode="reduce-overhead")`
+    captures one graph for every step (a CUDA graph on a GPU). Returns logits (1, V)."""
+    lm = model.language_model
+    mask = (torch.arange(lm.cache_len, device=token.device) <= slot)[None, None, None]  # (1, 1, 1, S)
+    hidden = lm(lm.embed_tokens(token), position, slots=slot, mask=mask, kv_len=None)
+    return model.lm_head(hidden[:, -1])
 
 
 def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator=None) -> torch.Tensor:

@@ -442,7 +442,12 @@ class TokenSelector(nn.Module):
 
     # -- checkpoint -----------------------------------------------------------------------------
     def save(self, model_dir: str | Path, recipe: dict | None = None, extra: dict | None = None) -> Path:
-        """Write `model_dir/token_selector/` (selector.safetensors + config.json with shapes and recipe)."""
+        """Write `model_dir/token_selector/` (selector.safetensors + config.json with shapes and recipe).
+
+        Each file is written beside its target and renamed over it, so a reader never sees half a file.
+        """
+        import os
+
         from safetensors.torch import save_file
 
         d = Path(model_dir) / SELECTOR_DIR
@@ -451,10 +456,12 @@ class TokenSelector(nn.Module):
             "format": SELECTOR_FORMAT, "text": asdict(self.text_cfg), "selector": asdict(self.cfg),
             "recipe": recipe or {}, **(extra or {}),
         }
-        text = json.dumps(meta, indent=2)
+        text = json.dumps(meta, indent=2)  # fails before anything is written if the recipe is not JSON
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
-        save_file(tensors, str(d / "selector.safetensors"), metadata={"format": SELECTOR_FORMAT})
-        (d / "config.json").write_text(text + "\n", encoding="utf-8")
+        save_file(tensors, str(d / "selector.safetensors.tmp"), metadata={"format": SELECTOR_FORMAT})
+        (d / "config.json.tmp").write_text(text + "\n", encoding="utf-8")
+        os.replace(d / "selector.safetensors.tmp", d / "selector.safetensors")
+        os.replace(d / "config.json.tmp", d / "config.json")
         return d
 
     @classmethod
