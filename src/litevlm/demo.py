@@ -66,7 +66,8 @@ def run_demo(model: str = "drive-tiny", out: str = "demo.png", seed: int = 2026,
     if as_json:
         print(json.dumps(result, separators=(",", ":")))
     else:
-        print(f"\n{result['exact']}/{len(rows)} answers exactly equal to the ground truth; views: {len(CAMERAS)} per question")
+        views = statistics.fmean(len(r["views"]) for r in rows)
+        print(f"\n{result['exact']}/{len(rows)} answers exactly equal to the ground truth; {views:.1f} of {len(CAMERAS)} views per question")
         print(f"picture of the six views: {grid}\n")
         print("stage latency (median over questions, ms, this machine):")
         total = med["total"] or 1.0
