@@ -1,0 +1,19 @@
+import json
+
+from litevlm.cli import main
+from litevlm.demo import run_demo
+
+
+def test_demo_answers_questions_and_saves_the_grid(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "demo.png"
+    result = run_demo(str(tiny_model_dir), out=str(out), n_questions=4, as_json=True)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last)["n"] == 4
+    assert out.stat().st_size > 5_000
+    assert {r["category"] for r in result["questions"]} == {"perception", "prediction", "planning", "behavior"}
+    assert result["median_ms"]["total"] > 0
+
+
+def test_cli_reports_user_errors_with_exit_code_2(tmp_path, capsys):
+    assert main(["ask", "--images", str(tmp_path / "none"), "--question", "Anything ahead?"]) == 2
+    assert "image folder not found" in capsys.readouterr().err
