@@ -9,8 +9,6 @@ from pathlib import Path
 
 from litevlm.errors import LiteVLMError
 
-LITEVLM_KEEP_RATIO = 0.5  # r for the LiteVLM configuration (fraction of visual tokens kept)
-
 
 def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline")
@@ -37,6 +35,8 @@ def _pipeline(args):
     from litevlm.pipeline import Pipeline
 
     if args.litevlm:
+        from litevlm.eval.bench import LITEVLM_KEEP_RATIO
+
         args.select_views, args.speculative = True, True
         args.select_tokens = args.select_tokens or LITEVLM_KEEP_RATIO
     return Pipeline.from_pretrained(

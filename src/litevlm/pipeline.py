@@ -166,16 +166,15 @@ class Pipeline:
             if fp8 != "fp8-dynamic-per-row":
                 raise LiteVLMError(f"fp8={fp8!r}: only fp8-dynamic-per-row applies at load; static scales come from `litevlm quantize`")
             quantize_model(model, FP8Recipe(fp8))
-        base = Path(meta.get("base_model_dir", path)) if "fp8" in meta else path
         parts = {}
         if select_views:
             from litevlm.select.views import ViewSelector
 
-            parts["view_selector"] = ViewSelector.load(_part(path, base, "view_selector"), device=device)
+            parts["view_selector"] = ViewSelector.load(_part(path, "view_selector"), device=device)
         if select_tokens is not None:
             from litevlm.select.tokens import TokenSelector
 
-            parts["token_selector"] = TokenSelector.load(_part(path, base, "token_selector"), model).to(device)
+            parts["token_selector"] = TokenSelector.load(_part(path, "token_selector"), model).to(device)
             parts["keep_ratio"] = select_tokens
         if fastv_k is not None or fastv_r is not None:
             if fastv_k is None or fastv_r is None:
@@ -185,7 +184,7 @@ class Pipeline:
             from litevlm.spec.draft import DraftHead
             from litevlm.spec.tree import TreeConfig
 
-            parts["draft"] = DraftHead.load(_part(path, base, "draft"), model).to(device=device)
+            parts["draft"] = DraftHead.load(_part(path, "draft"), model).to(device=device)
             default = TreeConfig()
             parts["tree"] = TreeConfig(
                 top_k=tree_top_k or default.top_k, depth=tree_depth or default.depth, total_tokens=tree_total or default.total_tokens
@@ -296,11 +295,10 @@ class Pipeline:
         return generate(self.model, embeds, positions, *args)
 
 
-def _part(path: Path, base: Path, name: str) -> Path:
-    """A trained module's folder: beside the weights, else beside the unquantised model they came from."""
-    for root in (path, base):
-        if (root / name).is_dir():
-            return root / name
+def _part(path: Path, name: str) -> Path:
+    """A trained module's folder beside the weights (`litevlm quantize` copies them into FP8 checkpoints)."""
+    if (path / name).is_dir():
+        return path / name
     raise LiteVLMError(f"{path} has no {name}/ folder: train it first (litevlm train {name.split('_')[0]})")
 
 

@@ -176,7 +176,7 @@ class _NoEos:
         return -1
 
 
-def _hf_rows(model_dir: str, samples, pipe, logs: dict[str, RowLog], max_new_tokens: int, warmup: int, progress: bool):
+def _hf_rows(samples, pipe, logs: dict[str, RowLog], max_new_tokens: int, warmup: int, progress: bool):
     """transformers' generate on the same weights (exported through our converter), dynamic and static cache."""
     from transformers import DynamicCache, InternVLForConditionalGeneration
     from transformers.utils import logging as hf_logging
@@ -244,7 +244,7 @@ def run_bench(model: str = "drive-tiny", data=None, n: int = 60, shape: str | No
             log.records.append(_record(s, ans.text, len(ans.views)))
             log.precision = ans.precision
     if hf and shape is None:
-        _hf_rows(model, samples, pipes["baseline"] if "baseline" in pipes else next(iter(pipes.values())), logs, max_new_tokens, warmup, progress)
+        _hf_rows(samples, pipes["baseline"] if "baseline" in pipes else next(iter(pipes.values())), logs, max_new_tokens, warmup, progress)
     base_total = statistics.median(logs["baseline"].total) if "baseline" in logs else None
     rows = []
     for name, log in logs.items():
