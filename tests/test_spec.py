@@ -124,13 +124,15 @@ class OracleDraft:
 # Tree building
 # ------------------------------------------------------------------------------------------------
 def test_tree_config_validation():
-    assert TreeConfig.chain(3) == TreeConfig(1, 3, 4) == TreeConfig(top_k=1, depth=3)
+    assert TreeConfig.chain(3) == TreeConfig(1, 3, 4, 0.0) == TreeConfig(top_k=1, depth=3, min_value=0.0)
     assert TreeConfig(top_k=4, depth=6).total_tokens == 16 and TreeConfig(top_k=2, depth=2).total_tokens == 7
     assert TreeConfig().top_k == 1 and TreeConfig().total_tokens == TreeConfig().depth + 1
     assert TreeConfig(4, 6, 16).pool_size == 4 + 5 * 16
     for bad in [dict(top_k=0), dict(depth=0), dict(total_tokens=1), dict(top_k=1, depth=3, total_tokens=5), dict(top_k=2, depth=2, total_tokens=8)]:
         with pytest.raises(LiteVLMError):
             TreeConfig(**{**dict(top_k=2, depth=2, total_tokens=4), **bad})
+    with pytest.raises(LiteVLMError):
+        TreeConfig(min_value=1.0)
 
 
 def test_rerank_worked_example():
@@ -342,8 +344,8 @@ def test_accept_greedy_handcrafted():
 # ------------------------------------------------------------------------------------------------
 # End-to-end greedy losslessness
 # ------------------------------------------------------------------------------------------------
-CONFIGS = [TreeConfig.chain(1), TreeConfig.chain(4), TreeConfig.chain(6, min_value=0.6), TreeConfig(2, 3, 6), TreeConfig(4, 5, 16),
-           TreeConfig(3, 6, 24)]
+CONFIGS = [TreeConfig.chain(1), TreeConfig.chain(4), TreeConfig.chain(6, min_value=0.6), TreeConfig(), TreeConfig(2, 3, 6),
+           TreeConfig(4, 5, 16), TreeConfig(3, 6, 24)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.label())
@@ -366,7 +368,7 @@ def test_greedy_lossless_with_an_oracle_draft(cfg):
         assert all(1 <= a <= cfg.depth + 1 for a in out.accept_lengths)
         assert set(out.timings_ms) >= {"prefill", "decode", "draft", "verify"}
         accepted += out.accept_lengths
-    if cfg.min_value:
+    if cfg.min_value >= 0.5 and cfg.top_k == 1:
         assert 2 <= max(accepted) < cfg.depth + 1  # low-value tails were cut, long paths still accepted
     else:
         assert max(accepted) == cfg.depth + 1  # full paths were accepted

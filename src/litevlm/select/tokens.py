@@ -8,8 +8,9 @@ their ORIGINAL RoPE position ids at contiguous cache slots 0..T'-1 (`litevlm.mod
 accepts such positions), and generation continues at position T (the unpruned prompt length).
 
 FastV (arXiv 2403.06764) is the in-LLM baseline: layers [0, K) run on the whole prompt, the last
-prompt token's attention over the visual tokens at layer K ranks them, and layers [K, L) run on
-the kept tokens only. Every attention-scored step here computes just the query rows it needs
+prompt token's attention over the visual tokens at layer K ranks them (layer K's q/k on its input;
+the official code reuses layer K-1's returned probabilities instead, one layer less informed), and
+layers [K, L) run on the kept tokens only, which keep their original positions. Every attention-scored step here computes just the query rows it needs
 (q of a few tokens against all keys, fp32 softmax, head mean); the decoder itself stays on fused
 SDPA and no T x T attention matrix is formed (research/token_pruning.md sections 2.4 and 8.3).
 

@@ -9,7 +9,9 @@ the draft's positions are those of the features (pair j sits at the RoPE positio
 Image placeholders are paired with the visual embeddings the target itself consumed.
 
 The embedding table and the LM head are the target's, shared and never stored with the draft: a
-checkpoint holds `fc` and the layer (safetensors) plus its config and training recipe (json).
+checkpoint holds `fc` and the layer (safetensors) plus its config and training recipe (json). Two
+options keep a draft step cheap next to a small target: a draft vocabulary (the LM head's rows of
+the tokens answers use, as EAGLE-3's d2t map) and a window over the prompt's last pairs.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class DraftHead(nn.Module):
         self.recipe: dict = {}  # how it was trained; saved with the weights
         self.metrics: dict = {}
         self._shared: tuple[nn.Embedding, nn.Linear] | None = None
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, D) cos / sin tables
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, 1, D) cos / sin tables
         self._fused: tuple | None = None
         if target is not None:
             self.attach(target)
@@ -135,7 +137,7 @@ class DraftHead(nn.Module):
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Predicted features (..., C) -> log-probabilities of the token after next over the draft
-        vocabulary (..., V or draft_vocab); `token_ids` maps their indices to target token ids."""
+        vocabulary (..., V or draft_vocab); `topk` maps indices to target token ids."""
         if self.cfg.draft_vocab:
             w = self._draft_head()
             logits = F.linear(hidden if hidden.dtype == w.dtype else hidden.to(w.dtype), w)

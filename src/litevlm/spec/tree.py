@@ -38,16 +38,19 @@ class TreeConfig:
     total_tokens: tree size verified by the target, root included; 0 = depth + 1 for a chain
         (all of it), 16 for a tree.
 
-    The default is a chain: on a CPU a target pass costs more with every verified token (a
-    16-token tree costs about 2 token steps here, a 7-token chain about 1.4), and drive-tiny's
-    templated answers are predictable enough that depth beats width (benchmarks/spec_sweep.py).
-    On a GPU, where a 16-32-token verification costs about one step, a tree (top_k 4-8) pays.
+    min_value: chains only: stop drafting once the path's draft probability falls below it.
+
+    The default is a deep chain cut at value 0.1: on a CPU a target pass costs more with every
+    verified token (a 16-token tree costs about 2 token steps here, an 8-token chain about 1.5), and
+    drive-tiny's templated answers are predictable enough that depth beats width
+    (benchmarks/spec_sweep.py, BENCHMARKS.md). On a GPU, where verifying 16-32 tokens costs about
+    one step, a tree pays: e.g. TreeConfig(top_k=4, depth=6, total_tokens=16).
     """
 
     top_k: int = 1
-    depth: int = 6
+    depth: int = 10
     total_tokens: int = 0
-    min_value: float = 0.0  # chains only: stop drafting once the path's draft probability falls below this
+    min_value: float = 0.1
 
     def __post_init__(self) -> None:
         if self.total_tokens == 0 and self.top_k >= 1 and self.depth >= 1:  # frozen: set the derived size once
