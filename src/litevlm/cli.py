@@ -85,7 +85,8 @@ def cmd_train_vlm(args) -> None:
 
     recipe = VLMRecipe(frames=args.frames, seed=args.seed, minutes=args.minutes, steps=args.steps,
                        batch_frames=args.batch_frames, threads=args.threads, lr=args.lr, first_frame=args.first_frame,
-                       closed_weight=args.closed_weight, init=args.init, warmup=args.warmup)
+                       closed_weight=args.closed_weight, init=args.init, warmup=args.warmup, reinit_vision=args.reinit_vision, reinit_language=args.reinit_language,
+                       aux_weight=args.aux_weight, vision_warmup=args.vision_warmup, probe_frames=args.probe_frames)
     out = train_vlm(args.out, recipe)
     print(f"saved to {out}")
 
@@ -221,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     tv.add_argument("--first-frame", type=int, default=0, help="training frames are (seed, first-frame + i)")
     tv.add_argument("--closed-weight", type=float, default=1.0, help="sampling weight of closed questions")
     tv.add_argument("--init", default=None, help="continue training from this checkpoint")
+    tv.add_argument("--reinit-vision", action="store_true", help="with --init: keep the decoder, start the vision side afresh")
+    tv.add_argument("--reinit-language", action="store_true", help="with --init: keep the vision side, start the decoder afresh")
+    tv.add_argument("--aux-weight", type=float, default=0.5, help="weight of the dense visual-token objective (0: answers only)")
+    tv.add_argument("--vision-warmup", type=int, default=0, help="first steps on the visual-token objective alone")
+    tv.add_argument("--probe-frames", type=int, default=24, help="validation frames for the with/without-images probe")
     tv.set_defaults(func=cmd_train_vlm)
 
     tt = train.add_parser("tokens", help="train the TokenSelector of a model (saved in MODEL_DIR/token_selector)")

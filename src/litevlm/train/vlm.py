@@ -8,6 +8,17 @@ the prefix, which is exactly what K separate prompts would compute, at a fractio
 Half the frames keep only the views some of their questions need (plus random extras), so the
 model learns to answer from a selected subset of views, each with its camera marker, as the
 pipeline's view selection later feeds it.
+
+A from-scratch VLM learns the language of its answers long before it learns to read its images:
+trained on answers alone, drive-tiny's decoder settled on priors and its visual tokens carried
+nothing it used (the same answers with empty roads). So the visual tokens get their own dense
+objective from the scene's 2D boxes, as detection pre-training gives a real ViT: a linear probe
+on every visual token (the projector's output, what the decoder reads) predicts what its cell
+holds (class, colour, moving, vehicle motion, light state, sign kind), and one on the front view
+predicts the ego car's steering. The probe heads are training-only and never saved. A first
+`vision_warmup` steps train the vision side on that objective alone; a probe on validation
+frames (seed + 2) reports closed-question accuracy with the real images and with empty roads at
+every checkpoint, so a run that stops looking is seen while it trains.
 """
 
 from __future__ import annotations
@@ -21,12 +32,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.config import TextConfig, VisionConfig, VLMConfig
-from litevlm.model.vlm import VLM, normalize_tiles
+from litevlm.model.vlm import VLM, image_to_uint8_tiles, normalize_tiles
 
 IGNORE = -100
 
@@ -60,27 +72,95 @@ class VLMRecipe:
     token_drop_prob: float = 0.35  # frames whose visual tokens are randomly thinned (keep 30-95%)
     render_size: tuple[int, int] = (400, 225)
     vocab_size: int = 1024
+    tokenizer_frames: int = 2000  # frames whose questions and answers train the tokenizer
     threads: int = 2
     first_frame: int = 0  # training frames are (seed, first_frame .. first_frame + frames - 1)
     closed_weight: float = 1.0  # sampling weight of closed (yes/no, multiple choice) questions vs open ones
+    answer_mean: bool = True  # loss = mean over answers of each answer's mean token loss (else mean over tokens)
     init: str | None = None  # continue from this checkpoint (its tokenizer and weights)
+    reinit_vision: bool = False  # with init: keep the decoder, start the vision tower and projector afresh
+    reinit_language: bool = False  # with init: keep the vision side, start the decoder afresh
+    aux_weight: float = 0.5  # weight of the dense visual-token objective (0: answers only)
+    vision_warmup: int = 0  # first steps on the visual-token objective alone
+    probe_frames: int = 24  # validation frames for the looks-probe (0: none)
+
+
+# ------------------------------------------------------------------------------------------------
+# The dense visual-token objective
+# ------------------------------------------------------------------------------------------------
+def aux_fields() -> list[str]:
+    """Names of the per-cell binary targets, in order."""
+    from litevlm.data.synthetic import CLASSES, COLOURS, LIGHT_STATES, MOVING_STATUSES, SIGN_KINDS
+
+    return ([f"class:{c}" for c in CLASSES] + [f"colour:{c}" for c in COLOURS] + ["moving"]
+            + [f"motion:{m}" for m in MOVING_STATUSES] + [f"light:{l}" for l in LIGHT_STATES] + [f"sign:{k}" for k in SIGN_KINDS])
+
+
+def object_fields(o) -> list[str]:
+    from litevlm.data.synthetic import VEHICLES
+
+    out = [f"class:{o.cls}"]
+    if o.colour:
+        out.append(f"colour:{o.colour}")
+    if o.moving:
+        out.append("moving")
+    if o.cls in VEHICLES:
+        out.append(f"motion:{o.motion}")
+    if o.light:
+        out.append(f"light:{o.light}")
+    if o.sign:
+        out.append(f"sign:{o.sign}")
+    return out
+
+
+def cells_of(box, grid: int, tiles_per_view: int) -> set[int]:
+    """Token cells of a view that a box covers (>= 2% of a cell), plus the cell holding its centre."""
+    from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
+    from litevlm.select.tokens import box_cells
+
+    u0, v0, u1, v1 = box
+    cells = set(box_cells(box, grid, tiles_per_view))
+    cols = grid * tiles_per_view
+    uc, vc = (u0 + u1) / 2, (v0 + v1) / 2
+    if 0 <= uc < IMAGE_WIDTH and 0 <= vc < IMAGE_HEIGHT:
+        gc, r = int(uc / (IMAGE_WIDTH / cols)), int(vc / (IMAGE_HEIGHT / grid))
+        tile, c = divmod(gc, grid)
+        cells.add(tile * grid * grid + r * grid + c)
+    return cells
+
+
+def aux_targets(frame, grid: int, tiles_per_view: int) -> torch.Tensor:
+    """(6, tokens_per_view, F) uint8: what each visual token's cell holds, per camera (CAMERAS order)."""
+    from litevlm.data.synthetic import STEERS
+
+    fields = {f: i for i, f in enumerate(aux_fields())}
+    out = torch.zeros(len(CAMERAS), grid * grid * tiles_per_view, len(fields), dtype=torch.uint8)
+    for o in frame.objects:
+        idx = [fields[f] for f in object_fields(o)]
+        for cam, box in o.views.items():
+            for cell in cells_of(box.clipped(), grid, tiles_per_view):
+                out[CAMERAS.index(cam), cell, idx] = 1
+    return out
 
 
 class FrameBank:
     """Rendered, tiled views of the training frames as uint8, plus their QA, prepared once."""
 
     def __init__(self, recipe: VLMRecipe, cfg: VLMConfig, tokenizer, progress: bool = True):
-        from litevlm.data.synthetic import make_frame, render_views
-        from litevlm.model.vlm import image_to_uint8_tiles
+        from litevlm.data.synthetic import STEERS, make_frame, render_views
 
         s, tpv = cfg.vision.image_size, cfg.tiles_per_view
         self.tiles = torch.empty(recipe.frames, len(CAMERAS) * tpv, 3, s, s, dtype=torch.uint8)
         self.qas: list[list[tuple[list[int], list[int], tuple[str, ...]]]] = []
+        self.aux = torch.empty(recipe.frames, len(CAMERAS), cfg.tokens_per_tile * tpv, len(aux_fields()), dtype=torch.uint8)
+        self.steer = torch.empty(recipe.frames, dtype=torch.long)
         for i in tqdm(range(recipe.frames), desc="rendering frames", disable=not progress):
             frame = make_frame(recipe.seed, recipe.first_frame + i)
             views = render_views(frame, size=recipe.render_size)
             self.tiles[i] = torch.from_numpy(np.concatenate([image_to_uint8_tiles(views[c], s, tpv) for c in CAMERAS]))
             self.qas.append([(tokenizer.encode(q.question), tokenizer.encode(q.answer), tuple(q.views), q.closed) for q in frame.qas])
+            self.aux[i] = aux_targets(frame, cfg.vision.grid // 2, tpv)
+            self.steer[i] = STEERS.index(frame.ego.steer)
         self.tpv = tpv
 
     def pixels(self, frame: int, views: list[str]) -> torch.Tensor:
@@ -117,7 +197,7 @@ def block_mask(block: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rng: random.Random):
     frames = rng.sample(range(len(bank.qas)), recipe.batch_frames)
     tpv_tokens = cfg.tokens_per_tile * cfg.tiles_per_view
-    seqs, pixels, keeps = [], [], []
+    seqs, pixels, keeps, aux, front, steer = [], [], [], [], [], []
     for f in frames:
         qas = bank.qas[f]
         views = list(CAMERAS)
@@ -136,6 +216,10 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         seqs.append(seq)
         keeps.append(keep)
         pixels.append(bank.pixels(f, views))
+        aux.append(bank.aux[f, [CAMERAS.index(c) for c in views]].reshape(-1, bank.aux.shape[-1]))
+        if "CAM_FRONT" in views:  # the front view's tokens (offset into this batch's visual tokens)
+            front.append(sum(len(p) for p in pixels[:-1]) * cfg.tokens_per_tile + views.index("CAM_FRONT") * tpv_tokens)
+            steer.append(int(bank.steer[f]))
     t = max(len(s[0]) for s in seqs)
     b = len(seqs)
     ids = torch.full((b, t), tokenizer.pad_id)
@@ -147,7 +231,53 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         n = len(a)
         ids[i, :n], labels[i, :n], pos[i, :n], block[i, :n] = torch.tensor(a), torch.tensor(l), torch.tensor(p), torch.tensor(bl)
         valid[i, :n] = True
-    return ids, labels, pos, block_mask(block, valid), torch.cat(pixels), torch.cat(keeps)
+    return Batch(ids, labels, pos, block_mask(block, valid), torch.cat(pixels), torch.cat(keeps), torch.cat(aux).float(),
+                 torch.tensor(front, dtype=torch.long), torch.tensor(steer, dtype=torch.long), answer_weights(labels, block))
+
+
+def answer_weights(labels: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """(B, T) weight of each label token: 1 / its answer's length (0 where there is no label), so a
+    one-word closed answer counts as much as a sentence."""
+    sel = labels != IGNORE
+    key = block + (block.max() + 1) * torch.arange(block.shape[0])[:, None]  # answers are unique per row and block
+    counts = torch.zeros(int(key.max()) + 1).index_add_(0, key[sel], torch.ones(int(sel.sum())))
+    w = torch.zeros(labels.shape)
+    w[sel] = 1.0 / counts[key[sel]]
+    return w
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor
+    labels: torch.Tensor
+    pos: torch.Tensor
+    mask: torch.Tensor
+    pixels: torch.Tensor
+    keep: torch.Tensor  # (N,) visual tokens that stay in the sequence
+    aux: torch.Tensor  # (N, F) per-token targets of the dense objective
+    front: torch.Tensor  # (M,) first visual-token index of each CAM_FRONT view in the batch
+    steer: torch.Tensor  # (M,) its frame's steering class
+    weight: torch.Tensor  # (B, T) per-label-token weight: 1 / the length of its answer
+
+
+class AuxHeads(nn.Module):
+    """Training-only probes on the visual tokens: per-cell contents and the front view's steering."""
+
+    def __init__(self, width: int, n_fields: int, n_steer: int, tokens_per_view: int):
+        super().__init__()
+        self.cells = nn.Linear(width, n_fields)
+        self.steer = nn.Linear(width * tokens_per_view, n_steer)
+        self.tokens_per_view = tokens_per_view
+
+    def loss(self, visual: torch.Tensor, batch: Batch) -> torch.Tensor:
+        # On RMS-normalised tokens, as the decoder's first norm reads them: the information must
+        # live in their direction, and the objective gains nothing from inflating their scale.
+        visual = F.rms_norm(visual, (visual.shape[-1],))
+        cell = F.binary_cross_entropy_with_logits(self.cells(visual), batch.aux, reduction="none").sum(-1).mean()
+        if not len(batch.front):
+            return cell
+        idx = batch.front[:, None] + torch.arange(self.tokens_per_view)
+        return cell + F.cross_entropy(self.steer(visual[idx].flatten(1)), batch.steer)
 
 
 def _weighted_sample(items: list, weights: list[float], k: int, rng: random.Random) -> list:
@@ -186,18 +316,82 @@ def lr_at(step: int, total: int, recipe: VLMRecipe) -> float:
 def init_weights(model: VLM, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("lambda_1") or name.endswith("lambda_2"):
-            p.data.fill_(0.1)
-        elif p.ndim >= 2:
-            p.data.normal_(0, 0.02, generator=g)
-        elif "norm" in name and name.endswith("weight"):
-            p.data.fill_(1.0)
-        else:
-            p.data.zero_()
+        _init_param(name, p, g)
+
+
+def init_vision(model: VLM, seed: int) -> None:
+    """Fresh vision tower and projector; the projector's last layer starts small, so visual tokens
+    enter the decoder at the scale of its text embeddings instead of swamping them."""
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, p in [*model.vision_tower.named_parameters(prefix="vision_tower"),
+                    *model.multi_modal_projector.named_parameters(prefix="multi_modal_projector")]:
+        _init_param(name, p, g)
+    model.multi_modal_projector.linear_2.weight.data.mul_(0.25)
+
+
+def init_language(model: VLM, seed: int) -> None:
+    """A fresh decoder (embeddings, layers, final norm; the LM head is tied or re-drawn too)."""
+    g = torch.Generator().manual_seed(seed + 2)
+    for name, p in [*model.language_model.named_parameters(prefix="language_model"), *model.lm_head.named_parameters(prefix="lm_head")]:
+        _init_param(name, p, g)
+
+
+def _init_param(name: str, p: torch.Tensor, g: torch.Generator) -> None:
+    if name.endswith("lambda_1") or name.endswith("lambda_2"):
+        p.data.fill_(0.1)
+    elif p.ndim >= 2:
+        p.data.normal_(0, 0.02, generator=g)
+    elif "norm" in name and name.endswith("weight"):
+        p.data.fill_(1.0)
+    else:
+        p.data.zero_()
+
+
+class LooksProbe:
+    """Teacher-forced closed-question accuracy on validation frames, with the real images and with
+    empty roads: the gap says whether the model reads its images (exact match of every answer token)."""
+
+    def __init__(self, recipe: VLMRecipe, cfg: VLMConfig, tokenizer):
+        from litevlm.data.synthetic import make_frame, render_empty_road, render_views
+
+        s, tpv = cfg.vision.image_size, cfg.tiles_per_view
+        empty = render_empty_road(size=recipe.render_size)
+        blank = normalize_tiles(torch.from_numpy(np.concatenate([image_to_uint8_tiles(empty[c], s, tpv) for c in CAMERAS])))
+        self.items = []
+        for i in range(recipe.probe_frames):
+            frame = make_frame(recipe.seed + 2, i)
+            views = render_views(frame, size=recipe.render_size)
+            real = normalize_tiles(torch.from_numpy(np.concatenate([image_to_uint8_tiles(views[c], s, tpv) for c in CAMERAS])))
+            blocks = [(tokenizer.encode(q.question), tokenizer.encode(q.answer)) for q in frame.qas if q.closed]
+            ids, labels, pos, block = pack_frame(tokenizer, list(CAMERAS), cfg.tokens_per_tile * tpv, blocks)
+            t = torch.tensor
+            self.items.append((t(ids)[None], t(labels)[None], t(pos)[None], block_mask(t(block)[None], torch.ones(1, len(ids), dtype=torch.bool)),
+                               t(block), real))
+        self.blank = blank
+
+    @torch.no_grad()
+    def __call__(self, model: VLM) -> dict:
+        model.eval()
+        out = {}
+        for name in ("images", "empty"):
+            hits = total = 0
+            for ids, labels, pos, mask, block, real in self.items:
+                pixels = real if name == "images" else self.blank
+                x = model.embed(ids, model.encode_tiles(pixels).reshape(-1, model.cfg.text.hidden_size))
+                pred = model.lm_head(model.language_model(x, pos, mask=mask)).argmax(-1)[0]
+                lab = labels[0]
+                for b in block.unique().tolist():
+                    sel = (block == b) & (lab != IGNORE)
+                    if b > 0 and sel.any():
+                        hits += bool((pred[sel] == lab[sel]).all())
+                        total += 1
+            out[name] = round(hits / max(total, 1), 3)
+        model.train()
+        return out
 
 
 def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> Path:
-    from litevlm.data.synthetic import question_corpus
+    from litevlm.data.synthetic import STEERS, question_corpus
     from litevlm.data.tokenizer import train_default
 
     torch.manual_seed(recipe.seed)
@@ -211,59 +405,86 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         tokenizer = Tokenizer.from_dir(recipe.init)
         model = load_native(recipe.init)
         cfg = model.cfg
+        if recipe.reinit_vision:
+            init_vision(model, recipe.seed)
+        if recipe.reinit_language:
+            init_language(model, recipe.seed)
     else:
-        tokenizer = train_default(question_corpus(n_frames=2000, seed=recipe.seed), vocab_size=recipe.vocab_size)
+        tokenizer = train_default(question_corpus(n_frames=recipe.tokenizer_frames, seed=recipe.seed), vocab_size=recipe.vocab_size)
         cfg = drive_tiny_config(tokenizer)
         model = VLM(cfg)
         init_weights(model, recipe.seed)
+        init_vision(model, recipe.seed)
+    model.float()
     bank = FrameBank(recipe, cfg, tokenizer, progress)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    probe = LooksProbe(recipe, cfg, tokenizer) if recipe.probe_frames else None
+    heads = AuxHeads(cfg.text.hidden_size, len(aux_fields()), len(STEERS), cfg.tokens_per_tile * cfg.tiles_per_view)
+    params = [*model.named_parameters(), *heads.named_parameters(prefix="aux")]
+    decay = [p for n, p in params if p.ndim >= 2]
+    no_decay = [p for n, p in params if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
     rng = random.Random(recipe.seed)
     deadline = time.time() + recipe.minutes * 60
-    # Estimate the total number of steps the budget allows after a short timing, for the LR schedule.
-    total = recipe.steps
+    total = recipe.steps  # re-planned to the time budget after a short timing
     bar = tqdm(total=recipe.steps, desc="training vlm", disable=not progress)
-    losses, step, t_loop, last_save = [], 0, time.time(), time.time()
+    log = {"loss": [], "aux": [], "probe": []}
+    step, t_loop, last_save = 0, time.time(), time.time()
     model.train()
     while step < total and time.time() < deadline:
-        ids, labels, pos, mask, pixels, keep = make_batch(bank, tokenizer, cfg, recipe, rng)
+        batch = make_batch(bank, tokenizer, cfg, recipe, rng)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, recipe)
-        visual = model.encode_tiles(pixels).reshape(-1, cfg.text.hidden_size)[keep]
-        x = model.embed(ids, visual)
-        hidden = model.language_model(x, pos, mask=mask)
-        sel = labels != IGNORE
-        loss = F.cross_entropy(model.lm_head(hidden[sel]), labels[sel])
+        visual = model.encode_tiles(batch.pixels).reshape(-1, cfg.text.hidden_size)
+        aux = heads.loss(visual, batch) if recipe.aux_weight > 0 else torch.zeros(())
+        if step < recipe.vision_warmup:
+            loss = aux
+        else:
+            hidden = model.language_model(model.embed(batch.ids, visual[batch.keep]), batch.pos, mask=batch.mask)
+            sel = batch.labels != IGNORE
+            if recipe.answer_mean:
+                w = batch.weight[sel]
+                lm = (F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel], reduction="none") * w).sum() / w.sum()
+            else:
+                lm = F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel])
+            loss = lm + recipe.aux_weight * aux
+            log["loss"].append(lm.item())
+        log["aux"].append(aux.item())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
         step += 1
-        if step == 20:  # re-plan the schedule to the time budget
+        if step == recipe.vision_warmup + 20:  # re-plan the schedule to the time budget (full steps)
             per_step = (time.time() - t_loop) / 20
             total = min(recipe.steps, int(step + (deadline - time.time()) / per_step))
             bar.total = total
+        if step == recipe.vision_warmup:
+            t_loop = time.time()
         bar.update(1)
-        if time.time() - last_save > 600:  # a usable checkpoint survives an interrupted run
-            _save(model, tokenizer, out, recipe, step, losses, t_start)
+        if time.time() - last_save > 300:  # a usable checkpoint survives an interrupted run
+            if probe:
+                log["probe"].append({"step": step, **probe(model)})
+                bar.write(f"step {step}: closed accuracy (teacher-forced) {log['probe'][-1]}")
+            _save(model, tokenizer, out, recipe, step, log, t_start)
             model.train()
             last_save = time.time()
         if step % 10 == 0:
-            bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}")
+            bar.set_postfix(loss=f"{np.mean(log['loss'][-50:]) if log['loss'] else float('nan'):.3f}", aux=f"{np.mean(log['aux'][-50:]):.3f}")
     bar.close()
-    return _save(model, tokenizer, out, recipe, step, losses, t_start)
+    if probe:
+        log["probe"].append({"step": step, **probe(model)})
+        print(f"step {step}: closed accuracy (teacher-forced) {log['probe'][-1]}")
+    return _save(model, tokenizer, out, recipe, step, log, t_start)
 
 
-def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, losses: list[float], t_start: float) -> Path:
+def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, t_start: float) -> Path:
     from litevlm.model.hf import save_native
 
     model.eval()
+    losses = log["loss"]
     meta = {"recipe": asdict(recipe), "steps": step, "train_seconds": round(time.time() - t_start, 1),
-            "final_loss": float(np.mean(losses[-100:])) if losses else None}
+            "final_loss": float(np.mean(losses[-100:])) if losses else None, "looks_probe": log["probe"][-1:] or None}
     save_native(model, out, extra_meta=meta)
     tokenizer.save(out)
-    (out / "train_log.json").write_text(json.dumps({"loss": losses[::10], **meta}, indent=1))
+    (out / "train_log.json").write_text(json.dumps({"loss": losses[::10], "aux": log["aux"][::10], "probe": log["probe"], **meta}, indent=1))
     return out

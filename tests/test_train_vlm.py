@@ -1,0 +1,115 @@
+"""The VLM training recipe: the dense visual-token targets, batch packing, and a short run end to end."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from litevlm.cameras import CAMERAS
+from litevlm.data.synthetic import STEERS, SceneObject, frame_from_objects
+from litevlm.train.vlm import (
+    AuxHeads, FrameBank, VLMRecipe, aux_fields, aux_targets, cells_of, drive_tiny_config, make_batch, train_vlm,
+)
+
+GRID, TPV = 4, 1  # drive-tiny: a 4 x 4 token raster per view, one tile
+
+
+def field(name: str) -> int:
+    return aux_fields().index(name)
+
+
+def test_aux_targets_mark_the_cells_of_each_object_with_its_attributes():
+    car = SceneObject("car", 12.0, 0.0, colour="red", motion="Turn left")
+    light = SceneObject("traffic light", 14.0, -5.0, light="green")
+    frame = frame_from_objects([car, light])
+    t = aux_targets(frame, GRID, TPV)
+    assert t.shape == (len(CAMERAS), GRID * GRID, len(aux_fields()))
+    front = CAMERAS.index("CAM_FRONT")
+    car_cells = cells_of(car.views["CAM_FRONT"].clipped(), GRID, TPV)
+    assert car_cells
+    for name in ("class:car", "colour:red", "moving", "motion:Turn left"):
+        assert t[front, sorted(car_cells), field(name)].all(), name
+    assert not t[front, :, field("colour:blue")].any() and not t[front, :, field("class:bus")].any()
+    light_cells = cells_of(light.views["CAM_FRONT"].clipped(), GRID, TPV) if "CAM_FRONT" in light.views else set()
+    for cam, box in light.views.items():
+        cells = sorted(cells_of(box.clipped(), GRID, TPV))
+        assert t[CAMERAS.index(cam), cells, field("light:green")].all()
+    # Nothing anywhere else: each marked cell belongs to one of the two objects.
+    marked = {(v, c) for v, c in (t.sum(-1) > 0).nonzero().tolist()}
+    expected = {(front, c) for c in car_cells} | {(CAMERAS.index(cam), c) for cam, b in light.views.items()
+                                                  for c in cells_of(b.clipped(), GRID, TPV)}
+    assert marked == expected and light_cells <= {c for v, c in marked if v == front}
+    assert aux_targets(frame_from_objects([]), GRID, TPV).sum() == 0
+
+
+def test_a_tiny_far_object_still_marks_the_cell_of_its_centre():
+    # 40 x 30 px of a 1600 x 900 view: far under 2% of a 400 x 225 cell.
+    assert cells_of((1210.0, 500.0, 1250.0, 530.0), GRID, TPV) == {2 * GRID + 3}
+    assert cells_of((0.0, 0.0, 1600.0, 900.0), GRID, TPV) == set(range(GRID * GRID))
+
+
+@pytest.fixture(scope="module")
+def tiny_bank():
+    from litevlm.data.synthetic import question_corpus
+    from litevlm.data.tokenizer import train_default
+
+    tok = train_default(question_corpus(n_frames=40, seed=0), vocab_size=400)
+    cfg = drive_tiny_config(tok)
+    recipe = VLMRecipe(frames=6, batch_frames=4, render_size=(200, 112))
+    return tok, cfg, recipe, FrameBank(recipe, cfg, tok, progress=False)
+
+
+def test_batches_line_up_tokens_targets_and_front_views(tiny_bank):
+    tok, cfg, recipe, bank = tiny_bank
+    rng = random.Random(0)
+    for _ in range(8):
+        b = make_batch(bank, tok, cfg, recipe, rng)
+        n = b.pixels.shape[0] * cfg.tokens_per_tile
+        assert b.aux.shape == (n, len(aux_fields())) and b.keep.shape == (n,)
+        assert int((b.ids == tok.image_id).sum()) == int(b.keep.sum())
+        assert len(b.front) == len(b.steer) and all(0 <= s < len(STEERS) for s in b.steer.tolist())
+    # The front offsets point at CAM_FRONT's targets: with every view kept, frame i's front view starts at i * 96.
+    recipe_all = VLMRecipe(frames=6, batch_frames=4, view_subset_prob=0.0, token_drop_prob=0.0)
+    b = make_batch(bank, tok, cfg, recipe_all, random.Random(1))
+    per_frame = len(CAMERAS) * cfg.tokens_per_tile
+    assert b.front.tolist() == [i * per_frame for i in range(4)]
+    frames = [f for f in range(6) if torch.equal(bank.aux[f].reshape(-1, bank.aux.shape[-1]).float(), b.aux[:per_frame])]
+    assert frames and int(bank.steer[frames[0]]) == int(b.steer[0])
+
+
+def test_the_probe_heads_learn_what_the_cells_hold(tiny_bank):
+    tok, cfg, recipe, bank = tiny_bank
+    from litevlm.model.vlm import VLM
+    from litevlm.train.vlm import init_vision, init_weights
+
+    torch.manual_seed(0)
+    model = VLM(cfg)
+    init_weights(model, 0)
+    init_vision(model, 0)
+    heads = AuxHeads(cfg.text.hidden_size, len(aux_fields()), len(STEERS), cfg.tokens_per_tile)
+    b = make_batch(bank, tok, cfg, recipe, random.Random(0))
+    opt = torch.optim.AdamW([*model.vision_tower.parameters(), *model.multi_modal_projector.parameters(), *heads.parameters()], lr=2e-3)
+    losses = []
+    for _ in range(25):
+        loss = heads.loss(model.encode_tiles(b.pixels).reshape(-1, cfg.text.hidden_size), b)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_train_vlm_end_to_end(tmp_path):
+    """A few steps of the whole recipe: vision warm-up, answers + dense objective, the looks-probe, a loadable checkpoint."""
+    from litevlm.model.hf import load_native
+
+    recipe = VLMRecipe(frames=4, steps=4, batch_frames=2, questions_per_frame=2, vision_warmup=2, probe_frames=1,
+                       render_size=(200, 112), vocab_size=400, warmup=2, tokenizer_frames=40)
+    out = train_vlm(tmp_path / "m", recipe, progress=False)
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["steps"] == 4 and len(log["aux"]) == 1 and log["final_loss"] > 0
+    probe = log["probe"][-1]
+    assert probe["step"] == 4 and 0 <= probe["images"] <= 1 and 0 <= probe["empty"] <= 1
+    model = load_native(out)
+    assert model.cfg.name == "drive-tiny" and (out / "tokenizer.json").exists()
