@@ -113,3 +113,21 @@ def test_train_vlm_end_to_end(tmp_path):
     assert probe["step"] == 4 and 0 <= probe["images"] <= 1 and 0 <= probe["empty"] <= 1
     model = load_native(out)
     assert model.cfg.name == "drive-tiny" and (out / "tokenizer.json").exists()
+
+
+def test_answer_weights_make_every_answer_count_once(tiny_bank):
+    tok, cfg, recipe, bank = tiny_bank
+    from litevlm.train.vlm import IGNORE, answer_weights
+
+    b = make_batch(bank, tok, cfg, recipe, random.Random(3))
+    sel = b.labels != IGNORE
+    assert torch.all(b.weight[~sel] == 0) and torch.all(b.weight[sel] > 0)
+    # Each answer is one contiguous run of labels (its tokens and the end token).
+    starts = sel[:, 1:] & ~sel[:, :-1]
+    n_answers = int(starts.sum() + sel[:, 0].sum())
+    assert n_answers >= len(b.ids) and b.weight.sum().item() == pytest.approx(n_answers)
+    # Hand-made: answers of 1 and 3 tokens in one row, one of 2 in the other.
+    labels = torch.tensor([[IGNORE, 5, IGNORE, 6, 7, 8], [IGNORE, IGNORE, 9, 9, IGNORE, IGNORE]])
+    block = torch.tensor([[0, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, -1]])
+    expected = torch.tensor([[0, 1, 0, 1 / 3, 1 / 3, 1 / 3], [0, 0, 0.5, 0.5, 0, 0]])
+    torch.testing.assert_close(answer_weights(labels, block), expected)

@@ -94,14 +94,14 @@ def cmd_train_vlm(args) -> None:
 def cmd_train_tokens(args) -> None:
     from litevlm.train.tokens import TokenRecipe, train_token_selector
 
-    recipe = TokenRecipe(frames=args.frames, minutes=args.minutes, threads=args.threads)
+    recipe = TokenRecipe(frames=args.frames, minutes=args.minutes, threads=args.threads, seed=args.seed, epochs=args.epochs)
     print(f"saved to {train_token_selector(args.model_dir, recipe)}")
 
 
 def cmd_train_draft(args) -> None:
     from litevlm.train.draft import DraftRecipe, train_draft
 
-    recipe = DraftRecipe(frames=args.frames, minutes=args.minutes, threads=args.threads)
+    recipe = DraftRecipe(frames=args.frames, minutes=args.minutes, threads=args.threads, seed=args.seed)
     print(f"saved to {train_draft(args.model_dir, recipe=recipe)}")
 
 
@@ -234,12 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--frames", type=int, default=1200)
     tt.add_argument("--minutes", type=float, default=10.0)
     tt.add_argument("--threads", type=int, default=2)
+    tt.add_argument("--seed", type=int, default=0, help="frames (seed, 0..frames-1); the held-out split is seed 1")
+    tt.add_argument("--epochs", type=int, default=4)
     tt.set_defaults(func=cmd_train_tokens)
     td = train.add_parser("draft", help="train the EAGLE-2 draft head of a model (saved in MODEL_DIR/draft)")
     td.add_argument("model_dir")
     td.add_argument("--frames", type=int, default=150)
     td.add_argument("--minutes", type=float, default=12.0)
     td.add_argument("--threads", type=int, default=2)
+    td.add_argument("--seed", type=int, default=0, help="frames (seed, 0..frames-1); the held-out split is seed 1")
     td.set_defaults(func=cmd_train_draft)
 
     e = sub.add_parser("eval", help="DriveLM scores of a pipeline configuration")
