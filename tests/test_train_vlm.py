@@ -131,3 +131,19 @@ def test_answer_weights_make_every_answer_count_once(tiny_bank):
     block = torch.tensor([[0, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, -1]])
     expected = torch.tensor([[0, 1, 0, 1 / 3, 1 / 3, 1 / 3], [0, 0, 0.5, 0.5, 0, 0]])
     torch.testing.assert_close(answer_weights(labels, block), expected)
+
+
+def test_rescale_visual_caps_the_token_norm(tiny_bank):
+    tok, cfg, recipe, bank = tiny_bank
+    from litevlm.model.vlm import VLM
+    from litevlm.train.vlm import init_weights, rescale_visual
+
+    model = VLM(cfg)
+    init_weights(model, 0)
+    model.multi_modal_projector.linear_2.weight.data.mul_(500.0)  # tokens far above the cap
+    pixels = bank.pixels(0, list(CAMERAS))
+    assert model.encode_tiles(pixels).norm(dim=-1).mean() > 8.0
+    rescale_visual(model, bank, 4.0)
+    with torch.no_grad():
+        norms = torch.cat([model.encode_tiles(bank.pixels(f, list(CAMERAS))) for f in range(6)]).norm(dim=-1)
+    assert float(norms.mean()) == pytest.approx(4.0, rel=0.25)

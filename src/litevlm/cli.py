@@ -86,7 +86,8 @@ def cmd_train_vlm(args) -> None:
     recipe = VLMRecipe(frames=args.frames, seed=args.seed, minutes=args.minutes, steps=args.steps,
                        batch_frames=args.batch_frames, threads=args.threads, lr=args.lr, first_frame=args.first_frame,
                        closed_weight=args.closed_weight, init=args.init, warmup=args.warmup, reinit_vision=args.reinit_vision, reinit_language=args.reinit_language,
-                       aux_weight=args.aux_weight, vision_warmup=args.vision_warmup, probe_frames=args.probe_frames)
+                       aux_weight=args.aux_weight, vision_warmup=args.vision_warmup, probe_frames=args.probe_frames,
+                       visual_norm=args.visual_norm, view_subset_prob=args.view_subset_prob)
     out = train_vlm(args.out, recipe)
     print(f"saved to {out}")
 
@@ -226,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     tv.add_argument("--reinit-language", action="store_true", help="with --init: keep the vision side, start the decoder afresh")
     tv.add_argument("--aux-weight", type=float, default=0.5, help="weight of the dense visual-token objective (0: answers only)")
     tv.add_argument("--vision-warmup", type=int, default=0, help="first steps on the visual-token objective alone")
+    tv.add_argument("--view-subset-prob", type=float, default=0.5, help="share of frames shown only some questions' views")
+    tv.add_argument("--visual-norm", type=float, default=4.0, help="cap on visual-token norm (0: none)")
     tv.add_argument("--probe-frames", type=int, default=24, help="validation frames for the with/without-images probe")
     tv.set_defaults(func=cmd_train_vlm)
 

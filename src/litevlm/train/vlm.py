@@ -83,6 +83,7 @@ class VLMRecipe:
     aux_weight: float = 0.5  # weight of the dense visual-token objective (0: answers only)
     vision_warmup: int = 0  # first steps on the visual-token objective alone
     probe_frames: int = 24  # validation frames for the looks-probe (0: none)
+    visual_norm: float = 4.0  # cap on a visual token's L2 norm (a squared-hinge penalty; 0: none)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -347,6 +348,23 @@ def _init_param(name: str, p: torch.Tensor, g: torch.Generator) -> None:
         p.data.zero_()
 
 
+@torch.no_grad()
+def rescale_visual(model: VLM, bank: "FrameBank", norm: float) -> None:
+    """Scale the projector's last layer so visual tokens leave it with at most `norm` mean L2 norm.
+
+    The decoder's first norm makes its input blind to this scale, but the residual stream is not:
+    visual tokens far larger than the text embeddings (drive-tiny's grew to 40-60 against 1.5)
+    cannot take in anything the attention layers add, such as which camera they came from.
+    """
+    frames = list(range(min(8, len(bank.qas))))
+    pixels = torch.cat([bank.pixels(f, list(CAMERAS)) for f in frames])
+    current = float(model.encode_tiles(pixels).norm(dim=-1).mean())
+    if current > norm:
+        lin = model.multi_modal_projector.linear_2
+        lin.weight.mul_(norm / current)
+        lin.bias.mul_(norm / current)
+
+
 class LooksProbe:
     """Teacher-forced closed-question accuracy on validation frames, with the real images and with
     empty roads: the gap says whether the model reads its images (exact match of every answer token)."""
@@ -417,6 +435,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         init_vision(model, recipe.seed)
     model.float()
     bank = FrameBank(recipe, cfg, tokenizer, progress)
+    if recipe.visual_norm > 0:
+        rescale_visual(model, bank, recipe.visual_norm)
     probe = LooksProbe(recipe, cfg, tokenizer) if recipe.probe_frames else None
     heads = AuxHeads(cfg.text.hidden_size, len(aux_fields()), len(STEERS), cfg.tokens_per_tile * cfg.tiles_per_view)
     params = [*model.named_parameters(), *heads.named_parameters(prefix="aux")]
@@ -436,6 +456,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
             g["lr"] = lr_at(step, total, recipe)
         visual = model.encode_tiles(batch.pixels).reshape(-1, cfg.text.hidden_size)
         aux = heads.loss(visual, batch) if recipe.aux_weight > 0 else torch.zeros(())
+        if recipe.visual_norm > 0:
+            aux = aux + F.relu(visual.norm(dim=-1) - recipe.visual_norm).pow(2).mean()
         if step < recipe.vision_warmup:
             loss = aux
         else:
