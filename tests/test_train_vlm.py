@@ -9,7 +9,7 @@ import torch
 from litevlm.cameras import CAMERAS
 from litevlm.data.synthetic import STEERS, SceneObject, frame_from_objects
 from litevlm.train.vlm import (
-    AuxHeads, FrameBank, VLMRecipe, aux_fields, aux_targets, cells_of, drive_tiny_config, make_batch, train_vlm,
+    AuxHeads, FrameBank, VLMRecipe, aux_fields, aux_targets, cells_of, drive_tiny_config, field_words, make_batch, train_vlm,
 )
 
 GRID, TPV = 4, 1  # drive-tiny: a 4 x 4 token raster per view, one tile
@@ -87,12 +87,12 @@ def test_the_probe_heads_learn_what_the_cells_hold(tiny_bank):
     model = VLM(cfg)
     init_weights(model, 0)
     init_vision(model, 0)
-    heads = AuxHeads(cfg.text.hidden_size, len(aux_fields()), len(STEERS), cfg.tokens_per_tile)
+    heads = AuxHeads(cfg.text.hidden_size, field_words(tok), len(STEERS), cfg.tokens_per_tile)
     b = make_batch(bank, tok, cfg, recipe, random.Random(0))
     opt = torch.optim.AdamW([*model.vision_tower.parameters(), *model.multi_modal_projector.parameters(), *heads.parameters()], lr=2e-3)
     losses = []
     for _ in range(25):
-        loss = heads.loss(model.encode_tiles(b.pixels).reshape(-1, cfg.text.hidden_size), b)
+        loss = heads.loss(model.encode_tiles(b.pixels).reshape(-1, cfg.text.hidden_size), b, model.language_model.embed_tokens)
         opt.zero_grad()
         loss.backward()
         opt.step()

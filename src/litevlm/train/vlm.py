@@ -262,23 +262,43 @@ class Batch:
 
 
 class AuxHeads(nn.Module):
-    """Training-only probes on the visual tokens: per-cell contents and the front view's steering."""
+    """Training-only probes on the visual tokens: per-cell contents and the front view's steering.
 
-    def __init__(self, width: int, n_fields: int, n_steer: int, tokens_per_view: int):
+    The per-cell probe speaks the decoder's vocabulary: field f scores a token by its cosine with
+    the (shared, trained) text embedding of f's words (" bus", " green", " turning left", ...), so
+    a cell holding a green bus points where the question's own words " green" and " bus" point,
+    and matching a question against the image is the easy kind of attention (like finds like).
+    """
+
+    def __init__(self, width: int, word_ids: list[list[int]], n_steer: int, tokens_per_view: int):
         super().__init__()
-        self.cells = nn.Linear(width, n_fields)
+        self.word_ids = word_ids
+        self.scale = nn.Parameter(torch.tensor(8.0))
+        self.bias = nn.Parameter(torch.full((len(word_ids),), -4.0))
         self.steer = nn.Linear(width * tokens_per_view, n_steer)
         self.tokens_per_view = tokens_per_view
 
-    def loss(self, visual: torch.Tensor, batch: Batch) -> torch.Tensor:
-        # On RMS-normalised tokens, as the decoder's first norm reads them: the information must
-        # live in their direction, and the objective gains nothing from inflating their scale.
-        visual = F.rms_norm(visual, (visual.shape[-1],))
-        cell = F.binary_cross_entropy_with_logits(self.cells(visual), batch.aux, reduction="none").sum(-1).mean()
+    def loss(self, visual: torch.Tensor, batch: Batch, embed: nn.Embedding) -> torch.Tensor:
+        words = torch.stack([embed.weight[ids].mean(0) for ids in self.word_ids])  # (F, C)
+        logits = self.scale * F.normalize(visual, dim=-1) @ F.normalize(words, dim=-1).T + self.bias
+        cell = F.binary_cross_entropy_with_logits(logits, batch.aux, reduction="none").sum(-1).mean()
         if not len(batch.front):
             return cell
         idx = batch.front[:, None] + torch.arange(self.tokens_per_view)
-        return cell + F.cross_entropy(self.steer(visual[idx].flatten(1)), batch.steer)
+        return cell + F.cross_entropy(self.steer(F.rms_norm(visual[idx], (visual.shape[-1],)).flatten(1)), batch.steer)
+
+
+def field_words(tokenizer) -> list[list[int]]:
+    """Token ids of the words that name each aux field, as answers phrase them."""
+    from litevlm.data.synthetic import SIGN_NAMES, STATUS_WORD
+
+    out = []
+    for f in aux_fields():
+        kind, _, value = f.partition(":")
+        phrase = {"class": value, "colour": value, "moving": "moving", "motion": STATUS_WORD.get(value, value),
+                  "light": f"{value} light", "sign": SIGN_NAMES.get(value, value)}[kind]
+        out.append(tokenizer.encode(" " + phrase))
+    return out
 
 
 def _weighted_sample(items: list, weights: list[float], k: int, rng: random.Random) -> list:
@@ -438,7 +458,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     if recipe.visual_norm > 0:
         rescale_visual(model, bank, recipe.visual_norm)
     probe = LooksProbe(recipe, cfg, tokenizer) if recipe.probe_frames else None
-    heads = AuxHeads(cfg.text.hidden_size, len(aux_fields()), len(STEERS), cfg.tokens_per_tile * cfg.tiles_per_view)
+    heads = AuxHeads(cfg.text.hidden_size, field_words(tokenizer), len(STEERS), cfg.tokens_per_tile * cfg.tiles_per_view)
     params = [*model.named_parameters(), *heads.named_parameters(prefix="aux")]
     decay = [p for n, p in params if p.ndim >= 2]
     no_decay = [p for n, p in params if p.ndim < 2]
@@ -455,7 +475,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, recipe)
         visual = model.encode_tiles(batch.pixels).reshape(-1, cfg.text.hidden_size)
-        aux = heads.loss(visual, batch) if recipe.aux_weight > 0 else torch.zeros(())
+        aux = heads.loss(visual, batch, model.language_model.embed_tokens) if recipe.aux_weight > 0 else torch.zeros(())
         if recipe.visual_norm > 0:
             aux = aux + F.relu(visual.norm(dim=-1) - recipe.visual_norm).pow(2).mean()
         if step < recipe.vision_warmup:
