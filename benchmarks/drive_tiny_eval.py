@@ -82,6 +82,28 @@ def main() -> None:
     print(json.dumps(result, separators=(",", ":")))
 
 
+def stages(meta: dict) -> list[str]:
+    """The `--init` chain behind the weights (oldest first), with what each stage re-initialised."""
+    chain = [*meta.get("lineage", []), {"checkpoint": "(these weights)", "steps": meta.get("steps"),
+                                        "train_seconds": meta.get("train_seconds"), "recipe": meta.get("recipe", {}),
+                                        "looks_probe": meta.get("looks_probe")}]
+    if len(chain) == 1:
+        return []
+    lines = ["## Training stages", "", "Each stage continued from the one before (`--init`); a re-initialised part starts afresh there.", "",
+             "| stage | steps | minutes | re-initialised | lr | closed weight | view-subset share | looks-probe at the end (images / empty) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, st in enumerate(chain, start=1):
+        r = st.get("recipe") or {}
+        fresh = "everything" if not r.get("init") else ", ".join(
+            [x for x, k in (("vision", "reinit_vision"), ("decoder", "reinit_language")) if r.get(k)]) or "-"
+        probe = (st.get("looks_probe") or [{}])[-1]
+        lines.append(f"| {i} | {st.get('steps')} | {(st.get('train_seconds') or 0) / 60:.1f} | {fresh} | {r.get('lr')} | "
+                     f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {probe.get('images', '-')} / {probe.get('empty', '-')} |")
+    total = sum((st.get("train_seconds") or 0) for st in chain) / 60
+    lines += ["", f"Total training time over all stages: {total:.0f} min.", ""]
+    return lines
+
+
 def write_card(model_dir: Path, result: dict) -> None:
     meta = json.loads((model_dir / "config.json").read_text())
     recipe = meta.get("recipe", {})
@@ -105,6 +127,7 @@ def write_card(model_dir: Path, result: dict) -> None:
         f"- steps: {meta.get('steps')}, final training loss {meta.get('final_loss'):.4f}, training time {meta.get('train_seconds', 0) / 60:.1f} min on one core of the 2-core CPU machine",
         f"- full recipe: `{json.dumps(recipe)}`",
         "",
+        *stages(meta),
         "## Scores (held-out split: seed 1, scenes never trained on)",
         "",
         f"Data: `{result['data']}`, {f['n']} questions. DriveLM scoring without a judge ({result['final_note']}).",

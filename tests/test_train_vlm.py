@@ -147,3 +147,15 @@ def test_rescale_visual_caps_the_token_norm(tiny_bank):
     with torch.no_grad():
         norms = torch.cat([model.encode_tiles(bank.pixels(f, list(CAMERAS))) for f in range(6)]).norm(dim=-1)
     assert float(norms.mean()) == pytest.approx(4.0, rel=0.25)
+
+
+def test_continued_training_records_its_lineage(tmp_path):
+    from dataclasses import replace
+
+    first = VLMRecipe(frames=3, steps=2, batch_frames=2, questions_per_frame=2, probe_frames=0, render_size=(200, 112),
+                      vocab_size=400, warmup=1, tokenizer_frames=40)
+    a = train_vlm(tmp_path / "a", first, progress=False)
+    b = train_vlm(tmp_path / "b", replace(first, steps=3, init=str(a), reinit_language=True), progress=False)
+    meta = json.loads((b / "config.json").read_text())
+    assert meta["steps"] == 3 and [s["steps"] for s in meta["lineage"]] == [2]
+    assert meta["lineage"][0]["recipe"]["init"] is None and meta["recipe"]["reinit_language"] is True

@@ -519,13 +519,30 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     return _save(model, tokenizer, out, recipe, step, log, t_start)
 
 
+def lineage_of(checkpoint: str | Path) -> list[dict]:
+    """The training stages behind a checkpoint, oldest first: what `--init` chains accumulate."""
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        return []
+    meta = json.loads(path.read_text())
+    recipe = meta.get("recipe", {})
+    if "lineage" in meta:
+        earlier = meta["lineage"]
+    else:  # written before lineage was recorded: follow its --init while the folders exist
+        earlier = lineage_of(recipe["init"]) if recipe.get("init") else []
+    stage = {"checkpoint": str(checkpoint), "steps": meta.get("steps"), "train_seconds": meta.get("train_seconds"),
+             "recipe": recipe, "looks_probe": meta.get("looks_probe")}
+    return [*earlier, stage]
+
+
 def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, t_start: float) -> Path:
     from litevlm.model.hf import save_native
 
     model.eval()
     losses = log["loss"]
     meta = {"recipe": asdict(recipe), "steps": step, "train_seconds": round(time.time() - t_start, 1),
-            "final_loss": float(np.mean(losses[-100:])) if losses else None, "looks_probe": log["probe"][-1:] or None}
+            "final_loss": float(np.mean(losses[-100:])) if losses else None, "looks_probe": log["probe"][-1:] or None,
+            "lineage": lineage_of(recipe.init) if recipe.init else []}
     save_native(model, out, extra_meta=meta)
     tokenizer.save(out)
     (out / "train_log.json").write_text(json.dumps({"loss": losses[::10], "aux": log["aux"][::10], "probe": log["probe"], **meta}, indent=1))
