@@ -81,6 +81,7 @@ class VLMRecipe:
     reinit_vision: bool = False  # with init: keep the decoder, start the vision tower and projector afresh
     reinit_language: bool = False  # with init: keep the vision side, start the decoder afresh
     aux_weight: float = 0.5  # weight of the dense visual-token objective (0: answers only)
+    aux_scale: float = 4.0  # cosine-to-logit scale of the per-cell probe (fixed)
     vision_warmup: int = 0  # first steps on the visual-token objective alone
     probe_frames: int = 24  # validation frames for the looks-probe (0: none)
     visual_norm: float = 4.0  # cap on a visual token's L2 norm (a squared-hinge penalty; 0: none)
@@ -270,10 +271,12 @@ class AuxHeads(nn.Module):
     and matching a question against the image is the easy kind of attention (like finds like).
     """
 
-    def __init__(self, width: int, word_ids: list[list[int]], n_steer: int, tokens_per_view: int):
+    def __init__(self, width: int, word_ids: list[list[int]], n_steer: int, tokens_per_view: int, scale: float = 4.0):
         super().__init__()
         self.word_ids = word_ids
-        self.scale = nn.Parameter(torch.tensor(8.0))
+        # A fixed, modest scale: a cell must point well toward its words' embeddings to score, so an
+        # object's token stands out from the road's instead of differing by a sliver of direction.
+        self.register_buffer("scale", torch.tensor(scale), persistent=False)
         self.bias = nn.Parameter(torch.full((len(word_ids),), -4.0))
         self.steer = nn.Linear(width * tokens_per_view, n_steer)
         self.tokens_per_view = tokens_per_view
@@ -458,7 +461,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     if recipe.visual_norm > 0:
         rescale_visual(model, bank, recipe.visual_norm)
     probe = LooksProbe(recipe, cfg, tokenizer) if recipe.probe_frames else None
-    heads = AuxHeads(cfg.text.hidden_size, field_words(tokenizer), len(STEERS), cfg.tokens_per_tile * cfg.tiles_per_view)
+    heads = AuxHeads(cfg.text.hidden_size, field_words(tokenizer), len(STEERS), cfg.tokens_per_tile * cfg.tiles_per_view, recipe.aux_scale)
     params = [*model.named_parameters(), *heads.named_parameters(prefix="aux")]
     decay = [p for n, p in params if p.ndim >= 2]
     no_decay = [p for n, p in params if p.ndim < 2]
@@ -493,7 +496,9 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         log["aux"].append(aux.item())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        # Clipped apart: the dense objective's gradients must not shrink the decoder's step.
+        torch.nn.utils.clip_grad_norm_(model.language_model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([*model.vision_tower.parameters(), *model.multi_modal_projector.parameters(), *heads.parameters()], 1.0)
         opt.step()
         step += 1
         if step == recipe.vision_warmup + 20:  # re-plan the schedule to the time budget (full steps)
