@@ -12,10 +12,11 @@ pipeline's view selection later feeds it.
 A from-scratch VLM learns the language of its answers long before it learns to read its images:
 trained on answers alone, drive-tiny's decoder settled on priors and its visual tokens carried
 nothing it used (the same answers with empty roads). So the visual tokens get their own dense
-objective from the scene's 2D boxes, as detection pre-training gives a real ViT: a linear probe
-on every visual token (the projector's output, what the decoder reads) predicts what its cell
-holds (class, colour, moving, vehicle motion, light state, sign kind), and one on the front view
-predicts the ego car's steering. The probe heads are training-only and never saved. A first
+objective from the scene's 2D boxes, as detection pre-training gives a real ViT: a probe on every
+visual token (the projector's output, what the decoder reads) predicts what its cell holds
+(class, colour, moving, vehicle motion, light state, sign kind) by the token's cosine with the
+decoder's own embeddings of those words, and one on the front view predicts the ego car's
+steering. Visual tokens are kept near text-embedding scale (`visual_norm`). The probe heads are training-only and never saved. A first
 `vision_warmup` steps train the vision side on that objective alone; a probe on validation
 frames (seed + 2) reports closed-question accuracy with the real images and with empty roads at
 every checkpoint, so a run that stops looking is seen while it trains.
@@ -38,7 +39,7 @@ from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.config import TextConfig, VisionConfig, VLMConfig
-from litevlm.model.vlm import VLM, image_to_uint8_tiles, normalize_tiles
+from litevlm.model.vlm import VLM, image_to_tiles, image_to_uint8_tiles, normalize_tiles
 
 IGNORE = -100
 
@@ -133,8 +134,6 @@ def cells_of(box, grid: int, tiles_per_view: int) -> set[int]:
 
 def aux_targets(frame, grid: int, tiles_per_view: int) -> torch.Tensor:
     """(6, tokens_per_view, F) uint8: what each visual token's cell holds, per camera (CAMERAS order)."""
-    from litevlm.data.synthetic import STEERS
-
     fields = {f: i for i, f in enumerate(aux_fields())}
     out = torch.zeros(len(CAMERAS), grid * grid * tiles_per_view, len(fields), dtype=torch.uint8)
     for o in frame.objects:
@@ -397,18 +396,17 @@ class LooksProbe:
 
         s, tpv = cfg.vision.image_size, cfg.tiles_per_view
         empty = render_empty_road(size=recipe.render_size)
-        blank = normalize_tiles(torch.from_numpy(np.concatenate([image_to_uint8_tiles(empty[c], s, tpv) for c in CAMERAS])))
+        self.blank = torch.cat([image_to_tiles(empty[c], s, tpv) for c in CAMERAS])
         self.items = []
         for i in range(recipe.probe_frames):
             frame = make_frame(recipe.seed + 2, i)
             views = render_views(frame, size=recipe.render_size)
-            real = normalize_tiles(torch.from_numpy(np.concatenate([image_to_uint8_tiles(views[c], s, tpv) for c in CAMERAS])))
+            real = torch.cat([image_to_tiles(views[c], s, tpv) for c in CAMERAS])
             blocks = [(tokenizer.encode(q.question), tokenizer.encode(q.answer)) for q in frame.qas if q.closed]
             ids, labels, pos, block = pack_frame(tokenizer, list(CAMERAS), cfg.tokens_per_tile * tpv, blocks)
             t = torch.tensor
             self.items.append((t(ids)[None], t(labels)[None], t(pos)[None], block_mask(t(block)[None], torch.ones(1, len(ids), dtype=torch.bool)),
                                t(block), real))
-        self.blank = blank
 
     @torch.no_grad()
     def __call__(self, model: VLM) -> dict:
