@@ -83,11 +83,14 @@ def cmd_data_synth(args) -> None:
 def cmd_train_vlm(args) -> None:
     from litevlm.train.vlm import VLMRecipe, train_vlm
 
-    recipe = VLMRecipe(frames=args.frames, seed=args.seed, minutes=args.minutes, steps=args.steps,
-                       batch_frames=args.batch_frames, threads=args.threads, lr=args.lr, first_frame=args.first_frame,
-                       closed_weight=args.closed_weight, init=args.init, warmup=args.warmup, reinit_vision=args.reinit_vision, reinit_language=args.reinit_language,
-                       aux_weight=args.aux_weight, vision_warmup=args.vision_warmup, probe_frames=args.probe_frames,
-                       visual_norm=args.visual_norm, view_subset_prob=args.view_subset_prob)
+    recipe = VLMRecipe(
+        frames=args.frames, seed=args.seed, minutes=args.minutes, steps=args.steps, batch_frames=args.batch_frames,
+        threads=args.threads, lr=args.lr, warmup=args.warmup, first_frame=args.first_frame,
+        closed_weight=args.closed_weight, init=args.init, reinit_vision=args.reinit_vision,
+        reinit_language=args.reinit_language, aux_weight=args.aux_weight, aux_scale=args.aux_scale,
+        vision_warmup=args.vision_warmup, probe_frames=args.probe_frames, visual_norm=args.visual_norm,
+        view_subset_prob=args.view_subset_prob,
+    )
     out = train_vlm(args.out, recipe)
     print(f"saved to {out}")
 
@@ -226,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     tv.add_argument("--reinit-vision", action="store_true", help="with --init: keep the decoder, start the vision side afresh")
     tv.add_argument("--reinit-language", action="store_true", help="with --init: keep the vision side, start the decoder afresh")
     tv.add_argument("--aux-weight", type=float, default=0.5, help="weight of the dense visual-token objective (0: answers only)")
+    tv.add_argument("--aux-scale", type=float, default=4.0, help="cosine-to-logit scale of the visual-token objective")
     tv.add_argument("--vision-warmup", type=int, default=0, help="first steps on the visual-token objective alone")
     tv.add_argument("--view-subset-prob", type=float, default=0.5, help="share of frames shown only some questions' views")
     tv.add_argument("--visual-norm", type=float, default=4.0, help="cap on visual-token norm (0: none)")
