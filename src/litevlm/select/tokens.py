@@ -159,9 +159,14 @@ def box_cells(box: Sequence[float], grid: int, tiles_per_view: int, min_cover: f
         for r in range(grid):
             oy = min(v1, (r + 1) * ch) - max(v0, r * ch)
             if oy > 0 and ox * oy >= min_cover * cw * ch:
-                tile, c = divmod(gc, grid)
-                out.append(tile * grid * grid + r * grid + c)
+                out.append(cell_index(gc, r, grid))
     return sorted(out)
+
+
+def cell_index(column: int, row: int, grid: int) -> int:
+    """Token index within a view of the cell at (column, row) of its tiles_per_view * grid columns."""
+    tile, c = divmod(column, grid)
+    return tile * grid * grid + row * grid + c
 
 
 def tag_features(question: str, view_spans: Sequence[Span], grid: int, tiles_per_view: int) -> torch.Tensor:

@@ -119,16 +119,14 @@ def object_fields(o) -> list[str]:
 def cells_of(box, grid: int, tiles_per_view: int) -> set[int]:
     """Token cells of a view that a box covers (>= 2% of a cell), plus the cell holding its centre."""
     from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
-    from litevlm.select.tokens import box_cells
+    from litevlm.select.tokens import box_cells, cell_index
 
     u0, v0, u1, v1 = box
     cells = set(box_cells(box, grid, tiles_per_view))
     cols = grid * tiles_per_view
     uc, vc = (u0 + u1) / 2, (v0 + v1) / 2
     if 0 <= uc < IMAGE_WIDTH and 0 <= vc < IMAGE_HEIGHT:
-        gc, r = int(uc / (IMAGE_WIDTH / cols)), int(vc / (IMAGE_HEIGHT / grid))
-        tile, c = divmod(gc, grid)
-        cells.add(tile * grid * grid + r * grid + c)
+        cells.add(cell_index(int(uc / (IMAGE_WIDTH / cols)), int(vc / (IMAGE_HEIGHT / grid)), grid))
     return cells
 
 
