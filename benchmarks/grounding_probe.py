@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 
-def build_items(tok, seed: int, start: int, frames: int, max_views: int, size=(400, 225)):
+def build_items(tok, seed: int, start: int, frames: int, max_views: int, all_views: bool = False, size=(400, 225)):
     from litevlm.cameras import CAMERAS
     from litevlm.data.synthetic import make_frame, render_views
     from litevlm.model.prompt import build_prompt
@@ -40,7 +40,7 @@ def build_items(tok, seed: int, start: int, frames: int, max_views: int, size=(4
         cells = aux_targets(frame, 4, 1).float()
         for q in frame.qas:
             if q.closed and len(q.views) <= max_views:
-                vs = list(q.views)
+                vs = list(CAMERAS) if all_views else list(q.views)
                 items.append({
                     "pixels": torch.cat([image_to_tiles(views[c], 112, 1) for c in vs]),
                     "cells": torch.cat([cells[CAMERAS.index(c)] for c in vs]),
@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--frames", type=int, default=600, help="training frames (seed 0, from frame 40000)")
     ap.add_argument("--val-frames", type=int, default=30, help="validation frames (seed 2)")
     ap.add_argument("--max-views", type=int, default=2)
+    ap.add_argument("--all-views", action="store_true", help="prompt with all six views, not only the needed ones")
     ap.add_argument("--every", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -81,8 +82,8 @@ def main(argv=None) -> int:
     width = model.cfg.text.hidden_size
     project = torch.randn(len(aux_fields()), width, generator=torch.Generator().manual_seed(0)) * 0.5
     empty = image_to_tiles(render_empty_road(size=(400, 225))["CAM_FRONT"], 112, 1)
-    train = build_items(tok, 0, 40000, args.frames, args.max_views)
-    val = build_items(tok, 2, 500, args.val_frames, args.max_views)
+    train = build_items(tok, 0, 40000, args.frames, args.max_views, args.all_views)
+    val = build_items(tok, 2, 500, args.val_frames, args.max_views, args.all_views)
 
     def visual(batch, blank: bool) -> torch.Tensor:
         if args.tokens == "oracle":
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
             print(f"step {step}: {curve[-1]} ({time.time() - t0:.0f} s)", flush=True)
     last = curve[-1]
     print(json.dumps({"benchmark": "grounding_probe", "model": str(args.model), "tokens": args.tokens,
-                      "fresh_decoder": args.fresh_decoder, "train_questions": len(train), "val_questions": len(val),
+                      "fresh_decoder": args.fresh_decoder, "all_views": args.all_views, "lr": args.lr, "train_questions": len(train), "val_questions": len(val),
                       "gap": round(last["images"] - last["empty"], 4), "curve": curve}, separators=(",", ":")))
     return 0
 

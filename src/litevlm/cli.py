@@ -89,7 +89,7 @@ def cmd_train_vlm(args) -> None:
         closed_weight=args.closed_weight, init=args.init, reinit_vision=args.reinit_vision,
         reinit_language=args.reinit_language, aux_weight=args.aux_weight, aux_scale=args.aux_scale,
         vision_warmup=args.vision_warmup, probe_frames=args.probe_frames, visual_norm=args.visual_norm,
-        view_subset_prob=args.view_subset_prob,
+        view_subset_prob=args.view_subset_prob, token_drop_prob=args.token_drop_prob,
     )
     out = train_vlm(args.out, recipe)
     print(f"saved to {out}")
@@ -232,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     tv.add_argument("--aux-scale", type=float, default=4.0, help="cosine-to-logit scale of the visual-token objective")
     tv.add_argument("--vision-warmup", type=int, default=0, help="first steps on the visual-token objective alone")
     tv.add_argument("--view-subset-prob", type=float, default=0.5, help="share of frames shown only some questions' views")
+    tv.add_argument("--token-drop-prob", type=float, default=0.35, help="share of frames whose visual tokens are thinned")
     tv.add_argument("--visual-norm", type=float, default=4.0, help="cap on visual-token norm (0: none)")
     tv.add_argument("--probe-frames", type=int, default=24, help="validation frames for the with/without-images probe")
     tv.set_defaults(func=cmd_train_vlm)

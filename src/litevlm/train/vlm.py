@@ -387,44 +387,53 @@ def rescale_visual(model: VLM, bank: "FrameBank", norm: float) -> None:
 
 class LooksProbe:
     """Teacher-forced closed-question accuracy on validation frames, with the real images and with
-    empty roads: the gap says whether the model reads its images (exact match of every answer token)."""
+    empty roads: the gap says whether the model reads its images (exact match of every answer token).
+
+    Measured twice: with all six views in the prompt (`images`, `empty`), and with only the views
+    each question needs (`images_needed`, `empty_needed`), as the pipeline's view selection feeds it.
+    """
 
     def __init__(self, recipe: VLMRecipe, cfg: VLMConfig, tokenizer):
         from litevlm.data.synthetic import make_frame, render_empty_road, render_views
 
         s, tpv = cfg.vision.image_size, cfg.tiles_per_view
         empty = render_empty_road(size=recipe.render_size)
-        self.blank = torch.cat([image_to_tiles(empty[c], s, tpv) for c in CAMERAS])
-        self.items = []
+        blank = {c: image_to_tiles(empty[c], s, tpv) for c in CAMERAS}
+        self.items = []  # (suffix, ids, labels, pos, mask, block, real pixels, blank pixels)
         for i in range(recipe.probe_frames):
             frame = make_frame(recipe.seed + 2, i)
-            views = render_views(frame, size=recipe.render_size)
-            real = torch.cat([image_to_tiles(views[c], s, tpv) for c in CAMERAS])
-            blocks = [(tokenizer.encode(q.question), tokenizer.encode(q.answer)) for q in frame.qas if q.closed]
-            ids, labels, pos, block = pack_frame(tokenizer, list(CAMERAS), cfg.tokens_per_tile * tpv, blocks)
-            t = torch.tensor
-            self.items.append((t(ids)[None], t(labels)[None], t(pos)[None], block_mask(t(block)[None], torch.ones(1, len(ids), dtype=torch.bool)),
-                               t(block), real))
+            rendered = render_views(frame, size=recipe.render_size)
+            tiles = {c: image_to_tiles(rendered[c], s, tpv) for c in CAMERAS}
+            closed = [q for q in frame.qas if q.closed]
+            groups = [("", list(CAMERAS), closed)]
+            for vs in sorted({q.views for q in closed}):
+                views = [c for c in CAMERAS if c in vs]
+                groups.append(("_needed", views, [q for q in closed if q.views == vs]))
+            for suffix, views, qs in groups:
+                blocks = [(tokenizer.encode(q.question), tokenizer.encode(q.answer)) for q in qs]
+                ids, labels, pos, block = pack_frame(tokenizer, views, cfg.tokens_per_tile * tpv, blocks)
+                t = torch.tensor
+                self.items.append((suffix, t(ids)[None], t(labels)[None], t(pos)[None],
+                                   block_mask(t(block)[None], torch.ones(1, len(ids), dtype=torch.bool)), t(block),
+                                   torch.cat([tiles[c] for c in views]), torch.cat([blank[c] for c in views])))
 
     @torch.no_grad()
     def __call__(self, model: VLM) -> dict:
         model.eval()
-        out = {}
-        for name in ("images", "empty"):
-            hits = total = 0
-            for ids, labels, pos, mask, block, real in self.items:
-                pixels = real if name == "images" else self.blank
+        hits, total = {}, {}
+        for suffix, ids, labels, pos, mask, block, real, blank in self.items:
+            for name, pixels in (("images", real), ("empty", blank)):
+                key = name + suffix
                 x = model.embed(ids, model.encode_tiles(pixels).reshape(-1, model.cfg.text.hidden_size))
                 pred = model.lm_head(model.language_model(x, pos, mask=mask)).argmax(-1)[0]
                 lab = labels[0]
                 for b in block.unique().tolist():
                     sel = (block == b) & (lab != IGNORE)
                     if b > 0 and sel.any():
-                        hits += bool((pred[sel] == lab[sel]).all())
-                        total += 1
-            out[name] = round(hits / max(total, 1), 3)
+                        hits[key] = hits.get(key, 0) + bool((pred[sel] == lab[sel]).all())
+                        total[key] = total.get(key, 0) + 1
         model.train()
-        return out
+        return {k: round(hits[k] / total[k], 3) for k in sorted(total)}
 
 
 def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> Path:
