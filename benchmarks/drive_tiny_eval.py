@@ -2,7 +2,10 @@
 replaced by an empty road (does the model look?), closed-question accuracy per family, and the baseline
 stage-latency table. Writes the model card (MODEL.md) beside the weights; last stdout line is JSON.
 
-    python benchmarks/drive_tiny_eval.py --model drive-tiny --data /tmp/heldout [--n 680]
+    python benchmarks/drive_tiny_eval.py --model drive-tiny --data /tmp/heldout [--n 680] [--select-views]
+
+--select-views answers through the model's ViewSelector, as LiteVLM does (the stage table is then that
+pipeline's, not the baseline's).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def main() -> None:
     ap.add_argument("--data", required=True)
     ap.add_argument("--n", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--select-views", action="store_true",
+                    help="answer through the model's ViewSelector (only the views each question needs are encoded)")
     ap.add_argument("--no-card", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -49,7 +54,7 @@ def main() -> None:
     from litevlm.data.drivelm import load_samples
 
     samples = {s.id: s for s in load_samples(args.data)}
-    pipe = Pipeline.from_pretrained(args.model)
+    pipe = Pipeline.from_pretrained(args.model, select_views=args.select_views)
     t0 = time.time()
     full = evaluate(pipe, args.data, limit=args.n)
     blank = evaluate(pipe, args.data, limit=args.n, blank=True)
@@ -64,6 +69,7 @@ def main() -> None:
     result = {
         "model": args.model,
         "data": str(args.data),
+        "pipeline": pipe.config_name,
         "full": {k: full.get(k) for k in keys},
         "blank": {k: blank.get(k) for k in keys},
         "closed_accuracy_gap": round(full["closed_accuracy"] - blank["closed_accuracy"], 4),
@@ -130,7 +136,7 @@ def write_card(model_dir: Path, result: dict) -> None:
         *stages(meta),
         "## Scores (held-out split: seed 1, scenes never trained on)",
         "",
-        f"Data: `{result['data']}`, {f['n']} questions. DriveLM scoring without a judge ({result['final_note']}).",
+        f"Data: `{result['data']}`, {f['n']} questions, pipeline `{result['pipeline']}`. DriveLM scoring without a judge ({result['final_note']}).",
         "",
         "| | final | accuracy | language | match | closed-question accuracy |",
         "|---|---|---|---|---|---|",
