@@ -50,3 +50,10 @@ def test_bench_rows_are_consistent(full_model_dir, tmp_path):
     assert "| baseline |" in format_table(result)
     plot(result, tmp_path / "bench.png", per_question)
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_cuda_graphs_need_a_gpu_and_a_shape(full_model_dir):
+    from litevlm.errors import LiteVLMError
+
+    with pytest.raises(LiteVLMError, match="--shape"):
+        run_bench(str(full_model_dir), n=2, warmup=1, max_new_tokens=4, progress=False, cuda_graphs=True)

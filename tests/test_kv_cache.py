@@ -208,3 +208,59 @@ def test_static_decode_step_equals_the_eager_step():
         lb = decode_step_static(b, tok, torch.tensor([[9 + i]]), torch.tensor([9 + i]))
         torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
         tok = la.argmax(-1, keepdim=True)
+
+
+def _tiny_vlm():
+    from litevlm.config import TextConfig, VisionConfig, VLMConfig
+    from litevlm.model.vlm import VLM
+
+    torch.manual_seed(0)
+    cfg = VLMConfig(vision=VisionConfig(32, 1, 2, 64, 28, 14), text=TextConfig(64, 32, 2, 2, 1, 64, rope_theta=1e4),
+                    image_token_id=60, img_start_id=61, img_end_id=62, eos_token_id=63, pad_token_id=0)
+    return VLM(cfg).eval()
+
+
+def test_generate_runs_a_given_decode_step_in_place_of_the_eager_one():
+    """`generate(step=...)` (how a captured CUDA graph is plugged in) decodes what the eager loop decodes."""
+    from litevlm.model.generate import decode_step_static, generate
+
+    model = _tiny_vlm()
+    model.language_model.setup_cache(1, 40)
+    embeds = model.language_model.embed_tokens(torch.randint(0, 60, (1, 9)))
+    positions = torch.arange(9)[None]
+    calls = []
+
+    def static_step(token, position, slot):
+        calls.append((position, slot))
+        return decode_step_static(model, token, torch.tensor([[position]]), torch.tensor([slot]))
+
+    eager = generate(model, embeds, positions, 12, eos_id=None)
+    stepped = generate(model, embeds, positions, 12, eos_id=None, step=static_step)
+    assert stepped.tokens == eager.tokens
+    assert calls == [(9 + i, 9 + i) for i in range(11)]  # one call per token after the first, at its slot
+
+
+def test_cuda_graphs_refuse_a_cpu_model():
+    from litevlm.errors import LiteVLMError
+    from litevlm.model.generate import GraphedDecodeStep
+
+    with pytest.raises(LiteVLMError, match="CUDA"):
+        GraphedDecodeStep(_tiny_vlm())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_decode_equals_eager_decode_on_a_gpu():
+    """Replaying the captured step gives the eager loop's tokens; re-allocating the cache forces a re-capture."""
+    from litevlm.model.generate import GraphedDecodeStep, generate
+
+    model = _tiny_vlm().cuda()
+    model.language_model.setup_cache(1, 40)
+    graphed = GraphedDecodeStep(model)
+    embeds = model.language_model.embed_tokens(torch.randint(0, 60, (1, 9), device="cuda"))
+    positions = torch.arange(9, device="cuda")[None]
+    eager = generate(model, embeds, positions, 12, eos_id=None)
+    replayed = generate(model, embeds, positions, 12, eos_id=None, step=graphed)
+    assert replayed.tokens == eager.tokens
+    model.language_model.setup_cache(1, 48)
+    assert not graphed.valid_for(model)

@@ -165,7 +165,8 @@ def cmd_bench(args) -> None:
     from litevlm.eval.bench import format_table, plot, run_bench
 
     result, per_question = run_bench(args.model, data=args.data, n=args.n, shape=args.shape, hf=not args.no_transformers,
-                                     max_new_tokens=args.max_new_tokens, warmup=args.warmup, progress=not args.json)
+                                     max_new_tokens=args.max_new_tokens, warmup=args.warmup, progress=not args.json,
+                                     cuda_graphs=args.cuda_graphs)
     if args.plot:
         plot(result, args.plot, per_question)
     print(format_table(result))
@@ -279,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=3)
     b.add_argument("--shape", default=None, help="random weights at a real model's shapes (2b, 1b, internvl3-2b, ...): latency only")
     b.add_argument("--max-new-tokens", type=int, default=160)
+    b.add_argument("--cuda-graphs", action="store_true",
+                   help="with --shape on a GPU: replay plain decode steps as CUDA graphs (capture time reported apart)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers generate rows")
     b.add_argument("--plot", default=None, help="save the stage plots to this PNG")
     b.add_argument("--json", action="store_true")

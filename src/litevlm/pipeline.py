@@ -73,6 +73,8 @@ class Pipeline:
     token_selector + keep_ratio: TokenSelector keeping a fraction r of the visual tokens, or None.
     fastv: (K, r) for FastV pruning inside the LLM (the baseline), or None.
     draft + tree: EAGLE-2 speculative decoding with this draft head and tree envelope, or None.
+    cuda_graphs: on a CUDA device, replay plain decode steps as one captured graph each (the
+        speculative and FastV loops stay eager).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class Pipeline:
         seed: int = 0,
         max_question_tokens: int = 256,
         name: str = "custom",
+        cuda_graphs: bool = False,
     ):
         if token_selector is not None and fastv is not None:
             raise LiteVLMError("choose TokenSelector or FastV, not both")
@@ -112,6 +115,11 @@ class Pipeline:
         self.top_p = top_p
         self.max_question_tokens = max_question_tokens
         self.name = name
+        if cuda_graphs and model.device.type != "cuda":
+            raise LiteVLMError(f"cuda_graphs needs the model on a CUDA device; it is on {model.device}")
+        self.cuda_graphs = cuda_graphs
+        self._graphed_step = None  # captured on first use, re-captured if the cache is re-allocated
+        self.capture_ms = 0.0  # one-off CUDA-graph capture cost, kept apart from the measurements
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.tokens_per_view = self.cfg.tokens_per_tile * self.cfg.tiles_per_view
         # Room for the longest prompt (all views, longest question) plus the answer and a draft tree.
@@ -292,7 +300,18 @@ class Pipeline:
             from litevlm.spec.decode import speculative_generate
 
             return speculative_generate(self.model, self.draft, embeds, positions, *args, tree=self.tree)
-        return generate(self.model, embeds, positions, *args)
+        return generate(self.model, embeds, positions, *args, step=self._decode_step())
+
+    def _decode_step(self):
+        """The plain decode step as a replayed CUDA graph (cuda_graphs=True), else None (eager)."""
+        if not self.cuda_graphs:
+            return None
+        if self._graphed_step is None or not self._graphed_step.valid_for(self.model):
+            from litevlm.model.generate import GraphedDecodeStep
+
+            self._graphed_step = GraphedDecodeStep(self.model)
+            self.capture_ms += self._graphed_step.capture_ms
+        return self._graphed_step
 
 
 def _part(path: Path, name: str) -> Path:

@@ -101,16 +101,16 @@ def _samples(data, n: int, seed: int):
     return out[:n]
 
 
-def _pipelines(model: str, configs: dict[str, dict], max_new_tokens: int, shape: str | None):
+def _pipelines(model: str, configs: dict[str, dict], max_new_tokens: int, shape: str | None, cuda_graphs: bool = False):
     from litevlm.pipeline import Pipeline
 
     if shape is None:
         return {name: Pipeline.from_pretrained(model, max_new_tokens=max_new_tokens, **opts) for name, opts in configs.items()}
-    return {name: random_pipeline(shape, model, max_new_tokens, **opts) for name, opts in configs.items()}
+    return {name: random_pipeline(shape, model, max_new_tokens, cuda_graphs=cuda_graphs, **opts) for name, opts in configs.items()}
 
 
 def random_pipeline(shape: str, tokenizer_model: str, max_new_tokens: int, *, select_views=False, select_tokens=None,
-                    fastv_k=None, fastv_r=None, speculative=False, fp8=None, seed: int = 0):
+                    fastv_k=None, fastv_r=None, speculative=False, fp8=None, seed: int = 0, cuda_graphs: bool = False):
     """A pipeline at a real model's shapes with random weights (latency only): `--shape 2b` etc.
 
     The text side borrows drive-tiny's tokenizer (its ids fit every real vocabulary); each camera is cut
@@ -157,7 +157,7 @@ def random_pipeline(shape: str, tokenizer_model: str, max_new_tokens: int, *, se
 
         quantize_model(model, FP8Recipe(fp8))
     # Random weights never emit EOS reliably: every answer runs to max_new_tokens, the same for all rows.
-    pipe = Pipeline(model, tok, max_new_tokens=max_new_tokens, name=f"random-{shape}", **parts)
+    pipe = Pipeline(model, tok, max_new_tokens=max_new_tokens, name=f"random-{shape}", cuda_graphs=cuda_graphs, **parts)
     pipe.tokenizer = _NoEos(tok)
     return pipe
 
@@ -225,12 +225,15 @@ def _record(s, text: str, views: int) -> dict:
 
 
 def run_bench(model: str = "drive-tiny", data=None, n: int = 60, shape: str | None = None, configs=None, hf: bool = True,
-              max_new_tokens: int = 160, warmup: int = 3, seed: int = 1, progress: bool = True) -> dict:
+              max_new_tokens: int = 160, warmup: int = 3, seed: int = 1, progress: bool = True,
+              cuda_graphs: bool = False) -> dict:
     from litevlm.eval.metrics import closed_accuracy, score
 
     configs = configs or CONFIGS
     samples = _samples(data, n + warmup, seed)
-    pipes = _pipelines(model, configs, max_new_tokens, shape)
+    if cuda_graphs and not (shape and torch.cuda.is_available()):
+        raise LiteVLMError("--cuda-graphs measures a CUDA device: it needs --shape and a GPU")
+    pipes = _pipelines(model, configs, max_new_tokens, shape, cuda_graphs)
     logs = {name: RowLog() for name in (*configs, *(HF_ROWS if hf and shape is None else ()))}
     for i, s in enumerate(tqdm(samples, desc="bench", disable=not progress)):
         for name, pipe in pipes.items():
@@ -260,7 +263,8 @@ def run_bench(model: str = "drive-tiny", data=None, n: int = 60, shape: str | No
     per_question = {name: {"views": log.views, "vit": log.vit, "input_tokens": log.input_tokens, "prefill": log.prefill}
                     for name, log in logs.items()}
     return {"model": model if shape is None else f"random weights, {shape} shapes", "device": dev,
-            "threads": torch.get_num_threads(), "questions": len(samples) - warmup, "rows": rows}, per_question
+            "threads": torch.get_num_threads(), "questions": len(samples) - warmup, "rows": rows,
+            "cuda_graphs": cuda_graphs, "capture_ms": {name: round(p.capture_ms, 1) for name, p in pipes.items()}}, per_question
 
 
 def format_table(result: dict) -> str:

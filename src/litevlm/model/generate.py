@@ -3,7 +3,7 @@
 Prefill writes a prompt's K/V into slots 0..T-1 (positions may skip, as after token pruning);
 `decode_step` appends one token attending over the live prefix only, which is fastest eagerly on the
 CPU; `decode_step_static` is the same step with fixed shapes (mask over the whole cache, position and
-slot as tensors), the form `torch.compile(mode="reduce-overhead")` captures as one CUDA graph.
+slot as tensors), which `GraphedDecodeStep` captures once as a CUDA graph and replays for every token.
 """
 
 from __future__ import annotations
@@ -85,6 +85,51 @@ def decode_step_static(model, token: torch.Tensor, position: torch.Tensor, slot:
     return model.lm_head(hidden[:, -1])
 
 
+class GraphedDecodeStep:
+    """`decode_step_static` captured as one CUDA graph over the model's KV cache, replayed per token.
+
+    A decode step of a small model on a GPU is a few hundred kernel launches whose launch cost
+    exceeds their work; replaying them as one graph removes that. The graph reads its inputs from
+    static tensors and the cache in place, so it stays valid until the cache is re-allocated
+    (`setup_cache`), which `valid_for` detects. Capturing writes scratch K/V at slot 0, which the next
+    prefill overwrites. `capture_ms` is the one-off cost, reported apart from measurements.
+    """
+
+    def __init__(self, model, warmup: int = 3):
+        if model.device.type != "cuda":
+            raise LiteVLMError("CUDA graphs need the model on a CUDA device")
+        self.model = model
+        self.cache = model.language_model.layers[0].self_attn.kv_cache.k
+        dev = model.device
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.position = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture requires
+                for _ in range(warmup):
+                    decode_step_static(model, self.token, self.position, self.slot)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = decode_step_static(model, self.token, self.position, self.slot)
+        torch.cuda.synchronize(dev)
+        self.capture_ms = (time.perf_counter() - t0) * 1e3
+
+    def valid_for(self, model) -> bool:
+        return model is self.model and model.language_model.layers[0].self_attn.kv_cache.k is self.cache
+
+    def __call__(self, token: torch.Tensor, position: int, slot: int) -> torch.Tensor:
+        """Same contract as `decode_step`'s logits: token (1, 1) -> logits (1, V), a view into the graph's output."""
+        self.token.copy_(token.view(1, 1))
+        self.position.fill_(position)
+        self.slot.fill_(slot)
+        self.graph.replay()
+        return self.logits
+
+
 def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator=None) -> torch.Tensor:
     """Greedy when temperature == 0, else temperature + nucleus sampling. logits (B, V) -> (B,)."""
     if temperature <= 0:
@@ -118,8 +163,13 @@ def generate(
     top_p: float = 1.0,
     generator=None,
     timer: StageTimer | None = None,
+    step=None,
 ) -> Generation:
-    """Plain autoregressive decoding for batch 1: prefill, then one token per step until EOS."""
+    """Plain autoregressive decoding for batch 1: prefill, then one token per step until EOS.
+
+    step: a `GraphedDecodeStep` (or any callable (token (1, 1), position, slot) -> logits (1, V)) to
+    run each decode step instead of the eager `decode_step`.
+    """
     timer = timer or StageTimer(embeds.device)
     t = embeds.shape[1]
     if t + max_new_tokens > model.language_model.cache_len:
@@ -135,7 +185,10 @@ def generate(
         for i in range(max_new_tokens - 1):
             if eos_id is not None and out[-1] == eos_id:
                 break
-            logits, _ = decode_step(model, tok.view(1, 1), next_pos + i, t + i)
+            if step is None:
+                logits, _ = decode_step(model, tok.view(1, 1), next_pos + i, t + i)
+            else:
+                logits = step(tok.view(1, 1), next_pos + i, t + i)
             tok = sample_token(logits, temperature, top_p, generator)
             out.append(int(tok))
     return Generation(out, t, dict(timer.ms))
