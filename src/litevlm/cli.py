@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     tv.add_argument("--steps", type=int, default=100000)
     tv.add_argument("--batch-frames", type=int, default=8)
     tv.add_argument("--threads", type=int, default=2)
-    tv.add_argument("--lr", type=float, default=1.5e-3)
+    tv.add_argument("--lr", type=float, default=3e-4)
     tv.add_argument("--warmup", type=int, default=200)
     tv.add_argument("--first-frame", type=int, default=0, help="training frames are (seed, first-frame + i)")
     tv.add_argument("--closed-weight", type=float, default=1.0, help="sampling weight of closed questions")

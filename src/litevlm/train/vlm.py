@@ -5,9 +5,10 @@ are encoded once per step and several of its questions are trained on them: the 
 prefix (user turn with the view blocks) is followed by K question/answer blocks packed into one
 sequence, each block attending to the prefix and to itself only, with positions restarting after
 the prefix, which is exactly what K separate prompts would compute, at a fraction of the cost.
-Half the frames keep only the views some of their questions need (plus random extras), so the
-model learns to answer from a selected subset of views, each with its camera marker, as the
-pipeline's view selection later feeds it.
+A share `view_subset_prob` of the frames keeps only the views one anchor question needs (plus each
+other view with probability 0.15) and trains only the questions those views answer, so the model
+learns to answer from a selected subset of views, each with its camera marker, as the pipeline's
+view selection later feeds it.
 
 A from-scratch VLM learns the language of its answers long before it learns to read its images:
 trained on answers alone, drive-tiny's decoder settled on priors and its visual tokens carried
@@ -16,10 +17,18 @@ objective from the scene's 2D boxes, as detection pre-training gives a real ViT:
 visual token (the projector's output, what the decoder reads) predicts what its cell holds
 (class, colour, moving, vehicle motion, light state, sign kind) by the token's cosine with the
 decoder's own embeddings of those words, and one on the front view predicts the ego car's
-steering. Visual tokens are kept near text-embedding scale (`visual_norm`). The probe heads are training-only and never saved. A first
-`vision_warmup` steps train the vision side on that objective alone; a probe on validation
-frames (seed + 2) reports closed-question accuracy with the real images and with empty roads at
-every checkpoint, so a run that stops looking is seen while it trains.
+steering. Visual tokens are kept near text-embedding scale (`visual_norm`). The probe heads are
+training-only and never saved. A first `vision_warmup` steps train the vision side on that objective
+alone; a probe on validation frames (seed + 2) reports closed-question accuracy with the real images
+and with empty roads at every checkpoint (all six views, and only the views each question needs), so
+a run that stops looking is seen while it trains.
+
+Two settings decide whether the decoder learns to read at all (BENCHMARKS.md, issue 3): the learning
+rate (at 1e-3 and above a fresh decoder stays on the question-type prior even when handed the true
+contents of every cell; at 3e-4 it reads them), and a stage where every frame shows only the views
+its questions need (`view_subset_prob=1`): with 16 tokens per needed view instead of 96 the answer's
+evidence is not drowned among the other cameras' tokens, and the gap between images and empty roads
+opens there first.
 """
 
 from __future__ import annotations
@@ -65,7 +74,7 @@ class VLMRecipe:
     steps: int = 100000
     batch_frames: int = 8
     questions_per_frame: int = 6
-    lr: float = 1.5e-3
+    lr: float = 3e-4
     min_lr_ratio: float = 0.05
     warmup: int = 200
     weight_decay: float = 0.05
