@@ -17,3 +17,19 @@ def test_demo_answers_questions_and_saves_the_grid(tiny_model_dir, tmp_path, cap
 def test_cli_reports_user_errors_with_exit_code_2(tmp_path, capsys):
     assert main(["ask", "--images", str(tmp_path / "none"), "--question", "Anything ahead?"]) == 2
     assert "image folder not found" in capsys.readouterr().err
+
+
+def test_demo_with_view_selection_reports_the_views_it_used(tiny_model_dir, tmp_path):
+    import shutil
+
+    from litevlm.cameras import CAMERAS
+    from litevlm.select.views import ViewSelector
+
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, d)
+    ViewSelector.lexical_only().save(d)
+    result = run_demo(str(d), out=str(tmp_path / "grid.png"), n_questions=4, as_json=True, select_views=True)
+    assert len(result["questions"]) == 4
+    for q in result["questions"]:
+        assert q["views"] and set(q["views"]) <= set(CAMERAS)
+    assert any(len(q["views"]) < len(CAMERAS) for q in result["questions"])  # at least one question needs fewer

@@ -55,7 +55,8 @@ def _print_json(obj) -> None:
 def cmd_demo(args) -> None:
     from litevlm.demo import run_demo
 
-    run_demo(args.model, out=args.out, seed=args.seed, n_questions=args.questions, as_json=args.json)
+    run_demo(args.model, out=args.out, seed=args.seed, n_questions=args.questions, as_json=args.json,
+             select_views=args.select_views)
 
 
 def cmd_ask(args) -> None:
@@ -193,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=2026)
     d.add_argument("--questions", type=int, default=6)
     d.add_argument("--out", default="demo.png", help="where to save the 2x3 picture of the six views")
+    d.add_argument("--select-views", action="store_true", help="answer through the ViewSelector, as LiteVLM does")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_demo)
 

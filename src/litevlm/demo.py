@@ -42,10 +42,11 @@ def pick_questions(qas, n: int):
     return picked
 
 
-def run_demo(model: str = "drive-tiny", out: str = "demo.png", seed: int = 2026, n_questions: int = 6, as_json: bool = False) -> dict:
+def run_demo(model: str = "drive-tiny", out: str = "demo.png", seed: int = 2026, n_questions: int = 6, as_json: bool = False,
+             select_views: bool = False) -> dict:
     from litevlm.data.synthetic import make_frame, render_views
 
-    pipe = Pipeline.from_pretrained(model)
+    pipe = Pipeline.from_pretrained(model, select_views=select_views)
     frame = make_frame(seed, 0)
     images = render_views(frame, size=(800, 450))
     grid = save_grid(images, out)
