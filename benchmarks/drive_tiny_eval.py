@@ -96,15 +96,16 @@ def stages(meta: dict) -> list[str]:
     if len(chain) == 1:
         return []
     lines = ["## Training stages", "", "Each stage continued from the one before (`--init`); a re-initialised part starts afresh there.", "",
-             "| stage | steps | minutes | re-initialised | lr | closed weight | view-subset share | looks-probe at the end (images / empty) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| stage | steps | minutes | re-initialised | lr | closed weight | view-subset share | looks-probe at the end, six views (images / empty) | needed views (images / empty) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for i, st in enumerate(chain, start=1):
         r = st.get("recipe") or {}
         fresh = "everything" if not r.get("init") else ", ".join(
             [x for x, k in (("vision", "reinit_vision"), ("decoder", "reinit_language")) if r.get(k)]) or "-"
         probe = (st.get("looks_probe") or [{}])[-1]
         lines.append(f"| {i} | {st.get('steps')} | {(st.get('train_seconds') or 0) / 60:.1f} | {fresh} | {r.get('lr')} | "
-                     f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {probe.get('images', '-')} / {probe.get('empty', '-')} |")
+                     f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {probe.get('images', '-')} / {probe.get('empty', '-')} | "
+                     f"{probe.get('images_needed', '-')} / {probe.get('empty_needed', '-')} |")
     total = sum((st.get("train_seconds") or 0) for st in chain) / 60
     lines += ["", f"Total training time over all stages: {total:.0f} min.", ""]
     return lines
