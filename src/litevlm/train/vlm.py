@@ -407,40 +407,47 @@ class LooksProbe:
 
         s, tpv = cfg.vision.image_size, cfg.tiles_per_view
         empty = render_empty_road(size=recipe.render_size)
-        blank = {c: image_to_tiles(empty[c], s, tpv) for c in CAMERAS}
-        self.items = []  # (suffix, ids, labels, pos, mask, block, real pixels, blank pixels)
+        self.blank = torch.cat([image_to_tiles(empty[c], s, tpv) for c in CAMERAS])  # six views, CAMERAS order
+        self.frames = []  # (six real views' tiles, [(suffix, view indices, ids, labels, pos, mask, block)])
         for i in range(recipe.probe_frames):
             frame = make_frame(recipe.seed + 2, i)
             rendered = render_views(frame, size=recipe.render_size)
-            tiles = {c: image_to_tiles(rendered[c], s, tpv) for c in CAMERAS}
             closed = [q for q in frame.qas if q.closed]
             groups = [("", list(CAMERAS), closed)]
             for vs in sorted({q.views for q in closed}):
-                views = [c for c in CAMERAS if c in vs]
-                groups.append(("_needed", views, [q for q in closed if q.views == vs]))
+                groups.append(("_needed", [c for c in CAMERAS if c in vs], [q for q in closed if q.views == vs]))
+            prompts = []
             for suffix, views, qs in groups:
                 blocks = [(tokenizer.encode(q.question), tokenizer.encode(q.answer)) for q in qs]
                 ids, labels, pos, block = pack_frame(tokenizer, views, cfg.tokens_per_tile * tpv, blocks)
                 t = torch.tensor
-                self.items.append((suffix, t(ids)[None], t(labels)[None], t(pos)[None],
-                                   block_mask(t(block)[None], torch.ones(1, len(ids), dtype=torch.bool)), t(block),
-                                   torch.cat([tiles[c] for c in views]), torch.cat([blank[c] for c in views])))
+                prompts.append((suffix, t([CAMERAS.index(c) for c in views]), t(ids)[None], t(labels)[None], t(pos)[None],
+                                block_mask(t(block)[None], torch.ones(1, len(ids), dtype=torch.bool)), t(block)))
+            self.frames.append((torch.cat([image_to_tiles(rendered[c], s, tpv) for c in CAMERAS]), prompts))
 
     @torch.no_grad()
     def __call__(self, model: VLM) -> dict:
         model.eval()
+        width = model.cfg.text.hidden_size
+
+        def encode(pixels):  # six views -> (6, tokens per view, C), each view encoded once per probe
+            return model.encode_tiles(pixels).reshape(len(CAMERAS), -1, width)
+
+        blank = encode(self.blank)
         hits, total = {}, {}
-        for suffix, ids, labels, pos, mask, block, real, blank in self.items:
-            for name, pixels in (("images", real), ("empty", blank)):
-                key = name + suffix
-                x = model.embed(ids, model.encode_tiles(pixels).reshape(-1, model.cfg.text.hidden_size))
-                pred = model.lm_head(model.language_model(x, pos, mask=mask)).argmax(-1)[0]
-                lab = labels[0]
-                for b in block.unique().tolist():
-                    sel = (block == b) & (lab != IGNORE)
-                    if b > 0 and sel.any():
-                        hits[key] = hits.get(key, 0) + bool((pred[sel] == lab[sel]).all())
-                        total[key] = total.get(key, 0) + 1
+        for real, prompts in self.frames:
+            real = encode(real)
+            for suffix, views, ids, labels, pos, mask, block in prompts:
+                for name, tokens in (("images", real), ("empty", blank)):
+                    key = name + suffix
+                    x = model.embed(ids, tokens[views].reshape(-1, width))
+                    pred = model.lm_head(model.language_model(x, pos, mask=mask)).argmax(-1)[0]
+                    lab = labels[0]
+                    for b in block.unique().tolist():
+                        sel = (block == b) & (lab != IGNORE)
+                        if b > 0 and sel.any():
+                            hits[key] = hits.get(key, 0) + bool((pred[sel] == lab[sel]).all())
+                            total[key] = total.get(key, 0) + 1
         model.train()
         return {k: round(hits[k] / total[k], 3) for k in sorted(total)}
 
