@@ -40,3 +40,23 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
     save_native(model, out)
     tiny_tokenizer.save(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def full_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with every module beside it: ViewSelector (lexical), TokenSelector, draft head."""
+    import shutil
+
+    from litevlm.model.hf import load_native
+    from litevlm.select.tokens import TokenSelector
+    from litevlm.select.views import ViewSelector
+    from litevlm.spec.draft import DraftConfig, DraftHead
+
+    d = tmp_path_factory.mktemp("full") / "model"
+    shutil.copytree(tiny_model_dir, d)
+    model = load_native(d)
+    torch.manual_seed(0)
+    ViewSelector.lexical_only().save(d)
+    TokenSelector.from_model(model).save(d)
+    DraftHead(DraftConfig.for_target(model.cfg.text), model).save(d / "draft")
+    return d

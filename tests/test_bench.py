@@ -2,29 +2,10 @@
 not asserted: only the table's shape, its consistency and the transformers rows' agreement)."""
 
 import json
-import shutil
 
 import pytest
-import torch
 
 from litevlm.eval.bench import CONFIGS, HF_ROWS, format_table, plot, run_bench
-
-
-@pytest.fixture(scope="module")
-def full_model_dir(tiny_model_dir, tmp_path_factory):
-    from litevlm.model.hf import load_native
-    from litevlm.select.tokens import TokenSelector
-    from litevlm.select.views import ViewSelector
-    from litevlm.spec.draft import DraftConfig, DraftHead
-
-    d = tmp_path_factory.mktemp("full") / "model"
-    shutil.copytree(tiny_model_dir, d)
-    model = load_native(d)
-    torch.manual_seed(0)
-    ViewSelector.lexical_only().save(d)
-    TokenSelector.from_model(model).save(d)
-    DraftHead(DraftConfig.for_target(model.cfg.text), model).save(d / "draft")
-    return d
 
 
 def test_bench_rows_are_consistent(full_model_dir, tmp_path):

@@ -19,16 +19,10 @@ def test_cli_reports_user_errors_with_exit_code_2(tmp_path, capsys):
     assert "image folder not found" in capsys.readouterr().err
 
 
-def test_demo_with_view_selection_reports_the_views_it_used(tiny_model_dir, tmp_path):
-    import shutil
-
+def test_demo_with_view_selection_reports_the_views_it_used(full_model_dir, tmp_path):
     from litevlm.cameras import CAMERAS
-    from litevlm.select.views import ViewSelector
 
-    d = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, d)
-    ViewSelector.lexical_only().save(d)
-    result = run_demo(str(d), out=str(tmp_path / "grid.png"), n_questions=4, as_json=True, select_views=True)
+    result = run_demo(str(full_model_dir), out=str(tmp_path / "grid.png"), n_questions=4, as_json=True, select_views=True)
     assert len(result["questions"]) == 4
     for q in result["questions"]:
         assert q["views"] and set(q["views"]) <= set(CAMERAS)

@@ -185,18 +185,20 @@ def test_wrong_image_size_raises(model):
         model.encode_tiles(torch.randn(3, s, s))
 
 
+def _tiny_vlm():
+    torch.manual_seed(0)
+    cfg = VLMConfig(vision=VisionConfig(32, 1, 2, 64, 28, 14), text=TextConfig(64, 32, 2, 2, 1, 64, rope_theta=1e4),
+                    image_token_id=60, img_start_id=61, img_end_id=62, eos_token_id=63, pad_token_id=0)
+    return VLM(cfg).eval()
+
+
 def test_static_decode_step_equals_the_eager_step():
     """The fixed-shape step (whole cache under a mask, tensors only) computes what the eager step computes."""
     import copy
 
-    from litevlm.config import TextConfig, VisionConfig, VLMConfig
-    from litevlm.model.generate import decode_step, decode_step_static, prefill
-    from litevlm.model.vlm import VLM
+    from litevlm.model.generate import decode_step_static
 
-    torch.manual_seed(0)
-    cfg = VLMConfig(vision=VisionConfig(32, 1, 2, 64, 28, 14), text=TextConfig(64, 32, 2, 2, 1, 64, rope_theta=1e4),
-                    image_token_id=60, img_start_id=61, img_end_id=62, eos_token_id=63, pad_token_id=0)
-    a = VLM(cfg).eval()
+    a = _tiny_vlm()
     b = copy.deepcopy(a)
     ids = torch.randint(0, 60, (1, 9))
     for m in (a, b):
@@ -208,16 +210,6 @@ def test_static_decode_step_equals_the_eager_step():
         lb = decode_step_static(b, tok, torch.tensor([[9 + i]]), torch.tensor([9 + i]))
         torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
         tok = la.argmax(-1, keepdim=True)
-
-
-def _tiny_vlm():
-    from litevlm.config import TextConfig, VisionConfig, VLMConfig
-    from litevlm.model.vlm import VLM
-
-    torch.manual_seed(0)
-    cfg = VLMConfig(vision=VisionConfig(32, 1, 2, 64, 28, 14), text=TextConfig(64, 32, 2, 2, 1, 64, rope_theta=1e4),
-                    image_token_id=60, img_start_id=61, img_end_id=62, eos_token_id=63, pad_token_id=0)
-    return VLM(cfg).eval()
 
 
 def test_generate_runs_a_given_decode_step_in_place_of_the_eager_one():
@@ -241,7 +233,6 @@ def test_generate_runs_a_given_decode_step_in_place_of_the_eager_one():
 
 
 def test_cuda_graphs_refuse_a_cpu_model():
-    from litevlm.errors import LiteVLMError
     from litevlm.model.generate import GraphedDecodeStep
 
     with pytest.raises(LiteVLMError, match="CUDA"):
