@@ -161,3 +161,27 @@ def test_continued_training_records_its_lineage(tmp_path):
     meta = json.loads((b / "config.json").read_text())
     assert meta["steps"] == 3 and [s["steps"] for s in meta["lineage"]] == [2]
     assert meta["lineage"][0]["recipe"]["init"] is None and meta["recipe"]["reinit_language"] is True
+
+
+def test_family_weights_steer_which_questions_a_batch_holds(tiny_bank):
+    tok, cfg, _, bank = tiny_bank
+    wanted = [qa[0] for qas in bank.qas for qa in qas if qa[4] == "behavior_mc"]
+    assert wanted
+
+    def count(recipe) -> int:
+        rng, n = random.Random(3), 0
+        for _ in range(6):
+            rows = make_batch(bank, tok, cfg, recipe, rng).ids.tolist()
+            n += sum(any(row[i:i + len(q)] == q for i in range(len(row))) for row in rows for q in wanted)
+        return n
+
+    base = dict(frames=6, batch_frames=4, questions_per_frame=2, view_subset_prob=0.0, token_drop_prob=0.0)
+    plain = count(VLMRecipe(**base))
+    boosted = count(VLMRecipe(**base, family_weights={"behavior_mc": 100.0}))
+    assert boosted >= 22 and boosted > 2 * plain  # 24 frames drawn; almost each now asks its behavior_mc question
+
+
+def test_an_unknown_family_weight_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="unknown QA family 'behaviour_mc'"):
+        train_vlm(tmp_path / "m", VLMRecipe(frames=2, steps=1, family_weights={"behaviour_mc": 2.0}), progress=False)
+    assert not (tmp_path / "m").exists()

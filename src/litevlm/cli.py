@@ -81,6 +81,17 @@ def cmd_data_synth(args) -> None:
         print(f"wrote {args.frames} frames to {path}")
 
 
+def _family_weight(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    try:
+        weight = float(value)
+    except ValueError:
+        weight = -1.0
+    if not sep or not name or weight < 0:
+        raise argparse.ArgumentTypeError(f"expected FAMILY=WEIGHT with a weight >= 0, got {text!r}")
+    return name, weight
+
+
 def cmd_train_vlm(args) -> None:
     from litevlm.train.vlm import VLMRecipe, train_vlm
 
@@ -91,6 +102,7 @@ def cmd_train_vlm(args) -> None:
         reinit_language=args.reinit_language, aux_weight=args.aux_weight, aux_scale=args.aux_scale,
         vision_warmup=args.vision_warmup, probe_frames=args.probe_frames, visual_norm=args.visual_norm,
         view_subset_prob=args.view_subset_prob, token_drop_prob=args.token_drop_prob,
+        family_weights=dict(args.family_weight),
     )
     out = train_vlm(args.out, recipe)
     print(f"saved to {out}")
@@ -228,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     tv.add_argument("--warmup", type=int, default=200)
     tv.add_argument("--first-frame", type=int, default=0, help="training frames are (seed, first-frame + i)")
     tv.add_argument("--closed-weight", type=float, default=1.0, help="sampling weight of closed questions")
+    tv.add_argument("--family-weight", type=_family_weight, action="append", default=[], metavar="FAMILY=W",
+                    help="extra sampling weight of one QA family (repeatable), e.g. vehicle_colour_mc=4")
     tv.add_argument("--init", default=None, help="continue training from this checkpoint")
     tv.add_argument("--reinit-vision", action="store_true", help="with --init: keep the decoder, start the vision side afresh")
     tv.add_argument("--reinit-language", action="store_true", help="with --init: keep the vision side, start the decoder afresh")

@@ -47,6 +47,14 @@ SPEEDS = ("not moving", "driving slowly", "driving with normal speed")
 SPEED_MPS = {"not moving": 0.0, "driving slowly": 3.0, "driving with normal speed": 8.0}
 BEHAVIORS = tuple(f"The ego vehicle is {s}. The ego vehicle is {v}." for s in STEERS for v in SPEEDS)
 CATEGORIES = ("perception", "prediction", "planning", "behavior")
+# Template families of the generated QA (QA.family), by category.
+FAMILIES = (
+    "important_objects", "objects_direction", "exists_colour", "exists_moving", "traffic_element", "light_is",
+    "light_state", "vehicle_colour", "vehicle_colour_mc", "visual_description", "sign_or_barrier",
+    "future_state", "moving_status_mc", "is_moving", "in_path", "collision",
+    "notice_one", "notice_order", "notice_full", "actions_based_on", "safe_actions", "safe_turn",
+    "behavior", "behavior_mc",
+)
 FRAMES_PER_SCENE = 4  # DriveLM annotates 4-8 key frames per scene
 
 # (length along heading, width, height) in metres. Billboards (drawn facing the camera) use width only.

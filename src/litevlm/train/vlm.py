@@ -37,7 +37,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +86,7 @@ class VLMRecipe:
     threads: int = 2
     first_frame: int = 0  # training frames are (seed, first_frame .. first_frame + frames - 1)
     closed_weight: float = 1.0  # sampling weight of closed (yes/no, multiple choice) questions vs open ones
+    family_weights: dict[str, float] = field(default_factory=dict)  # extra sampling weight per QA family
     answer_mean: bool = True  # loss = mean over answers of each answer's mean token loss (else mean over tokens)
     init: str | None = None  # continue from this checkpoint (its tokenizer and weights)
     reinit_vision: bool = False  # with init: keep the decoder, start the vision tower and projector afresh
@@ -159,14 +160,14 @@ class FrameBank:
 
         s, tpv = cfg.vision.image_size, cfg.tiles_per_view
         self.tiles = torch.empty(recipe.frames, len(CAMERAS) * tpv, 3, s, s, dtype=torch.uint8)
-        self.qas: list[list[tuple[list[int], list[int], tuple[str, ...]]]] = []
+        self.qas: list[list[tuple[list[int], list[int], tuple[str, ...], bool, str]]] = []
         self.aux = torch.empty(recipe.frames, len(CAMERAS), cfg.tokens_per_tile * tpv, len(aux_fields()), dtype=torch.uint8)
         self.steer = torch.empty(recipe.frames, dtype=torch.long)
         for i in tqdm(range(recipe.frames), desc="rendering frames", disable=not progress):
             frame = make_frame(recipe.seed, recipe.first_frame + i)
             views = render_views(frame, size=recipe.render_size)
             self.tiles[i] = torch.from_numpy(np.concatenate([image_to_uint8_tiles(views[c], s, tpv) for c in CAMERAS]))
-            self.qas.append([(tokenizer.encode(q.question), tokenizer.encode(q.answer), tuple(q.views), q.closed) for q in frame.qas])
+            self.qas.append([(tokenizer.encode(q.question), tokenizer.encode(q.answer), tuple(q.views), q.closed, q.family) for q in frame.qas])
             self.aux[i] = aux_targets(frame, cfg.vision.grid // 2, tpv)
             self.steer[i] = STEERS.index(frame.ego.steer)
         self.tpv = tpv
@@ -215,9 +216,9 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
             keep = set(anchor[2]) | {c for c in CAMERAS if rng.random() < 0.15}
             views = [c for c in CAMERAS if c in keep]
             pool = [qa for qa in qas if set(qa[2]) <= keep]
-        weights = [recipe.closed_weight if qa[3] else 1.0 for qa in pool]
+        weights = [(recipe.closed_weight if qa[3] else 1.0) * recipe.family_weights.get(qa[4], 1.0) for qa in pool]
         chosen = _weighted_sample(pool, weights, min(recipe.questions_per_frame, len(pool)), rng)
-        seq = pack_frame(tokenizer, views, tpv_tokens, [(q, a) for q, a, _, _ in chosen])
+        seq = pack_frame(tokenizer, views, tpv_tokens, [(qa[0], qa[1]) for qa in chosen])
         keep = torch.ones(len(views) * tpv_tokens, dtype=torch.bool)
         if rng.random() < recipe.token_drop_prob:
             seq, keep = drop_visual_tokens(seq, tokenizer.image_id, len(views), tpv_tokens, rng)
@@ -453,9 +454,12 @@ class LooksProbe:
 
 
 def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> Path:
-    from litevlm.data.synthetic import STEERS, question_corpus
+    from litevlm.data.synthetic import FAMILIES, STEERS, question_corpus
     from litevlm.data.tokenizer import train_default
 
+    unknown = sorted(set(recipe.family_weights) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown QA family {', '.join(map(repr, unknown))} in family weights (known: {', '.join(FAMILIES)})")
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
     out = Path(out_dir)
