@@ -16,7 +16,9 @@ from litevlm.errors import LiteVLMError
 from litevlm.model.generate import causal_mask, decode_step, prefill
 from litevlm.model.vlm import VLM
 
-ATOL = 1e-5
+# fp32 rounding through the layers: one row and n rows take different matmul kernels. A wrong mask,
+# slot or position moves these logits by orders of magnitude more.
+ATOL = 3e-5
 PREFIX = 7
 # A 7-node tree over the prefix: node i's parent (-1: a root, a child of the prefix's last token).
 PARENTS = [-1, -1, 0, 0, 1, 2, 5]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from litevlm.errors import LiteVLMError
+from litevlm.model.lm import linear
 
 
 def sync(device) -> None:
@@ -61,7 +62,7 @@ def prefill(model, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch
         raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {lm.cache_len}; shorten the prompt or raise max_len")
     slots = torch.arange(t, device=embeds.device)
     hidden = lm(embeds, positions, slots=slots, mask=None, kv_len=t)  # causal over slots 0..t-1
-    return model.lm_head(hidden[:, -1]), hidden
+    return linear(hidden[:, -1], model.lm_head), hidden
 
 
 @torch.no_grad()
@@ -71,7 +72,7 @@ def decode_step(model, token: torch.Tensor, position: int, slot: int) -> tuple[t
     dev = token.device
     pos = torch.full_like(token, position)
     hidden = lm(lm.embed_tokens(token), pos, slots=torch.tensor([slot], device=dev), kv_len=slot + 1)
-    return model.lm_head(hidden[:, -1]), hidden
+    return linear(hidden[:, -1], model.lm_head), hidden
 
 
 @torch.no_grad()

@@ -18,6 +18,27 @@ from litevlm.model.kv_cache import KVCache
 from litevlm.model.vision import RMSNorm
 
 
+def linear(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+    """`lin(x)`, faster for a few rows at CPU inference: there a row-major (in, out) copy of the
+    weight, kept until the weight changes, multiplies about twice as fast as the (out, in) one."""
+    w = lin.weight
+    if x.device.type != "cpu" or (torch.is_grad_enabled() and w.requires_grad) or not _plain(lin):
+        return lin(x)
+    key = (w.data_ptr(), w._version)
+    hit = lin.__dict__.get("_row_major")  # (weight version, weight.t().contiguous())
+    if hit is None or hit[0] != key:
+        hit = (key, w.detach().t().contiguous())
+        lin.__dict__["_row_major"] = hit
+    x2 = x.reshape(-1, x.shape[-1])
+    y = x2 @ hit[1] if lin.bias is None else torch.addmm(lin.bias, x2, hit[1])
+    return y.view(*x.shape[:-1], -1)
+
+
+def _plain(lin: nn.Module) -> bool:
+    """An nn.Linear as built (not, say, an FP8Linear) that nobody observes through hooks."""
+    return type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks)
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (B, 1, T, D) for integer positions (B, T), computed in fp32 like transformers."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim))
@@ -56,18 +77,21 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, cos, sin, slots=None, mask=None, kv_len=None):
         b, t, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin)
-        if slots is None:  # training / no cache: plain causal attention over the given tokens
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=mask is None, attn_mask=mask, enable_gqa=True)
-        else:
-            self.kv_cache.write(slots, k, v)
-            k, v = self.kv_cache.k, self.kv_cache.v
-            if kv_len is not None:  # attend over the live prefix only (eager CPU path)
-                k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-            # A prompt written from slot 0 with no mask is plain causal: the fused kernel's fast path.
-            causal = mask is None and t > 1 and k.shape[2] == t
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        y = self.attend(*self.qkv(x, cos, sin), slots, mask, kv_len)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, H*D) -> (B, T, C)
+
+    def attend(self, q, k, v, slots=None, mask=None, kv_len=None) -> torch.Tensor:
+        """q (B, H, T, D), k / v (B, Hkv, T, D) -> attention output (B, H, T, D), through the cache if slots."""
+        if slots is None:  # training / no cache: plain causal attention over the given tokens
+            return F.scaled_dot_product_attention(q, k, v, is_causal=mask is None, attn_mask=mask, enable_gqa=True)
+        t = q.shape[2]
+        self.kv_cache.write(slots, k, v)
+        k, v = self.kv_cache.k, self.kv_cache.v
+        if kv_len is not None:  # attend over the live prefix only (eager CPU path)
+            k, v = k[:, :, :kv_len], v[:, :, :kv_len]
+        # A prompt written from slot 0 with no mask is plain causal: the fused kernel's fast path.
+        causal = mask is None and t > 1 and k.shape[2] == t
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
 
 
 class SwiGLU(nn.Module):
@@ -88,10 +112,89 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self._fused: tuple | None = None  # (weight versions, packed weights): see fused_weights
 
     def forward(self, x, cos, sin, slots=None, mask=None, kv_len=None):
+        if x.device.type == "cpu" and not torch.is_grad_enabled() and self.fusable():
+            # CPU inference: few, large kernels (a CPU decode step is bound by per-op overhead).
+            w = self.fused_weights()
+            q, k, v = self.fused_qkv(x, cos.transpose(1, 2), sin.transpose(1, 2), w)
+            return self.fused_out(x, self.self_attn.attend(q, k, v, slots, mask, kv_len), w)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, kv_len)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    # -- the same layer in as few kernels as possible ---------------------------------------------
+    def fusable(self) -> bool:
+        """Every projection a plain, unhooked nn.Linear (not, say, an FP8Linear or one being
+        calibrated) and the MLP a SwiGLU."""
+        a, m = self.self_attn, self.mlp
+        return isinstance(m, SwiGLU) and all(
+            map(_plain, (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)))
+
+    def fused_weights(self) -> tuple:
+        """Packed, pre-transposed projections (in, out): rebuilt on every call while training (so
+        gradients flow), otherwise cached until a weight changes (in place or replaced).
+
+        One matmul yields [q k | rot(q) rot(k) | v], where rot(x) = rotate_half(x): rotating is a
+        signed permutation of output rows, so it folds into the weights and RoPE becomes
+        qk * cos + rot(qk) * sin (two kernels instead of six). gate and up share a matmul too. On
+        the CPU a row-major (in, out) weight multiplies a few rows about twice as fast as
+        nn.Linear's transposed (out, in) one.
+        """
+        attn, mlp = self.self_attn, self.mlp
+        training = self.training and torch.is_grad_enabled()
+        params = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias, attn.k_proj.bias,
+                  attn.v_proj.bias, attn.o_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        key = tuple((p.data_ptr(), p._version) for p in params if p is not None)
+        if not training and self._fused is not None and self._fused[0] == key:
+            return self._fused[1]
+        d = attn.cfg.head_dim
+
+        def rot(w: torch.Tensor) -> torch.Tensor:  # rows of each head: [-second half, first half]
+            w = w.view(-1, d, *w.shape[1:])  # (heads, D, ...)
+            return torch.cat([-w[:, d // 2 :], w[:, : d // 2]], 1).reshape(-1, *w.shape[2:])
+
+        with torch.set_grad_enabled(training):
+            qk_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight])
+            qkv_w = torch.cat([qk_w, rot(qk_w), attn.v_proj.weight])
+            qkv_b = None
+            if attn.q_proj.bias is not None:
+                qk_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias])
+                qkv_b = torch.cat([qk_b, rot(qk_b), attn.v_proj.bias])
+            w = [qkv_w.t(), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t(), attn.o_proj.weight.t(), mlp.down_proj.weight.t()]
+        if training:
+            return (w[0], qkv_b, *w[1:])
+        w = tuple(x.detach().contiguous() for x in w)
+        self._fused = (key, (w[0], None if qkv_b is None else qkv_b.detach(), *w[1:]))
+        return self._fused[1]
+
+    def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        if isinstance(norm, nn.Identity):
+            return x
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps) if x.dtype == torch.float32 else norm(x)
+
+    def fused_qkv(self, x, cos, sin, w: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, C), cos / sin (B or 1, T, 1, D) -> RoPE'd q (B, Hq, T, D), k (B, Hkv, T, D), v (B, Hkv, T, D).
+        w: `fused_weights()` when the caller already holds them."""
+        cfg = self.self_attn.cfg
+        b, t, c = x.shape
+        h_q, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        nqk = (h_q + h_kv) * d
+        qkv_w, qkv_b = (w or self.fused_weights())[:2]
+        h = self._norm(x, self.input_layernorm).reshape(b * t, c)
+        qkv = (h @ qkv_w if qkv_b is None else torch.addmm(qkv_b, h, qkv_w)).view(b, t, -1)  # (B, T, 2 nqk + Hkv D)
+        qk, qk_rot, v = qkv.split((nqk, nqk, h_kv * d), -1)
+        qk = torch.addcmul(qk.view(b, t, -1, d) * cos, qk_rot.view(b, t, -1, d), sin)  # (B, T, Hq + Hkv, D) RoPE'd
+        v = v.view(b, t, h_kv, d).transpose(1, 2)  # (B, Hkv, T, D)
+        return qk[:, :, :h_q].transpose(1, 2), qk[:, :, h_q:].transpose(1, 2), v
+
+    def fused_out(self, x, y, w: tuple | None = None) -> torch.Tensor:
+        """Residual + o_proj(attention output y (B, Hq, T, D)), then the MLP block -> (B, T, C)."""
+        b, t, c = x.shape
+        _, _, gate_up, o_t, down_t = w or self.fused_weights()
+        x = torch.addmm(x.reshape(b * t, c), y.transpose(1, 2).reshape(b * t, -1), o_t)  # (B T, C): x + o_proj(y)
+        g, u = (self._norm(x, self.post_attention_layernorm) @ gate_up).chunk(2, -1)
+        return torch.addmm(x, F.silu(g) * u, down_t).view(b, t, c)  # + down_proj(silu(gate) * up)
 
 
 class TextModel(nn.Module):

@@ -40,7 +40,7 @@ from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model.generate import Generation, StageTimer, causal_mask, decode_step, sample_token
-from litevlm.model.lm import DecoderLayer, apply_rope, rope_cos_sin
+from litevlm.model.lm import DecoderLayer, apply_rope, linear, rope_cos_sin
 from litevlm.model.vision import RMSNorm
 
 SELECTOR_DIR = "token_selector"
@@ -282,7 +282,7 @@ def fastv_prefill(model, embeds, positions, view_spans: Sequence[Span], k: int, 
     for layer in lm.layers[:k]:  # compact layers < k to the kept tokens, slots 0..n-1
         layer.self_attn.kv_cache.commit(kept, 0)
     hidden = lm(x[:, kept], positions[:, kept], slots=torch.arange(n, device=dev), mask=causal_mask(n, 0, n, dev), kv_len=n, start_layer=k)
-    return FastVPrefill(model.lm_head(hidden[:, -1]), n, kept, int(positions[0, -1]) + 1)
+    return FastVPrefill(linear(hidden[:, -1], model.lm_head), n, kept, int(positions[0, -1]) + 1)
 
 
 @torch.no_grad()

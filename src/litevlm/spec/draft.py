@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model.kv_cache import KVCache
-from litevlm.model.lm import DecoderLayer, rope_cos_sin
+from litevlm.model.lm import DecoderLayer, linear, rope_cos_sin
 
 DRAFT_FORMAT = "litevlm-draft"
 DRAFT_SUBDIR = "draft"  # a model directory keeps its draft head here
@@ -98,7 +98,6 @@ class DraftHead(nn.Module):
         self.metrics: dict = {}
         self._shared: tuple[nn.Embedding, nn.Linear] | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, 1, D) cos / sin tables
-        self._fused: tuple | None = None
         if target is not None:
             self.attach(target)
 
@@ -132,7 +131,7 @@ class DraftHead(nn.Module):
         w = self._target()[1].weight
         key = (w.data_ptr(), w._version, self.vocab_map.data_ptr(), self.vocab_map._version)
         if self._sub_head is None or self._sub_head[0] != key:
-            self._sub_head = (key, w.detach()[self.vocab_map])
+            self._sub_head = (key, w.detach()[self.vocab_map].t().contiguous())  # (C, draft vocab), row-major
         return self._sub_head[1]
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -140,7 +139,7 @@ class DraftHead(nn.Module):
         vocabulary (..., V or draft_vocab); `topk` maps indices to target token ids."""
         if self.cfg.draft_vocab:
             w = self._draft_head()
-            logits = F.linear(hidden if hidden.dtype == w.dtype else hidden.to(w.dtype), w)
+            logits = (hidden if hidden.dtype == w.dtype else hidden.to(w.dtype)) @ w
         else:
             logits = self.logits(hidden)
         return torch.log_softmax(logits if logits.dtype == torch.float32 else logits.float(), -1)
@@ -157,69 +156,18 @@ class DraftHead(nn.Module):
             raise LiteVLMError(f"a draft vocabulary needs {self.cfg.draft_vocab} distinct token ids below {self.cfg.vocab_size}")
         self.vocab_map.copy_(ids)
 
-    # -- the layer, as few ops as possible (CPU decode is op-overhead bound) ----------------------
-    def _weights(self) -> tuple:
-        """Fused projections: rebuilt every call while training, cached (until a weight changes) otherwise.
+    # -- the layer: DecoderLayer's fused kernels (CPU decode is op-overhead bound) ----------------
+    def _qkv(self, x, cos, sin, w=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.layer.fused_qkv(x, cos, sin, w)
 
-        One matmul yields [q k | rot(q) rot(k) | v], where rot(x) = rotate_half(x): rotating is a
-        signed permutation of output rows, so it folds into the weights and RoPE becomes
-        qk * cos + rot(qk) * sin (two kernels instead of six). gate and up share a matmul too.
-        """
-        attn, mlp = self.layer.self_attn, self.layer.mlp
-        training = self.training and torch.is_grad_enabled()
-        params = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias, mlp.gate_proj.weight, mlp.up_proj.weight)
-        key = tuple((p.data_ptr(), p._version) for p in params if p is not None)
-        if not training and self._fused is not None and self._fused[0] == key:
-            return self._fused[1]
-        d = self.cfg.head_dim
-
-        def rot(w: torch.Tensor) -> torch.Tensor:  # rows of each head: [-second half, first half]
-            w = w.view(-1, d, *w.shape[1:])  # (heads, D, ...)
-            return torch.cat([-w[:, d // 2 :], w[:, : d // 2]], 1).reshape(-1, *w.shape[2:])
-
-        with torch.set_grad_enabled(training):
-            qk_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight])
-            qkv_w = torch.cat([qk_w, rot(qk_w), attn.v_proj.weight])
-            qkv_b = None
-            if attn.q_proj.bias is not None:
-                qk_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias])
-                qkv_b = torch.cat([qk_b, rot(qk_b), attn.v_proj.bias])
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        w = (qkv_w, qkv_b, gate_up, attn.o_proj.weight.t(), mlp.down_proj.weight.t())
-        if not training:
-            self._fused = (key, w)
-        return w
-
-    def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        if isinstance(norm, nn.Identity):
-            return x
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, self.cfg.norm_eps)
-
-    def _qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, C) -> RoPE'd q (B, Hq, T, D), k (B, Hkv, T, D), v (B, Hkv, T, D)."""
-        cfg = self.cfg
-        b, t, _ = x.shape
-        h_q, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        nqk = (h_q + h_kv) * d
-        qkv_w, qkv_b = self._weights()[:2]
-        qkv = F.linear(self._norm(x, self.layer.input_layernorm), qkv_w, qkv_b)  # (B, T, 2 nqk + Hkv D)
-        qk, qk_rot, v = qkv.split((nqk, nqk, h_kv * d), -1)
-        qk = torch.addcmul(qk.view(b, t, -1, d) * cos, qk_rot.view(b, t, -1, d), sin)  # (B, T, Hq + Hkv, D) RoPE'd
-        v = v.view(b, t, h_kv, d).transpose(1, 2)  # (B, Hkv, T, D)
-        return qk[:, :, :h_q].transpose(1, 2), qk[:, :, h_q:].transpose(1, 2), v
-
-    def _out(self, x, y) -> torch.Tensor:
-        """Residual + o_proj(attention output y (B, Hq, T, D)), then the MLP block -> (B, T, C)."""
-        b, t, c = x.shape
-        _, _, gate_up, o_t, down_t = self._weights()
-        x = torch.addmm(x.reshape(b * t, c), y.transpose(1, 2).reshape(b * t, -1), o_t)  # (B T, C): x + o_proj(y)
-        g, u = F.linear(self._norm(x, self.layer.post_attention_layernorm), gate_up).chunk(2, -1)
-        return torch.addmm(x, F.silu(g) * u, down_t).view(b, t, c)  # + down_proj(silu(gate) * up)
+    def _out(self, x, y, w=None) -> torch.Tensor:
+        return self.layer.fused_out(x, y, w)
 
     def _layer(self, x, cos, sin, cache: KVCache | None = None, start: int = 0, mask=None) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C). cos / sin (B or 1, T, 1, D). With a cache: write slots start..start+T-1
         and attend over slots 0..start+T-1 where `mask` (1, 1, T, S) allows (None: everything)."""
-        q, k, v = self._qkv(x, cos, sin)
+        w = self.layer.fused_weights()
+        q, k, v = self._qkv(x, cos, sin, w)
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         else:
@@ -227,13 +175,13 @@ class DraftHead(nn.Module):
             cache.k[:, :, start:end] = k
             cache.v[:, :, start:end] = v
             y = F.scaled_dot_product_attention(q, cache.k[:, :, :end], cache.v[:, :, :end], attn_mask=mask, enable_gqa=True)
-        return self._out(x, y)
+        return self._out(x, y, w)
 
     def _fuse(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
         dtype = self.fc.weight.dtype  # the draft may run in another precision than the target
         if features.dtype != dtype or next_embeds.dtype != dtype:
             features, next_embeds = features.to(dtype), next_embeds.to(dtype)
-        return self.fc(torch.cat([next_embeds, features], -1))  # [embedding ; feature] -> H
+        return linear(torch.cat([next_embeds, features], -1), self.fc)  # [embedding ; feature] -> H
 
     # -- training ---------------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, mask=None) -> torch.Tensor:

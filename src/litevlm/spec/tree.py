@@ -25,6 +25,7 @@ from functools import lru_cache
 import torch
 
 from litevlm.errors import LiteVLMError
+from litevlm.model.lm import linear
 
 
 @dataclass(frozen=True)
@@ -245,7 +246,7 @@ def verify_tree(model, tree: Tree, start: int, root_position: int, live_prefix: 
         mask[:, start : start + n] = tree.mask
         kv_len = None
     hidden = lm(embeds, positions, slots=slots, mask=mask[None, None], kv_len=kv_len)[0]  # (N, C)
-    return model.lm_head(hidden), hidden
+    return linear(hidden, model.lm_head), hidden
 
 
 def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
