@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from litevlm.cameras import CAMERAS
+from litevlm.model.vlm import VLM
 from litevlm.data.synthetic import STEERS, SceneObject, frame_from_objects
 from litevlm.train.vlm import (
     AuxHeads, FrameBank, VLMRecipe, aux_fields, aux_targets, cells_of, drive_tiny_config, field_words, make_batch, train_vlm,
@@ -185,3 +186,34 @@ def test_an_unknown_family_weight_is_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="unknown QA family 'behaviour_mc'"):
         train_vlm(tmp_path / "m", VLMRecipe(frames=2, steps=1, family_weights={"behaviour_mc": 2.0}), progress=False)
     assert not (tmp_path / "m").exists()
+
+
+def test_tag_targets_point_at_the_tagged_cells_and_the_answer_row(tiny_bank):
+    from litevlm.train.vlm import IGNORE, tag_attention_loss, tag_cells
+
+    tok, cfg, _, bank = tiny_bank
+    assert tag_cells("Is <c2,CAM_BACK,1065.5,450.0> moving? And <c1,CAM_FRONT,10,890>?", GRID, TPV) == (
+        ("CAM_BACK", 2 * GRID + 2), ("CAM_FRONT", 3 * GRID + 0))
+    recipe = VLMRecipe(frames=6, batch_frames=4, view_subset_prob=0.0, token_drop_prob=0.0, questions_per_frame=6)
+    b = make_batch(bank, tok, cfg, recipe, random.Random(0))
+    assert b.looks  # synthetic frames ask about tagged objects
+    per_view = cfg.tokens_per_tile
+    for row, ans_row, visual, cells in b.looks:
+        assert len(visual) == len(CAMERAS) * per_view and all(int(b.ids[row, i]) == tok.image_id for i in visual)
+        assert set(cells) <= set(visual) and int(b.labels[row, ans_row]) != IGNORE and int(b.labels[row, ans_row - 1]) == IGNORE
+    model = VLM(cfg)
+    with torch.no_grad():
+        embeds = model.embed(b.ids, model.encode_tiles(b.pixels).reshape(-1, cfg.text.hidden_size)[b.keep])
+        loss, hit = tag_attention_loss(model, embeds, b, 0)
+    # An untrained head spreads its attention: about log(N / tagged) nats, hits about tagged / N.
+    assert 0.5 < float(loss) < 6.0 and 0.0 <= hit <= 1.0
+
+
+def test_the_tag_attention_objective_trains_end_to_end(tmp_path):
+    recipe = VLMRecipe(frames=4, steps=3, batch_frames=2, threads=1, tokenizer_frames=30, vocab_size=400, render_size=(200, 112),
+                       probe_frames=0, attn_weight=0.5, attn_layer=1, token_drop_prob=0.0)
+    out = train_vlm(tmp_path / "m", recipe, progress=False)
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["attn"] and all(v > 0 for v in log["attn"]) and log["recipe"]["attn_weight"] == 0.5
+    with pytest.raises(ValueError, match="attn_layer"):
+        train_vlm(tmp_path / "n", VLMRecipe(frames=2, steps=1, tokenizer_frames=30, vocab_size=400, attn_weight=0.5, attn_layer=9), progress=False)

@@ -87,6 +87,8 @@ class VLMRecipe:
     first_frame: int = 0  # training frames are (seed, first_frame .. first_frame + frames - 1)
     closed_weight: float = 1.0  # sampling weight of closed (yes/no, multiple choice) questions vs open ones
     family_weights: dict[str, float] = field(default_factory=dict)  # extra sampling weight per QA family
+    attn_weight: float = 0.0  # weight of the tag-attention objective (0: off)
+    attn_layer: int = 2  # decoder layer whose head 0 learns to look where a question's c-tags point
     answer_mean: bool = True  # loss = mean over answers of each answer's mean token loss (else mean over tokens)
     init: str | None = None  # continue from this checkpoint (its tokenizer and weights)
     reinit_vision: bool = False  # with init: keep the decoder, start the vision tower and projector afresh
@@ -140,6 +142,21 @@ def cells_of(box, grid: int, tiles_per_view: int) -> set[int]:
     return cells
 
 
+def tag_cells(question: str, grid: int, tiles_per_view: int) -> tuple[tuple[str, int], ...]:
+    """(camera, token cell within its view) of every DriveLM c-tag <cK,CAM,x,y> in a question."""
+    from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
+    from litevlm.select.tokens import C_TAG, cell_index
+
+    cols = grid * tiles_per_view
+    out = []
+    for cam, xs, ys in C_TAG.findall(question):
+        if cam in CAMERAS:
+            col = min(cols - 1, max(0, int(float(xs) * cols / IMAGE_WIDTH)))
+            row = min(grid - 1, max(0, int(float(ys) * grid / IMAGE_HEIGHT)))
+            out.append((cam, cell_index(col, row, grid)))
+    return tuple(out)
+
+
 def aux_targets(frame, grid: int, tiles_per_view: int) -> torch.Tensor:
     """(6, tokens_per_view, F) uint8: what each visual token's cell holds, per camera (CAMERAS order)."""
     fields = {f: i for i, f in enumerate(aux_fields())}
@@ -160,14 +177,16 @@ class FrameBank:
 
         s, tpv = cfg.vision.image_size, cfg.tiles_per_view
         self.tiles = torch.empty(recipe.frames, len(CAMERAS) * tpv, 3, s, s, dtype=torch.uint8)
-        self.qas: list[list[tuple[list[int], list[int], tuple[str, ...], bool, str]]] = []
+        # per QA: question ids, answer ids, needed views, closed, family, (camera, cell) of each c-tag
+        self.qas: list[list[tuple[list[int], list[int], tuple[str, ...], bool, str, tuple]]] = []
         self.aux = torch.empty(recipe.frames, len(CAMERAS), cfg.tokens_per_tile * tpv, len(aux_fields()), dtype=torch.uint8)
         self.steer = torch.empty(recipe.frames, dtype=torch.long)
         for i in tqdm(range(recipe.frames), desc="rendering frames", disable=not progress):
             frame = make_frame(recipe.seed, recipe.first_frame + i)
             views = render_views(frame, size=recipe.render_size)
             self.tiles[i] = torch.from_numpy(np.concatenate([image_to_uint8_tiles(views[c], s, tpv) for c in CAMERAS]))
-            self.qas.append([(tokenizer.encode(q.question), tokenizer.encode(q.answer), tuple(q.views), q.closed, q.family) for q in frame.qas])
+            self.qas.append([(tokenizer.encode(q.question), tokenizer.encode(q.answer), tuple(q.views), q.closed, q.family,
+                              tag_cells(q.question, cfg.vision.grid // 2, tpv)) for q in frame.qas])
             self.aux[i] = aux_targets(frame, cfg.vision.grid // 2, tpv)
             self.steer[i] = STEERS.index(frame.ego.steer)
         self.tpv = tpv
@@ -206,7 +225,7 @@ def block_mask(block: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rng: random.Random):
     frames = rng.sample(range(len(bank.qas)), recipe.batch_frames)
     tpv_tokens = cfg.tokens_per_tile * cfg.tiles_per_view
-    seqs, pixels, keeps, aux, front, steer = [], [], [], [], [], []
+    seqs, pixels, keeps, aux, front, steer, looks = [], [], [], [], [], [], []
     for f in frames:
         qas = bank.qas[f]
         views = list(CAMERAS)
@@ -222,6 +241,8 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         keep = torch.ones(len(views) * tpv_tokens, dtype=torch.bool)
         if rng.random() < recipe.token_drop_prob:
             seq, keep = drop_visual_tokens(seq, tokenizer.image_id, len(views), tpv_tokens, rng)
+        else:
+            looks += [(len(seqs), *target) for target in tag_targets(seq, chosen, views, tokenizer.image_id, tpv_tokens)]
         seqs.append(seq)
         keeps.append(keep)
         pixels.append(bank.pixels(f, views))
@@ -241,7 +262,44 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         ids[i, :n], labels[i, :n], pos[i, :n], block[i, :n] = torch.tensor(a), torch.tensor(l), torch.tensor(p), torch.tensor(bl)
         valid[i, :n] = True
     return Batch(ids, labels, pos, block_mask(block, valid), torch.cat(pixels), torch.cat(keeps), torch.cat(aux).float(),
-                 torch.tensor(front, dtype=torch.long), torch.tensor(steer, dtype=torch.long), answer_weights(labels, block))
+                 torch.tensor(front, dtype=torch.long), torch.tensor(steer, dtype=torch.long), answer_weights(labels, block), looks)
+
+
+def tag_targets(seq, chosen, views: list[str], image_id: int, tokens_per_view: int) -> list[tuple[int, list[int], list[int]]]:
+    """For each packed question with a c-tag in a shown view: (the row that predicts its first answer
+    token, the sequence positions of every visual token, those of the tagged cells)."""
+    ids, labels, _, block = seq
+    visual = [i for i, t in enumerate(ids) if t == image_id]
+    out = []
+    for b, qa in enumerate(chosen, start=1):
+        cells = [visual[views.index(cam) * tokens_per_view + cell] for cam, cell in qa[5] if cam in views]
+        if cells:
+            row = next(i for i, (lb, bl) in enumerate(zip(labels, block)) if bl == b and lb != IGNORE)
+            out.append((row, visual, sorted(set(cells))))
+    return out
+
+
+def tag_attention_loss(model: VLM, layer_input: torch.Tensor, batch: "Batch", layer: int) -> tuple[torch.Tensor, float]:
+    """Cross-entropy of head 0 of decoder layer `layer`, from each tagged question's answer row, over
+    the frame's visual tokens toward the cells its c-tags point at -> (loss, share of rows whose
+    argmax is a tagged cell). layer_input: that layer's input (B, T, C)."""
+    from litevlm.model.lm import apply_rope, rope_cos_sin
+
+    dec = model.language_model.layers[layer]
+    d = model.cfg.text.head_dim
+    xn = dec.input_layernorm(layer_input)
+    cos, sin = rope_cos_sin(batch.pos, d, model.cfg.text.rope_theta, xn.dtype)  # (B, 1, T, D)
+    k = apply_rope(dec.self_attn.k_proj(xn)[..., :d], cos[:, 0], sin[:, 0])  # (B, T, D): kv head 0
+    b_idx = torch.tensor([b for b, *_ in batch.looks])
+    r_idx = torch.tensor([r for _, r, *_ in batch.looks])
+    q = apply_rope(dec.self_attn.q_proj(xn[b_idx, r_idx])[:, :d], cos[b_idx, 0, r_idx], sin[b_idx, 0, r_idx])  # (M, D): head 0
+    losses, hits = [], 0
+    for m, (b, _, visual, cells) in enumerate(batch.looks):
+        logits = (k[b, visual] @ q[m]) * d**-0.5  # (N,)
+        target = torch.tensor([visual.index(c) for c in cells])
+        losses.append(torch.logsumexp(logits, 0) - torch.logsumexp(logits[target], 0))
+        hits += int(int(logits.argmax()) in set(target.tolist()))
+    return torch.stack(losses).mean(), hits / len(batch.looks)
 
 
 def answer_weights(labels: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
@@ -267,6 +325,7 @@ class Batch:
     front: torch.Tensor  # (M,) first visual-token index of each CAM_FRONT view in the batch
     steer: torch.Tensor  # (M,) its frame's steering class
     weight: torch.Tensor  # (B, T) per-label-token weight: 1 / the length of its answer
+    looks: list = field(default_factory=list)  # (row in batch, answer row, visual positions, tagged positions)
 
 
 class AuxHeads(nn.Module):
@@ -482,6 +541,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         init_weights(model, recipe.seed)
         init_vision(model, recipe.seed)
     model.float()
+    if recipe.attn_weight > 0 and not 0 <= recipe.attn_layer < cfg.text.num_layers:
+        raise ValueError(f"attn_layer must name one of the {cfg.text.num_layers} decoder layers (0-{cfg.text.num_layers - 1}), got {recipe.attn_layer}")
     bank = FrameBank(recipe, cfg, tokenizer, progress)
     if recipe.visual_norm > 0:
         rescale_visual(model, bank, recipe.visual_norm)
@@ -495,7 +556,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     deadline = time.time() + recipe.minutes * 60
     total = recipe.steps  # re-planned to the time budget after a short timing
     bar = tqdm(total=recipe.steps, desc="training vlm", disable=not progress)
-    log = {"loss": [], "aux": [], "probe": []}
+    log = {"loss": [], "aux": [], "probe": [], "attn": [], "attn_hit": []}
     step, t_loop, last_save = 0, time.time(), time.time()
     model.train()
     while step < total and time.time() < deadline:
@@ -509,14 +570,24 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         if step < recipe.vision_warmup:
             loss = aux
         else:
-            hidden = model.language_model(model.embed(batch.ids, visual[batch.keep]), batch.pos, mask=batch.mask)
+            embeds = model.embed(batch.ids, visual[batch.keep])
+            if recipe.attn_weight > 0 and batch.looks:
+                lm_model, at = model.language_model, recipe.attn_layer
+                mid = lm_model(embeds, batch.pos, mask=batch.mask, end_layer=at)  # the residual stream entering layer `at`
+                hidden = lm_model(mid, batch.pos, mask=batch.mask, start_layer=at)
+                attn, hit = tag_attention_loss(model, mid, batch, at)
+                log["attn"].append(attn.item())
+                log["attn_hit"].append(hit)
+            else:
+                hidden = model.language_model(embeds, batch.pos, mask=batch.mask)
+                attn = torch.zeros(())
             sel = batch.labels != IGNORE
             if recipe.answer_mean:
                 w = batch.weight[sel]
                 lm = (F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel], reduction="none") * w).sum() / w.sum()
             else:
                 lm = F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel])
-            loss = lm + recipe.aux_weight * aux
+            loss = lm + recipe.aux_weight * aux + recipe.attn_weight * attn
             log["loss"].append(lm.item())
         log["aux"].append(aux.item())
         opt.zero_grad(set_to_none=True)
@@ -541,7 +612,10 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
             model.train()
             last_save = time.time()
         if step % 10 == 0:
-            bar.set_postfix(loss=f"{np.mean(log['loss'][-50:]) if log['loss'] else float('nan'):.3f}", aux=f"{np.mean(log['aux'][-50:]):.3f}")
+            post = {"loss": f"{np.mean(log['loss'][-50:]) if log['loss'] else float('nan'):.3f}", "aux": f"{np.mean(log['aux'][-50:]):.3f}"}
+            if log["attn"]:
+                post.update(attn=f"{np.mean(log['attn'][-50:]):.3f}", hit=f"{np.mean(log['attn_hit'][-50:]):.2f}")
+            bar.set_postfix(**post)
     bar.close()
     if probe:
         log["probe"].append({"step": step, **probe(model)})
@@ -575,5 +649,8 @@ def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, 
             "lineage": lineage_of(recipe.init) if recipe.init else []}
     save_native(model, out, extra_meta=meta)
     tokenizer.save(out)
-    (out / "train_log.json").write_text(json.dumps({"loss": losses[::10], "aux": log["aux"][::10], "probe": log["probe"], **meta}, indent=1))
+    curves = {"loss": losses[::10], "aux": log["aux"][::10], "probe": log["probe"]}
+    if log.get("attn"):
+        curves.update(attn=log["attn"][::10], attn_hit=log["attn_hit"][::10])
+    (out / "train_log.json").write_text(json.dumps({**curves, **meta}, indent=1))
     return out
