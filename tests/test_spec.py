@@ -236,6 +236,18 @@ def test_draft_tree_invariants(k, depth, n, ties):
     assert tree.parents[1:].tolist() == [0 if pool[i][2] < 0 else idx[pool[i][2]] for i in keep]
 
 
+def test_a_chain_ends_at_a_drafted_eos():
+    stub = TableDraft(ties=False, seed=0)
+    root = torch.tensor([0])
+    h = torch.tensor([[0.0, 0.0]])
+    full = draft_tree(stub, root, h, start=9, position=40, cfg=TreeConfig.chain(5)).tokens.tolist()
+    eos = full[2]
+    assert eos not in full[:2]  # this table drafts it second
+    cut = draft_tree(stub, root, h, start=9, position=40, cfg=TreeConfig.chain(5), eos_id=eos)
+    assert cut.tokens.tolist() == full[:3] and cut.mask.shape == (3, 3)
+    assert draft_tree(stub, root, h, start=9, position=40, cfg=TreeConfig.chain(5), eos_id=-1).tokens.tolist() == full
+
+
 def test_ancestor_mask_of_a_chain():
     m = ancestor_mask(torch.tensor([-1, 0, 1, 2]), 3)
     assert torch.equal(m, torch.ones(4, 4, dtype=torch.bool).tril())

@@ -83,7 +83,7 @@ def speculative_generate(
             with timer("draft"):
                 h_root = draft.extend(feats, nxt, pair_pos, done)[-1:]  # (1, C): predicted f_L
                 done += feats.shape[0]
-                tr = draft_tree(draft, root, h_root, done, root_pos, tree)  # scratch from draft slot `done`
+                tr = draft_tree(draft, root, h_root, done, root_pos, tree, eos_id)  # scratch from draft slot `done`
             with timer("verify"):
                 logits, hid = verify_tree(model, tr, L, root_pos, live)
                 if temperature <= 0:

@@ -165,7 +165,8 @@ def tree_from_pool(
     return Tree(node_tokens, node_parents, depth, ancestor_mask(node_parents, min(max_depth, n)))
 
 
-def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start: int, position: int, cfg: TreeConfig) -> Tree:
+def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start: int, position: int, cfg: TreeConfig,
+               eos_id: int | None = None) -> Tree:
     """Expand a draft tree below `root_token` (EAGLE-2 4.1) and rerank it.
 
     `draft` provides `topk(hidden (n, C), k) -> (log-probs (n, k), token ids (n, k))` and
@@ -175,6 +176,7 @@ def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start
     at the root pair, i.e. its prediction of the target feature after the root. The committed
     context fills draft slots 0..start-1; level-d nodes sit at draft position `position` + d - 1
     (the position of the feature they pair with). One batched forward per level, no host syncs.
+    A chain also ends at a drafted `eos_id`: nothing after the end of the answer is worth verifying.
     """
     k, levels = cfg.top_k, cfg.depth
     dev = root_hidden.device
@@ -185,6 +187,8 @@ def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start
         for i in range(levels - 1):
             if cfg.min_value > 0 and float(value) < math.log(cfg.min_value):
                 break  # the path's draft probability is too low to be worth a step (a host sync)
+            if eos_id is not None and int(drafted[-1]) == eos_id:
+                break
             hidden = draft.step(drafted[-1], hidden, position + i, start + i, None)  # sees everything before it
             lp, tok = draft.topk(hidden, 1)
             value = value + lp
