@@ -88,6 +88,28 @@ def main() -> None:
     print(json.dumps(result, separators=(",", ":")))
 
 
+# VLMRecipe fields that `litevlm train vlm` takes as flags (the rest are in the full recipe JSON).
+FLAGS = ("frames", "seed", "first_frame", "minutes", "batch_frames", "threads", "lr", "warmup", "closed_weight", "init",
+         "reinit_vision", "reinit_language", "aux_weight", "aux_scale", "vision_warmup", "view_subset_prob",
+         "token_drop_prob", "visual_norm", "probe_frames", "attn_weight", "attn_layer")
+
+
+def train_command(recipe: dict) -> str:
+    """The `litevlm train vlm` command line that reproduces a recipe (flags that differ from the defaults)."""
+    from litevlm.train.vlm import VLMRecipe
+
+    default = VLMRecipe()
+    parts = ["litevlm train vlm --out DIR"]
+    for name in FLAGS:
+        value = recipe.get(name, getattr(default, name))
+        if value == getattr(default, name) or (name == "attn_layer" and not recipe.get("attn_weight")):
+            continue
+        flag = "--" + name.replace("_", "-")
+        parts.append(flag if value is True else f"{flag} {value}")
+    parts += [f"--family-weight {k}={v:g}" for k, v in (recipe.get("family_weights") or {}).items()]
+    return " ".join(parts)
+
+
 def stages(meta: dict) -> list[str]:
     """The `--init` chain behind the weights (oldest first), with what each stage re-initialised."""
     chain = [*meta.get("lineage", []), {"checkpoint": "(these weights)", "steps": meta.get("steps"),
@@ -96,15 +118,18 @@ def stages(meta: dict) -> list[str]:
     if len(chain) == 1:
         return []
     lines = ["## Training stages", "", "Each stage continued from the one before (`--init`); a re-initialised part starts afresh there.", "",
-             "| stage | steps | minutes | re-initialised | lr | closed weight | view-subset share | looks-probe at the end, six views (images / empty) | needed views (images / empty) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| stage | steps | minutes | re-initialised | lr | closed weight | view-subset share | other | looks-probe at the end, six views (images / empty) | needed views (images / empty) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for i, st in enumerate(chain, start=1):
         r = st.get("recipe") or {}
         fresh = "everything" if not r.get("init") else ", ".join(
             [x for x, k in (("vision", "reinit_vision"), ("decoder", "reinit_language")) if r.get(k)]) or "-"
         probe = (st.get("looks_probe") or [{}])[-1]
+        other = [f"{k} x{v:g}" for k, v in (r.get("family_weights") or {}).items()]
+        if r.get("attn_weight"):
+            other.append(f"tag attention {r['attn_weight']:g} (layer {r.get('attn_layer')})")
         lines.append(f"| {i} | {st.get('steps')} | {(st.get('train_seconds') or 0) / 60:.1f} | {fresh} | {r.get('lr')} | "
-                     f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {probe.get('images', '-')} / {probe.get('empty', '-')} | "
+                     f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {', '.join(other) or '-'} | {probe.get('images', '-')} / {probe.get('empty', '-')} | "
                      f"{probe.get('images_needed', '-')} / {probe.get('empty_needed', '-')} |")
     total = sum((st.get("train_seconds") or 0) for st in chain) / 60
     lines += ["", f"Total training time over all stages: {total:.0f} min.", ""]
@@ -129,8 +154,8 @@ def write_card(model_dir: Path, result: dict) -> None:
         "",
         "## Recipe",
         "",
-        f"- command: `litevlm train vlm --out DIR --frames {recipe.get('frames')} --minutes {recipe.get('minutes')} --batch-frames {recipe.get('batch_frames')} --threads {recipe.get('threads')}`",
-        f"- data: {recipe.get('frames')} synthetic frames of seed {recipe.get('seed')} (indices 0..{recipe.get('frames', 1) - 1}), every QA family, rendered at {recipe.get('render_size')} then resized like inference input",
+        f"- command (last stage): `{train_command(recipe)}`",
+        f"- data: {recipe.get('frames')} synthetic frames of seed {recipe.get('seed')} (indices {recipe.get('first_frame', 0)}..{recipe.get('first_frame', 0) + recipe.get('frames', 1) - 1}), every QA family, rendered at {recipe.get('render_size')} then resized like inference input",
         f"- steps: {meta.get('steps')}, final training loss {meta.get('final_loss'):.4f}, training time {meta.get('train_seconds', 0) / 60:.1f} min on one core of the 2-core CPU machine",
         f"- full recipe: `{json.dumps(recipe)}`",
         "",
