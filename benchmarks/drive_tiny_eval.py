@@ -179,7 +179,7 @@ def write_card(model_dir: Path, result: dict) -> None:
     t = result["latency_ms"]
     lines += [
         "",
-        f"Baseline stage latency ({result['machine']}): "
+        f"Stage latency, pipeline `{result['pipeline']}` ({result['machine']}): "
         + ", ".join(f"{s} {t[s]:.1f} ms ({100 * t['share'][s]:.0f}%)" for s in STAGES) + f", total {t['total']:.1f} ms.",
         "",
         "Produced by `python benchmarks/drive_tiny_eval.py`.",
