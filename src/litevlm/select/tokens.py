@@ -169,6 +169,14 @@ def cell_index(column: int, row: int, grid: int) -> int:
     return tile * grid * grid + row * grid + c
 
 
+def tag_points(question: str | None, grid: int, tiles_per_view: int) -> list[tuple[str, int, int]]:
+    """(camera, column, row) of the token cell each DriveLM c-tag <cK,CAM,x,y> points at (x, y in
+    1600x900 pixels; columns run over the view's tiles_per_view * grid columns)."""
+    cols = grid * tiles_per_view
+    return [(cam, min(cols - 1, max(0, int(float(xs) * cols / IMAGE_WIDTH))), min(grid - 1, max(0, int(float(ys) * grid / IMAGE_HEIGHT))))
+            for cam, xs, ys in C_TAG.findall(question or "")]
+
+
 def tag_features(question: str, view_spans: Sequence[Span], grid: int, tiles_per_view: int) -> torch.Tensor:
     """(2, N) features of the visual tokens from the question's c-tags <cK,CAM,x,y> (x, y in 1600x900 pixels).
 
@@ -182,20 +190,14 @@ def tag_features(question: str, view_spans: Sequence[Span], grid: int, tiles_per
         starts[cam] = off
         off += e - s
     cols = grid * tiles_per_view
-    for cam, xs, ys in C_TAG.findall(question or ""):
+    for cam, gc, gr in tag_points(question, grid, tiles_per_view):
         if cam not in starts:
             continue
-        x, y = float(xs), float(ys)
-        gc = min(cols - 1, max(0, int(x * cols / IMAGE_WIDTH)))
-        gr = min(grid - 1, max(0, int(y * grid / IMAGE_HEIGHT)))
         for dr in (-1, 0, 1):
             for dc in (-1, 0, 1):
                 r, c = gr + dr, gc + dc
                 if 0 <= r < grid and 0 <= c < cols:
-                    tile, cc = divmod(c, grid)
-                    j = starts[cam] + tile * grid * grid + r * grid + cc
-                    row = 0 if dr == dc == 0 else 1
-                    feats[row, j] = 1.0
+                    feats[0 if dr == dc == 0 else 1, starts[cam] + cell_index(c, r, grid)] = 1.0
     feats[1] *= 1 - feats[0]  # a tagged cell is not also a neighbour
     return feats
 

@@ -144,17 +144,9 @@ def cells_of(box, grid: int, tiles_per_view: int) -> set[int]:
 
 def tag_cells(question: str, grid: int, tiles_per_view: int) -> tuple[tuple[str, int], ...]:
     """(camera, token cell within its view) of every DriveLM c-tag <cK,CAM,x,y> in a question."""
-    from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
-    from litevlm.select.tokens import C_TAG, cell_index
+    from litevlm.select.tokens import cell_index, tag_points
 
-    cols = grid * tiles_per_view
-    out = []
-    for cam, xs, ys in C_TAG.findall(question):
-        if cam in CAMERAS:
-            col = min(cols - 1, max(0, int(float(xs) * cols / IMAGE_WIDTH)))
-            row = min(grid - 1, max(0, int(float(ys) * grid / IMAGE_HEIGHT)))
-            out.append((cam, cell_index(col, row, grid)))
-    return tuple(out)
+    return tuple((cam, cell_index(col, row, grid)) for cam, col, row in tag_points(question, grid, tiles_per_view) if cam in CAMERAS)
 
 
 def aux_targets(frame, grid: int, tiles_per_view: int) -> torch.Tensor:
