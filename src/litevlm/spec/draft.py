@@ -157,17 +157,12 @@ class DraftHead(nn.Module):
         self.vocab_map.copy_(ids)
 
     # -- the layer: DecoderLayer's fused kernels (CPU decode is op-overhead bound) ----------------
-    def _qkv(self, x, cos, sin, w=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.layer.fused_qkv(x, cos, sin, w)
-
-    def _out(self, x, y, w=None) -> torch.Tensor:
-        return self.layer.fused_out(x, y, w)
-
     def _layer(self, x, cos, sin, cache: KVCache | None = None, start: int = 0, mask=None) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C). cos / sin (B or 1, T, 1, D). With a cache: write slots start..start+T-1
         and attend over slots 0..start+T-1 where `mask` (1, 1, T, S) allows (None: everything)."""
-        w = self.layer.fused_weights()
-        q, k, v = self._qkv(x, cos, sin, w)
+        layer = self.layer
+        w = layer.fused_weights()
+        q, k, v = layer.fused_qkv(x, cos, sin, w)
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         else:
@@ -175,7 +170,7 @@ class DraftHead(nn.Module):
             cache.k[:, :, start:end] = k
             cache.v[:, :, start:end] = v
             y = F.scaled_dot_product_attention(q, cache.k[:, :, :end], cache.v[:, :, :end], attn_mask=mask, enable_gqa=True)
-        return self._out(x, y, w)
+        return layer.fused_out(x, y, w)
 
     def _fuse(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
         dtype = self.fc.weight.dtype  # the draft may run in another precision than the target
@@ -198,22 +193,24 @@ class DraftHead(nn.Module):
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, features.dtype)
         cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # (B, T, 1, D)
         t = features.shape[1]
+        layer = self.layer
+        w = layer.fused_weights()  # packed once for every pass (gradients flow through it)
         x = self._fuse(features, next_embeds)
-        q, k, v = self._qkv(x, cos, sin)
-        preds = [self._out(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))]
+        q, k, v = layer.fused_qkv(x, cos, sin, w)
+        preds = [layer.fused_out(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), w)]
         keys, values = [k], [v]
         i = torch.arange(t, device=features.device)[:, None]
         j = torch.arange(t, device=features.device)[None, :]
         for s in range(2, passes + 1):
             prev = torch.cat([preds[-1][:, :1], preds[-1][:, :-1]], 1)  # pair i gets the prediction of pair i-1
             x = self._fuse(prev, next_embeds)
-            q, k, v = self._qkv(x, cos, sin)
+            q, k, v = layer.fused_qkv(x, cos, sin, w)
             keys.append(k)
             values.append(v)
             blocks = [j <= i - s + 1] + [j == i - s + r for r in range(2, s + 1)]  # (T, T) each
             mask = torch.cat(blocks, 1)[None, None]  # (1, 1, T, s T)
             y = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=True)
-            preds.append(self._out(x, y))
+            preds.append(layer.fused_out(x, y, w))
         return preds
 
     # -- inference over the draft's own static cache ----------------------------------------------
