@@ -217,3 +217,48 @@ def test_the_tag_attention_objective_trains_end_to_end(tmp_path):
     assert log["attn"] and all(v > 0 for v in log["attn"]) and log["recipe"]["attn_weight"] == 0.5
     with pytest.raises(ValueError, match="attn_layer"):
         train_vlm(tmp_path / "n", VLMRecipe(frames=2, steps=1, tokenizer_frames=30, vocab_size=400, attn_weight=0.5, attn_layer=9), progress=False)
+
+
+def test_option_span_finds_the_right_option_text(tiny_bank):
+    from litevlm.train.vlm import option_span
+
+    tok = tiny_bank[0]
+    q = "What is <c1,CAM_FRONT,800,450> doing? Please select the correct answer from the following options: A. Turn left. B. Stopped. C. Going ahead. D. Back up."
+    ids = tok.encode(q)
+    first, lo, hi = option_span(q, "C", tok)
+    assert tok.decode(ids[lo:hi]).strip() == "Going ahead" and tok.decode(ids[first:first + 2]).strip() == "A."
+    first, lo, hi = option_span(q, "D", tok)
+    assert tok.decode(ids[lo:hi]).strip() == "Back up" and hi == len(ids) - 1  # the closing full stop is left out
+    assert option_span(q, "Yes.", tok) is None  # not a letter
+    assert option_span("Is <c1,CAM_FRONT,800,450> moving?", "A", tok) is None  # no options
+
+
+def test_option_targets_point_at_the_right_option_from_the_answer_row(tiny_bank):
+    from litevlm.train.vlm import IGNORE, tag_attention_loss
+
+    tok, cfg, _, bank = tiny_bank
+    recipe = VLMRecipe(frames=6, batch_frames=6, view_subset_prob=0.0, token_drop_prob=0.0, questions_per_frame=20)
+    b = make_batch(bank, tok, cfg, recipe, random.Random(0))
+    assert b.options  # every frame asks the behavior multiple-choice question
+    for row, ans_row, domain, target in b.options:
+        letter = tok.decode([int(b.labels[row, ans_row])]).strip()
+        assert letter in "ABCD" and int(b.labels[row, ans_row - 1]) == IGNORE
+        assert set(target) < set(domain) and max(domain) < ans_row
+        options = tok.decode(b.ids[row, domain].tolist())
+        right = tok.decode(b.ids[row, target].tolist()).strip()
+        assert f"{letter}. {right}." in options  # the attended text is the option the letter names
+    model = VLM(cfg)
+    with torch.no_grad():
+        embeds = model.embed(b.ids, model.encode_tiles(b.pixels).reshape(-1, cfg.text.hidden_size)[b.keep])
+        loss, hit = tag_attention_loss(model, embeds, b, 0, b.options)
+    assert 0.3 < float(loss) < 6.0 and 0.0 <= hit <= 1.0
+
+
+def test_the_option_attention_objective_trains_end_to_end(tmp_path):
+    recipe = VLMRecipe(frames=4, steps=3, batch_frames=2, threads=1, tokenizer_frames=30, vocab_size=400, render_size=(200, 112),
+                       probe_frames=0, attn_weight=0.5, attn_layer=2, option_weight=0.5, option_layer=1, token_drop_prob=0.0)
+    out = train_vlm(tmp_path / "m", recipe, progress=False)
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["option"] and log["attn"] and all(v > 0 for v in log["option"]) and log["recipe"]["option_layer"] == 1
+    with pytest.raises(ValueError, match="option_layer"):
+        train_vlm(tmp_path / "n", VLMRecipe(frames=2, steps=1, tokenizer_frames=30, vocab_size=400, option_weight=0.5, option_layer=4), progress=False)

@@ -97,6 +97,10 @@ class Tokenizer:
         """Token ids of `text`, no special tokens added (special-token strings in the text still map to them)."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def offsets(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) character span in `text` of each token `encode(text)` returns."""
+        return self._tok.encode(text, add_special_tokens=False).offsets
+
     def decode(self, ids, skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -89,6 +90,8 @@ class VLMRecipe:
     family_weights: dict[str, float] = field(default_factory=dict)  # extra sampling weight per QA family
     attn_weight: float = 0.0  # weight of the tag-attention objective (0: off)
     attn_layer: int = 2  # decoder layer whose head 0 learns to look where a question's c-tags point
+    option_weight: float = 0.0  # weight of the option-attention objective (0: off)
+    option_layer: int = 3  # decoder layer whose head 0 learns to look at a multiple-choice question's right option
     answer_mean: bool = True  # loss = mean over answers of each answer's mean token loss (else mean over tokens)
     init: str | None = None  # continue from this checkpoint (its tokenizer and weights)
     reinit_vision: bool = False  # with init: keep the decoder, start the vision tower and projector afresh
@@ -149,6 +152,28 @@ def tag_cells(question: str, grid: int, tiles_per_view: int) -> tuple[tuple[str,
     return tuple((cam, cell_index(col, row, grid)) for cam, col, row in tag_points(question, grid, tiles_per_view) if cam in CAMERAS)
 
 
+_OPTIONS_RE = re.compile(r"(?:^|\s)A\. (.+?) B\. (.+?) C\. (.+?) D\. (.+?)\s*$")
+
+
+def option_span(question: str, answer: str, tokenizer) -> tuple[int, int, int] | None:
+    """Where a multiple-choice question's options sit in its token ids: (first option token, first
+    and end token of the right option's text, its closing full stop left out); None for a question
+    that does not end in four lettered options "A. ... B. ... C. ... D. ..." or an answer that is
+    not one of the letters."""
+    letter = answer.strip().rstrip(".")
+    m = _OPTIONS_RE.search(question)
+    if letter not in ("A", "B", "C", "D") or m is None:
+        return None
+    k = "ABCD".index(letter)
+    lo, hi = m.start(k + 1), m.end(k + 1)
+    if question[hi - 1] == "." and hi - 1 > lo:
+        hi -= 1
+    spans = tokenizer.offsets(question)
+    first = next(i for i, (_, e) in enumerate(spans) if e > m.start(1) - 3)  # the token holding "A."
+    inside = [i for i, (s, e) in enumerate(spans) if s < hi and e > lo]
+    return (first, inside[0], inside[-1] + 1) if inside else None
+
+
 def aux_targets(frame, grid: int, tiles_per_view: int) -> torch.Tensor:
     """(6, tokens_per_view, F) uint8: what each visual token's cell holds, per camera (CAMERAS order)."""
     fields = {f: i for i, f in enumerate(aux_fields())}
@@ -169,7 +194,8 @@ class FrameBank:
 
         s, tpv = cfg.vision.image_size, cfg.tiles_per_view
         self.tiles = torch.empty(recipe.frames, len(CAMERAS) * tpv, 3, s, s, dtype=torch.uint8)
-        # per QA: question ids, answer ids, needed views, closed, family, (camera, cell) of each c-tag
+        # per QA: question ids, answer ids, needed views, closed, family, (camera, cell) of each c-tag,
+        # (first option token, right option's first and end token) in the question ids or None
         self.qas: list[list[tuple[list[int], list[int], tuple[str, ...], bool, str, tuple]]] = []
         self.aux = torch.empty(recipe.frames, len(CAMERAS), cfg.tokens_per_tile * tpv, len(aux_fields()), dtype=torch.uint8)
         self.steer = torch.empty(recipe.frames, dtype=torch.long)
@@ -177,8 +203,9 @@ class FrameBank:
             frame = make_frame(recipe.seed, recipe.first_frame + i)
             views = render_views(frame, size=recipe.render_size)
             self.tiles[i] = torch.from_numpy(np.concatenate([image_to_uint8_tiles(views[c], s, tpv) for c in CAMERAS]))
-            self.qas.append([(tokenizer.encode(q.question), tokenizer.encode(q.answer), tuple(q.views), q.closed, q.family,
-                              tag_cells(q.question, cfg.vision.grid // 2, tpv)) for q in frame.qas])
+            self.qas.append([(ids, tokenizer.encode(q.answer), tuple(q.views), q.closed, q.family,
+                              tag_cells(q.question, cfg.vision.grid // 2, tpv), option_span(q.question, q.answer, tokenizer))
+                             for q in frame.qas for ids in [tokenizer.encode(q.question)]])
             self.aux[i] = aux_targets(frame, cfg.vision.grid // 2, tpv)
             self.steer[i] = STEERS.index(frame.ego.steer)
         self.tpv = tpv
@@ -217,7 +244,7 @@ def block_mask(block: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rng: random.Random):
     frames = rng.sample(range(len(bank.qas)), recipe.batch_frames)
     tpv_tokens = cfg.tokens_per_tile * cfg.tiles_per_view
-    seqs, pixels, keeps, aux, front, steer, looks = [], [], [], [], [], [], []
+    seqs, pixels, keeps, aux, front, steer, looks, options = [], [], [], [], [], [], [], []
     for f in frames:
         qas = bank.qas[f]
         views = list(CAMERAS)
@@ -235,6 +262,7 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
             seq, keep = drop_visual_tokens(seq, tokenizer.image_id, len(views), tpv_tokens, rng)
         else:
             looks += [(len(seqs), *target) for target in tag_targets(seq, chosen, views, tokenizer.image_id, tpv_tokens)]
+        options += [(len(seqs), *target) for target in option_targets(seq, chosen)]
         seqs.append(seq)
         keeps.append(keep)
         pixels.append(bank.pixels(f, views))
@@ -254,7 +282,8 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         ids[i, :n], labels[i, :n], pos[i, :n], block[i, :n] = torch.tensor(a), torch.tensor(l), torch.tensor(p), torch.tensor(bl)
         valid[i, :n] = True
     return Batch(ids, labels, pos, block_mask(block, valid), torch.cat(pixels), torch.cat(keeps), torch.cat(aux).float(),
-                 torch.tensor(front, dtype=torch.long), torch.tensor(steer, dtype=torch.long), answer_weights(labels, block), looks)
+                 torch.tensor(front, dtype=torch.long), torch.tensor(steer, dtype=torch.long), answer_weights(labels, block), looks,
+                 options)
 
 
 def tag_targets(seq, chosen, views: list[str], image_id: int, tokens_per_view: int) -> list[tuple[int, list[int], list[int]]]:
@@ -271,10 +300,27 @@ def tag_targets(seq, chosen, views: list[str], image_id: int, tokens_per_view: i
     return out
 
 
-def tag_attention_loss(model: VLM, layer_input: torch.Tensor, batch: "Batch", layer: int) -> tuple[torch.Tensor, float]:
+def option_targets(seq, chosen) -> list[tuple[int, list[int], list[int]]]:
+    """For each packed multiple-choice question: (the row that predicts its answer letter, the sequence
+    positions of its options, those of the right option's text)."""
+    ids, labels, _, block = seq
+    out = []
+    for b, qa in enumerate(chosen, start=1):
+        if qa[6] is None:
+            continue
+        start = block.index(b)  # the block opens with the question's ids
+        first, lo, hi = (start + i for i in qa[6])
+        row = next(i for i, (lb, bl) in enumerate(zip(labels, block)) if bl == b and lb != IGNORE)
+        out.append((row, list(range(first, start + len(qa[0]))), list(range(lo, hi))))
+    return out
+
+
+def tag_attention_loss(model: VLM, layer_input: torch.Tensor, batch: "Batch", layer: int, looks=None) -> tuple[torch.Tensor, float]:
     """Cross-entropy of head 0 of decoder layer `layer`, from each tagged question's answer row, over
     the frame's visual tokens toward the cells its c-tags point at -> (loss, share of rows whose
-    argmax is a tagged cell). layer_input: that layer's input (B, T, C)."""
+    argmax is a tagged cell). layer_input: that layer's input (B, T, C). `looks` (default
+    batch.looks) may name other rows, domains and targets: (row in batch, answer row, domain, target)."""
+    looks = batch.looks if looks is None else looks
     from litevlm.model.lm import apply_rope, rope_cos_sin
 
     dec = model.language_model.layers[layer]
@@ -282,16 +328,16 @@ def tag_attention_loss(model: VLM, layer_input: torch.Tensor, batch: "Batch", la
     xn = dec.input_layernorm(layer_input)
     cos, sin = rope_cos_sin(batch.pos, d, model.cfg.text.rope_theta, xn.dtype)  # (B, 1, T, D)
     k = apply_rope(dec.self_attn.k_proj(xn)[..., :d], cos[:, 0], sin[:, 0])  # (B, T, D): kv head 0
-    b_idx = torch.tensor([b for b, *_ in batch.looks])
-    r_idx = torch.tensor([r for _, r, *_ in batch.looks])
+    b_idx = torch.tensor([b for b, *_ in looks])
+    r_idx = torch.tensor([r for _, r, *_ in looks])
     q = apply_rope(dec.self_attn.q_proj(xn[b_idx, r_idx])[:, :d], cos[b_idx, 0, r_idx], sin[b_idx, 0, r_idx])  # (M, D): head 0
     losses, hits = [], 0
-    for m, (b, _, visual, cells) in enumerate(batch.looks):
+    for m, (b, _, visual, cells) in enumerate(looks):
         logits = (k[b, visual] @ q[m]) * d**-0.5  # (N,)
         target = torch.tensor([visual.index(c) for c in cells])
         losses.append(torch.logsumexp(logits, 0) - torch.logsumexp(logits[target], 0))
         hits += int(int(logits.argmax()) in set(target.tolist()))
-    return torch.stack(losses).mean(), hits / len(batch.looks)
+    return torch.stack(losses).mean(), hits / len(looks)
 
 
 def answer_weights(labels: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
@@ -318,6 +364,7 @@ class Batch:
     steer: torch.Tensor  # (M,) its frame's steering class
     weight: torch.Tensor  # (B, T) per-label-token weight: 1 / the length of its answer
     looks: list = field(default_factory=list)  # (row in batch, answer row, visual positions, tagged positions)
+    options: list = field(default_factory=list)  # (row in batch, answer row, option positions, right option's positions)
 
 
 class AuxHeads(nn.Module):
@@ -533,8 +580,10 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         init_weights(model, recipe.seed)
         init_vision(model, recipe.seed)
     model.float()
-    if recipe.attn_weight > 0 and not 0 <= recipe.attn_layer < cfg.text.num_layers:
-        raise ValueError(f"attn_layer must name one of the {cfg.text.num_layers} decoder layers (0-{cfg.text.num_layers - 1}), got {recipe.attn_layer}")
+    for name in ("attn", "option"):
+        if getattr(recipe, f"{name}_weight") > 0 and not 0 <= getattr(recipe, f"{name}_layer") < cfg.text.num_layers:
+            raise ValueError(f"{name}_layer must name one of the {cfg.text.num_layers} decoder layers "
+                             f"(0-{cfg.text.num_layers - 1}), got {getattr(recipe, f'{name}_layer')}")
     bank = FrameBank(recipe, cfg, tokenizer, progress)
     if recipe.visual_norm > 0:
         rescale_visual(model, bank, recipe.visual_norm)
@@ -548,7 +597,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     deadline = time.time() + recipe.minutes * 60
     total = recipe.steps  # re-planned to the time budget after a short timing
     bar = tqdm(total=recipe.steps, desc="training vlm", disable=not progress)
-    log = {"loss": [], "aux": [], "probe": [], "attn": [], "attn_hit": []}
+    log = {"loss": [], "aux": [], "probe": [], "attn": [], "attn_hit": [], "option": [], "option_hit": []}
     step, t_loop, last_save = 0, time.time(), time.time()
     model.train()
     while step < total and time.time() < deadline:
@@ -563,23 +612,28 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
             loss = aux
         else:
             embeds = model.embed(batch.ids, visual[batch.keep])
+            # The attention objectives read the residual stream entering their layers.
+            probes = {}
             if recipe.attn_weight > 0 and batch.looks:
-                lm_model, at = model.language_model, recipe.attn_layer
-                mid = lm_model(embeds, batch.pos, mask=batch.mask, end_layer=at)  # the residual stream entering layer `at`
-                hidden = lm_model(mid, batch.pos, mask=batch.mask, start_layer=at)
-                attn, hit = tag_attention_loss(model, mid, batch, at)
-                log["attn"].append(attn.item())
-                log["attn_hit"].append(hit)
-            else:
-                hidden = model.language_model(embeds, batch.pos, mask=batch.mask)
-                attn = torch.zeros(())
+                probes.setdefault(recipe.attn_layer, []).append(("attn", batch.looks))
+            if recipe.option_weight > 0 and batch.options:
+                probes.setdefault(recipe.option_layer, []).append(("option", batch.options))
+            lm_model, x, at = model.language_model, embeds, 0
+            attn = {"attn": torch.zeros(()), "option": torch.zeros(())}
+            for layer in sorted(probes):
+                x, at = lm_model(x, batch.pos, mask=batch.mask, start_layer=at, end_layer=layer), layer
+                for name, looks in probes[layer]:
+                    attn[name], hit = tag_attention_loss(model, x, batch, layer, looks)
+                    log[name].append(attn[name].item())
+                    log[f"{name}_hit"].append(hit)
+            hidden = lm_model(x, batch.pos, mask=batch.mask, start_layer=at)
             sel = batch.labels != IGNORE
             if recipe.answer_mean:
                 w = batch.weight[sel]
                 lm = (F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel], reduction="none") * w).sum() / w.sum()
             else:
                 lm = F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel])
-            loss = lm + recipe.aux_weight * aux + recipe.attn_weight * attn
+            loss = lm + recipe.aux_weight * aux + recipe.attn_weight * attn["attn"] + recipe.option_weight * attn["option"]
             log["loss"].append(lm.item())
         log["aux"].append(aux.item())
         opt.zero_grad(set_to_none=True)
@@ -607,6 +661,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
             post = {"loss": f"{np.mean(log['loss'][-50:]) if log['loss'] else float('nan'):.3f}", "aux": f"{np.mean(log['aux'][-50:]):.3f}"}
             if log["attn"]:
                 post.update(attn=f"{np.mean(log['attn'][-50:]):.3f}", hit=f"{np.mean(log['attn_hit'][-50:]):.2f}")
+            if log["option"]:
+                post.update(opt=f"{np.mean(log['option'][-50:]):.3f}", opt_hit=f"{np.mean(log['option_hit'][-50:]):.2f}")
             bar.set_postfix(**post)
     bar.close()
     if probe:
@@ -644,5 +700,7 @@ def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, 
     curves = {"loss": losses[::10], "aux": log["aux"][::10], "probe": log["probe"]}
     if log.get("attn"):
         curves.update(attn=log["attn"][::10], attn_hit=log["attn_hit"][::10])
+    if log.get("option"):
+        curves.update(option=log["option"][::10], option_hit=log["option_hit"][::10])
     (out / "train_log.json").write_text(json.dumps({**curves, **meta}, indent=1))
     return out
