@@ -276,3 +276,23 @@ def test_tag_augmentation_moves_single_tags():
     assert len(out) == 7 and {v for _, v in out[:6]} == {(c,) for c in CAMERAS}
     assert out[3][0] == q.replace("CAM_FRONT", "CAM_BACK")
     assert len(dedupe(out + [(q.replace("547.9", "12.0"), (F,))])) == 7  # coordinates do not make a new question
+
+
+def test_inference_path_equals_the_module_path(trained):
+    """The eval-mode functional encoder and cross-attention give the training modules' logits,
+    padded batches included (dropout is the only difference, and it is off in eval)."""
+    sel = ViewSelector.load(trained[0])
+    questions = [q for q, _ in EXPLICIT[:3]] + SCENE_WIDE[:2] + ["Is <c1,CAM_BACK,700.0,500.0> moving?"]
+    ids, mask = sel.cfg.features(questions)
+    lex = sel.lexical(questions)
+    assert not mask.all()  # questions of different lengths: padding is exercised
+    with torch.no_grad():
+        fast = sel(ids, mask, lex)
+        sel.train()
+        for m in sel.modules():  # the module path without dropout
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+            if isinstance(m, torch.nn.MultiheadAttention):
+                m.dropout = 0.0
+        slow = sel(ids, mask, lex)
+    assert torch.allclose(fast, slow, atol=1e-5), (fast - slow).abs().max()

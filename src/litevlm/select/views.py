@@ -35,6 +35,7 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
@@ -238,6 +239,28 @@ def fuse(lexical: torch.Tensor, probs: torch.Tensor, weight: float) -> torch.Ten
     return weight * lexical + (1.0 - weight) * probs
 
 
+def _norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+
+
+def _attend(mha: nn.MultiheadAttention, query: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`mha(query, kv, kv)` without dropout or weights, as functional ops: (B, Q, C), (B, T, C), allowed
+    (B, 1, 1, T) bool -> (B, Q, C)."""
+    b, nq, c = query.shape
+    h = mha.num_heads
+    wq, wk, wv = mha.in_proj_weight.chunk(3)
+    bq, bk, bv = mha.in_proj_bias.chunk(3)
+    q = F.linear(query, wq, bq).view(b, nq, h, c // h).transpose(1, 2)
+    if query is kv:
+        k, v = F.linear(kv, torch.cat([wk, wv]), torch.cat([bk, bv])).chunk(2, -1)
+    else:
+        k, v = F.linear(kv, wk, bk), F.linear(kv, wv, bv)
+    t = kv.shape[1]
+    k, v = (z.reshape(b, t, h, c // h).transpose(1, 2) for z in (k, v))
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    return F.linear(y.transpose(1, 2).reshape(b, nq, c), mha.out_proj.weight, mha.out_proj.bias)
+
+
 def keep_mask(scores: torch.Tensor, threshold: float) -> torch.Tensor:
     """(B, N) bool: views whose score passes; a row where none passes keeps every view."""
     keep = scores >= threshold
@@ -284,18 +307,36 @@ class ViewSelector(nn.Module):
         """Logits (B, N) from hashed word ids (B, T, K), their mask (B, T) and the lexical map (B, N)."""
         b, t, k = ids.shape
         x = self.embed(ids.reshape(b * t, k)).reshape(b, t, -1) + self.pos[:t]  # (B, T, C)
-        x = self.norm(self.encoder(x, src_key_padding_mask=~mask))  # (B, T, C)
+        if self.training:
+            x = self.norm(self.encoder(x, src_key_padding_mask=~mask))  # (B, T, C)
+        else:
+            x = self.norm(self._encode(x, mask))
         named = lexical.to(x.dtype)  # (B, N)
         other = (named.sum(-1, keepdim=True) > 0).to(x.dtype) * (1.0 - named)  # (B, N)
         q = (self.latents + named[..., None] * self.lexical_query[0]
              + other[..., None] * self.lexical_query[1])  # (B, N, C)
         qn = self.latent_norm(q)
-        z = q + self.cross(qn, x, x, key_padding_mask=~mask, need_weights=False)[0]  # (B, N, C)
+        if self.training:
+            z = q + self.cross(qn, x, x, key_padding_mask=~mask, need_weights=False)[0]  # (B, N, C)
+        else:
+            z = q + _attend(self.cross, qn, x, mask[:, None, None])
         return self.head(z).squeeze(-1)  # (B, N)
+
+    def _encode(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The encoder's pre-norm layers as plain functional ops (inference): equal to `self.encoder`
+        without its per-call module checks, which cost more than the arithmetic at a question's size."""
+        allowed = mask[:, None, None]  # (B, 1, 1, T): padding keys are never attended
+        for layer in self.encoder.layers:
+            h = _norm(layer.norm1, x)
+            x = x + _attend(layer.self_attn, h, h, allowed)
+            h = _norm(layer.norm2, x)
+            x = x + F.linear(F.gelu(F.linear(h, layer.linear1.weight, layer.linear1.bias)), layer.linear2.weight, layer.linear2.bias)
+        return x
 
     def lexical(self, questions: Sequence[str]) -> torch.Tensor:
         """The lexical map (B, N) of a batch of questions."""
-        return torch.tensor([[lexical_views(q)[c] for c in self.cameras] for q in questions]).reshape(-1, len(self.cameras))
+        maps = [lexical_views(q) for q in questions]
+        return torch.tensor([[m[c] for c in self.cameras] for m in maps]).reshape(-1, len(self.cameras))
 
     def probabilities(self, questions: Sequence[str], lexical: torch.Tensor | None = None, batch: int = 256) -> torch.Tensor:
         """The module's probability (B, N) that each view is needed (call .eval() first)."""
