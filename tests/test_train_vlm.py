@@ -254,11 +254,27 @@ def test_option_targets_point_at_the_right_option_from_the_answer_row(tiny_bank)
     assert 0.3 < float(loss) < 6.0 and 0.0 <= hit <= 1.0
 
 
+def test_letter_targets_point_from_each_option_text_at_its_letter(tiny_bank):
+    tok, cfg, _, bank = tiny_bank
+    recipe = VLMRecipe(frames=6, batch_frames=6, view_subset_prob=0.0, token_drop_prob=0.0, questions_per_frame=20)
+    b = make_batch(bank, tok, cfg, recipe, random.Random(0))
+    assert len(b.letters) >= 4 * len(b.options)  # every option of every multiple-choice question
+    letters_seen = set()
+    for row, text_row, domain, (letter,) in b.letters:
+        assert domain[-1] == text_row and letter in domain and letter < text_row - 1
+        said = tok.decode(b.ids[row, letter:text_row].tolist()).strip()
+        assert said[0] in "ABCD" and said[1] == "."  # the letter, its full stop, then the option's text
+        letters_seen.add(said[0])
+    assert letters_seen == set("ABCD")
+
+
 def test_the_option_attention_objective_trains_end_to_end(tmp_path):
     recipe = VLMRecipe(frames=4, steps=3, batch_frames=2, threads=1, tokenizer_frames=30, vocab_size=400, render_size=(200, 112),
-                       probe_frames=0, attn_weight=0.5, attn_layer=2, option_weight=0.5, option_layer=1, token_drop_prob=0.0)
+                       probe_frames=0, attn_weight=0.5, attn_layer=2, option_weight=0.5, option_layer=1, letter_weight=0.5,
+                       letter_layer=1, token_drop_prob=0.0)
     out = train_vlm(tmp_path / "m", recipe, progress=False)
     log = json.loads((out / "train_log.json").read_text())
-    assert log["option"] and log["attn"] and all(v > 0 for v in log["option"]) and log["recipe"]["option_layer"] == 1
+    assert log["option"] and log["attn"] and log["letter"] and all(v > 0 for v in log["option"] + log["letter"])
+    assert log["recipe"]["option_layer"] == 1 and log["recipe"]["letter_weight"] == 0.5
     with pytest.raises(ValueError, match="option_layer"):
         train_vlm(tmp_path / "n", VLMRecipe(frames=2, steps=1, tokenizer_frames=30, vocab_size=400, option_weight=0.5, option_layer=4), progress=False)

@@ -92,6 +92,8 @@ class VLMRecipe:
     attn_layer: int = 2  # decoder layer whose head 0 learns to look where a question's c-tags point
     option_weight: float = 0.0  # weight of the option-attention objective (0: off)
     option_layer: int = 3  # decoder layer whose head 0 learns to look at a multiple-choice question's right option
+    letter_weight: float = 0.0  # weight of the letter-attention objective (0: off)
+    letter_layer: int = 1  # decoder layer whose head 0 learns to look from an option's text at its letter
     answer_mean: bool = True  # loss = mean over answers of each answer's mean token loss (else mean over tokens)
     init: str | None = None  # continue from this checkpoint (its tokenizer and weights)
     reinit_vision: bool = False  # with init: keep the decoder, start the vision tower and projector afresh
@@ -155,23 +157,37 @@ def tag_cells(question: str, grid: int, tiles_per_view: int) -> tuple[tuple[str,
 _OPTIONS_RE = re.compile(r"(?:^|\s)A\. (.+?) B\. (.+?) C\. (.+?) D\. (.+?)\s*$")
 
 
+def option_spans(question: str, tokenizer) -> list[tuple[int, int, int]] | None:
+    """Per option A-D of a multiple-choice question: (its letter's token, first and end token of its
+    text, the closing full stop left out) in the question's token ids; None for a question that does
+    not end in four lettered options "A. ... B. ... C. ... D. ...". """
+    m = _OPTIONS_RE.search(question)
+    if m is None:
+        return None
+    spans = tokenizer.offsets(question)
+    out = []
+    for k in range(4):
+        lo, hi = m.start(k + 1), m.end(k + 1)
+        if question[hi - 1] == "." and hi - 1 > lo:
+            hi -= 1
+        letter = next(i for i, (_, e) in enumerate(spans) if e > lo - 3)  # the token holding "X."
+        inside = [i for i, (s, e) in enumerate(spans) if s < hi and e > lo]
+        if not inside:
+            return None
+        out.append((letter, inside[0], inside[-1] + 1))
+    return out
+
+
 def option_span(question: str, answer: str, tokenizer) -> tuple[int, int, int] | None:
     """Where a multiple-choice question's options sit in its token ids: (first option token, first
-    and end token of the right option's text, its closing full stop left out); None for a question
-    that does not end in four lettered options "A. ... B. ... C. ... D. ..." or an answer that is
-    not one of the letters."""
+    and end token of the right option's text); None without four lettered options or when the
+    answer is not one of the letters."""
     letter = answer.strip().rstrip(".")
-    m = _OPTIONS_RE.search(question)
-    if letter not in ("A", "B", "C", "D") or m is None:
+    spans = option_spans(question, tokenizer) if letter in ("A", "B", "C", "D") else None
+    if spans is None:
         return None
-    k = "ABCD".index(letter)
-    lo, hi = m.start(k + 1), m.end(k + 1)
-    if question[hi - 1] == "." and hi - 1 > lo:
-        hi -= 1
-    spans = tokenizer.offsets(question)
-    first = next(i for i, (_, e) in enumerate(spans) if e > m.start(1) - 3)  # the token holding "A."
-    inside = [i for i, (s, e) in enumerate(spans) if s < hi and e > lo]
-    return (first, inside[0], inside[-1] + 1) if inside else None
+    _, lo, hi = spans["ABCD".index(letter)]
+    return spans[0][0], lo, hi
 
 
 def aux_targets(frame, grid: int, tiles_per_view: int) -> torch.Tensor:
@@ -195,7 +211,8 @@ class FrameBank:
         s, tpv = cfg.vision.image_size, cfg.tiles_per_view
         self.tiles = torch.empty(recipe.frames, len(CAMERAS) * tpv, 3, s, s, dtype=torch.uint8)
         # per QA: question ids, answer ids, needed views, closed, family, (camera, cell) of each c-tag,
-        # (first option token, right option's first and end token) in the question ids or None
+        # (first option token, right option's first and end token) in the question ids or None,
+        # (letter token, first and end token) of every option or None
         self.qas: list[list[tuple[list[int], list[int], tuple[str, ...], bool, str, tuple]]] = []
         self.aux = torch.empty(recipe.frames, len(CAMERAS), cfg.tokens_per_tile * tpv, len(aux_fields()), dtype=torch.uint8)
         self.steer = torch.empty(recipe.frames, dtype=torch.long)
@@ -204,7 +221,8 @@ class FrameBank:
             views = render_views(frame, size=recipe.render_size)
             self.tiles[i] = torch.from_numpy(np.concatenate([image_to_uint8_tiles(views[c], s, tpv) for c in CAMERAS]))
             self.qas.append([(ids, tokenizer.encode(q.answer), tuple(q.views), q.closed, q.family,
-                              tag_cells(q.question, cfg.vision.grid // 2, tpv), option_span(q.question, q.answer, tokenizer))
+                              tag_cells(q.question, cfg.vision.grid // 2, tpv), option_span(q.question, q.answer, tokenizer),
+                              option_spans(q.question, tokenizer))
                              for q in frame.qas for ids in [tokenizer.encode(q.question)]])
             self.aux[i] = aux_targets(frame, cfg.vision.grid // 2, tpv)
             self.steer[i] = STEERS.index(frame.ego.steer)
@@ -244,7 +262,7 @@ def block_mask(block: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rng: random.Random):
     frames = rng.sample(range(len(bank.qas)), recipe.batch_frames)
     tpv_tokens = cfg.tokens_per_tile * cfg.tiles_per_view
-    seqs, pixels, keeps, aux, front, steer, looks, options = [], [], [], [], [], [], [], []
+    seqs, pixels, keeps, aux, front, steer, looks, options, letters = [], [], [], [], [], [], [], [], []
     for f in frames:
         qas = bank.qas[f]
         views = list(CAMERAS)
@@ -263,6 +281,7 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         else:
             looks += [(len(seqs), *target) for target in tag_targets(seq, chosen, views, tokenizer.image_id, tpv_tokens)]
         options += [(len(seqs), *target) for target in option_targets(seq, chosen)]
+        letters += [(len(seqs), *target) for target in letter_targets(seq, chosen)]
         seqs.append(seq)
         keeps.append(keep)
         pixels.append(bank.pixels(f, views))
@@ -283,7 +302,7 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         valid[i, :n] = True
     return Batch(ids, labels, pos, block_mask(block, valid), torch.cat(pixels), torch.cat(keeps), torch.cat(aux).float(),
                  torch.tensor(front, dtype=torch.long), torch.tensor(steer, dtype=torch.long), answer_weights(labels, block), looks,
-                 options)
+                 options, letters)
 
 
 def tag_targets(seq, chosen, views: list[str], image_id: int, tokens_per_view: int) -> list[tuple[int, list[int], list[int]]]:
@@ -312,6 +331,22 @@ def option_targets(seq, chosen) -> list[tuple[int, list[int], list[int]]]:
         first, lo, hi = (start + i for i in qa[6])
         row = next(i for i, (lb, bl) in enumerate(zip(labels, block)) if bl == b and lb != IGNORE)
         out.append((row, list(range(first, start + len(qa[0]))), list(range(lo, hi))))
+    return out
+
+
+def letter_targets(seq, chosen, per_option: int = 3) -> list[tuple[int, list[int], list[int]]]:
+    """For the first `per_option` text tokens of every option of each packed multiple-choice question:
+    (that token's row, the positions from the first option's letter up to it, its option's letter)."""
+    block = seq[3]
+    out = []
+    for b, qa in enumerate(chosen, start=1):
+        if qa[7] is None:
+            continue
+        start = block.index(b)
+        first = start + qa[7][0][0]
+        for letter, lo, hi in qa[7]:
+            for row in range(start + lo, start + min(hi, lo + per_option)):
+                out.append((row, list(range(first, row + 1)), [start + letter]))
     return out
 
 
@@ -365,6 +400,7 @@ class Batch:
     weight: torch.Tensor  # (B, T) per-label-token weight: 1 / the length of its answer
     looks: list = field(default_factory=list)  # (row in batch, answer row, visual positions, tagged positions)
     options: list = field(default_factory=list)  # (row in batch, answer row, option positions, right option's positions)
+    letters: list = field(default_factory=list)  # (row in batch, option-text row, positions up to it, its letter's position)
 
 
 class AuxHeads(nn.Module):
@@ -580,7 +616,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         init_weights(model, recipe.seed)
         init_vision(model, recipe.seed)
     model.float()
-    for name in ("attn", "option"):
+    for name in ("attn", "option", "letter"):
         if getattr(recipe, f"{name}_weight") > 0 and not 0 <= getattr(recipe, f"{name}_layer") < cfg.text.num_layers:
             raise ValueError(f"{name}_layer must name one of the {cfg.text.num_layers} decoder layers "
                              f"(0-{cfg.text.num_layers - 1}), got {getattr(recipe, f'{name}_layer')}")
@@ -597,7 +633,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     deadline = time.time() + recipe.minutes * 60
     total = recipe.steps  # re-planned to the time budget after a short timing
     bar = tqdm(total=recipe.steps, desc="training vlm", disable=not progress)
-    log = {"loss": [], "aux": [], "probe": [], "attn": [], "attn_hit": [], "option": [], "option_hit": []}
+    log = {"loss": [], "aux": [], "probe": [], "attn": [], "attn_hit": [], "option": [], "option_hit": [], "letter": [], "letter_hit": []}
     step, t_loop, last_save = 0, time.time(), time.time()
     model.train()
     while step < total and time.time() < deadline:
@@ -618,8 +654,10 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
                 probes.setdefault(recipe.attn_layer, []).append(("attn", batch.looks))
             if recipe.option_weight > 0 and batch.options:
                 probes.setdefault(recipe.option_layer, []).append(("option", batch.options))
+            if recipe.letter_weight > 0 and batch.letters:
+                probes.setdefault(recipe.letter_layer, []).append(("letter", batch.letters))
             lm_model, x, at = model.language_model, embeds, 0
-            attn = {"attn": torch.zeros(()), "option": torch.zeros(())}
+            attn = {"attn": torch.zeros(()), "option": torch.zeros(()), "letter": torch.zeros(())}
             for layer in sorted(probes):
                 x, at = lm_model(x, batch.pos, mask=batch.mask, start_layer=at, end_layer=layer), layer
                 for name, looks in probes[layer]:
@@ -633,7 +671,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
                 lm = (F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel], reduction="none") * w).sum() / w.sum()
             else:
                 lm = F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel])
-            loss = lm + recipe.aux_weight * aux + recipe.attn_weight * attn["attn"] + recipe.option_weight * attn["option"]
+            loss = (lm + recipe.aux_weight * aux + recipe.attn_weight * attn["attn"] + recipe.option_weight * attn["option"]
+                    + recipe.letter_weight * attn["letter"])
             log["loss"].append(lm.item())
         log["aux"].append(aux.item())
         opt.zero_grad(set_to_none=True)
@@ -663,6 +702,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
                 post.update(attn=f"{np.mean(log['attn'][-50:]):.3f}", hit=f"{np.mean(log['attn_hit'][-50:]):.2f}")
             if log["option"]:
                 post.update(opt=f"{np.mean(log['option'][-50:]):.3f}", opt_hit=f"{np.mean(log['option_hit'][-50:]):.2f}")
+            if log["letter"]:
+                post.update(let_hit=f"{np.mean(log['letter_hit'][-50:]):.2f}")
             bar.set_postfix(**post)
     bar.close()
     if probe:
@@ -700,7 +741,8 @@ def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, 
     curves = {"loss": losses[::10], "aux": log["aux"][::10], "probe": log["probe"]}
     if log.get("attn"):
         curves.update(attn=log["attn"][::10], attn_hit=log["attn_hit"][::10])
-    if log.get("option"):
-        curves.update(option=log["option"][::10], option_hit=log["option_hit"][::10])
+    for name in ("option", "letter"):
+        if log.get(name):
+            curves.update({name: log[name][::10], f"{name}_hit": log[f"{name}_hit"][::10]})
     (out / "train_log.json").write_text(json.dumps({**curves, **meta}, indent=1))
     return out
