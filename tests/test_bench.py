@@ -21,6 +21,9 @@ def test_bench_rows_are_consistent(full_model_dir, tmp_path):
     # Pruning shortens the prompt; view selection never encodes more views than the baseline.
     assert rows["fastv r=0.3"]["input_tokens"] < rows["fastv r=0.7"]["input_tokens"] < rows["baseline"]["input_tokens"]
     assert rows["litevlm"]["views"] <= 6.0
+    # The same views with and without the TokenSelector: only the selector shortens the prompt.
+    assert rows["views + eagle"]["views"] == rows["litevlm"]["views"]
+    assert rows["litevlm"]["input_tokens"] < rows["views + eagle"]["input_tokens"]
     assert rows["eagle"]["tau"] >= 1.0
     assert rows["litevlm fp8"]["precision"].startswith("fp8")
     # Speculative decoding is lossless and transformers runs the same weights: same answers, same score.
