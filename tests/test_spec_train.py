@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from litevlm.model.generate import generate
@@ -85,6 +86,9 @@ def test_train_draft_end_to_end_on_a_saved_model(tiny_model_dir, tmp_path):
     head = DraftHead.load(out, model)
     assert head.recipe["frames"] == 2 and head.recipe["seed"] == 0 and head.metrics["steps"] >= 1
     assert 0.0 <= head.metrics["top1"] <= 1.0 and head.metrics["train_sequences"] > 0
+    with pytest.raises(ValueError, match="passes"):
+        train_draft(tiny_model_dir, tmp_path / "bad", DraftRecipe(passes=0), progress=False)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_unrolled_passes_match_drafting_on_own_predictions():

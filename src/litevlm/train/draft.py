@@ -293,6 +293,8 @@ def train_draft(model_dir: str | Path, out_dir: str | Path | None = None, recipe
     from litevlm.model.hf import load_native
 
     recipe = recipe or DraftRecipe()
+    if recipe.passes < 1:
+        raise ValueError(f"passes must be at least 1 (1 = teacher forcing only), got {recipe.passes}")
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
     model_dir = Path(model_dir)
