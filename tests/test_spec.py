@@ -356,7 +356,7 @@ def test_accept_greedy_handcrafted():
 # ------------------------------------------------------------------------------------------------
 # End-to-end greedy losslessness
 # ------------------------------------------------------------------------------------------------
-CONFIGS = [TreeConfig.chain(1), TreeConfig.chain(4), TreeConfig.chain(6, min_value=0.6), TreeConfig(), TreeConfig(2, 3, 6),
+CONFIGS = [TreeConfig.chain(1), TreeConfig.chain(4), TreeConfig.chain(6, min_value=0.6), TreeConfig.chain(10, 0.1), TreeConfig(2, 3, 6),
            TreeConfig(4, 5, 16), TreeConfig(3, 6, 24)]
 
 
@@ -386,7 +386,7 @@ def test_greedy_lossless_with_an_oracle_draft(cfg):
         assert max(accepted) == cfg.depth + 1  # full paths were accepted
 
 
-@pytest.mark.parametrize("cfg", [TreeConfig.chain(3), TreeConfig(4, 5, 16), TreeConfig(8, 4, 32)], ids=lambda c: c.label())
+@pytest.mark.parametrize("cfg", [TreeConfig(), TreeConfig.chain(3), TreeConfig(4, 5, 16), TreeConfig(8, 4, 32)], ids=lambda c: c.label())
 def test_greedy_lossless_with_a_draft_head(cfg):
     model = tiny_vlm(vocab=24)  # a small vocabulary so that a random draft is sometimes right
     head = random_draft(model)
