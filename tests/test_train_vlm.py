@@ -278,3 +278,12 @@ def test_the_option_attention_objective_trains_end_to_end(tmp_path):
     assert log["recipe"]["option_layer"] == 1 and log["recipe"]["letter_weight"] == 0.5
     with pytest.raises(ValueError, match="option_layer"):
         train_vlm(tmp_path / "n", VLMRecipe(frames=2, steps=1, tokenizer_frames=30, vocab_size=400, option_weight=0.5, option_layer=4), progress=False)
+
+
+def test_the_step_plan_follows_the_pace_so_far():
+    from litevlm.train.vlm import replan
+
+    assert replan(100000, 20, 40.0, 600.0, 20) == 320  # 2 s a step, 10 minutes left
+    assert replan(100000, 1000, 1000.0, 600.0, 1000) == 1600  # the machine got faster: the plan grows
+    assert replan(500, 20, 1.0, 600.0, 20) == 500  # capped by --steps
+    assert replan(100000, 900, 1800.0, -5.0, 900) == 900  # past the deadline: stop where it is

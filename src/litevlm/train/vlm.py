@@ -587,6 +587,13 @@ class LooksProbe:
         return {k: round(hits[k] / total[k], 3) for k in sorted(total)}
 
 
+def replan(max_steps: int, timed_steps: int, timed_seconds: float, seconds_left: float, step: int) -> int:
+    """Total steps of the schedule: `step` done plus what the time left allows at the mean pace of the
+    `timed_steps` full steps so far, capped at `max_steps` (never fewer than the steps already done)."""
+    per_step = timed_seconds / max(timed_steps, 1)
+    return max(step, min(max_steps, int(step + max(seconds_left, 0.0) / max(per_step, 1e-9))))
+
+
 def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> Path:
     from litevlm.data.synthetic import FAMILIES, STEERS, question_corpus
     from litevlm.data.tokenizer import train_default
@@ -682,10 +689,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         torch.nn.utils.clip_grad_norm_([*model.vision_tower.parameters(), *model.multi_modal_projector.parameters(), *heads.parameters()], 1.0)
         opt.step()
         step += 1
-        if step == recipe.vision_warmup + 20:  # re-plan the schedule to the time budget (full steps)
-            per_step = (time.time() - t_loop) / 20
-            total = min(recipe.steps, int(step + (deadline - time.time()) / per_step))
-            bar.total = total
+        if step == recipe.vision_warmup + 20:  # plan the schedule to the time budget (full steps)
+            total = bar.total = replan(recipe.steps, step - recipe.vision_warmup, time.time() - t_loop, deadline - time.time(), step)
         if step == recipe.vision_warmup:
             t_loop = time.time()
         bar.update(1)
@@ -696,6 +701,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
             _save(model, tokenizer, out, recipe, step, log, t_start)
             model.train()
             last_save = time.time()
+            if step > recipe.vision_warmup + 20:  # re-plan at the mean pace so far: machine load changes
+                total = bar.total = replan(recipe.steps, step - recipe.vision_warmup, last_save - t_loop, deadline - last_save, step)
         if step % 10 == 0:
             post = {"loss": f"{np.mean(log['loss'][-50:]) if log['loss'] else float('nan'):.3f}", "aux": f"{np.mean(log['aux'][-50:]):.3f}"}
             if log["attn"]:
