@@ -213,7 +213,7 @@ class FrameBank:
         # per QA: question ids, answer ids, needed views, closed, family, (camera, cell) of each c-tag,
         # (first option token, right option's first and end token) in the question ids or None,
         # (letter token, first and end token) of every option or None
-        self.qas: list[list[tuple[list[int], list[int], tuple[str, ...], bool, str, tuple]]] = []
+        self.qas: list[list[tuple]] = []
         self.aux = torch.empty(recipe.frames, len(CAMERAS), cfg.tokens_per_tile * tpv, len(aux_fields()), dtype=torch.uint8)
         self.steer = torch.empty(recipe.frames, dtype=torch.long)
         for i in tqdm(range(recipe.frames), desc="rendering frames", disable=not progress):
@@ -322,7 +322,7 @@ def tag_targets(seq, chosen, views: list[str], image_id: int, tokens_per_view: i
 def option_targets(seq, chosen) -> list[tuple[int, list[int], list[int]]]:
     """For each packed multiple-choice question: (the row that predicts its answer letter, the sequence
     positions of its options, those of the right option's text)."""
-    ids, labels, _, block = seq
+    _, labels, _, block = seq
     out = []
     for b, qa in enumerate(chosen, start=1):
         if qa[6] is None:
