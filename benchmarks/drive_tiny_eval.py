@@ -92,7 +92,7 @@ def main() -> None:
 FLAGS = ("frames", "seed", "first_frame", "minutes", "batch_frames", "threads", "lr", "warmup", "closed_weight", "init",
          "reinit_vision", "reinit_language", "aux_weight", "aux_scale", "vision_warmup", "view_subset_prob",
          "token_drop_prob", "visual_norm", "probe_frames", "attn_weight", "attn_layer", "option_weight", "option_layer",
-         "letter_weight", "letter_layer")
+         "letter_weight", "letter_layer", "readout_weight", "readout_layer")
 
 
 def train_command(recipe: dict) -> str:
@@ -103,7 +103,7 @@ def train_command(recipe: dict) -> str:
     parts = ["litevlm train vlm --out DIR"]
     for name in FLAGS:
         value = recipe.get(name, getattr(default, name))
-        if value == getattr(default, name) or (name in ("attn_layer", "option_layer", "letter_layer") and not recipe.get(name.replace("layer", "weight"))):
+        if value == getattr(default, name) or (name in ("attn_layer", "option_layer", "letter_layer", "readout_layer") and not recipe.get(name.replace("layer", "weight"))):
             continue
         flag = "--" + name.replace("_", "-")
         parts.append(flag if value is True else f"{flag} {value}")
@@ -133,6 +133,8 @@ def stages(meta: dict) -> list[str]:
             other.append(f"option attention {r['option_weight']:g} (layer {r.get('option_layer')})")
         if r.get("letter_weight"):
             other.append(f"letter attention {r['letter_weight']:g} (layer {r.get('letter_layer')})")
+        if r.get("readout_weight"):
+            other.append(f"answer readout {r['readout_weight']:g} (layer {r.get('readout_layer')})")
         lines.append(f"| {i} | {st.get('steps')} | {(st.get('train_seconds') or 0) / 60:.1f} | {fresh} | {r.get('lr')} | "
                      f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {', '.join(other) or '-'} | {probe.get('images', '-')} / {probe.get('empty', '-')} | "
                      f"{probe.get('images_needed', '-')} / {probe.get('empty_needed', '-')} |")

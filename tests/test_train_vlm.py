@@ -245,7 +245,7 @@ def test_option_targets_point_at_the_right_option_from_the_answer_row(tiny_bank)
         assert letter in "ABCD" and int(b.labels[row, ans_row - 1]) == IGNORE
         assert set(target) < set(domain) and max(domain) < ans_row
         options = tok.decode(b.ids[row, domain].tolist())
-        right = tok.decode(b.ids[row, target].tolist()).strip()
+        right = tok.decode(b.ids[row, sorted(target)].tolist()).strip()
         assert f"{letter}. {right}." in options  # the attended text is the option the letter names
     model = VLM(cfg)
     with torch.no_grad():
@@ -271,10 +271,11 @@ def test_letter_targets_point_from_each_option_text_at_its_letter(tiny_bank):
 def test_the_option_attention_objective_trains_end_to_end(tmp_path):
     recipe = VLMRecipe(frames=4, steps=3, batch_frames=2, threads=1, tokenizer_frames=30, vocab_size=400, render_size=(200, 112),
                        probe_frames=0, attn_weight=0.5, attn_layer=2, option_weight=0.5, option_layer=1, letter_weight=0.5,
-                       letter_layer=1, token_drop_prob=0.0)
+                       letter_layer=1, readout_weight=0.5, readout_layer=3, token_drop_prob=0.0)
     out = train_vlm(tmp_path / "m", recipe, progress=False)
     log = json.loads((out / "train_log.json").read_text())
-    assert log["option"] and log["attn"] and log["letter"] and all(v > 0 for v in log["option"] + log["letter"])
+    assert log["option"] and log["attn"] and log["letter"] and log["readout"]
+    assert all(v > 0 for v in log["option"] + log["letter"] + log["readout"])
     assert log["recipe"]["option_layer"] == 1 and log["recipe"]["letter_weight"] == 0.5
     with pytest.raises(ValueError, match="option_layer"):
         train_vlm(tmp_path / "n", VLMRecipe(frames=2, steps=1, tokenizer_frames=30, vocab_size=400, option_weight=0.5, option_layer=4), progress=False)

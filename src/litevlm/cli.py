@@ -104,7 +104,7 @@ def cmd_train_vlm(args) -> None:
         view_subset_prob=args.view_subset_prob, token_drop_prob=args.token_drop_prob,
         family_weights=dict(args.family_weight), attn_weight=args.attn_weight, attn_layer=args.attn_layer,
         option_weight=args.option_weight, option_layer=args.option_layer, letter_weight=args.letter_weight,
-        letter_layer=args.letter_layer,
+        letter_layer=args.letter_layer, readout_weight=args.readout_weight, readout_layer=args.readout_layer,
     )
     out = train_vlm(args.out, recipe)
     print(f"saved to {out}")
@@ -253,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     tv.add_argument("--letter-weight", type=float, default=0.0,
                     help="weight of the letter-attention objective: head 0 of --letter-layer looks from an option's text at its letter")
     tv.add_argument("--letter-layer", type=int, default=1, help="decoder layer of the letter-attention objective")
+    tv.add_argument("--readout-weight", type=float, default=0.0,
+                    help="weight of the answer-readout objective: at a multiple-choice answer row, the input of --readout-layer names the right option's first word")
+    tv.add_argument("--readout-layer", type=int, default=3, help="decoder layer of the answer-readout objective")
     tv.add_argument("--init", default=None, help="continue training from this checkpoint")
     tv.add_argument("--reinit-vision", action="store_true", help="with --init: keep the decoder, start the vision side afresh")
     tv.add_argument("--reinit-language", action="store_true", help="with --init: keep the vision side, start the decoder afresh")

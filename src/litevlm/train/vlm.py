@@ -94,6 +94,8 @@ class VLMRecipe:
     option_layer: int = 3  # decoder layer whose head 0 learns to look at a multiple-choice question's right option
     letter_weight: float = 0.0  # weight of the letter-attention objective (0: off)
     letter_layer: int = 1  # decoder layer whose head 0 learns to look from an option's text at its letter
+    readout_weight: float = 0.0  # weight of the answer-readout objective (0: off)
+    readout_layer: int = 3  # decoder layer whose input, at a multiple-choice answer row, names the right option's first word
     answer_mean: bool = True  # loss = mean over answers of each answer's mean token loss (else mean over tokens)
     init: str | None = None  # continue from this checkpoint (its tokenizer and weights)
     reinit_vision: bool = False  # with init: keep the decoder, start the vision tower and projector afresh
@@ -321,7 +323,8 @@ def tag_targets(seq, chosen, views: list[str], image_id: int, tokens_per_view: i
 
 def option_targets(seq, chosen) -> list[tuple[int, list[int], list[int]]]:
     """For each packed multiple-choice question: (the row that predicts its answer letter, the sequence
-    positions of its options, those of the right option's text)."""
+    positions of its options, those of the right option's text, its first token that tells it from the
+    other options first)."""
     _, labels, _, block = seq
     out = []
     for b, qa in enumerate(chosen, start=1):
@@ -330,8 +333,20 @@ def option_targets(seq, chosen) -> list[tuple[int, list[int], list[int]]]:
         start = block.index(b)  # the block opens with the question's ids
         first, lo, hi = (start + i for i in qa[6])
         row = next(i for i, (lb, bl) in enumerate(zip(labels, block)) if bl == b and lb != IGNORE)
-        out.append((row, list(range(first, start + len(qa[0]))), list(range(lo, hi))))
+        target = list(range(lo, hi))
+        j = _first_difference(qa[0], qa[6][1:], [s[1:] for s in qa[7]]) if qa[7] else 0
+        out.append((row, list(range(first, start + len(qa[0]))), target[j:j + 1] + target[:j] + target[j + 1:]))
     return out
+
+
+def _first_difference(ids: list[int], right: tuple[int, int], spans: list[tuple[int, int]]) -> int:
+    """Offset of the first token of the right option's text that some other option does not share
+    there ("The ego vehicle is steering ..." options differ only after their common start)."""
+    lo, hi = right
+    for j in range(hi - lo):
+        if any(s_lo + j >= s_hi or ids[s_lo + j] != ids[lo + j] for s_lo, s_hi in spans if (s_lo, s_hi) != (lo, hi)):
+            return j
+    return 0
 
 
 def letter_targets(seq, chosen, per_option: int = 3) -> list[tuple[int, list[int], list[int]]]:
@@ -348,6 +363,17 @@ def letter_targets(seq, chosen, per_option: int = 3) -> list[tuple[int, list[int
             for row in range(start + lo, start + min(hi, lo + per_option)):
                 out.append((row, list(range(first, row + 1)), [start + letter]))
     return out
+
+
+def readout_loss(model: VLM, layer_input: torch.Tensor, batch: "Batch") -> tuple[torch.Tensor, float]:
+    """Cross-entropy of the LM head read straight off the residual stream entering a layer (a logit
+    lens), at each multiple-choice answer row, toward the right option's first distinguishing token
+    (the first of `option_targets`' targets): the row must hold the answer's content before it names
+    its letter -> (loss, share of rows right)."""
+    rows = torch.tensor([[b, r] for b, r, *_ in batch.options])
+    target = torch.stack([batch.ids[b, t[0]] for b, _, _, t in batch.options])
+    logits = model.lm_head(model.language_model.norm(layer_input[rows[:, 0], rows[:, 1]]))
+    return F.cross_entropy(logits, target), float((logits.argmax(-1) == target).float().mean())
 
 
 def tag_attention_loss(model: VLM, layer_input: torch.Tensor, batch: "Batch", layer: int, looks=None) -> tuple[torch.Tensor, float]:
@@ -623,7 +649,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         init_weights(model, recipe.seed)
         init_vision(model, recipe.seed)
     model.float()
-    for name in ("attn", "option", "letter"):
+    for name in ("attn", "option", "letter", "readout"):
         if getattr(recipe, f"{name}_weight") > 0 and not 0 <= getattr(recipe, f"{name}_layer") < cfg.text.num_layers:
             raise ValueError(f"{name}_layer must name one of the {cfg.text.num_layers} decoder layers "
                              f"(0-{cfg.text.num_layers - 1}), got {getattr(recipe, f'{name}_layer')}")
@@ -640,7 +666,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     deadline = time.time() + recipe.minutes * 60
     total = recipe.steps  # re-planned to the time budget after a short timing
     bar = tqdm(total=recipe.steps, desc="training vlm", disable=not progress)
-    log = {"loss": [], "aux": [], "probe": [], "attn": [], "attn_hit": [], "option": [], "option_hit": [], "letter": [], "letter_hit": []}
+    log = {"loss": [], "aux": [], "probe": [], "attn": [], "attn_hit": [], "option": [], "option_hit": [], "letter": [], "letter_hit": [], "readout": [], "readout_hit": []}
     step, t_loop, last_save = 0, time.time(), time.time()
     model.train()
     while step < total and time.time() < deadline:
@@ -663,12 +689,14 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
                 probes.setdefault(recipe.option_layer, []).append(("option", batch.options))
             if recipe.letter_weight > 0 and batch.letters:
                 probes.setdefault(recipe.letter_layer, []).append(("letter", batch.letters))
+            if recipe.readout_weight > 0 and batch.options:
+                probes.setdefault(recipe.readout_layer, []).append(("readout", None))
             lm_model, x, at = model.language_model, embeds, 0
-            attn = {"attn": torch.zeros(()), "option": torch.zeros(()), "letter": torch.zeros(())}
+            attn = {"attn": torch.zeros(()), "option": torch.zeros(()), "letter": torch.zeros(()), "readout": torch.zeros(())}
             for layer in sorted(probes):
                 x, at = lm_model(x, batch.pos, mask=batch.mask, start_layer=at, end_layer=layer), layer
                 for name, looks in probes[layer]:
-                    attn[name], hit = tag_attention_loss(model, x, batch, layer, looks)
+                    attn[name], hit = readout_loss(model, x, batch) if name == "readout" else tag_attention_loss(model, x, batch, layer, looks)
                     log[name].append(attn[name].item())
                     log[f"{name}_hit"].append(hit)
             hidden = lm_model(x, batch.pos, mask=batch.mask, start_layer=at)
@@ -679,7 +707,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
             else:
                 lm = F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel])
             loss = (lm + recipe.aux_weight * aux + recipe.attn_weight * attn["attn"] + recipe.option_weight * attn["option"]
-                    + recipe.letter_weight * attn["letter"])
+                    + recipe.letter_weight * attn["letter"] + recipe.readout_weight * attn["readout"])
             log["loss"].append(lm.item())
         log["aux"].append(aux.item())
         opt.zero_grad(set_to_none=True)
@@ -711,6 +739,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
                 post.update(opt=f"{np.mean(log['option'][-50:]):.3f}", opt_hit=f"{np.mean(log['option_hit'][-50:]):.2f}")
             if log["letter"]:
                 post.update(let_hit=f"{np.mean(log['letter_hit'][-50:]):.2f}")
+            if log["readout"]:
+                post.update(read=f"{np.mean(log['readout'][-50:]):.3f}", read_hit=f"{np.mean(log['readout_hit'][-50:]):.2f}")
             bar.set_postfix(**post)
     bar.close()
     if probe:
@@ -748,7 +778,7 @@ def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, 
     curves = {"loss": losses[::10], "aux": log["aux"][::10], "probe": log["probe"]}
     if log.get("attn"):
         curves.update(attn=log["attn"][::10], attn_hit=log["attn_hit"][::10])
-    for name in ("option", "letter"):
+    for name in ("option", "letter", "readout"):
         if log.get(name):
             curves.update({name: log[name][::10], f"{name}_hit": log[f"{name}_hit"][::10]})
     (out / "train_log.json").write_text(json.dumps({**curves, **meta}, indent=1))
