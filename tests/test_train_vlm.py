@@ -219,18 +219,20 @@ def test_the_tag_attention_objective_trains_end_to_end(tmp_path):
         train_vlm(tmp_path / "n", VLMRecipe(frames=2, steps=1, tokenizer_frames=30, vocab_size=400, attn_weight=0.5, attn_layer=9), progress=False)
 
 
-def test_option_span_finds_the_right_option_text(tiny_bank):
-    from litevlm.train.vlm import option_span
+def test_option_spans_find_each_option_text(tiny_bank):
+    from litevlm.train.vlm import option_spans, right_option
 
     tok = tiny_bank[0]
     q = "What is <c1,CAM_FRONT,800,450> doing? Please select the correct answer from the following options: A. Turn left. B. Stopped. C. Going ahead. D. Back up."
     ids = tok.encode(q)
-    first, lo, hi = option_span(q, "C", tok)
+    spans = option_spans(q, tok)
+    first = spans[0][0]
+    _, lo, hi = spans[right_option("C")]
     assert tok.decode(ids[lo:hi]).strip() == "Going ahead" and tok.decode(ids[first:first + 2]).strip() == "A."
-    first, lo, hi = option_span(q, "D", tok)
+    _, lo, hi = spans[right_option("D")]
     assert tok.decode(ids[lo:hi]).strip() == "Back up" and hi == len(ids) - 1  # the closing full stop is left out
-    assert option_span(q, "Yes.", tok) is None  # not a letter
-    assert option_span("Is <c1,CAM_FRONT,800,450> moving?", "A", tok) is None  # no options
+    assert right_option("Yes.") is None  # not a letter
+    assert option_spans("Is <c1,CAM_FRONT,800,450> moving?", tok) is None  # no options
 
 
 def test_option_targets_point_at_the_right_option_from_the_answer_row(tiny_bank):

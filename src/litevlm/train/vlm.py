@@ -180,16 +180,14 @@ def option_spans(question: str, tokenizer) -> list[tuple[int, int, int]] | None:
     return out
 
 
-def option_span(question: str, answer: str, tokenizer) -> tuple[int, int, int] | None:
-    """Where a multiple-choice question's options sit in its token ids: (first option token, first
-    and end token of the right option's text); None without four lettered options or when the
-    answer is not one of the letters."""
+# Objectives on one head or one row of the decoder, each with a recipe weight `<name>_weight` and layer `<name>_layer`.
+HEAD_OBJECTIVES = ("attn", "option", "letter", "readout")
+
+
+def right_option(answer: str) -> int | None:
+    """Index (0-3) of a multiple-choice answer's letter "A"-"D"; None for any other answer."""
     letter = answer.strip().rstrip(".")
-    spans = option_spans(question, tokenizer) if letter in ("A", "B", "C", "D") else None
-    if spans is None:
-        return None
-    _, lo, hi = spans["ABCD".index(letter)]
-    return spans[0][0], lo, hi
+    return "ABCD".index(letter) if letter in ("A", "B", "C", "D") else None
 
 
 def aux_targets(frame, grid: int, tiles_per_view: int) -> torch.Tensor:
@@ -213,8 +211,7 @@ class FrameBank:
         s, tpv = cfg.vision.image_size, cfg.tiles_per_view
         self.tiles = torch.empty(recipe.frames, len(CAMERAS) * tpv, 3, s, s, dtype=torch.uint8)
         # per QA: question ids, answer ids, needed views, closed, family, (camera, cell) of each c-tag,
-        # (first option token, right option's first and end token) in the question ids or None,
-        # (letter token, first and end token) of every option or None
+        # index of the right option or None, (letter token, first and end token) of every option or None
         self.qas: list[list[tuple]] = []
         self.aux = torch.empty(recipe.frames, len(CAMERAS), cfg.tokens_per_tile * tpv, len(aux_fields()), dtype=torch.uint8)
         self.steer = torch.empty(recipe.frames, dtype=torch.long)
@@ -222,10 +219,9 @@ class FrameBank:
             frame = make_frame(recipe.seed, recipe.first_frame + i)
             views = render_views(frame, size=recipe.render_size)
             self.tiles[i] = torch.from_numpy(np.concatenate([image_to_uint8_tiles(views[c], s, tpv) for c in CAMERAS]))
-            self.qas.append([(ids, tokenizer.encode(q.answer), tuple(q.views), q.closed, q.family,
-                              tag_cells(q.question, cfg.vision.grid // 2, tpv), option_span(q.question, q.answer, tokenizer),
-                              option_spans(q.question, tokenizer))
-                             for q in frame.qas for ids in [tokenizer.encode(q.question)]])
+            self.qas.append([(tokenizer.encode(q.question), tokenizer.encode(q.answer), tuple(q.views), q.closed, q.family,
+                              tag_cells(q.question, cfg.vision.grid // 2, tpv), right_option(q.answer),
+                              option_spans(q.question, tokenizer)) for q in frame.qas])
             self.aux[i] = aux_targets(frame, cfg.vision.grid // 2, tpv)
             self.steer[i] = STEERS.index(frame.ego.steer)
         self.tpv = tpv
@@ -328,14 +324,14 @@ def option_targets(seq, chosen) -> list[tuple[int, list[int], list[int]]]:
     _, labels, _, block = seq
     out = []
     for b, qa in enumerate(chosen, start=1):
-        if qa[6] is None:
+        if qa[6] is None or qa[7] is None:
             continue
         start = block.index(b)  # the block opens with the question's ids
-        first, lo, hi = (start + i for i in qa[6])
+        _, lo, hi = qa[7][qa[6]]
         row = next(i for i, (lb, bl) in enumerate(zip(labels, block)) if bl == b and lb != IGNORE)
-        target = list(range(lo, hi))
-        j = _first_difference(qa[0], qa[6][1:], [s[1:] for s in qa[7]]) if qa[7] else 0
-        out.append((row, list(range(first, start + len(qa[0]))), target[j:j + 1] + target[:j] + target[j + 1:]))
+        target = list(range(start + lo, start + hi))
+        j = _first_difference(qa[0], (lo, hi), [s[1:] for s in qa[7]])
+        out.append((row, list(range(start + qa[7][0][0], start + len(qa[0]))), target[j:j + 1] + target[:j] + target[j + 1:]))
     return out
 
 
@@ -649,7 +645,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         init_weights(model, recipe.seed)
         init_vision(model, recipe.seed)
     model.float()
-    for name in ("attn", "option", "letter", "readout"):
+    for name in HEAD_OBJECTIVES:
         if getattr(recipe, f"{name}_weight") > 0 and not 0 <= getattr(recipe, f"{name}_layer") < cfg.text.num_layers:
             raise ValueError(f"{name}_layer must name one of the {cfg.text.num_layers} decoder layers "
                              f"(0-{cfg.text.num_layers - 1}), got {getattr(recipe, f'{name}_layer')}")
@@ -666,7 +662,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     deadline = time.time() + recipe.minutes * 60
     total = recipe.steps  # re-planned to the time budget after a short timing
     bar = tqdm(total=recipe.steps, desc="training vlm", disable=not progress)
-    log = {"loss": [], "aux": [], "probe": [], "attn": [], "attn_hit": [], "option": [], "option_hit": [], "letter": [], "letter_hit": [], "readout": [], "readout_hit": []}
+    log = {"loss": [], "aux": [], "probe": [], **{k: [] for name in HEAD_OBJECTIVES for k in (name, f"{name}_hit")}}
     step, t_loop, last_save = 0, time.time(), time.time()
     model.train()
     while step < total and time.time() < deadline:
@@ -692,7 +688,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
             if recipe.readout_weight > 0 and batch.options:
                 probes.setdefault(recipe.readout_layer, []).append(("readout", None))
             lm_model, x, at = model.language_model, embeds, 0
-            attn = {"attn": torch.zeros(()), "option": torch.zeros(()), "letter": torch.zeros(()), "readout": torch.zeros(())}
+            attn = {name: torch.zeros(()) for name in HEAD_OBJECTIVES}
             for layer in sorted(probes):
                 x, at = lm_model(x, batch.pos, mask=batch.mask, start_layer=at, end_layer=layer), layer
                 for name, looks in probes[layer]:
@@ -706,8 +702,9 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
                 lm = (F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel], reduction="none") * w).sum() / w.sum()
             else:
                 lm = F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel])
-            loss = (lm + recipe.aux_weight * aux + recipe.attn_weight * attn["attn"] + recipe.option_weight * attn["option"]
-                    + recipe.letter_weight * attn["letter"] + recipe.readout_weight * attn["readout"])
+            loss = lm + recipe.aux_weight * aux
+            for name in HEAD_OBJECTIVES:
+                loss = loss + getattr(recipe, f"{name}_weight") * attn[name]
             log["loss"].append(lm.item())
         log["aux"].append(aux.item())
         opt.zero_grad(set_to_none=True)
@@ -776,9 +773,7 @@ def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, 
     save_native(model, out, extra_meta=meta)
     tokenizer.save(out)
     curves = {"loss": losses[::10], "aux": log["aux"][::10], "probe": log["probe"]}
-    if log.get("attn"):
-        curves.update(attn=log["attn"][::10], attn_hit=log["attn_hit"][::10])
-    for name in ("option", "letter", "readout"):
+    for name in HEAD_OBJECTIVES:
         if log.get(name):
             curves.update({name: log[name][::10], f"{name}_hit": log[f"{name}_hit"][::10]})
     (out / "train_log.json").write_text(json.dumps({**curves, **meta}, indent=1))
