@@ -103,3 +103,21 @@ def test_images_from_dir(images, tmp_path):
 def test_missing_model_is_a_clear_error(tmp_path):
     with pytest.raises(LiteVLMError, match="no model at"):
         Pipeline.from_pretrained(tmp_path / "nothing-here")
+
+
+def test_token_selection_inside_the_decoder_is_lossless_under_speculation(full_model_dir, images):
+    """The TokenSelector sharing decoder layer 0 prunes inside the decoder: the prompt the decoder keeps is
+    shorter, the ranking is timed as select_tokens, and speculative decoding over that pruned cache emits
+    exactly the plain greedy tokens."""
+    plain = Pipeline.from_pretrained(full_model_dir, select_tokens=0.5, max_new_tokens=10)
+    spec = Pipeline.from_pretrained(full_model_dir, select_tokens=0.5, speculative=True, max_new_tokens=10)
+    full = Pipeline.from_pretrained(full_model_dir, max_new_tokens=10)
+    assert plain.token_selector.cfg.shared_layer
+    n_visual = 6 * plain.cfg.tokens_per_tile
+    for q in ("Is there a red car to the front of the ego car?", "What is the moving status of <c1,CAM_BACK,800.0,500.0>?"):
+        a, b, c = plain.answer(q, images), spec.answer(q, images), full.answer(q, images)
+        assert a.tokens == b.tokens
+        kept = n_visual - n_visual // 2
+        assert a.num_visual_tokens == b.num_visual_tokens == kept
+        assert a.input_tokens == c.input_tokens - (n_visual - kept)
+        assert a.timings_ms["select_tokens"] > 0 and a.timings_ms["prefill"] > 0

@@ -201,16 +201,35 @@ def test_keep_ratio_one_is_the_unpruned_output():
         assert fastv_generate(model, embeds, positions, spans, 2, 1.0, 12, eos_id=None).tokens == full.tokens
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_fastv_decode_is_exact_for_the_compacted_cache(k):
-    """FastV prefill + decode_step equals a no-cache forward of the same scheme written as attention masks:
+def trained_looking_selector(model, shared_layer: bool = True) -> TokenSelector:
+    """A selector whose head is not at its FastV-like init (MLP output and tag weights non-zero)."""
+    torch.manual_seed(5)
+    sel = TokenSelector.from_model(model, SelectorConfig(shared_layer=shared_layer))
+    with torch.no_grad():
+        sel.mlp[2].weight.normal_(0, 0.5)
+        sel.query_gate.weight.normal_(0, 0.2)
+    return sel
+
+
+@pytest.mark.parametrize("method", ["fastv k=1", "fastv k=2", "selector"])
+def test_pruned_decode_is_exact_for_the_compacted_cache(method):
+    """Pruning inside the decoder (FastV at layer k, or the TokenSelector sharing layer 0, k = 1) + decode_step
+    equals a no-cache forward of the same scheme written as attention masks:
     layers < k: prompt tokens see the whole prompt, generated tokens see the kept prompt tokens;
     layers >= k: everything sees only the kept prompt tokens (and the generated ones)."""
     model = tiny_vlm(seed=1)
     embeds, positions, spans = tiny_prompt(model, seed=1)
     t, n_new = embeds.shape[1], 6
-    gen = fastv_generate(model, embeds, positions, spans, k, 0.3, n_new, eos_id=None)
-    pre = fastv_prefill(model, embeds, positions, spans, k, 0.3)
+    if method == "selector":
+        k, sel = 1, trained_looking_selector(model)
+        pre = sel.prefill(model, embeds, positions, spans, 0.3)
+        gen = generate(model, embeds, positions, n_new, None, prefilled=sel.prefill(model, embeds, positions, spans, 0.3).prefilled(embeds, positions))
+        # it keeps what the same selector keeps when it prunes at the input
+        assert torch.equal(pre.kept_index, sel.select(model, embeds, positions, spans, keep_ratio=0.3)[2])
+    else:
+        k = int(method[-1])
+        gen = fastv_generate(model, embeds, positions, spans, k, 0.3, n_new, eos_id=None)
+        pre = fastv_prefill(model, embeds, positions, spans, k, 0.3)
     assert gen.prompt_len == pre.kept_count == t - (len(spans) * TPV - keep_count(len(spans) * TPV, 0.3))
     step_logits = [pre.logits[0]]
     from litevlm.model.generate import decode_step
@@ -248,10 +267,36 @@ def test_untrained_selector_ranks_like_fastv_k1():
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
 
 
-def test_selector_save_load_roundtrip(tmp_path):
+def test_shared_layer_selector_scores_like_one_owning_a_copy_of_layer0():
+    """The shared-layer selector reads the model's own layer 0 (not stored); with a copy of it and the same head,
+    an owning selector scores the same."""
     model = tiny_vlm()
     embeds, positions, spans = tiny_prompt(model)
-    sel = TokenSelector.from_model(model, SelectorConfig(keep_ratio=0.3, min_per_view=2))
+    shared = trained_looking_selector(model)
+    own = TokenSelector.from_model(model, SelectorConfig(shared_layer=False))
+    assert not any(k.startswith("layer.") for k in shared.state_dict())
+    assert any(k.startswith("layer.") for k in own.state_dict())
+    missing, unexpected = own.load_state_dict(shared.state_dict(), strict=False)
+    assert not unexpected and missing and all(k.startswith("layer.") for k in missing)
+    with torch.no_grad():
+        torch.testing.assert_close(shared.scores(embeds, positions, spans), own.scores(embeds, positions, spans), atol=1e-5, rtol=1e-5)
+        # and the model's layer 0 is what it reads: change it, the shared scores move
+        before = shared.scores(embeds, positions, spans)
+        model.language_model.layers[0].mlp.down_proj.weight.mul_(3.0)
+        assert not torch.allclose(shared.scores(embeds, positions, spans), before)
+    with pytest.raises(LiteVLMError, match="use select"):
+        own.prefill(model, embeds, positions, spans, 0.5)
+    with pytest.raises(LiteVLMError, match="another model"):
+        shared.prefill(tiny_vlm(seed=3), embeds, positions, spans, 0.5)
+    with pytest.raises(LiteVLMError, match="bind"):
+        TokenSelector(model.language_model.cfg).scores(embeds, positions, spans)
+
+
+@pytest.mark.parametrize("shared_layer", [True, False])
+def test_selector_save_load_roundtrip(tmp_path, shared_layer):
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    sel = TokenSelector.from_model(model, SelectorConfig(keep_ratio=0.3, min_per_view=2, shared_layer=shared_layer))
     with torch.no_grad():
         sel.mlp[2].weight.normal_()  # make the head non-trivial
     sel.save(tmp_path, recipe={"note": "test"})
@@ -267,6 +312,14 @@ def test_selector_save_load_roundtrip(tmp_path):
         TokenSelector.load(tmp_path, other)
     with pytest.raises(LiteVLMError, match="no TokenSelector"):
         TokenSelector.load(tmp_path / "nowhere", model)
+    if not shared_layer:  # written before the field existed: a selector owning its copy of layer 0
+        import json
+
+        meta_path = tmp_path / "token_selector" / "config.json"
+        meta = json.loads(meta_path.read_text())
+        del meta["selector"]["shared_layer"]
+        meta_path.write_text(json.dumps(meta))
+        assert not TokenSelector.load(tmp_path, model).cfg.shared_layer
 
 
 def test_fastv_rejects_bad_k():
@@ -346,4 +399,10 @@ def test_train_token_selector_smoke(tmp_path):
     model = load_native(tmp_path / "m")
     sel = TokenSelector.load(tmp_path / "m", model)
     assert sel.meta["recipe"]["frames"] == 2 and sel.meta["training"]["steps"] == 6
+    # by default the head reads the model's own frozen layer 0: the checkpoint stores no copy of it
+    from safetensors.torch import load_file
+
+    assert sel.cfg.shared_layer and sel.decoder_layer() is model.language_model.layers[0]
+    stored = load_file(str(out / "selector.safetensors"))
+    assert stored and not any(k.startswith("layer.") for k in stored)
     assert "fastv_k1" in sel.meta["training"]["validation"]

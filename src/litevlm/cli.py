@@ -113,7 +113,8 @@ def cmd_train_vlm(args) -> None:
 def cmd_train_tokens(args) -> None:
     from litevlm.train.tokens import TokenRecipe, train_token_selector
 
-    recipe = TokenRecipe(frames=args.frames, minutes=args.minutes, threads=args.threads, seed=args.seed, epochs=args.epochs)
+    recipe = TokenRecipe(frames=args.frames, minutes=args.minutes, threads=args.threads, seed=args.seed, epochs=args.epochs,
+                         shared_layer=not args.own_layer)
     print(f"saved to {train_token_selector(args.model_dir, recipe)}")
 
 
@@ -275,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--threads", type=int, default=2, help="torch threads")
     tt.add_argument("--seed", type=int, default=0, help="frames (seed, 0..frames-1); the held-out split is seed 1")
     tt.add_argument("--epochs", type=int, default=4, help="passes over the labelled prompts (the budget may stop it sooner)")
+    tt.add_argument("--own-layer", action="store_true",
+                    help="train a copy of decoder layer 0 with the head and prune before the decoder (default: the head reads "
+                         "the model's own frozen layer 0, which then runs once and the rest of the decoder sees only the kept tokens)")
     tt.set_defaults(func=cmd_train_tokens)
     td = train.add_parser("draft", help="train the EAGLE-2 draft head of a model (saved in MODEL_DIR/draft)")
     td.add_argument("model_dir", help="the model's folder (or a built-in name); the draft head is saved inside it")

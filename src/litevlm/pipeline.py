@@ -266,14 +266,18 @@ class Pipeline:
         embeds = self.model.embed(ids, visual)
         positions = torch.arange(ids.shape[1], device=dev)[None]
         n_visual = int(visual.shape[0] * visual.shape[1])
+        prefilled, inside = None, self.token_selector is not None and self.token_selector.cfg.shared_layer
         with timer("select_tokens"):
-            if self.token_selector is not None:
+            if self.token_selector is not None and not inside:
                 embeds, positions, kept = self.token_selector.select(
                     self.model, embeds, positions, layout.view_spans, keep_ratio=self.keep_ratio, question=question
                 )
                 n_visual -= ids.shape[1] - kept.numel()
-        gen = self._generate(embeds, positions, layout.view_spans, timer)
-        if self.fastv is not None:
+        if inside:  # selection inside the decoder: layer 0 once on the whole prompt, the rest on the kept tokens
+            pre = self.token_selector.prefill(self.model, embeds, positions, layout.view_spans, self.keep_ratio, question=question, timer=timer)
+            prefilled = pre.prefilled(embeds, positions)
+        gen = self._generate(embeds, positions, layout.view_spans, timer, prefilled)
+        if self.fastv is not None or prefilled is not None:
             n_visual -= ids.shape[1] - gen.prompt_len
         tokens = [t for t in gen.tokens if t != self.tokenizer.eos_id]
         ms = dict(timer.ms)
@@ -289,8 +293,14 @@ class Pipeline:
             precision=precision_of(self.model),
         )
 
-    def _generate(self, embeds, positions, view_spans, timer):
+    def _generate(self, embeds, positions, view_spans, timer, prefilled=None):
         args = (self.max_new_tokens, self.tokenizer.eos_id, self.temperature, self.top_p, self.generator, timer)
+        if prefilled is not None:
+            if self.draft is not None:
+                from litevlm.spec.decode import speculative_generate
+
+                return speculative_generate(self.model, self.draft, embeds, positions, *args, tree=self.tree, prefilled=prefilled)
+            return generate(self.model, embeds, positions, *args, step=self._decode_step(), prefilled=prefilled)
         if self.fastv is not None:
             from litevlm.select.tokens import fastv_generate
 

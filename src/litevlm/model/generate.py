@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -63,6 +64,16 @@ def prefill(model, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     slots = torch.arange(t, device=embeds.device)
     hidden = lm(embeds, positions, slots=slots, mask=None, kv_len=t)  # causal over slots 0..t-1
     return linear(hidden[:, -1], model.lm_head), hidden
+
+
+class Prefilled(NamedTuple):
+    """A prompt already in the cache at slots 0..T'-1, e.g. one pruned inside the decoder (FastV, the
+    TokenSelector sharing decoder layer 0): what `generate` and speculative decoding continue from."""
+
+    logits: torch.Tensor  # (B, V) at the last prompt token
+    hidden: torch.Tensor  # (B, T', C) final hidden states of the cached prompt tokens
+    embeds: torch.Tensor  # (B, T', C) their input embeddings
+    positions: torch.Tensor  # (B, T') their RoPE positions (the last + 1 is the first generated token's)
 
 
 @torch.no_grad()
@@ -165,20 +176,25 @@ def generate(
     generator=None,
     timer: StageTimer | None = None,
     step=None,
+    prefilled: Prefilled | None = None,
 ) -> Generation:
     """Plain autoregressive decoding for batch 1: prefill, then one token per step until EOS.
 
     step: a `GraphedDecodeStep` (or any callable (token (1, 1), position, slot) -> logits (1, V)) to
     run each decode step instead of the eager `decode_step`.
+    prefilled: the prompt is in the cache already (its prefill timed by the caller); embeds and
+    positions are then ignored.
     """
     timer = timer or StageTimer(embeds.device)
+    if prefilled is not None:
+        embeds, positions = prefilled.embeds, prefilled.positions
     t = embeds.shape[1]
     if t + max_new_tokens > model.language_model.cache_len:
         raise LiteVLMError(
             f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds the KV cache ({model.language_model.cache_len})"
         )
     with timer("prefill"):
-        logits, _ = prefill(model, embeds, positions)
+        logits = prefill(model, embeds, positions)[0] if prefilled is None else prefilled.logits
         tok = sample_token(logits, temperature, top_p, generator)
     out = [int(tok)]
     next_pos = int(positions[0, -1]) + 1

@@ -7,6 +7,12 @@ standalone module, fine-tunes it to score visual tokens, and feeds the LLM only 
 their ORIGINAL RoPE position ids at contiguous cache slots 0..T'-1 (`litevlm.model.generate.prefill`
 accepts such positions), and generation continues at position T (the unpruned prompt length).
 
+That copy costs one decoder layer over the whole prompt on top of the prefill it shortens. Our
+default (`SelectorConfig.shared_layer`) keeps the layer frozen, so it IS the served model's layer 0:
+the head is trained on that layer's output, and a pipeline runs layer 0 once on the whole prompt,
+ranks from its output, and runs layers 1.. on the kept tokens (`TokenSelector.prefill`, the same
+in-decoder path as FastV at K = 1 with a trained ranking). The selection then costs the head alone.
+
 FastV (arXiv 2403.06764) is the in-LLM baseline: layers [0, K) run on the whole prompt, the last
 prompt token's attention over the visual tokens at layer K ranks them (layer K's q/k on its input;
 the official code reuses layer K-1's returned probabilities instead, one layer less informed), and
@@ -39,7 +45,7 @@ import torch.nn.functional as F
 from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
-from litevlm.model.generate import Generation, StageTimer, causal_mask, decode_step, sample_token
+from litevlm.model.generate import Generation, Prefilled, StageTimer, causal_mask, generate
 from litevlm.model.lm import DecoderLayer, apply_rope, linear, rope_cos_sin
 from litevlm.model.vision import RMSNorm
 
@@ -249,6 +255,11 @@ class FastVPrefill(NamedTuple):
     kept_count: int  # T': every layer's cache holds slots 0..T'-1; decoding writes slot T' + i
     kept_index: torch.Tensor  # (T',) prompt indices kept
     next_position: int  # RoPE position of the first generated token: the unpruned prompt length
+    hidden: torch.Tensor  # (B, T', C) final hidden states of the kept tokens
+
+    def prefilled(self, embeds: torch.Tensor, positions: torch.Tensor) -> Prefilled:
+        """What `generate` / speculative decoding continue from, given the unpruned embeds and positions."""
+        return Prefilled(self.logits, self.hidden, embeds[:, self.kept_index], positions[:, self.kept_index])
 
 
 @torch.no_grad()
@@ -260,31 +271,49 @@ def fastv_scores(model, x: torch.Tensor, positions: torch.Tensor, view_spans: Se
 
 
 @torch.no_grad()
-def fastv_prefill(model, embeds, positions, view_spans: Sequence[Span], k: int, keep_ratio: float, min_per_view: int = 0) -> FastVPrefill:
-    """FastV prefill (batch 1): layers [0, k) on the whole prompt, rank at layer k, layers [k, L) on the kept tokens.
+def pruned_prefill(
+    model, embeds, positions, view_spans: Sequence[Span], k: int, score, keep_ratio: float, min_per_view: int = 0,
+    timer: StageTimer | None = None, score_stage: str = "prefill",
+) -> FastVPrefill:
+    """Prefill that prunes visual tokens inside the decoder (batch 1): layers [0, k) on the whole prompt,
+    `score(x)` -> (N,) ranks the visual tokens from layer k's input x, layers [k, L) run on the kept tokens.
 
-    The cache is left compacted (see the module docstring): continue with
-    `decode_step(model, tok, result.next_position + i, result.kept_count + i)`. min_per_view=0 is
-    FastV's own global top-k; keep_ratio=1 reproduces plain prefill.
+    FastV is score = its layer-k attention row; the TokenSelector sharing decoder layer 0 is k = 1 and
+    its scoring head. The cache is left compacted (see the module docstring): continue with
+    `decode_step(model, tok, result.next_position + i, result.kept_count + i)`. keep_ratio=1 keeps every
+    token. With a timer the decoder layers count as "prefill" and the ranking as `score_stage`.
     """
     lm = model.language_model
     n_layers = len(lm.layers)
     if not 1 <= k < n_layers:
         raise LiteVLMError(f"FastV K must be in 1..{n_layers - 1} for a {n_layers}-layer decoder; got {k}")
     if embeds.shape[0] != 1:
-        raise LiteVLMError("fastv_prefill runs one prompt at a time (batch 1)")
+        raise LiteVLMError("pruned prefill runs one prompt at a time (batch 1)")
     t = embeds.shape[1]
     if t > lm.cache_len:
         raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {lm.cache_len}; shorten the prompt or raise max_len")
+    timer = timer or StageTimer(embeds.device)
     dev = embeds.device
-    x = lm(embeds, positions, slots=torch.arange(t, device=dev), mask=causal_mask(t, 0, t, dev), kv_len=t, end_layer=k)
-    kept_visual = select_by_scores(fastv_scores(model, x, positions, view_spans, k), view_sizes(view_spans), keep_ratio, min_per_view)
-    kept = kept_prompt_index(t, view_spans, kept_visual)
-    n = kept.numel()
-    for layer in lm.layers[:k]:  # compact layers < k to the kept tokens, slots 0..n-1
-        layer.self_attn.kv_cache.commit(kept, 0)
-    hidden = lm(x[:, kept], positions[:, kept], slots=torch.arange(n, device=dev), mask=causal_mask(n, 0, n, dev), kv_len=n, start_layer=k)
-    return FastVPrefill(linear(hidden[:, -1], model.lm_head), n, kept, int(positions[0, -1]) + 1)
+    with timer("prefill"):
+        x = lm(embeds, positions, slots=torch.arange(t, device=dev), mask=causal_mask(t, 0, t, dev), kv_len=t, end_layer=k)
+    with timer(score_stage):
+        kept_visual = select_by_scores(score(x), view_sizes(view_spans), keep_ratio, min_per_view)
+    with timer("prefill"):
+        kept = kept_prompt_index(t, view_spans, kept_visual)
+        n = kept.numel()
+        for layer in lm.layers[:k]:  # compact layers < k to the kept tokens, slots 0..n-1
+            layer.self_attn.kv_cache.commit(kept, 0)
+        hidden = lm(x[:, kept], positions[:, kept], slots=torch.arange(n, device=dev), mask=causal_mask(n, 0, n, dev), kv_len=n, start_layer=k)
+        logits = linear(hidden[:, -1], model.lm_head)
+    return FastVPrefill(logits, n, kept, int(positions[0, -1]) + 1, hidden)
+
+
+def fastv_prefill(model, embeds, positions, view_spans: Sequence[Span], k: int, keep_ratio: float, min_per_view: int = 0,
+                  timer: StageTimer | None = None) -> FastVPrefill:
+    """FastV prefill (batch 1): rank at layer k by the last prompt token's attention. min_per_view=0 is
+    FastV's own global top-k; keep_ratio=1 reproduces plain prefill."""
+    return pruned_prefill(model, embeds, positions, view_spans, k, lambda x: fastv_scores(model, x, positions, view_spans, k),
+                          keep_ratio, min_per_view, timer)
 
 
 @torch.no_grad()
@@ -298,18 +327,9 @@ def fastv_generate(
         raise LiteVLMError(
             f"prompt ({embeds.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the KV cache ({model.language_model.cache_len})"
         )
-    with timer("prefill"):
-        pre = fastv_prefill(model, embeds, positions, view_spans, k, keep_ratio, min_per_view)
-        tok = sample_token(pre.logits, temperature, top_p, generator)
-    out = [int(tok)]
-    with timer("decode"):
-        for i in range(max_new_tokens - 1):
-            if eos_id is not None and out[-1] == eos_id:
-                break
-            logits, _ = decode_step(model, tok.view(1, 1), pre.next_position + i, pre.kept_count + i)
-            tok = sample_token(logits, temperature, top_p, generator)
-            out.append(int(tok))
-    return Generation(out, pre.kept_count, dict(timer.ms))
+    pre = fastv_prefill(model, embeds, positions, view_spans, k, keep_ratio, min_per_view, timer)
+    return generate(model, embeds, positions, max_new_tokens, eos_id, temperature, top_p, generator, timer,
+                    prefilled=pre.prefilled(embeds, positions))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,6 +346,10 @@ class SelectorConfig:
     mlp_hidden: int = 128  # width of the per-token content MLP
     last_bonus: float = 2.0  # initial extra pooling weight (logit) of the last prompt token
     use_tags: bool = True  # add learned bonuses for the cells the question's c-tags point at
+    # The scoring head reads the served model's own decoder layer 0 (frozen, not stored), so a pipeline
+    # runs that layer once: on the whole prompt, ranks, and runs layers 1.. on the kept tokens only.
+    # False: the selector owns a trainable copy of layer 0 and prunes before the decoder.
+    shared_layer: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.keep_ratio <= 1.0:
@@ -337,7 +361,8 @@ class SelectorConfig:
 
 
 class TokenSelector(nn.Module):
-    """A copy of the served LLM's decoder layer 0 plus a small scoring head over its output.
+    """The served LLM's decoder layer 0 (shared and frozen, or an owned trainable copy) plus a small
+    scoring head over its output.
 
     Score of visual token j (the question's point of view, all from the layer-0 output h):
         s_j = log sum_{heads m, query tokens i} w_m * beta_i * softmax_keys(q_i^m . k^m / sqrt(d))_j
@@ -357,7 +382,9 @@ class TokenSelector(nn.Module):
         self.text_cfg = text_cfg
         self.cfg = cfg or SelectorConfig()
         c = text_cfg.hidden_size
-        self.layer = DecoderLayer(text_cfg)  # decoder layer 0 of the served model
+        # decoder layer 0: a trainable copy, or (shared_layer) the served model's own, bound by `bind`
+        self.layer = None if self.cfg.shared_layer else DecoderLayer(text_cfg)
+        self._shared: list[DecoderLayer] = []  # a plain list: the shared layer is not this module's parameter
         self.norm = RMSNorm(c, text_cfg.norm_eps)
         self.q_proj = nn.Linear(c, text_cfg.num_heads * text_cfg.head_dim, bias=text_cfg.qkv_bias)
         self.k_proj = nn.Linear(c, text_cfg.num_kv_heads * text_cfg.head_dim, bias=text_cfg.qkv_bias)
@@ -376,12 +403,28 @@ class TokenSelector(nn.Module):
         """Initialised from `model`: layer 0 copied, the scoring q/k and norm from layer 1 (or 0 for a 1-layer LLM)."""
         lm = model.language_model
         sel = cls(lm.cfg, cfg)
-        sel.layer.load_state_dict(lm.layers[0].state_dict())
+        if sel.layer is None:
+            sel.bind(model)
+        else:
+            sel.layer.load_state_dict(lm.layers[0].state_dict())
         src = lm.layers[1 if len(lm.layers) > 1 else 0]
         sel.norm.load_state_dict(src.input_layernorm.state_dict())
         sel.q_proj.load_state_dict(src.self_attn.q_proj.state_dict())
         sel.k_proj.load_state_dict(src.self_attn.k_proj.state_dict())
         return sel.to(device=model.device, dtype=model.dtype)
+
+    def bind(self, model) -> "TokenSelector":
+        """Read `model`'s own decoder layer 0 (shared_layer); a no-op for a selector with its own copy."""
+        if self.cfg.shared_layer:
+            self._shared = [model.language_model.layers[0]]
+        return self
+
+    def decoder_layer(self) -> DecoderLayer:
+        if self.layer is not None:
+            return self.layer
+        if not self._shared:
+            raise LiteVLMError("this TokenSelector reads the served model's decoder layer 0: bind(model) first")
+        return self._shared[0]
 
     def _check(self, model) -> None:
         mine, theirs = self.text_cfg, model.language_model.cfg
@@ -401,14 +444,19 @@ class TokenSelector(nn.Module):
     def scores(self, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], tags: torch.Tensor | None = None) -> torch.Tensor:
         """Log-scores (B, N) of the visual tokens, view after view; differentiable (training). tags: (2, N) or None."""
         cfg = self.text_cfg
-        b, t, _ = embeds.shape
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, embeds.dtype)
-        h = self.norm(self.layer(embeds, cos, sin))  # (B, T, C): causal SDPA, no cache
-        vis = visual_index(view_spans, embeds.device)
+        return self.head_scores(self.decoder_layer()(embeds, cos, sin), positions, view_spans, tags)  # causal SDPA, no cache
+
+    def head_scores(self, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], tags: torch.Tensor | None = None) -> torch.Tensor:
+        """The scoring head alone: log-scores (B, N) from decoder layer 0's output x (B, T, C)."""
+        cfg = self.text_cfg
+        b, t, _ = x.shape
+        h = self.norm(x)
+        vis = visual_index(view_spans, x.device)
         last_visual = max(e for _, _, e in view_spans)
         if last_visual >= t:
             raise LiteVLMError("the prompt ends inside an image block: a question must follow the views")
-        rows = torch.arange(last_visual, t, device=embeds.device)  # the question's tokens
+        rows = torch.arange(last_visual, t, device=x.device)  # the question's tokens
         logits = row_logits(self.q_proj, self.k_proj, h, positions, rows, cfg)  # (B, H, n, T)
         attn = logits.softmax(-1)[..., vis]  # (B, H, n, N)
         gate = self.query_gate(h[:, rows]).squeeze(-1).float()  # (B, n)
@@ -447,6 +495,29 @@ class TokenSelector(nn.Module):
             return embeds, positions, torch.arange(embeds.shape[1], device=embeds.device)
         s = self.scores(embeds, positions, view_spans, self.tag_features(model, question, view_spans))[0]
         return prune_prompt(embeds, positions, view_spans, select_by_scores(s, view_sizes(view_spans), r, quota))
+
+    @torch.no_grad()
+    def prefill(
+        self, model, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], keep_ratio: float | None = None,
+        min_per_view: int | None = None, question: str | None = None, timer: StageTimer | None = None,
+    ) -> FastVPrefill:
+        """Select inside the decoder (shared_layer, batch 1): decoder layer 0 runs once on the whole
+        prompt, the head ranks from its output, layers 1.. run on the kept tokens (`pruned_prefill`).
+
+        Kept are the tokens `select` keeps; layer 0's cache is compacted to them like FastV's, so
+        generated tokens see only the kept prompt tokens in every layer. The ranking is timed as
+        "select_tokens", the decoder layers as "prefill".
+        """
+        if not self.cfg.shared_layer:
+            raise LiteVLMError("this TokenSelector owns a copy of layer 0 and prunes before the decoder: use select()")
+        self._check(model)
+        if self.decoder_layer() is not model.language_model.layers[0]:
+            raise LiteVLMError("this TokenSelector is bound to another model's decoder layer 0")
+        r = self.cfg.keep_ratio if keep_ratio is None else keep_ratio
+        quota = self.cfg.min_per_view if min_per_view is None else min_per_view
+        tags = self.tag_features(model, question, view_spans)
+        return pruned_prefill(model, embeds, positions, view_spans, 1, lambda x: self.head_scores(x, positions, view_spans, tags)[0],
+                              r, quota, timer, score_stage="select_tokens")
 
     # -- checkpoint -----------------------------------------------------------------------------
     def save(self, model_dir: str | Path, recipe: dict | None = None, extra: dict | None = None) -> Path:
@@ -488,7 +559,8 @@ class TokenSelector(nn.Module):
         try:
             text_cfg = TextConfig(**meta["text"])
             known = {f.name for f in fields(SelectorConfig)}
-            cfg = SelectorConfig(**{k: v for k, v in meta["selector"].items() if k in known})
+            # checkpoints written before shared_layer existed own their copy of layer 0
+            cfg = SelectorConfig(**{"shared_layer": False, **{k: v for k, v in meta["selector"].items() if k in known}})
         except (TypeError, ValueError, KeyError) as e:
             raise LiteVLMError(f"{d}/config.json holds an invalid TokenSelector config: {e}") from None
         sel = cls(text_cfg, cfg)
@@ -500,4 +572,4 @@ class TokenSelector(nn.Module):
             raise LiteVLMError(f"{d}/selector.safetensors does not match the TokenSelector: missing {sorted(missing)}, unexpected {sorted(extra)}")
         sel.load_state_dict(state)
         sel.meta = meta
-        return sel.to(device=model.device, dtype=model.dtype).eval()
+        return sel.bind(model).to(device=model.device, dtype=model.dtype).eval()

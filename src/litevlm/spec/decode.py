@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from litevlm.errors import LiteVLMError
-from litevlm.model.generate import Generation, StageTimer, decode_step, prefill, sample_token
+from litevlm.model.generate import Generation, Prefilled, StageTimer, decode_step, prefill, sample_token
 from litevlm.spec.tree import TreeConfig, accept_greedy, accept_sampled, commit_path, draft_tree, verify_tree
 
 
@@ -32,15 +32,20 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     timer: StageTimer | None = None,
     tree: TreeConfig = TreeConfig(),
+    prefilled: Prefilled | None = None,
 ) -> Generation:
     """`litevlm.model.generate.generate` with EAGLE-2 speculation (batch 1).
 
     Same prefill (prompt in slots 0..T-1 at the given positions, generated tokens after
     positions[0, -1]), same stopping (after EOS, or at max_new_tokens), same timer stages
     ("prefill", "decode"; plus "draft" and "verify" inside decode). `accept_lengths` holds the
-    tokens emitted per target forward, bonus included (tau = their mean).
+    tokens emitted per target forward, bonus included (tau = their mean). prefilled: the prompt is in
+    the cache already (pruned inside the decoder, timed by the caller); embeds and positions are then
+    ignored.
     """
     timer = timer or StageTimer(embeds.device)
+    if prefilled is not None:
+        embeds, positions = prefilled.embeds, prefilled.positions
     lm = model.language_model
     b, t, _ = embeds.shape
     cap = lm.cache_len
@@ -54,7 +59,7 @@ def speculative_generate(
     draft.prepare(cap + (tree.depth - 1) * tree.top_k, next_pos + max_new_tokens + tree.depth + 1)
 
     with timer("prefill"):
-        logits, hidden = prefill(model, embeds, positions)
+        logits, hidden = prefill(model, embeds, positions) if prefilled is None else prefilled[:2]
         root = sample_token(logits, temperature, top_p, generator)  # (1,)
     out = [int(root)]
     accept: list[int] = []

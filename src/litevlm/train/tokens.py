@@ -58,6 +58,7 @@ class TokenRecipe:
     extra_view_prob: float = 0.15
     render_size: tuple[int, int] = (400, 225)
     keep_ratio: float = 0.5  # defaults stored in the checkpoint for select()
+    shared_layer: bool = True  # read the served model's frozen decoder layer 0; False: train an owned copy
     min_per_view: int = 1
     mlp_hidden: int = 128
     use_tags: bool = True  # the selector's c-tag cell bonuses
@@ -275,7 +276,8 @@ def train_token_selector(model_dir: str | Path, recipe: TokenRecipe | None = Non
     vbank, val = build_items(model, tokenizer, recipe, range(recipe.frames, recipe.frames + recipe.val_frames), rng, math.inf, progress)
     if not items:
         raise LiteVLMError("no training items were labelled within the time budget; raise --minutes")
-    selector = TokenSelector.from_model(model, SelectorConfig(recipe.keep_ratio, recipe.min_per_view, recipe.mlp_hidden, use_tags=recipe.use_tags)).float()
+    selector = TokenSelector.from_model(model, SelectorConfig(recipe.keep_ratio, recipe.min_per_view, recipe.mlp_hidden, use_tags=recipe.use_tags,
+                                                         shared_layer=recipe.shared_layer)).float()
     before = {"fastv_k1": agreement(model, None, vbank, val), "selector_init": agreement(model, selector, vbank, val)}
 
     params = [p for p in selector.parameters() if p.requires_grad]
