@@ -406,3 +406,22 @@ def test_train_token_selector_smoke(tmp_path):
     stored = load_file(str(out / "selector.safetensors"))
     assert stored and not any(k.startswith("layer.") for k in stored)
     assert "fastv_k1" in sel.meta["training"]["validation"]
+
+
+def test_the_inference_head_equals_the_training_head():
+    """`head_scores` at inference (one prompt, no grad: fewer, larger ops) equals its differentiable form."""
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    sel = trained_looking_selector(model)
+    with torch.no_grad():
+        sel.tag_weight.copy_(torch.tensor([1.5, 0.5]))
+        sel.mlp[0].bias.normal_()
+        sel.head_logits.copy_(torch.tensor([2.0, -1.0, 0.5, 0.0]))  # heads weighted unequally: their order matters
+        x = model.language_model(embeds, positions, end_layer=1)
+        tags = torch.zeros(2, len(spans) * TPV)
+        tags[0, 3], tags[1, 4] = 1.0, 1.0
+        fast = sel.head_scores(x, positions, spans, tags)
+    with torch.enable_grad():
+        slow = sel.head_scores(x, positions, spans, tags)
+    assert slow.requires_grad and not fast.requires_grad
+    torch.testing.assert_close(fast, slow.detach(), atol=1e-5, rtol=1e-5)

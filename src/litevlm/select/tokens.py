@@ -451,11 +451,13 @@ class TokenSelector(nn.Module):
         """The scoring head alone: log-scores (B, N) from decoder layer 0's output x (B, T, C)."""
         cfg = self.text_cfg
         b, t, _ = x.shape
-        h = self.norm(x)
-        vis = visual_index(view_spans, x.device)
         last_visual = max(e for _, _, e in view_spans)
         if last_visual >= t:
             raise LiteVLMError("the prompt ends inside an image block: a question must follow the views")
+        if b == 1 and not torch.is_grad_enabled() and x.dtype == torch.float32:
+            return self._head_scores_one(x[0], positions, view_spans, last_visual, tags)[None]
+        h = self.norm(x)
+        vis = visual_index(view_spans, x.device)
         rows = torch.arange(last_visual, t, device=x.device)  # the question's tokens
         logits = row_logits(self.q_proj, self.k_proj, h, positions, rows, cfg)  # (B, H, n, T)
         attn = logits.softmax(-1)[..., vis]  # (B, H, n, N)
@@ -469,6 +471,39 @@ class TokenSelector(nn.Module):
         s = torch.log(mix + 1e-9) + self.mlp(feat).squeeze(-1).float()
         if tags is not None:
             s = s + (self.tag_weight.float()[:, None] * tags.float()).sum(0)
+        return s
+
+    def _head_scores_one(self, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], first_row: int,
+                         tags: torch.Tensor | None) -> torch.Tensor:
+        """`head_scores` for one fp32 prompt x (T, C) at inference, in fewer, larger ops (equal, a test):
+        the question rows are the contiguous tail from `first_row`; the MLP's first layer is split into
+        its per-token and context halves, so the (N, 2C) feature matrix is never built."""
+        cfg = self.text_cfg
+        t, c = x.shape
+        n, hq, hkv, d = t - first_row, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = F.rms_norm(x, (c,), self.norm.weight, self.norm.eps)  # (T, C)
+        cos, sin = rope_cos_sin(positions, d, cfg.rope_theta, x.dtype)  # (1, 1, T, D)
+        cos, sin = cos[0, 0], sin[0, 0]
+        q = apply_rope(linear(h[first_row:], self.q_proj).view(n, hq, d), cos[first_row:, None], sin[first_row:, None])
+        k = apply_rope(linear(h, self.k_proj).view(t, hkv, d), cos[:, None], sin[:, None])  # (T, Hkv, D)
+        g = hq // hkv
+        q = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # (Hkv, n G, D): row = i G + g
+        logits = torch.bmm(q, k.transpose(0, 1).transpose(1, 2)) * d**-0.5  # (Hkv, n G, T)
+        future = torch.arange(t, device=x.device)[None, :] > torch.arange(first_row, t, device=x.device)[:, None]  # (n, T)
+        logits = logits.view(hkv, n, g, t).masked_fill(future[None, :, None], float("-inf"))
+        vis = visual_index(view_spans, x.device)
+        attn = logits.softmax(-1)[..., vis]  # (Hkv, n, G, N); head = kv * G + g
+        gate = linear(h[first_row:], self.query_gate)[:, 0]  # (n,)
+        gate = torch.cat([gate[:-1], gate[-1:] + self.last_bonus])
+        beta = gate.softmax(-1)  # (n,)
+        w = self.head_logits.softmax(-1).view(hkv, g)  # (Hkv, G)
+        mix = torch.einsum("hqgn,hg,q->n", attn, w, beta)  # (N,)
+        ctx = beta @ h[first_row:]  # (C,)
+        w1, b1 = self.mlp[0].weight, self.mlp[0].bias  # (hidden, 2C): [token half | context half]
+        pre = torch.addmm(torch.addmv(b1, w1[:, c:], ctx), h[vis], w1[:, :c].t())  # (N, hidden)
+        s = torch.log(mix + 1e-9) + linear(F.gelu(pre), self.mlp[2])[:, 0]
+        if tags is not None:
+            s = s + (self.tag_weight[:, None] * tags.float()).sum(0)
         return s
 
     @torch.no_grad()
