@@ -49,6 +49,9 @@ def test_fused_weights_follow_an_in_place_update(layer):
         layer.mlp.down_proj.weight.mul_(-1.0)  # what an optimizer step or load_state_dict does
         layer.self_attn.q_proj.bias.add_(1.0)
         torch.testing.assert_close(layer(x, cos, sin), module_path(layer, x, cos, sin), atol=1e-5, rtol=1e-5)
+        fresh = nn.Linear(CFG.intermediate_size, CFG.hidden_size, bias=False)  # a new plain module, new weights
+        layer.mlp.down_proj = fresh
+        torch.testing.assert_close(layer(x, cos, sin), module_path(layer, x, cos, sin), atol=1e-5, rtol=1e-5)
 
 
 def test_training_keeps_gradients_and_hooks_see_every_projection(layer):

@@ -105,6 +105,9 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+_FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
@@ -141,13 +144,15 @@ class DecoderLayer(nn.Module):
         the CPU a row-major (in, out) weight multiplies a few rows about twice as fast as
         nn.Linear's transposed (out, in) one.
         """
-        attn, mlp = self.self_attn, self.mlp
         training = self.training and torch.is_grad_enabled()
-        params = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias, attn.k_proj.bias,
-                  attn.v_proj.bias, attn.o_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-        key = tuple((p.data_ptr(), p._version) for p in params if p is not None)
+        # The cache key reads the projections' parameter dicts directly: nn.Module attribute lookups
+        # would cost more than the rest of a CPU decode step's bookkeeping (this runs every step).
+        mods = self.self_attn._modules, self.mlp._modules
+        key = tuple((p.data_ptr(), p._version) for ms, names in zip(mods, _FUSED_PROJECTIONS) for name in names
+                    for p in ms[name]._parameters.values() if p is not None)
         if not training and self._fused is not None and self._fused[0] == key:
             return self._fused[1]
+        attn, mlp = self.self_attn, self.mlp
         d = attn.cfg.head_dim
 
         def rot(w: torch.Tensor) -> torch.Tensor:  # rows of each head: [-second half, first half]
