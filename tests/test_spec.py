@@ -91,10 +91,11 @@ class OracleDraft:
     def prepare(self, cache_len, max_position):
         pass
 
-    def extend(self, features, next_embeds, positions, start):
+    def extend(self, features, next_embeds, positions, start, last_only=False):
         n = features.shape[0]
         idx = torch.arange(start + 1, start + n + 1) - self.t + 1  # pair j predicts token j + 2 -> seq index j + 2 - t
-        return torch.stack([idx.float(), torch.ones(n)], 1)
+        out = torch.stack([idx.float(), torch.ones(n)], 1)
+        return out[-1:] if last_only else out
 
     def step(self, tokens, hidden, position, start, mask):
         idx, ok = hidden[:, 0].long(), hidden[:, 1] > 0
@@ -552,6 +553,16 @@ def test_draft_layer_matches_the_decoder_layer_and_the_cached_path():
     a = head.extend(feats[0, :5], nxt[0, :5], pos[0, :5], 0)
     b = head.extend(feats[0, 5:], nxt[0, 5:], pos[0, 5:], 5)
     torch.testing.assert_close(torch.cat([a, b]), got[0], rtol=1e-5, atol=1e-5)
+    # last_only (what a draft cycle uses): the last prediction alone, and the same K/V in the cache
+    cache = head.layer.self_attn.kv_cache
+    k_full, v_full = cache.k[:, :, :9].clone(), cache.v[:, :, :9].clone()
+    cache.k.zero_(), cache.v.zero_()
+    a1 = head.extend(feats[0, :5], nxt[0, :5], pos[0, :5], 0, last_only=True)
+    b1 = head.extend(feats[0, 5:], nxt[0, 5:], pos[0, 5:], 5, last_only=True)
+    assert a1.shape == b1.shape == (1, 32)
+    torch.testing.assert_close(torch.cat([a1, b1]), got[0, [4, 8]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.k[:, :, :9], k_full, rtol=0, atol=0)
+    torch.testing.assert_close(cache.v[:, :, :9], v_full, rtol=0, atol=0)
 
 
 def test_draft_head_save_load_roundtrip(tmp_path):

@@ -86,7 +86,7 @@ def speculative_generate(
                 L += 1
                 continue
             with timer("draft"):
-                h_root = draft.extend(feats, nxt, pair_pos, done)[-1:]  # (1, C): predicted f_L
+                h_root = draft.extend(feats, nxt, pair_pos, done, last_only=True)  # (1, C): predicted f_L
                 done += feats.shape[0]
                 tr = draft_tree(draft, root, h_root, done, root_pos, tree, eos_id)  # scratch from draft slot `done`
             with timer("verify"):

@@ -246,14 +246,28 @@ class DraftHead(nn.Module):
         return cos[positions], sin[positions]
 
     @torch.no_grad()
-    def extend(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, start: int) -> torch.Tensor:
+    def extend(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, start: int,
+               last_only: bool = False) -> torch.Tensor:
         """Committed pairs (n of them) into draft slots start..start+n-1, causally -> predicted features (n, C).
 
         features: the target's true features (n, C); next_embeds: what the target consumed at the
         following tokens (n, C); positions (n,): the RoPE positions of the features' tokens.
+        last_only: return only the last pair's prediction (1, C), which is all a draft cycle uses; the
+        other pairs then only write their K/V (attention, output projection and MLP run on one row).
         """
         n = features.shape[0]
         cos, sin = self._cos_sin(positions)
+        if last_only:
+            layer, cache = self.layer, self.layer.self_attn.kv_cache
+            w = layer.fused_weights()
+            x = self._fuse(features, next_embeds)[None]  # (1, n, C)
+            q, k, v = layer.fused_qkv(x, cos, sin, w)
+            end = start + n
+            cache.k[:, :, start:end] = k
+            cache.v[:, :, start:end] = v
+            # the last pair sees every slot before it: no mask
+            y = F.scaled_dot_product_attention(q[:, :, -1:], cache.k[:, :, :end], cache.v[:, :, :end], enable_gqa=True)
+            return layer.fused_out(x[:, -1:], y, w)[0]
         mask = None
         if n > 1:
             rows = torch.arange(start, start + n, device=features.device)[:, None]
