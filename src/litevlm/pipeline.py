@@ -142,6 +142,7 @@ class Pipeline:
         tree_top_k: int | None = None,
         tree_depth: int | None = None,
         tree_total: int | None = None,
+        tree_min_value: float | None = None,
         fp8: str | None = None,
         **options,
     ) -> "Pipeline":
@@ -150,7 +151,8 @@ class Pipeline:
         select_views: use the model's ViewSelector (model_dir/view_selector).
         select_tokens=r: use its TokenSelector (model_dir/token_selector), keeping a fraction r.
         fastv_k, fastv_r: FastV at layer K keeping r (the comparison baseline).
-        speculative: EAGLE-2 with its draft head (model_dir/draft), tree_* override the default tree.
+        speculative: EAGLE-2 with its draft head (model_dir/draft), tree_* override the default tree
+            (tree_min_value: a chain ends where its draft probability falls below it).
         fp8: "fp8-dynamic-per-row" quantises the decoder linears at load; a checkpoint written by
             `litevlm quantize` is FP8 already (static scales) and needs no option.
         """
@@ -195,7 +197,8 @@ class Pipeline:
             parts["draft"] = DraftHead.load(_part(path, "draft"), model).to(device=device)
             default = TreeConfig()
             parts["tree"] = TreeConfig(
-                top_k=tree_top_k or default.top_k, depth=tree_depth or default.depth, total_tokens=tree_total or default.total_tokens
+                top_k=tree_top_k or default.top_k, depth=tree_depth or default.depth, total_tokens=tree_total or default.total_tokens,
+                min_value=default.min_value if tree_min_value is None else tree_min_value,
             )
         return cls(model, Tokenizer.from_dir(path), name=path.name, **parts, **options)
 

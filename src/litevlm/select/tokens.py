@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
-from litevlm.model.generate import Generation, Prefilled, StageTimer, causal_mask, generate
+from litevlm.model.generate import Generation, Prefilled, StageTimer, generate
 from litevlm.model.lm import DecoderLayer, apply_rope, linear, rope_cos_sin
 from litevlm.model.vision import RMSNorm
 
@@ -295,7 +295,8 @@ def pruned_prefill(
     timer = timer or StageTimer(embeds.device)
     dev = embeds.device
     with timer("prefill"):
-        x = lm(embeds, positions, slots=torch.arange(t, device=dev), mask=causal_mask(t, 0, t, dev), kv_len=t, end_layer=k)
+        # mask=None from slot 0 is plain causal attention: the fused kernel's fast path
+        x = lm(embeds, positions, slots=torch.arange(t, device=dev), mask=None, kv_len=t, end_layer=k)
     with timer(score_stage):
         kept_visual = select_by_scores(score(x), view_sizes(view_spans), keep_ratio, min_per_view)
     with timer("prefill"):
@@ -303,7 +304,7 @@ def pruned_prefill(
         n = kept.numel()
         for layer in lm.layers[:k]:  # compact layers < k to the kept tokens, slots 0..n-1
             layer.self_attn.kv_cache.commit(kept, 0)
-        hidden = lm(x[:, kept], positions[:, kept], slots=torch.arange(n, device=dev), mask=causal_mask(n, 0, n, dev), kv_len=n, start_layer=k)
+        hidden = lm(x[:, kept], positions[:, kept], slots=torch.arange(n, device=dev), mask=None, kv_len=n, start_layer=k)
         logits = linear(hidden[:, -1], model.lm_head)
     return FastVPrefill(logits, n, kept, int(positions[0, -1]) + 1, hidden)
 
@@ -475,29 +476,35 @@ class TokenSelector(nn.Module):
 
     def _head_scores_one(self, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], first_row: int,
                          tags: torch.Tensor | None) -> torch.Tensor:
-        """`head_scores` for one fp32 prompt x (T, C) at inference, in fewer, larger ops (equal, a test):
-        the question rows are the contiguous tail from `first_row`; the MLP's first layer is split into
-        its per-token and context halves, so the (N, 2C) feature matrix is never built."""
+        """`head_scores` for one fp32 prompt x (T, C) at inference, in fewer, larger ops (equal, a test).
+
+        The question rows are the contiguous tail from `first_row`. One matmul gives their [q | rot(q) |
+        gate], one gives every token's [k | rot(k)] (RoPE as a*cos + rot(a)*sin, the rotation folded
+        into the packed weights); the MLP's first layer is split into its per-token and context halves,
+        so the (N, 2C) feature matrix is never built.
+        """
         cfg = self.text_cfg
         t, c = x.shape
         n, hq, hkv, d = t - first_row, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = F.rms_norm(x, (c,), self.norm.weight, self.norm.eps)  # (T, C)
-        cos, sin = rope_cos_sin(positions, d, cfg.rope_theta, x.dtype)  # (1, 1, T, D)
-        cos, sin = cos[0, 0], sin[0, 0]
-        q = apply_rope(linear(h[first_row:], self.q_proj).view(n, hq, d), cos[first_row:, None], sin[first_row:, None])
-        k = apply_rope(linear(h, self.k_proj).view(t, hkv, d), cos[:, None], sin[:, None])  # (T, Hkv, D)
         g = hq // hkv
+        wq, bq, wk, bk = self._packed()
+        h = F.rms_norm(x, (c,), self.norm.weight, self.norm.eps)  # (T, C)
+        cos, sin = self._rope(positions[0], x.dtype)  # (T, 1, D)
+        qg = torch.addmm(bq, h[first_row:], wq)  # (n, 2 Hq D + 1)
+        q = torch.addcmul(qg[:, : hq * d].view(n, hq, d) * cos[first_row:], qg[:, hq * d : 2 * hq * d].view(n, hq, d), sin[first_row:])
+        kk = torch.addmm(bk, h, wk)  # (T, 2 Hkv D)
+        k = torch.addcmul(kk[:, : hkv * d].view(t, hkv, d) * cos, kk[:, hkv * d :].view(t, hkv, d), sin)  # (T, Hkv, D)
         q = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # (Hkv, n G, D): row = i G + g
-        logits = torch.bmm(q, k.transpose(0, 1).transpose(1, 2)) * d**-0.5  # (Hkv, n G, T)
+        logits = torch.bmm(q, k.permute(1, 2, 0)) * d**-0.5  # (Hkv, n G, T)
         future = torch.arange(t, device=x.device)[None, :] > torch.arange(first_row, t, device=x.device)[:, None]  # (n, T)
         logits = logits.view(hkv, n, g, t).masked_fill(future[None, :, None], float("-inf"))
         vis = visual_index(view_spans, x.device)
         attn = logits.softmax(-1)[..., vis]  # (Hkv, n, G, N); head = kv * G + g
-        gate = linear(h[first_row:], self.query_gate)[:, 0]  # (n,)
+        gate = qg[:, -1]  # (n,)
         gate = torch.cat([gate[:-1], gate[-1:] + self.last_bonus])
         beta = gate.softmax(-1)  # (n,)
-        w = self.head_logits.softmax(-1).view(hkv, g)  # (Hkv, G)
-        mix = torch.einsum("hqgn,hg,q->n", attn, w, beta)  # (N,)
+        coef = self.head_logits.softmax(-1).view(hkv, 1, g) * beta[None, :, None]  # (Hkv, n, G): head weight x row pooling
+        mix = coef.reshape(-1) @ attn.reshape(-1, vis.numel())  # (N,)
         ctx = beta @ h[first_row:]  # (C,)
         w1, b1 = self.mlp[0].weight, self.mlp[0].bias  # (hidden, 2C): [token half | context half]
         pre = torch.addmm(torch.addmv(b1, w1[:, c:], ctx), h[vis], w1[:, :c].t())  # (N, hidden)
@@ -505,6 +512,45 @@ class TokenSelector(nn.Module):
         if tags is not None:
             s = s + (self.tag_weight[:, None] * tags.float()).sum(0)
         return s
+
+    def _packed(self) -> tuple:
+        """(W_q (C, 2 Hq D + 1), b_q, W_k (C, 2 Hkv D), b_k), row-major: [q | rot(q) | gate] and [k | rot(k)],
+        rot = rotate_half folded into the weights; rebuilt when a weight changes."""
+        params = (self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias, self.query_gate.weight, self.query_gate.bias)
+        key = tuple((p.data_ptr(), p._version) for p in params if p is not None)
+        if self.__dict__.get("_packed_cache") is not None and self.__dict__["_packed_cache"][0] == key:
+            return self.__dict__["_packed_cache"][1]
+        d = self.text_cfg.head_dim
+
+        def rot(w: torch.Tensor) -> torch.Tensor:  # rows of each head: [-second half, first half]
+            w = w.view(-1, d, *w.shape[1:])
+            return torch.cat([-w[:, d // 2 :], w[:, : d // 2]], 1).reshape(-1, *w.shape[2:])
+
+        def bias(lin: nn.Linear, rows: int) -> torch.Tensor:
+            return lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(rows)
+
+        wq, wk = self.q_proj.weight.detach(), self.k_proj.weight.detach()
+        bq, bk = bias(self.q_proj, wq.shape[0]), bias(self.k_proj, wk.shape[0])
+        packed = (
+            torch.cat([wq, rot(wq), self.query_gate.weight.detach()]).t().contiguous(),
+            torch.cat([bq, rot(bq), self.query_gate.bias.detach()]),
+            torch.cat([wk, rot(wk)]).t().contiguous(),
+            torch.cat([bk, rot(bk)]),
+        )
+        self.__dict__["_packed_cache"] = (key, packed)
+        return packed
+
+    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, 1, D) for positions (T,), from a table kept between prompts."""
+        table = self.__dict__.get("_rope_table")
+        top = int(positions.max()) + 1
+        if table is None or table[0].shape[0] < top or table[0].dtype != dtype or table[0].device != positions.device:
+            cfg = self.text_cfg
+            size = max(top, 4096)
+            cos, sin = rope_cos_sin(torch.arange(size, device=positions.device)[None], cfg.head_dim, cfg.rope_theta, dtype)
+            table = (cos[0, 0, :, None], sin[0, 0, :, None])
+            self.__dict__["_rope_table"] = table
+        return table[0][positions], table[1][positions]
 
     @torch.no_grad()
     def select(
