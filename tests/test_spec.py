@@ -212,7 +212,7 @@ def naive_tree(table, root, k, depth, n):
 def test_draft_tree_invariants(k, depth, n, ties):
     stub = TableDraft(ties=ties, seed=k * 10 + depth)
     root = torch.tensor([3 if ties else 1])
-    tree = draft_tree(stub, root, torch.tensor([[float(root), 0.0]]), start=9, position=40, cfg=TreeConfig(k, depth, n))
+    tree = draft_tree(stub, root, torch.tensor([[float(root), 0.0]]), start=9, position=40, cfg=TreeConfig(k, depth, n, min_value=0.0))
     N = len(tree)
     assert N == n and tree.tokens[0] == root[0] and tree.parents[0] == -1
     par = tree.parents.tolist()
