@@ -81,6 +81,10 @@ def decode_step(model, token: torch.Tensor, position: int, slot: int) -> tuple[t
     """One token (B, 1) at RoPE `position`, written at cache `slot`; returns (logits (B, V), hidden (B, 1, C))."""
     lm = model.language_model
     dev = token.device
+    if token.shape[0] == 1:  # one sequence on the CPU: the scripted step (None where it does not apply)
+        h = lm.fast_forward(lm.embed_tokens(token[0]), torch.tensor([position], device=dev), slot)
+        if h is not None:
+            return linear(h, model.lm_head), h[None]
     pos = torch.full_like(token, position)
     hidden = lm(lm.embed_tokens(token), pos, slots=torch.tensor([slot], device=dev), kv_len=slot + 1)
     return linear(hidden[:, -1], model.lm_head), hidden

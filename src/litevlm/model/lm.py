@@ -236,6 +236,34 @@ class TextModel(nn.Module):
             x = layer(x, cos, sin, slots, mask, kv_len)
         return self.norm(x) if end_layer is None else x
 
+    def rope_table(self, top: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (P, 1, D) for positions 0..P-1, P > top, kept between calls (the same values as
+        `rope_cos_sin` at those positions)."""
+        table = self.__dict__.get("_rope_table")
+        if table is None or table[0].shape[0] <= top or table[0].dtype != dtype or table[0].device != device:
+            size = max(top + 1, 4096)
+            cos, sin = rope_cos_sin(torch.arange(size, device=device)[None], self.cfg.head_dim, self.cfg.rope_theta, dtype)
+            table = (cos[0, 0, :, None], sin[0, 0, :, None])
+            self.__dict__["_rope_table"] = table
+        return table
+
+    def fast_forward(self, embeds: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None = None):
+        """A few tokens of one sequence, embeds (n, C) at positions (n,), written at cache slots
+        start..start+n-1 -> post-norm hidden (n, C), through the scripted CPU step
+        (`litevlm.model.cpu_steps`); None where it does not apply (the caller runs `forward`).
+        mask (1, 1, n, start + n) bool, or None: every token sees slots 0..start+n-1 (n = 1)."""
+        from litevlm.model import cpu_steps
+
+        if not cpu_steps.usable(embeds, self.layers):
+            return None
+        top = int(positions.max()) if positions.numel() > 1 else int(positions)
+        cos, sin = self.rope_table(top, embeds.dtype, embeds.device)
+        cfg = self.cfg
+        caches = [[layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v] for layer in self.layers]
+        x = cpu_steps.scripted()(embeds, cos[positions], sin[positions], start, mask, [cpu_steps.layer_weights(layer) for layer in self.layers],
+                                 caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
+        return self.norm(x)
+
     def commit(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Move cache entries at src_slots to dst_start.. in every layer (accepting a speculative path)."""
         for layer in self.layers:

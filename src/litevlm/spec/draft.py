@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model.kv_cache import KVCache
+from litevlm.model import cpu_steps
 from litevlm.model.lm import DecoderLayer, linear, rope_cos_sin
 
 DRAFT_FORMAT = "litevlm-draft"
@@ -279,8 +280,12 @@ class DraftHead(nn.Module):
         """k tree nodes at one draft position: tokens (k,), their parents' predicted features (k, C),
         mask (k, S) over draft slots 0..S-1 (S = start + k; None: all) -> predicted features (k, C)."""
         cos, sin = self._cos_sin(position)
-        x = self._fuse(hidden, self.embed(tokens))[None]  # (1, k, C)
-        return self._layer(x, cos, sin, self.layer.self_attn.kv_cache, start, None if mask is None else mask[None, None])[0]
+        x = self._fuse(hidden, self.embed(tokens))  # (k, C)
+        if cpu_steps.usable(x, (self.layer,)):  # the scripted CPU step
+            cfg, cache = self.cfg, self.layer.self_attn.kv_cache
+            return cpu_steps.scripted()(x, cos, sin, start, None if mask is None else mask[None, None], [cpu_steps.layer_weights(self.layer)],
+                                        [[cache.k, cache.v]], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
+        return self._layer(x[None], cos, sin, self.layer.self_attn.kv_cache, start, None if mask is None else mask[None, None])[0]
 
     # -- checkpoints ------------------------------------------------------------------------------
     def num_parameters(self) -> int:

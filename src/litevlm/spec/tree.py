@@ -247,6 +247,9 @@ def verify_tree(model, tree: Tree, start: int, root_position: int, live_prefix: 
     if live_prefix:
         mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=dev), tree.mask], 1)  # (N, start + N)
         kv_len = start + n
+        hidden = lm.fast_forward(embeds[0], positions[0], start, mask[None, None])  # the scripted CPU step, or None
+        if hidden is not None:
+            return linear(hidden, model.lm_head), hidden
     else:
         mask = torch.zeros(n, lm.cache_len, dtype=torch.bool, device=dev)
         mask[:, :start] = True

@@ -1,0 +1,119 @@
+"""The scripted CPU steps (`litevlm.model.cpu_steps`): the same logits, hidden states and cache contents
+as the eager path for a decode step, a tree verification and a draft step, and out of the way wherever
+they do not apply."""
+
+import pytest
+import torch
+
+from litevlm.model import cpu_steps
+from litevlm.model.generate import decode_step, prefill
+from litevlm.spec.tree import Tree, ancestor_mask, verify_tree
+
+from test_spec import prompt, random_draft, tiny_vlm
+
+pytestmark = pytest.mark.skipif(cpu_steps.scripted() is None, reason="this torch build has no TorchScript")
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """Counts the scripted calls made before `use_eager()` (so a test knows the scripted path ran), after
+    which the eager path runs, as in a torch build without TorchScript."""
+    real, calls = cpu_steps.scripted(), []
+    monkeypatch.setattr(cpu_steps, "_SCRIPTED", [lambda *args: calls.append(1) or real(*args)])
+
+    def use_eager():
+        assert calls, "the scripted path did not run"
+        monkeypatch.setattr(cpu_steps, "_SCRIPTED", [None])
+
+    return use_eager
+
+
+def caches(model):
+    return [(layer.self_attn.kv_cache.k.clone(), layer.self_attn.kv_cache.v.clone()) for layer in model.language_model.layers]
+
+
+def test_a_scripted_decode_step_equals_the_eager_one(eager):
+    model = tiny_vlm(layers=3)
+    embeds, pos = prompt(model, seed=3)
+    t = embeds.shape[1]
+    tokens = torch.tensor([[9], [17], [4]])
+    runs = []
+    for scripted in (True, False):
+        if not scripted:
+            eager()
+        with torch.no_grad():
+            prefill(model, embeds, pos)
+            out = [decode_step(model, tok.view(1, 1), t + 2 + i, t + i) for i, tok in enumerate(tokens)]  # positions may skip
+        runs.append((out, caches(model)))
+    (fast, fast_cache), (slow, slow_cache) = runs
+    for (lf, hf), (ls, hs) in zip(fast, slow):
+        assert lf.shape == ls.shape and hf.shape == hs.shape
+        torch.testing.assert_close(lf, ls, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hf, hs, atol=1e-5, rtol=1e-5)
+    for (kf, vf), (ks, vs) in zip(fast_cache, slow_cache):
+        torch.testing.assert_close(kf, ks, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(vf, vs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_scripted_tree_verification_equals_the_eager_one(eager):
+    model = tiny_vlm(layers=2)
+    embeds, pos = prompt(model, seed=4)
+    t = embeds.shape[1]
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
+    depth = torch.tensor([0, 1, 1, 2, 2, 2, 3])
+    tree = Tree(torch.tensor([11, 12, 13, 14, 15, 16, 17]), parents, depth, ancestor_mask(parents, 3))
+    runs = []
+    for scripted in (True, False):
+        if not scripted:
+            eager()
+        with torch.no_grad():
+            prefill(model, embeds, pos)
+            runs.append((verify_tree(model, tree, t, t), caches(model)))
+    ((lf, hf), cf), ((ls, hs), cs) = runs
+    torch.testing.assert_close(lf, ls, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hf, hs, atol=1e-5, rtol=1e-5)
+    for (kf, vf), (ks, vs) in zip(cf, cs):
+        torch.testing.assert_close(kf, ks, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(vf, vs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("input_norm", [True, False])
+def test_a_scripted_draft_step_equals_the_eager_one(eager, input_norm):
+    model = tiny_vlm()
+    head = random_draft(model)
+    if not input_norm:
+        head.layer.input_layernorm = torch.nn.Identity()
+    g = torch.Generator().manual_seed(2)
+    feats, nxt = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g)
+    hid = torch.randn(3, 32, generator=g)
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[1, 6] = mask[2, 7] = False  # tree nodes that may not see every scratch entry
+    runs = []
+    for scripted in (True, False):
+        if not scripted:
+            eager()
+        head.prepare(32, 64)
+        with torch.no_grad():
+            head.extend(feats, nxt, torch.arange(6), 0)
+            chain = head.step(torch.tensor([5]), hid[:1], 6, 6, None)
+            tree = head.step(torch.tensor([5, 8, 9]), hid, 7, 6, mask)
+        runs.append((chain, tree, head.layer.self_attn.kv_cache.k[:, :, :9].clone()))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_scripted_step_stays_out_of_the_way():
+    """Training (gradients), another dtype, a batch of sequences, a hooked projection: the eager path runs."""
+    model = tiny_vlm()
+    layers = model.language_model.layers
+    x = torch.randn(1, 32)
+    with torch.no_grad():
+        assert cpu_steps.usable(x, layers)
+        assert not cpu_steps.usable(x.double(), layers)
+        handle = layers[0].self_attn.q_proj.register_forward_hook(lambda *a: None)
+        assert not cpu_steps.usable(x, layers)
+        handle.remove()
+        model.language_model.setup_cache(2, 32)
+        assert not cpu_steps.usable(x, layers)
+    model.language_model.setup_cache(1, 32)
+    assert not cpu_steps.usable(x, layers)  # gradients enabled
