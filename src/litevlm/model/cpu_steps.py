@@ -15,7 +15,7 @@ callers keep the eager path.
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +78,23 @@ def layer_weights(layer) -> List[torch.Tensor]:
     norm = layer.input_layernorm
     in_norm = norm.weight if hasattr(norm, "weight") else qkv_w.new_empty(0)
     return [in_norm, qkv_w, qkv_b, o_t, layer.post_attention_layernorm.weight, gate_up, down_t]
+
+
+class Plan(NamedTuple):
+    """`layers`' weight and cache arguments for some decoder layers, gathered once: a generation
+    builds one at its start and reuses it for every step (nothing changes the weights meanwhile)."""
+
+    weights: List[List[torch.Tensor]]
+    caches: List[List[torch.Tensor]]
+
+
+def plan(x: torch.Tensor, decoder_layers) -> Optional[Plan]:
+    """The arguments for running `decoder_layers` scripted on inputs like x, or None where the eager
+    path must run (see `usable`)."""
+    if not usable(x, decoder_layers):
+        return None
+    return Plan([layer_weights(layer) for layer in decoder_layers],
+                [[layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v] for layer in decoder_layers])
 
 
 def usable(x: torch.Tensor, decoder_layers) -> bool:

@@ -77,12 +77,13 @@ class Prefilled(NamedTuple):
 
 
 @torch.no_grad()
-def decode_step(model, token: torch.Tensor, position: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token (B, 1) at RoPE `position`, written at cache `slot`; returns (logits (B, V), hidden (B, 1, C))."""
+def decode_step(model, token: torch.Tensor, position: int, slot: int, plan=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token (B, 1) at RoPE `position`, written at cache `slot`; returns (logits (B, V), hidden (B, 1, C)).
+    plan: `model.language_model.step_plan()`, made once per generation (the scripted CPU step)."""
     lm = model.language_model
     dev = token.device
     if token.shape[0] == 1:  # one sequence on the CPU: the scripted step (None where it does not apply)
-        h = lm.fast_forward(lm.embed_tokens(token[0]), torch.tensor([position], device=dev), slot)
+        h = lm.fast_forward(lm.embed_tokens(token[0]), torch.tensor([position], device=dev), slot, plan=plan)
         if h is not None:
             return linear(h, model.lm_head), h[None]
     pos = torch.full_like(token, position)
@@ -203,11 +204,12 @@ def generate(
     out = [int(tok)]
     next_pos = int(positions[0, -1]) + 1
     with timer("decode"):
+        plan = model.language_model.step_plan() if step is None and embeds.shape[0] == 1 else None
         for i in range(max_new_tokens - 1):
             if eos_id is not None and out[-1] == eos_id:
                 break
             if step is None:
-                logits, _ = decode_step(model, tok.view(1, 1), next_pos + i, t + i)
+                logits, _ = decode_step(model, tok.view(1, 1), next_pos + i, t + i, plan)
             else:
                 logits = step(tok.view(1, 1), next_pos + i, t + i)
             tok = sample_token(logits, temperature, top_p, generator)

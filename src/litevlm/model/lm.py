@@ -247,21 +247,29 @@ class TextModel(nn.Module):
             self.__dict__["_rope_table"] = table
         return table
 
-    def fast_forward(self, embeds: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None = None):
+    def step_plan(self):
+        """The scripted CPU step's arguments for this decoder (`litevlm.model.cpu_steps.Plan`), or None
+        where the eager path runs; build one per generation and pass it to every step."""
+        from litevlm.model import cpu_steps
+
+        return cpu_steps.plan(self.embed_tokens.weight, self.layers)
+
+    def fast_forward(self, embeds: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None = None, plan=None):
         """A few tokens of one sequence, embeds (n, C) at positions (n,), written at cache slots
         start..start+n-1 -> post-norm hidden (n, C), through the scripted CPU step
         (`litevlm.model.cpu_steps`); None where it does not apply (the caller runs `forward`).
-        mask (1, 1, n, start + n) bool, or None: every token sees slots 0..start+n-1 (n = 1)."""
+        mask (1, 1, n, start + n) bool, or None: every token sees slots 0..start+n-1 (n = 1).
+        plan: from `step_plan()` at the start of a generation (built here when not given)."""
         from litevlm.model import cpu_steps
 
-        if not cpu_steps.usable(embeds, self.layers):
+        plan = plan or cpu_steps.plan(embeds, self.layers)
+        if plan is None or embeds.dtype != torch.float32 or torch.is_grad_enabled():
             return None
         top = int(positions.max()) if positions.numel() > 1 else int(positions)
         cos, sin = self.rope_table(top, embeds.dtype, embeds.device)
         cfg = self.cfg
-        caches = [[layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v] for layer in self.layers]
-        x = cpu_steps.scripted()(embeds, cos[positions], sin[positions], start, mask, [cpu_steps.layer_weights(layer) for layer in self.layers],
-                                 caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
+        x = cpu_steps.scripted()(embeds, cos[positions], sin[positions], start, mask, plan.weights, plan.caches,
+                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
         return self.norm(x)
 
     def commit(self, src_slots: torch.Tensor, dst_start: int) -> None:

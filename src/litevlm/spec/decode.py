@@ -76,10 +76,11 @@ def speculative_generate(
         nxt = torch.cat([embeds[0, c0 + 1 :], lm.embed_tokens(root)])  # (t - c0, C)
         pair_pos = positions[0, c0:]
         done, L = 0, t  # pairs in the draft cache (its slots 0..done-1), tokens in the target cache
+        plan = lm.step_plan() if live else None  # the scripted CPU steps' arguments, gathered once
         while not finished():
             root_pos = next_pos + L - t
             if L + n_tree > cap:  # no room for a tree: finish with plain steps (the cache is exact)
-                logits, _ = decode_step(model, root.view(1, 1), root_pos, L)
+                logits, _ = decode_step(model, root.view(1, 1), root_pos, L, plan)
                 root = sample_token(logits, temperature, top_p, generator)
                 out.append(int(root))
                 accept.append(1)
@@ -90,7 +91,7 @@ def speculative_generate(
                 done += feats.shape[0]
                 tr = draft_tree(draft, root, h_root, done, root_pos, tree, eos_id)  # scratch from draft slot `done`
             with timer("verify"):
-                logits, hid = verify_tree(model, tr, L, root_pos, live)
+                logits, hid = verify_tree(model, tr, L, root_pos, live, plan)
                 if temperature <= 0:
                     path, bonus = accept_greedy(tr, logits)
                 else:

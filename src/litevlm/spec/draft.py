@@ -99,6 +99,7 @@ class DraftHead(nn.Module):
         self.metrics: dict = {}
         self._shared: tuple[nn.Embedding, nn.Linear] | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, 1, D) cos / sin tables
+        self._plan: cpu_steps.Plan | None = None  # the scripted CPU step's arguments, made by `prepare`
         if target is not None:
             self.attach(target)
 
@@ -226,8 +227,9 @@ class DraftHead(nn.Module):
         return 0 if cache is None else cache.max_len
 
     def prepare(self, cache_len: int, max_position: int) -> None:
-        """Ready the draft for a generation: a cache of at least `cache_len` slots and RoPE tables
-        covering positions 0..max_position."""
+        """Ready the draft for a generation: a cache of at least `cache_len` slots, RoPE tables
+        covering positions 0..max_position, and the scripted CPU step's arguments (weights do not
+        change during a generation; `prepare` again after changing them)."""
         w = self.fc.weight
         cache = self.layer.self_attn.kv_cache
         if cache is None or cache.max_len < cache_len or cache.k.dtype != w.dtype or cache.k.device != w.device:
@@ -236,6 +238,8 @@ class DraftHead(nn.Module):
             size = max(max_position + 1, 1024)
             cos, sin = rope_cos_sin(torch.arange(size, device=w.device)[None], self.cfg.head_dim, self.cfg.rope_theta, w.dtype)
             self._rope = (cos[0, 0, :, None], sin[0, 0, :, None])  # (P, 1, D): broadcasts over (B, T, heads, D)
+        with torch.no_grad():
+            self._plan = cpu_steps.plan(w, (self.layer,))
 
     def _cos_sin(self, positions: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin (T, 1, D) for positions (T,), or (1, 1, D) for one int position shared by all rows."""
@@ -281,10 +285,11 @@ class DraftHead(nn.Module):
         mask (k, S) over draft slots 0..S-1 (S = start + k; None: all) -> predicted features (k, C)."""
         cos, sin = self._cos_sin(position)
         x = self._fuse(hidden, self.embed(tokens))  # (k, C)
-        if cpu_steps.usable(x, (self.layer,)):  # the scripted CPU step
-            cfg, cache = self.cfg, self.layer.self_attn.kv_cache
-            return cpu_steps.scripted()(x, cos, sin, start, None if mask is None else mask[None, None], [cpu_steps.layer_weights(self.layer)],
-                                        [[cache.k, cache.v]], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
+        plan = self._plan
+        if plan is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():  # the scripted CPU step
+            cfg = self.cfg
+            return cpu_steps.scripted()(x, cos, sin, start, None if mask is None else mask[None, None], plan.weights, plan.caches,
+                                        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
         return self._layer(x[None], cos, sin, self.layer.self_attn.kv_cache, start, None if mask is None else mask[None, None])[0]
 
     # -- checkpoints ------------------------------------------------------------------------------

@@ -230,13 +230,13 @@ def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start
 # Verification
 # ------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def verify_tree(model, tree: Tree, start: int, root_position: int, live_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_tree(model, tree: Tree, start: int, root_position: int, live_prefix: bool = True, plan=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over the flattened tree -> (logits (N, V), hidden (N, C)).
 
     Node i is written at cache slot start + i, at RoPE position root_position + depth[i], and sees
     cache slots 0..start-1 (the committed prefix) plus its own ancestors. live_prefix: attend over
     slots 0..start+N-1 only (fastest eagerly); otherwise the mask spans the whole static cache and
-    every shape is fixed (what a CUDA graph needs).
+    every shape is fixed (what a CUDA graph needs). plan: the target's `step_plan()` for this generation.
     """
     lm = model.language_model
     n = len(tree)
@@ -247,7 +247,7 @@ def verify_tree(model, tree: Tree, start: int, root_position: int, live_prefix: 
     if live_prefix:
         mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=dev), tree.mask], 1)  # (N, start + N)
         kv_len = start + n
-        hidden = lm.fast_forward(embeds[0], positions[0], start, mask[None, None])  # the scripted CPU step, or None
+        hidden = lm.fast_forward(embeds[0], positions[0], start, mask[None, None], plan)  # the scripted CPU step, or None
         if hidden is not None:
             return linear(hidden, model.lm_head), hidden
     else:
