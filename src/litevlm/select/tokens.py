@@ -596,9 +596,10 @@ class TokenSelector(nn.Module):
             raise LiteVLMError("this TokenSelector is bound to another model's decoder layer 0")
         r = self.cfg.keep_ratio if keep_ratio is None else keep_ratio
         quota = self.cfg.min_per_view if min_per_view is None else min_per_view
-        tags = self.tag_features(model, question, view_spans)
-        return pruned_prefill(model, embeds, positions, view_spans, 1, lambda x: self.head_scores(x, positions, view_spans, tags)[0],
-                              r, quota, timer, score_stage="select_tokens")
+        def score(x: torch.Tensor) -> torch.Tensor:  # timed as select_tokens, the c-tags read included
+            return self.head_scores(x, positions, view_spans, self.tag_features(model, question, view_spans))[0]
+
+        return pruned_prefill(model, embeds, positions, view_spans, 1, score, r, quota, timer, score_stage="select_tokens")
 
     # -- checkpoint -----------------------------------------------------------------------------
     def save(self, model_dir: str | Path, recipe: dict | None = None, extra: dict | None = None) -> Path:
