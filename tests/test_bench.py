@@ -5,14 +5,15 @@ import json
 
 import pytest
 
-from litevlm.eval.bench import CONFIGS, HF_ROWS, format_table, plot, run_bench
+from litevlm.eval.bench import BF16_CONFIGS, CONFIGS, HF_ROWS, format_table, plot, run_bench
+from litevlm.model.lm import bf16_matmul_supported
 
 
 def test_bench_rows_are_consistent(full_model_dir, tmp_path):
     pytest.importorskip("transformers")
     result, per_question = run_bench(str(full_model_dir), n=4, warmup=1, max_new_tokens=6, progress=False)
     rows = {r["config"]: r for r in result["rows"]}
-    assert list(rows) == [*CONFIGS, *HF_ROWS]
+    assert list(rows) == [*CONFIGS, *(BF16_CONFIGS if bf16_matmul_supported() else ()), *HF_ROWS]
     for r in rows.values():
         assert r["total_ms"] > 0 and r["vit_ms"] > 0 and r["prefill_ms"] > 0
         assert r["score"] is not None
@@ -26,6 +27,9 @@ def test_bench_rows_are_consistent(full_model_dir, tmp_path):
     assert rows["litevlm"]["input_tokens"] < rows["views + eagle"]["input_tokens"]
     assert rows["eagle"]["tau"] >= 1.0
     assert rows["litevlm fp8"]["precision"].startswith("fp8")
+    if bf16_matmul_supported():
+        assert rows["litevlm bf16"]["precision"] == rows["baseline bf16"]["precision"] == "bf16-matmul+float32"
+        assert rows["litevlm bf16"]["input_tokens"] == rows["litevlm"]["input_tokens"]
     # Speculative decoding is lossless and transformers runs the same weights: same answers, same score.
     assert rows["eagle"]["score"] == rows["baseline"]["score"]
     assert rows["transformers eager"]["score"] == rows["baseline"]["score"]

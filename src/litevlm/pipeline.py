@@ -144,6 +144,7 @@ class Pipeline:
         tree_total: int | None = None,
         tree_min_value: float | None = None,
         fp8: str | None = None,
+        matmul: str = "fp32",
         **options,
     ) -> "Pipeline":
         """A pipeline over a bundled model ("drive-tiny") or a checkpoint directory.
@@ -155,6 +156,8 @@ class Pipeline:
             (tree_min_value: a chain ends where its draft probability falls below it).
         fp8: "fp8-dynamic-per-row" quantises the decoder linears at load; a checkpoint written by
             `litevlm quantize` is FP8 already (static scales) and needs no option.
+        matmul: "bf16" multiplies the many-row matmuls (vision, prefill) in bf16 on CPUs with AMX or
+            AVX512-BF16, the CPU's counterpart of the paper's low-precision step; decode stays fp32.
         """
         from litevlm.data.tokenizer import Tokenizer
         from litevlm.model.hf import load_native
@@ -176,6 +179,10 @@ class Pipeline:
             if fp8 != "fp8-dynamic-per-row":
                 raise LiteVLMError(f"fp8={fp8!r}: only fp8-dynamic-per-row applies at load; static scales come from `litevlm quantize`")
             quantize_model(model, FP8Recipe(fp8))
+        if matmul not in ("fp32", "bf16"):
+            raise LiteVLMError(f"matmul={matmul!r}: use fp32 or bf16")
+        if matmul == "bf16":
+            model.set_bf16_matmul()
         parts = {}
         if select_views:
             from litevlm.select.views import ViewSelector

@@ -34,6 +34,24 @@ def linear(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
     return y.view(*x.shape[:-1], -1)
 
 
+def mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w16: torch.Tensor | None = None) -> torch.Tensor:
+    """bias + x @ w for a 2-D x; with w16 (w in bfloat16) the product runs in bf16 (AMX on CPUs that have
+    it) and returns fp32: for the many-row matmuls of a prefill or a vision pass, where it is 2-4x faster."""
+    if w16 is None:
+        return x @ w if bias is None else torch.addmm(bias, x, w)
+    y = (x.to(torch.bfloat16) @ w16).float()
+    return y if bias is None else y.add_(bias)
+
+
+def bf16_matmul_supported() -> bool:
+    """This CPU multiplies bf16 natively (AMX or AVX512-BF16), so `mm` with bf16 weights pays."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return torch.backends.mkldnn.is_available() and ("amx_bf16" in flags or "avx512_bf16" in flags)
+
+
 def _plain(lin: nn.Module) -> bool:
     """An nn.Linear as built (not, say, an FP8Linear) that nobody observes through hooks."""
     return type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks)
@@ -116,6 +134,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self._fused: tuple | None = None  # (weight versions, packed weights): see fused_weights
+        # Inference calls with at least this many rows multiply in bf16 (0: never); see `mm`.
+        self.bf16_min_rows = 0
+        self._fused16: tuple | None = None  # (packed weights it was made from, their bf16 copies)
 
     def forward(self, x, cos, sin, slots=None, mask=None, kv_len=None):
         if x.device.type == "cpu" and not torch.is_grad_enabled() and self.fusable():
@@ -173,6 +194,15 @@ class DecoderLayer(nn.Module):
         self._fused = (key, (w[0], None if qkv_b is None else qkv_b.detach(), *w[1:]))
         return self._fused[1]
 
+    def bf16_weights(self, w: tuple, rows: int) -> tuple:
+        """bf16 copies of the packed (qkv, gate_up, o, down) weights when a call of `rows` rows should
+        multiply in bf16 (`bf16_min_rows`), else Nones; made once per packing."""
+        if not self.bf16_min_rows or rows < self.bf16_min_rows or w[0].requires_grad:
+            return (None, None, None, None)
+        if self._fused16 is None or self._fused16[0] is not w:
+            self._fused16 = (w, tuple(w[i].to(torch.bfloat16) for i in (0, 2, 3, 4)))
+        return self._fused16[1]
+
     def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         if isinstance(norm, nn.Identity):
             return x
@@ -185,9 +215,10 @@ class DecoderLayer(nn.Module):
         b, t, c = x.shape
         h_q, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         nqk = (h_q + h_kv) * d
-        qkv_w, qkv_b = (w or self.fused_weights())[:2]
+        w = w or self.fused_weights()
+        qkv_w, qkv_b = w[:2]
         h = self._norm(x, self.input_layernorm).reshape(b * t, c)
-        qkv = (h @ qkv_w if qkv_b is None else torch.addmm(qkv_b, h, qkv_w)).view(b, t, -1)  # (B, T, 2 nqk + Hkv D)
+        qkv = mm(h, qkv_w, qkv_b, self.bf16_weights(w, b * t)[0]).view(b, t, -1)  # (B, T, 2 nqk + Hkv D)
         qk, qk_rot, v = qkv.split((nqk, nqk, h_kv * d), -1)
         qk = torch.addcmul(qk.view(b, t, -1, d) * cos, qk_rot.view(b, t, -1, d), sin)  # (B, T, Hq + Hkv, D) RoPE'd
         v = v.view(b, t, h_kv, d).transpose(1, 2)  # (B, Hkv, T, D)
@@ -196,10 +227,12 @@ class DecoderLayer(nn.Module):
     def fused_out(self, x, y, w: tuple | None = None) -> torch.Tensor:
         """Residual + o_proj(attention output y (B, Hq, T, D)), then the MLP block -> (B, T, C)."""
         b, t, c = x.shape
-        _, _, gate_up, o_t, down_t = w or self.fused_weights()
-        x = torch.addmm(x.reshape(b * t, c), y.transpose(1, 2).reshape(b * t, -1), o_t)  # (B T, C): x + o_proj(y)
-        g, u = (self._norm(x, self.post_attention_layernorm) @ gate_up).chunk(2, -1)
-        return torch.addmm(x, F.silu(g) * u, down_t).view(b, t, c)  # + down_proj(silu(gate) * up)
+        w = w or self.fused_weights()
+        _, _, gate_up, o_t, down_t = w
+        _, gate_up16, o16, down16 = self.bf16_weights(w, b * t)
+        x = mm(y.transpose(1, 2).reshape(b * t, -1), o_t, x.reshape(b * t, c), o16)  # (B T, C): x + o_proj(y)
+        g, u = mm(self._norm(x, self.post_attention_layernorm), gate_up, None, gate_up16).chunk(2, -1)
+        return mm(F.silu(g) * u, down_t, x, down16).view(b, t, c)  # + down_proj(silu(gate) * up)
 
 
 class TextModel(nn.Module):

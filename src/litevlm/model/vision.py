@@ -112,10 +112,46 @@ class Block(nn.Module):
         self.layernorm_after = _norm(cfg)
         self.lambda_1 = nn.Parameter(cfg.layer_scale_init * torch.ones(cfg.hidden_size))
         self.lambda_2 = nn.Parameter(cfg.layer_scale_init * torch.ones(cfg.hidden_size))
+        # Inference calls with at least this many rows multiply in bf16 (0: never): `litevlm.model.lm.mm`.
+        self.bf16_min_rows = 0
+        self._packed16: tuple | None = None
 
     def forward(self, x):
+        if self.bf16_min_rows and x.shape[0] * x.shape[1] >= self.bf16_min_rows and not torch.is_grad_enabled() \
+                and isinstance(self.attention.q_norm, nn.Identity):
+            return self._forward_bf16(x)
         x = x + self.lambda_1 * self.attention(self.layernorm_before(x))
         return x + self.lambda_2 * self.mlp(self.layernorm_after(x))
+
+    def _forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` with its four matmuls in bf16 (q, k and v packed into one), everything else in fp32."""
+        from litevlm.model.lm import mm
+
+        t, n, c = x.shape
+        qkv16, qkv_b, proj16, proj_b, fc1_16, fc1_b, fc2_16, fc2_b = self._bf16_weights()
+        h = self.layernorm_before(x).reshape(t * n, c)
+        q, k, v = (z.view(t, n, self.attention.num_heads, -1).transpose(1, 2) for z in mm(h, None, qkv_b, qkv16).chunk(3, -1))
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(t * n, c)
+        x = x + self.lambda_1 * mm(y, None, proj_b, proj16).view(t, n, c)
+        h = self.mlp.act(mm(self.layernorm_after(x).reshape(t * n, c), None, fc1_b, fc1_16))
+        return x + self.lambda_2 * mm(h, None, fc2_b, fc2_16).view(t, n, c)
+
+    def _bf16_weights(self) -> tuple:
+        """(W (in, out) bf16, bias fp32) for qkv (packed), the output projection, fc1 and fc2; rebuilt when a weight changes."""
+        a, m = self.attention, self.mlp
+        lins = (a.q_proj, a.k_proj, a.v_proj, a.projection_layer, m.fc1, m.fc2)
+        key = tuple((p.data_ptr(), p._version) for lin in lins for p in (lin.weight, lin.bias) if p is not None)
+        if self._packed16 is None or self._packed16[0] != key:
+            def t16(*ws):
+                return torch.cat([w.detach() for w in ws]).t().contiguous().to(torch.bfloat16)
+
+            bias = None
+            if a.q_proj.bias is not None:
+                bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
+            packed = (t16(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), bias, t16(a.projection_layer.weight),
+                      a.projection_layer.bias.detach(), t16(m.fc1.weight), m.fc1.bias.detach(), t16(m.fc2.weight), m.fc2.bias.detach())
+            self._packed16 = (key, packed)
+        return self._packed16[1]
 
 
 class Encoder(nn.Module):

@@ -33,6 +33,24 @@ class VLM(nn.Module):
         if cfg.text.tie_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight
 
+    def set_bf16_matmul(self, min_rows: int = 32) -> None:
+        """Multiply in bf16 wherever an inference call has at least `min_rows` rows: the vision blocks and
+        the decoder's prefill; decode steps and tree verification (a few rows) stay fp32, as does all
+        else (norms, attention, residuals). 0 turns it off. Needs a CPU with AMX or AVX512-BF16."""
+        from litevlm.model.lm import bf16_matmul_supported
+
+        if min_rows and (self.device.type != "cpu" or self.dtype != torch.float32 or not bf16_matmul_supported()):
+            raise LiteVLMError("bf16 matmuls are a CPU path for fp32 models on CPUs with AMX or AVX512-BF16; "
+                               f"this model is {self.dtype} on {self.device}" + ("" if bf16_matmul_supported() else ", and this CPU has neither"))
+        for block in self.vision_tower.encoder.layer:
+            block.bf16_min_rows = min_rows
+        for layer in self.language_model.layers:
+            layer.bf16_min_rows = min_rows
+
+    @property
+    def matmul_precision(self) -> str:
+        return "bf16" if self.language_model.layers[0].bf16_min_rows else str(self.dtype).removeprefix("torch.")
+
     # -- vision ---------------------------------------------------------------------------------
     def encode_tiles(self, pixels: torch.Tensor) -> torch.Tensor:
         """(tiles, 3, S, S) normalised pixels -> (tiles, tokens_per_tile, C_llm) visual tokens."""

@@ -403,7 +403,8 @@ def precision_of(model: nn.Module) -> str:
     recipes = sorted({m.recipe for m in model.modules() if isinstance(m, FP8Linear)})
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     base = str(dtype).removeprefix("torch.")
-    return "+".join([*recipes, base])
+    bf16 = ["bf16-matmul"] if getattr(model, "matmul_precision", None) == "bf16" else []
+    return "+".join([*recipes, *bf16, base])
 
 
 # ================================================================================================

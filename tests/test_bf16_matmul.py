@@ -1,0 +1,72 @@
+"""bf16 matmuls for the many-row stages (vision, prefill) on CPUs with AMX / AVX512-BF16: close to fp32,
+off for the few-row steps (decode, verification), refused where the CPU lacks them."""
+
+import pytest
+import torch
+
+from litevlm.errors import LiteVLMError
+from litevlm.model import lm as lm_module
+from litevlm.model.generate import decode_step, prefill
+from litevlm.model.lm import bf16_matmul_supported, mm
+
+from test_spec import prompt, tiny_vlm
+
+needs_bf16 = pytest.mark.skipif(not bf16_matmul_supported(), reason="this CPU has no AMX / AVX512-BF16")
+
+
+def test_mm_matches_addmm_within_bf16_rounding():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(40, 64, generator=g), torch.randn(64, 48, generator=g), torch.randn(48, generator=g)
+    ref = torch.addmm(b, x, w)
+    assert torch.equal(mm(x, w, b), ref)
+    got = mm(x, None, b, w.to(torch.bfloat16))
+    assert got.dtype == torch.float32
+    assert ((got - ref).norm() / ref.norm()) < 1e-2
+
+
+@needs_bf16
+def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32():
+    model = tiny_vlm(layers=2)
+    pixels = torch.randn(3, 3, 28, 28, generator=torch.Generator().manual_seed(1))
+    embeds, pos = prompt(model, seed=2, n=40)
+    with torch.no_grad():
+        vis32 = model.encode_tiles(pixels)
+        logits32, hidden32 = prefill(model, embeds, pos)
+        step32 = decode_step(model, torch.tensor([[9]]), 40, 40)[0]
+        model.set_bf16_matmul(8)
+        assert model.matmul_precision == "bf16"
+        vis16 = model.encode_tiles(pixels)
+        logits16, hidden16 = prefill(model, embeds, pos)
+        # the decode step reads the (now bf16-made) prompt cache, but itself multiplies in fp32
+        model.set_bf16_matmul(0)
+        prefill(model, embeds, pos)
+        model.set_bf16_matmul(8)
+        step16 = decode_step(model, torch.tensor([[9]]), 40, 40)[0]
+    assert not torch.equal(vis16, vis32) and not torch.equal(hidden16, hidden32)  # the bf16 path ran
+    assert ((vis16 - vis32).norm() / vis32.norm()) < 2e-2
+    assert ((hidden16 - hidden32).norm() / hidden32.norm()) < 6e-2  # a random decoder with large weights amplifies rounding
+    torch.testing.assert_close(step16, step32, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_matmul_is_refused_where_the_cpu_lacks_it(monkeypatch):
+    model = tiny_vlm()
+    monkeypatch.setattr(lm_module, "bf16_matmul_supported", lambda: False)
+    with pytest.raises(LiteVLMError, match="AMX"):
+        model.set_bf16_matmul(32)
+    model.set_bf16_matmul(0)  # turning it off always works
+    assert model.matmul_precision == "float32"
+
+
+@needs_bf16
+def test_speculative_decoding_stays_lossless_with_bf16_prefill(full_model_dir):
+    from litevlm.data.synthetic import make_frame, render_views
+    from litevlm.pipeline import Pipeline
+
+    images = render_views(make_frame(1, 0), size=(160, 90))
+    plain = Pipeline.from_pretrained(full_model_dir, select_tokens=0.5, max_new_tokens=10, matmul="bf16")
+    spec = Pipeline.from_pretrained(full_model_dir, select_tokens=0.5, speculative=True, max_new_tokens=10, matmul="bf16")
+    for q in ("Is there a red car to the front of the ego car?", "What is behind us on the left?"):
+        a, b = plain.answer(q, images), spec.answer(q, images)
+        assert a.tokens == b.tokens and a.precision == b.precision == "bf16-matmul+float32"
+    with pytest.raises(LiteVLMError, match="matmul"):
+        Pipeline.from_pretrained(full_model_dir, matmul="int4")
