@@ -112,11 +112,14 @@ def run_accuracy(model, tokenizer, selector, samples, prompts: Prompts, ratios, 
         n_vis = sum(view_sizes(spans))
         add(("unpruned", 1.0), sample, generate(model, embeds, positions, max_new, eos).tokens, n_vis)
         sel_scores = None
-        if "selector" in methods:
+        if "selector" in methods and not selector.cfg.shared_layer:
             sel_scores = selector.scores(embeds, positions, spans, selector.tag_features(model, sample.question, spans))[0]
         for r in ratios:
             for m in methods:
-                if m == "selector":
+                if m == "selector" and selector.cfg.shared_layer:  # selection inside the decoder, as the pipeline runs it
+                    pre = selector.prefill(model, embeds, positions, spans, r, min_per_view, sample.question)
+                    gen = generate(model, embeds, positions, max_new, eos, prefilled=pre.prefilled(embeds, positions))
+                elif m == "selector":
                     kept = select_by_scores(sel_scores, view_sizes(spans), r, min_per_view)
                     e, p, idx = prune_prompt(embeds, positions, spans, kept)
                     gen = generate(model, e, p, max_new, eos)
@@ -150,8 +153,12 @@ def _median_ms(fn, repeats: int, device) -> float:
 
 @torch.no_grad()
 def run_timing(model, selector, samples, prompts: Prompts, ratios, repeats: int, min_per_view) -> dict:
-    """Median ms over prompts: unpruned prefill; per r: selector, pruned prefill, FastV K=1/K=2 prefill."""
-    from litevlm.model.generate import prefill
+    """Median ms over prompts: unpruned prefill; per r: selector, pruned prefill, FastV K=1/K=2 prefill.
+
+    A selector sharing decoder layer 0 selects inside the decoder: its "selector" time is its head (and
+    the c-tag read), its "pruned prefill" the decoder layers (layer 0 on the whole prompt, the rest on
+    the kept tokens), both from the stage timer of one `TokenSelector.prefill` call (median of repeats)."""
+    from litevlm.model.generate import StageTimer, prefill
     from litevlm.select.tokens import fastv_prefill, prune_prompt, select_by_scores, view_sizes
 
     dev = model.device
@@ -166,9 +173,24 @@ def run_timing(model, selector, samples, prompts: Prompts, ratios, repeats: int,
         prefill(model, embeds, positions)
         selector.scores(embeds, positions, spans)
         fastv_prefill(model, embeds, positions, spans, 1, 0.5)
+        if selector.cfg.shared_layer:
+            selector.prefill(model, embeds, positions, spans, 0.5)
     for embeds, positions, spans, question in inputs:
         rec("prefill_unpruned", _median_ms(lambda: prefill(model, embeds, positions), repeats, dev))
         for r in ratios:
+            if selector.cfg.shared_layer:
+                split = {"select_tokens": [], "prefill": []}
+                for _ in range(repeats):
+                    timer = StageTimer(dev)
+                    selector.prefill(model, embeds, positions, spans, r, min_per_view, question, timer)
+                    for stage in split:
+                        split[stage].append(timer.ms[stage])
+                rec(f"selector@{r}", statistics.median(split["select_tokens"]))
+                rec(f"prefill_pruned@{r}", statistics.median(split["prefill"]))
+                for k in (1, 2):
+                    rec(f"fastv_k{k}@{r}", _median_ms(lambda: fastv_prefill(model, embeds, positions, spans, k, r), repeats, dev))
+                continue
+
             def select():
                 s = selector.scores(embeds, positions, spans, selector.tag_features(model, question, spans))[0]
                 return prune_prompt(embeds, positions, spans, select_by_scores(s, view_sizes(spans), r, min_per_view))
