@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(cpu_steps.scripted() is None, reason="this torch
 def eager(monkeypatch):
     """Counts the scripted calls made before `use_eager()` (so a test knows the scripted path ran), after
     which the eager path runs, as in a torch build without TorchScript."""
-    real, calls = cpu_steps.scripted(), []
-    monkeypatch.setattr(cpu_steps, "_SCRIPTED", [lambda *args: calls.append(1) or real(*args)])
+    real, real_chain, calls = cpu_steps.scripted(), cpu_steps.scripted_chain(), []
+    monkeypatch.setattr(cpu_steps, "_SCRIPTED", [(lambda *args: calls.append(1) or real(*args),
+                                                 lambda *args: calls.append(1) or real_chain(*args))])
 
     def use_eager():
         assert calls, "the scripted path did not run"
@@ -117,3 +118,44 @@ def test_the_scripted_step_stays_out_of_the_way():
         assert not cpu_steps.usable(x, layers)
     model.language_model.setup_cache(1, 32)
     assert not cpu_steps.usable(x, layers)  # gradients enabled
+
+
+@pytest.mark.parametrize("min_value,eos", [(0.0, None), (0.3, None), (0.0, "drafted")])
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_a_scripted_draft_chain_equals_the_eager_loop(eager, min_value, eos, draft_vocab):
+    """One scripted call drafts the chain the Python loop drafts: same tokens, same draft cache."""
+    from litevlm.spec.draft import DraftConfig, DraftHead
+    from litevlm.spec.tree import TreeConfig, draft_tree
+
+    model = tiny_vlm()
+    torch.manual_seed(1)
+    head = DraftHead(DraftConfig.for_target(model.cfg.text, draft_vocab=draft_vocab), model).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.3)
+        if draft_vocab:
+            head.set_draft_vocab(torch.randperm(model.cfg.text.vocab_size)[:draft_vocab])
+    g = torch.Generator().manual_seed(3)
+    feats, nxt = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g)
+    cfg = TreeConfig.chain(8, min_value)
+    runs = []
+    for scripted in (True, False):
+        if not scripted:
+            eager()
+        head.prepare(32, 64)
+        with torch.no_grad():
+            h_root = head.extend(feats, nxt, torch.arange(6), 0, last_only=True)
+            eos_id = None
+            if eos == "drafted":  # the second drafted token, as EOS: the chain must stop right after it
+                probe = draft_tree(head, torch.tensor([3]), h_root, 6, 6, TreeConfig.chain(3, 0.0))
+                eos_id = int(probe.tokens[2])
+            tree = draft_tree(head, torch.tensor([3]), h_root, 6, 6, cfg, eos_id)
+        runs.append((tree.tokens, tree.parents, head.layer.self_attn.kv_cache.k[:, :, : 6 + len(tree)].clone()))
+    (ta, pa, ka), (tb, pb, kb) = runs
+    assert torch.equal(ta, tb) and torch.equal(pa, pb)
+    torch.testing.assert_close(ka, kb, atol=1e-5, rtol=1e-5)
+    if eos == "drafted":
+        assert len(ta) == 3  # root + two drafts, the second one EOS
+    if min_value == 0.0 and eos is None:
+        assert len(ta) == 9  # no cut: the full depth

@@ -55,19 +55,60 @@ def layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int, ma
     return x
 
 
-_SCRIPTED: list = []  # [scripted function or None], filled on first use
+def chain(root_hidden: torch.Tensor, position: int, start: int, depth: int, log_min: float, eos: int,
+          cos_table: torch.Tensor, sin_table: torch.Tensor, embed: torch.Tensor, fc_w: torch.Tensor, fc_b: torch.Tensor,
+          head: torch.Tensor, vocab_map: torch.Tensor, weights: List[List[torch.Tensor]], caches: List[List[torch.Tensor]],
+          hq: int, hkv: int, d: int, eps: float) -> torch.Tensor:
+    """A draft head's whole chain in one call -> the drafted token ids (m,), 1 <= m <= depth.
+
+    From the root's predicted feature (1, C): take the most likely token; while the chain's summed
+    log-probability stays >= log_min and the last token is not `eos`, feed [embedding ; feature]
+    through fc (2C, C) and the draft layer (`layers`, slots start, start + 1, ... at positions
+    position, position + 1, ...) and take the next most likely token. head (C, V') scores the draft
+    vocabulary; vocab_map (V') maps it to target ids (empty: V' is the target's vocabulary).
+    """
+    lp = torch.log_softmax(root_hidden @ head, -1)
+    value, idx = lp.topk(1, -1)
+    tok = vocab_map[idx[0]] if vocab_map.numel() > 0 else idx[0]
+    drafted = [tok]
+    hidden = root_hidden
+    for i in range(depth - 1):
+        if bool(value[0, 0] < log_min) or int(tok[0]) == eos:
+            break
+        x = torch.addmm(fc_b, torch.cat([embed[tok], hidden], -1), fc_w)
+        hidden = layers(x, cos_table[position + i : position + i + 1], sin_table[position + i : position + i + 1], start + i, None,
+                        weights, caches, hq, hkv, d, eps)
+        lp = torch.log_softmax(hidden @ head, -1)
+        step_value, idx = lp.topk(1, -1)
+        value = value + step_value
+        tok = vocab_map[idx[0]] if vocab_map.numel() > 0 else idx[0]
+        drafted.append(tok)
+    return torch.cat(drafted)
 
 
-def scripted():
-    """`layers` compiled by TorchScript (once per process), or None where that is unavailable."""
+_SCRIPTED: list = []  # [(scripted layers, scripted chain) or None], filled on first use
+
+
+def _compile() -> None:
     if not _SCRIPTED:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                _SCRIPTED.append(torch.jit.script(layers))
+                _SCRIPTED.append((torch.jit.script(layers), torch.jit.script(chain)))
         except Exception:  # a build without TorchScript: the eager path serves
             _SCRIPTED.append(None)
-    return _SCRIPTED[0]
+
+
+def scripted():
+    """`layers` compiled by TorchScript (once per process), or None where that is unavailable."""
+    _compile()
+    return None if _SCRIPTED[0] is None else _SCRIPTED[0][0]
+
+
+def scripted_chain():
+    """`chain` compiled by TorchScript, or None where that is unavailable."""
+    _compile()
+    return None if _SCRIPTED[0] is None else _SCRIPTED[0][1]
 
 
 def layer_weights(layer) -> List[torch.Tensor]:

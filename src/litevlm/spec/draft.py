@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -100,6 +101,7 @@ class DraftHead(nn.Module):
         self._shared: tuple[nn.Embedding, nn.Linear] | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, 1, D) cos / sin tables
         self._plan: cpu_steps.Plan | None = None  # the scripted CPU step's arguments, made by `prepare`
+        self._chain_args: tuple | None = None  # and the scripted chain's: embedding, fc, head, vocabulary map
         if target is not None:
             self.attach(target)
 
@@ -240,6 +242,13 @@ class DraftHead(nn.Module):
             self._rope = (cos[0, 0, :, None], sin[0, 0, :, None])  # (P, 1, D): broadcasts over (B, T, heads, D)
         with torch.no_grad():
             self._plan = cpu_steps.plan(w, (self.layer,))
+            self._chain_args = None
+            if self._plan is not None and cpu_steps.scripted_chain() is not None:
+                if self.cfg.draft_vocab:
+                    head, vmap = self._draft_head(), self.vocab_map
+                else:
+                    head, vmap = self._target()[1].weight.detach().t().contiguous(), torch.empty(0, dtype=torch.long, device=w.device)
+                self._chain_args = (self._target()[0].weight.detach(), self.fc.weight.detach().t().contiguous(), self.fc.bias.detach(), head, vmap)
 
     def _cos_sin(self, positions: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin (T, 1, D) for positions (T,), or (1, 1, D) for one int position shared by all rows."""
@@ -291,6 +300,20 @@ class DraftHead(nn.Module):
             return cpu_steps.scripted()(x, cos, sin, start, None if mask is None else mask[None, None], plan.weights, plan.caches,
                                         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
         return self._layer(x[None], cos, sin, self.layer.self_attn.kv_cache, start, None if mask is None else mask[None, None])[0]
+
+    @torch.no_grad()
+    def draft_chain(self, root_hidden: torch.Tensor, position: int, start: int, depth: int, min_value: float,
+                    eos_id: int | None) -> torch.Tensor | None:
+        """The chain `litevlm.spec.tree.draft_tree` drafts (top-1 tokens until the summed log-probability
+        falls below log(min_value), a drafted EOS, or `depth` tokens) in one scripted call on the CPU:
+        drafted ids (m,). None where the eager loop runs (no `prepare`d plan, another dtype, no TorchScript)."""
+        if self._chain_args is None or self._plan is None or root_hidden.dtype != torch.float32:
+            return None
+        cfg, (cos, sin) = self.cfg, self._rope
+        log_min = math.log(min_value) if min_value > 0 else -math.inf
+        return cpu_steps.scripted_chain()(root_hidden, position, start, depth, log_min, -1 if eos_id is None else eos_id, cos, sin,
+                                          *self._chain_args, self._plan.weights, self._plan.caches,
+                                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def num_parameters(self) -> int:

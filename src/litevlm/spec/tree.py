@@ -184,6 +184,10 @@ def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start
     k, levels = cfg.top_k, cfg.depth
     dev = root_hidden.device
     if k == 1 and cfg.total_tokens == levels + 1:  # a chain: no reranking, no tree mask to track
+        fast = getattr(draft, "draft_chain", None)
+        drafted = None if fast is None else fast(root_hidden, position, start, levels, cfg.min_value, eos_id)
+        if drafted is not None:  # the whole chain in one scripted call (CPU)
+            return Tree(torch.cat([root_token.reshape(1).to(drafted.dtype), drafted]), *_chain(drafted.numel() + 1, dev))
         value, tok = draft.topk(root_hidden, 1)
         drafted = [tok[:, 0]]  # (1,)
         hidden = root_hidden
