@@ -33,27 +33,37 @@ def caches(model):
     return [(layer.self_attn.kv_cache.k.clone(), layer.self_attn.kv_cache.v.clone()) for layer in model.language_model.layers]
 
 
+def both_paths(eager, run):
+    """run() on the scripted path, then on the eager one: (scripted result, eager result)."""
+    with torch.no_grad():
+        fast = run()
+        eager()
+        return fast, run()
+
+
+def assert_all_close(a, b):
+    """Nested lists / tuples of tensors, equal in structure and shape, close in value."""
+    if isinstance(a, torch.Tensor):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        return
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert_all_close(x, y)
+
+
 def test_a_scripted_decode_step_equals_the_eager_one(eager):
     model = tiny_vlm(layers=3)
     embeds, pos = prompt(model, seed=3)
     t = embeds.shape[1]
     tokens = torch.tensor([[9], [17], [4]])
-    runs = []
-    for scripted in (True, False):
-        if not scripted:
-            eager()
-        with torch.no_grad():
-            prefill(model, embeds, pos)
-            out = [decode_step(model, tok.view(1, 1), t + 2 + i, t + i) for i, tok in enumerate(tokens)]  # positions may skip
-        runs.append((out, caches(model)))
-    (fast, fast_cache), (slow, slow_cache) = runs
-    for (lf, hf), (ls, hs) in zip(fast, slow):
-        assert lf.shape == ls.shape and hf.shape == hs.shape
-        torch.testing.assert_close(lf, ls, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(hf, hs, atol=1e-5, rtol=1e-5)
-    for (kf, vf), (ks, vs) in zip(fast_cache, slow_cache):
-        torch.testing.assert_close(kf, ks, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(vf, vs, atol=1e-5, rtol=1e-5)
+
+    def run():
+        prefill(model, embeds, pos)
+        out = [decode_step(model, tok.view(1, 1), t + 2 + i, t + i) for i, tok in enumerate(tokens)]  # positions may skip
+        return out, caches(model)
+
+    assert_all_close(*both_paths(eager, run))
 
 
 def test_a_scripted_tree_verification_equals_the_eager_one(eager):
@@ -63,19 +73,12 @@ def test_a_scripted_tree_verification_equals_the_eager_one(eager):
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
     depth = torch.tensor([0, 1, 1, 2, 2, 2, 3])
     tree = Tree(torch.tensor([11, 12, 13, 14, 15, 16, 17]), parents, depth, ancestor_mask(parents, 3))
-    runs = []
-    for scripted in (True, False):
-        if not scripted:
-            eager()
-        with torch.no_grad():
-            prefill(model, embeds, pos)
-            runs.append((verify_tree(model, tree, t, t), caches(model)))
-    ((lf, hf), cf), ((ls, hs), cs) = runs
-    torch.testing.assert_close(lf, ls, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(hf, hs, atol=1e-5, rtol=1e-5)
-    for (kf, vf), (ks, vs) in zip(cf, cs):
-        torch.testing.assert_close(kf, ks, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(vf, vs, atol=1e-5, rtol=1e-5)
+
+    def run():
+        prefill(model, embeds, pos)
+        return verify_tree(model, tree, t, t), caches(model)
+
+    assert_all_close(*both_paths(eager, run))
 
 
 @pytest.mark.parametrize("input_norm", [True, False])
@@ -89,18 +92,15 @@ def test_a_scripted_draft_step_equals_the_eager_one(eager, input_norm):
     hid = torch.randn(3, 32, generator=g)
     mask = torch.ones(3, 9, dtype=torch.bool)
     mask[1, 6] = mask[2, 7] = False  # tree nodes that may not see every scratch entry
-    runs = []
-    for scripted in (True, False):
-        if not scripted:
-            eager()
+
+    def run():
         head.prepare(32, 64)
-        with torch.no_grad():
-            head.extend(feats, nxt, torch.arange(6), 0)
-            chain = head.step(torch.tensor([5]), hid[:1], 6, 6, None)
-            tree = head.step(torch.tensor([5, 8, 9]), hid, 7, 6, mask)
-        runs.append((chain, tree, head.layer.self_attn.kv_cache.k[:, :, :9].clone()))
-    for a, b in zip(*runs):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        head.extend(feats, nxt, torch.arange(6), 0)
+        chain = head.step(torch.tensor([5]), hid[:1], 6, 6, None)
+        tree = head.step(torch.tensor([5, 8, 9]), hid, 7, 6, mask)
+        return chain, tree, head.layer.self_attn.kv_cache.k[:, :, :9].clone()
+
+    assert_all_close(*both_paths(eager, run))
 
 
 def test_the_scripted_step_stays_out_of_the_way():
@@ -139,22 +139,20 @@ def test_a_scripted_draft_chain_equals_the_eager_loop(eager, min_value, eos, dra
     g = torch.Generator().manual_seed(3)
     feats, nxt = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g)
     cfg = TreeConfig.chain(8, min_value)
-    runs = []
-    for scripted in (True, False):
-        if not scripted:
-            eager()
+
+    def run():
         head.prepare(32, 64)
-        with torch.no_grad():
-            h_root = head.extend(feats, nxt, torch.arange(6), 0, last_only=True)
-            eos_id = None
-            if eos == "drafted":  # the second drafted token, as EOS: the chain must stop right after it
-                probe = draft_tree(head, torch.tensor([3]), h_root, 6, 6, TreeConfig.chain(3, 0.0))
-                eos_id = int(probe.tokens[2])
-            tree = draft_tree(head, torch.tensor([3]), h_root, 6, 6, cfg, eos_id)
-        runs.append((tree.tokens, tree.parents, head.layer.self_attn.kv_cache.k[:, :, : 6 + len(tree)].clone()))
-    (ta, pa, ka), (tb, pb, kb) = runs
+        h_root = head.extend(feats, nxt, torch.arange(6), 0, last_only=True)
+        eos_id = None
+        if eos == "drafted":  # the second drafted token, as EOS: the chain must stop right after it
+            probe = draft_tree(head, torch.tensor([3]), h_root, 6, 6, TreeConfig.chain(3, 0.0))
+            eos_id = int(probe.tokens[2])
+        tree = draft_tree(head, torch.tensor([3]), h_root, 6, 6, cfg, eos_id)
+        return tree.tokens, tree.parents, head.layer.self_attn.kv_cache.k[:, :, : 6 + len(tree)].clone()
+
+    (ta, pa, ka), (tb, pb, kb) = both_paths(eager, run)
     assert torch.equal(ta, tb) and torch.equal(pa, pb)
-    torch.testing.assert_close(ka, kb, atol=1e-5, rtol=1e-5)
+    assert_all_close(ka, kb)
     if eos == "drafted":
         assert len(ta) == 3  # root + two drafts, the second one EOS
     if min_value == 0.0 and eos is None:
