@@ -56,7 +56,6 @@ def speculative_generate(
     n_tree = tree.total_tokens
     live = embeds.device.type != "cuda"  # eager CPU: attend over the live prefix; GPU: fixed shapes
     next_pos = int(positions[0, -1]) + 1  # RoPE position of the first generated token (slot t)
-    draft.prepare(cap + (tree.depth - 1) * tree.top_k, next_pos + max_new_tokens + tree.depth + 1)
 
     with timer("prefill"):
         logits, hidden = prefill(model, embeds, positions) if prefilled is None else prefilled[:2]
@@ -68,6 +67,7 @@ def speculative_generate(
         return len(out) >= max_new_tokens or (eos_id is not None and out[-1] == eos_id)
 
     with timer("decode"):
+        draft.prepare(cap + (tree.depth - 1) * tree.top_k, next_pos + max_new_tokens + tree.depth + 1)  # per generation: timed
         # The first extend covers the prompt (its last `context` pairs when the draft is windowed):
         # pair j = (f_j, what the target consumed at j+1), at the position of token j.
         context = getattr(getattr(draft, "cfg", None), "context", 0)
