@@ -278,16 +278,27 @@ def test_tag_augmentation_moves_single_tags():
     assert len(dedupe(out + [(q.replace("547.9", "12.0"), (F,))])) == 7  # coordinates do not make a new question
 
 
-def test_inference_path_equals_the_module_path(trained):
-    """The eval-mode functional encoder and cross-attention give the training modules' logits,
-    padded batches included (dropout is the only difference, and it is off in eval)."""
+@pytest.mark.parametrize("scripted", [True, False])
+def test_inference_path_equals_the_module_path(trained, scripted, monkeypatch):
+    """The eval-mode inference (one scripted call, or the functional encoder and cross-attention where
+    TorchScript is missing) gives the training modules' logits, padded batches included (dropout is the
+    only difference, and it is off in eval)."""
+    from litevlm.select import views
+
+    if not scripted:
+        monkeypatch.setattr(views, "_SCRIPTED_LOGITS", [None])
     sel = ViewSelector.load(trained[0])
+    with torch.no_grad():
+        assert (sel._scripted() is not None) == (scripted and views._SCRIPTED_LOGITS[0] is not None)
     questions = [q for q, _ in EXPLICIT[:3]] + SCENE_WIDE[:2] + ["Is <c1,CAM_BACK,700.0,500.0> moving?"]
     ids, mask = sel.cfg.features(questions)
     lex = sel.lexical(questions)
     assert not mask.all()  # questions of different lengths: padding is exercised
     with torch.no_grad():
         fast = sel(ids, mask, lex)
+        sel.head[3].bias.add_(1.0)  # an in-place weight change reaches the inference path
+        assert torch.allclose(sel(ids, mask, lex), fast + 1.0, atol=1e-5)
+        sel.head[3].bias.sub_(1.0)
         sel.train()
         for m in sel.modules():  # the module path without dropout
             if isinstance(m, torch.nn.Dropout):

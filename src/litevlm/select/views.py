@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 import zlib
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
+from typing import List, Sequence
 
 import torch
 import torch.nn as nn
@@ -261,6 +262,43 @@ def _attend(mha: nn.MultiheadAttention, query: torch.Tensor, kv: torch.Tensor, a
     return F.linear(y.transpose(1, 2).reshape(b, nq, c), mha.out_proj.weight, mha.out_proj.bias)
 
 
+def _mha_ops(query: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, in_w: torch.Tensor, in_b: torch.Tensor,
+             out_w: torch.Tensor, out_b: torch.Tensor, heads: int, self_attention: bool) -> torch.Tensor:
+    """`_attend` on raw weights (in_w (3C, C) = [q; k; v] as nn.MultiheadAttention packs them)."""
+    b, nq, c = query.shape
+    if self_attention:
+        q, k, v = F.linear(query, in_w, in_b).chunk(3, -1)
+    else:
+        q = F.linear(query, in_w[:c], in_b[:c])
+        k, v = F.linear(kv, in_w[c:], in_b[c:]).chunk(2, -1)
+    t, d = kv.shape[1], c // heads
+    q = q.reshape(b, nq, heads, d).transpose(1, 2)
+    k = k.reshape(b, t, heads, d).transpose(1, 2)
+    v = v.reshape(b, t, heads, d).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    return F.linear(y.transpose(1, 2).reshape(b, nq, c), out_w, out_b)
+
+
+def _logits_ops(x: torch.Tensor, allowed: torch.Tensor, q: torch.Tensor, encoder: List[List[torch.Tensor]], tail: List[torch.Tensor],
+                heads: int, eps: float) -> torch.Tensor:
+    """The module's inference from the embedded words x (B, T, C) and the latent queries q (B, N, C) on
+    raw weights, in one call (scripted by `ViewSelector._scripted`): the encoder's pre-norm layers, its
+    output norm, the latents' cross-attention and the head -> logits (B, N)."""
+    c = x.shape[-1]
+    for w in encoder:  # [norm1 w, b, in_proj w, b, out_proj w, b, norm2 w, b, linear1 w, b, linear2 w, b]
+        h = F.layer_norm(x, [c], w[0], w[1], eps)
+        x = x + _mha_ops(h, h, allowed, w[2], w[3], w[4], w[5], heads, True)
+        h = F.layer_norm(x, [c], w[6], w[7], eps)
+        x = x + F.linear(F.gelu(F.linear(h, w[8], w[9])), w[10], w[11])
+    x = F.layer_norm(x, [c], tail[0], tail[1], eps)  # [norm, latent_norm, cross in / out, head norm, head linears]
+    z = q + _mha_ops(F.layer_norm(q, [c], tail[2], tail[3], eps), x, allowed, tail[4], tail[5], tail[6], tail[7], heads, False)
+    h = F.gelu(F.linear(F.layer_norm(z, [c], tail[8], tail[9], eps), tail[10], tail[11]))
+    return F.linear(h, tail[12], tail[13]).squeeze(-1)
+
+
+_SCRIPTED_LOGITS: list = []  # [scripted `_logits_ops` or None], filled on first use
+
+
 def keep_mask(scores: torch.Tensor, threshold: float) -> torch.Tensor:
     """(B, N) bool: views whose score passes; a row where none passes keeps every view."""
     keep = scores >= threshold
@@ -307,6 +345,13 @@ class ViewSelector(nn.Module):
         """Logits (B, N) from hashed word ids (B, T, K), their mask (B, T) and the lexical map (B, N)."""
         b, t, k = ids.shape
         x = self.embed(ids.reshape(b * t, k)).reshape(b, t, -1) + self.pos[:t]  # (B, T, C)
+        fast = None if self.training or torch.is_grad_enabled() else self._scripted()
+        if fast is not None:  # inference in one TorchScript call (a question is ~100 tiny ops)
+            fn, encoder, tail, eps = fast
+            named = lexical.to(x.dtype)
+            other = (named.sum(-1, keepdim=True) > 0).to(x.dtype) * (1.0 - named)
+            q = self.latents + named[..., None] * self.lexical_query[0] + other[..., None] * self.lexical_query[1]
+            return fn(x, mask[:, None, None], q, encoder, tail, self.cfg.heads, eps)
         if self.training:
             x = self.norm(self.encoder(x, src_key_padding_mask=~mask))  # (B, T, C)
         else:
@@ -321,6 +366,36 @@ class ViewSelector(nn.Module):
         else:
             z = q + _attend(self.cross, qn, x, mask[:, None, None])
         return self.head(z).squeeze(-1)  # (B, N)
+
+    def _scripted(self):
+        """(scripted `_logits_ops`, encoder weights, tail weights, eps) for inference, rebuilt when a
+        weight changes; None without TorchScript or for a module `_logits_ops` does not describe."""
+        if not _SCRIPTED_LOGITS:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    _SCRIPTED_LOGITS.append(torch.jit.script(_logits_ops))
+            except Exception:  # a build without TorchScript: the functional path serves
+                _SCRIPTED_LOGITS.append(None)
+        if _SCRIPTED_LOGITS[0] is None:
+            return None
+        cache = self.__dict__.get("_script_args")
+        if cache is not None and cache[0] == tuple((p.data_ptr(), p._version) for p in cache[1]):
+            return cache[2]
+        layers = list(self.encoder.layers)
+        norms = [m for layer in layers for m in (layer.norm1, layer.norm2)] + [self.norm, self.latent_norm, self.head[0]]
+        if len({n.eps for n in norms}) != 1 or any(layer.activation_relu_or_gelu != 2 for layer in layers):
+            return None  # mixed norm eps or a non-GELU encoder: keep the functional path
+        encoder = [[layer.norm1.weight, layer.norm1.bias, layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias,
+                    layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias, layer.norm2.weight, layer.norm2.bias,
+                    layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias] for layer in layers]
+        tail = [self.norm.weight, self.norm.bias, self.latent_norm.weight, self.latent_norm.bias, self.cross.in_proj_weight,
+                self.cross.in_proj_bias, self.cross.out_proj.weight, self.cross.out_proj.bias, self.head[0].weight,
+                self.head[0].bias, self.head[1].weight, self.head[1].bias, self.head[3].weight, self.head[3].bias]
+        params = [p for group in encoder for p in group] + tail
+        args = (_SCRIPTED_LOGITS[0], [[p.detach() for p in g] for g in encoder], [p.detach() for p in tail], norms[0].eps)
+        self.__dict__["_script_args"] = (tuple((p.data_ptr(), p._version) for p in params), params, args)
+        return args
 
     def _encode(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The encoder's pre-norm layers as plain functional ops (inference): equal to `self.encoder`
