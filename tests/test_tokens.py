@@ -408,8 +408,14 @@ def test_train_token_selector_smoke(tmp_path):
     assert "fastv_k1" in sel.meta["training"]["validation"]
 
 
-def test_the_inference_head_equals_the_training_head():
-    """`head_scores` at inference (one prompt, no grad: fewer, larger ops) equals its differentiable form."""
+@pytest.mark.parametrize("scripted", [True, False])
+def test_the_inference_head_equals_the_training_head(scripted, monkeypatch):
+    """`head_scores` at inference (one prompt, no grad: fewer, larger ops, one TorchScript call or plain
+    Python where TorchScript is missing) equals its differentiable form."""
+    from litevlm.select import tokens
+
+    if not scripted:
+        monkeypatch.setattr(tokens, "_HEAD_FN", [tokens._head_ops])
     model = tiny_vlm()
     embeds, positions, spans = tiny_prompt(model)
     sel = trained_looking_selector(model)

@@ -34,9 +34,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import List, NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
@@ -248,6 +249,56 @@ def attention_rows(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor
 # ---------------------------------------------------------------------------------------------
 # FastV (in-LLM pruning at layer K), the baseline
 # ---------------------------------------------------------------------------------------------
+
+
+def _head_ops(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first_row: int, vis: torch.Tensor, tags: torch.Tensor,
+              w: List[torch.Tensor], hq: int, hkv: int, d: int, eps: float) -> torch.Tensor:
+    """The TokenSelector's head on one prompt x (T, C) -> log-scores (N,) of the visual tokens `vis`.
+
+    The question rows are the contiguous tail from `first_row`. One matmul gives their [q | rot(q) | gate],
+    one gives every token's [k | rot(k)] (RoPE as a*cos + rot(a)*sin, the rotation folded into the packed
+    weights, `TokenSelector._packed`); the MLP's first layer is split into its per-token and context halves,
+    so the (N, 2C) feature matrix is never built. w = [norm, W_q, b_q, W_k, b_k, last bonus, head logits,
+    W1 token half (C, hidden), b1, W1 context half (hidden, C), w2 (hidden,), b2, tag weights]; tags (2, N)
+    or empty. cos / sin (T, 1, D).
+    """
+    t, c = x.shape
+    n, g = t - first_row, hq // hkv
+    h = torch.rms_norm(x, [c], w[0], eps)  # (T, C)
+    qg = torch.addmm(w[2], h[first_row:], w[1])  # (n, 2 Hq D + 1)
+    q = torch.addcmul(qg[:, : hq * d].view(n, hq, d) * cos[first_row:], qg[:, hq * d : 2 * hq * d].view(n, hq, d), sin[first_row:])
+    kk = torch.addmm(w[4], h, w[3])  # (T, 2 Hkv D)
+    k = torch.addcmul(kk[:, : hkv * d].view(t, hkv, d) * cos, kk[:, hkv * d :].view(t, hkv, d), sin)  # (T, Hkv, D)
+    q = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # (Hkv, n G, D): row = i G + g
+    logits = torch.bmm(q, k.permute(1, 2, 0)) * (1.0 / math.sqrt(d))  # (Hkv, n G, T)
+    future = torch.arange(t, device=x.device)[None, :] > torch.arange(first_row, t, device=x.device)[:, None]  # (n, T)
+    logits = logits.view(hkv, n, g, t).masked_fill(future[None, :, None], float("-inf"))
+    attn = logits.softmax(-1).index_select(3, vis)  # (Hkv, n, G, N); head = kv * G + g
+    gate = qg[:, -1]  # (n,)
+    gate = torch.cat([gate[:-1], gate[-1:] + w[5]])
+    beta = gate.softmax(-1)  # (n,)
+    coef = w[6].softmax(-1).view(hkv, 1, g) * beta[None, :, None]  # (Hkv, n, G): head weight x row pooling
+    mix = coef.reshape(-1) @ attn.reshape(-1, vis.numel())  # (N,)
+    ctx = beta @ h[first_row:]  # (C,)
+    pre = torch.addmm(torch.addmv(w[8], w[9], ctx), h.index_select(0, vis), w[7])  # (N, hidden)
+    s = torch.log(mix + 1e-9) + (torch.nn.functional.gelu(pre) @ w[10] + w[11])
+    if tags.numel() > 0:
+        s = s + (w[12][:, None] * tags).sum(0)
+    return s
+
+
+_HEAD_FN: list = []  # [scripted `_head_ops`, or `_head_ops` itself where TorchScript is missing]
+
+
+def _head_fn():
+    if not _HEAD_FN:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _HEAD_FN.append(torch.jit.script(_head_ops))
+        except Exception:
+            _HEAD_FN.append(_head_ops)
+    return _HEAD_FN[0]
 
 
 class FastVPrefill(NamedTuple):
@@ -476,42 +527,16 @@ class TokenSelector(nn.Module):
 
     def _head_scores_one(self, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], first_row: int,
                          tags: torch.Tensor | None) -> torch.Tensor:
-        """`head_scores` for one fp32 prompt x (T, C) at inference, in fewer, larger ops (equal, a test).
-
-        The question rows are the contiguous tail from `first_row`. One matmul gives their [q | rot(q) |
-        gate], one gives every token's [k | rot(k)] (RoPE as a*cos + rot(a)*sin, the rotation folded
-        into the packed weights); the MLP's first layer is split into its per-token and context halves,
-        so the (N, 2C) feature matrix is never built.
-        """
+        """`head_scores` for one fp32 prompt x (T, C) at inference: `_head_ops` on packed weights, one
+        TorchScript call where TorchScript is available (equal to the differentiable head, a test)."""
         cfg = self.text_cfg
-        t, c = x.shape
-        n, hq, hkv, d = t - first_row, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        g = hq // hkv
         wq, bq, wk, bk = self._packed()
-        h = F.rms_norm(x, (c,), self.norm.weight, self.norm.eps)  # (T, C)
         cos, sin = self._rope(positions[0], x.dtype)  # (T, 1, D)
-        qg = torch.addmm(bq, h[first_row:], wq)  # (n, 2 Hq D + 1)
-        q = torch.addcmul(qg[:, : hq * d].view(n, hq, d) * cos[first_row:], qg[:, hq * d : 2 * hq * d].view(n, hq, d), sin[first_row:])
-        kk = torch.addmm(bk, h, wk)  # (T, 2 Hkv D)
-        k = torch.addcmul(kk[:, : hkv * d].view(t, hkv, d) * cos, kk[:, hkv * d :].view(t, hkv, d), sin)  # (T, Hkv, D)
-        q = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # (Hkv, n G, D): row = i G + g
-        logits = torch.bmm(q, k.permute(1, 2, 0)) * d**-0.5  # (Hkv, n G, T)
-        future = torch.arange(t, device=x.device)[None, :] > torch.arange(first_row, t, device=x.device)[:, None]  # (n, T)
-        logits = logits.view(hkv, n, g, t).masked_fill(future[None, :, None], float("-inf"))
-        vis = visual_index(view_spans, x.device)
-        attn = logits.softmax(-1)[..., vis]  # (Hkv, n, G, N); head = kv * G + g
-        gate = qg[:, -1]  # (n,)
-        gate = torch.cat([gate[:-1], gate[-1:] + self.last_bonus])
-        beta = gate.softmax(-1)  # (n,)
-        coef = self.head_logits.softmax(-1).view(hkv, 1, g) * beta[None, :, None]  # (Hkv, n, G): head weight x row pooling
-        mix = coef.reshape(-1) @ attn.reshape(-1, vis.numel())  # (N,)
-        ctx = beta @ h[first_row:]  # (C,)
-        w1, b1 = self.mlp[0].weight, self.mlp[0].bias  # (hidden, 2C): [token half | context half]
-        pre = torch.addmm(torch.addmv(b1, w1[:, c:], ctx), h[vis], w1[:, :c].t())  # (N, hidden)
-        s = torch.log(mix + 1e-9) + linear(F.gelu(pre), self.mlp[2])[:, 0]
-        if tags is not None:
-            s = s + (self.tag_weight[:, None] * tags.float()).sum(0)
-        return s
+        c = x.shape[1]
+        w1, b1, w2, b2 = self.mlp[0].weight, self.mlp[0].bias, self.mlp[2].weight, self.mlp[2].bias
+        weights = [self.norm.weight, wq, bq, wk, bk, self.last_bonus, self.head_logits, w1[:, :c].t(), b1, w1[:, c:], w2[0], b2, self.tag_weight]
+        return _head_fn()(x, cos, sin, first_row, visual_index(view_spans, x.device), x.new_empty(0) if tags is None else tags.float(),
+                          weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.norm.eps)
 
     def _packed(self) -> tuple:
         """(W_q (C, 2 Hq D + 1), b_q, W_k (C, 2 Hkv D), b_k), row-major: [q | rot(q) | gate] and [k | rot(k)],
