@@ -33,10 +33,14 @@ class VLM(nn.Module):
         if cfg.text.tie_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight
 
-    def set_bf16_matmul(self, min_rows: int = 32) -> None:
+    def set_bf16_matmul(self, min_rows: int = 256) -> None:
         """Multiply in bf16 wherever an inference call has at least `min_rows` rows: the vision blocks and
         the decoder's prefill; decode steps and tree verification (a few rows) stay fp32, as does all
-        else (norms, attention, residuals). 0 turns it off. Needs a CPU with AMX or AVX512-BF16."""
+        else (norms, attention, residuals). 0 turns it off. Needs a CPU with AMX or AVX512-BF16.
+
+        The default, 256 rows, is where it paid on drive-tiny's shapes (CPU-2, BENCHMARKS.md): at its six
+        views (390 vision rows) it cut the vision pass by about a fifth, while at 2-3 views and 80-100
+        prompt tokens the casts cost what the bf16 products save."""
         from litevlm.model.lm import bf16_matmul_supported
 
         if min_rows and (self.device.type != "cpu" or self.dtype != torch.float32 or not bf16_matmul_supported()):
