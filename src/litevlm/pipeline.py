@@ -111,6 +111,7 @@ class Pipeline:
         self.draft = draft
         self.tree = tree
         self.max_new_tokens = max_new_tokens
+        self.stop_id = tokenizer.eos_id  # generation ends after this token; None: always max_new_tokens (latency runs)
         self.temperature = temperature
         self.top_p = top_p
         self.max_question_tokens = max_question_tokens
@@ -304,7 +305,7 @@ class Pipeline:
         )
 
     def _generate(self, embeds, positions, view_spans, timer, prefilled=None):
-        args = (self.max_new_tokens, self.tokenizer.eos_id, self.temperature, self.top_p, self.generator, timer)
+        args = (self.max_new_tokens, self.stop_id, self.temperature, self.top_p, self.generator, timer)
         if prefilled is not None:
             if self.draft is not None:
                 from litevlm.spec.decode import speculative_generate

@@ -167,23 +167,10 @@ def random_pipeline(shape: str, tokenizer_model: str, max_new_tokens: int, *, se
 
         quantize_model(model, FP8Recipe(fp8))
     # Random weights never emit EOS reliably: every answer runs to max_new_tokens, the same for all rows.
+    # (Only the stopping rule changes: the prompt keeps its end-of-turn token.)
     pipe = Pipeline(model, tok, max_new_tokens=max_new_tokens, name=f"random-{shape}", cuda_graphs=cuda_graphs, **parts)
-    pipe.tokenizer = _NoEos(tok)
+    pipe.stop_id = None
     return pipe
-
-
-class _NoEos:
-    """A tokenizer view whose EOS id never occurs, so random-weight answers have a fixed length."""
-
-    def __init__(self, tok):
-        self._tok = tok
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
-
-    @property
-    def eos_id(self):
-        return -1
 
 
 def _hf_rows(samples, pipe, logs: dict[str, RowLog], max_new_tokens: int, warmup: int, progress: bool):
