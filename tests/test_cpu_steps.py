@@ -95,10 +95,11 @@ def test_a_scripted_draft_step_equals_the_eager_one(eager, input_norm):
 
     def run():
         head.prepare(32, 64)
+        last = head.extend(feats[:4], nxt[:4], torch.arange(4), 0, last_only=True)  # a draft cycle's extend
         head.extend(feats, nxt, torch.arange(6), 0)
         chain = head.step(torch.tensor([5]), hid[:1], 6, 6, None)
         tree = head.step(torch.tensor([5, 8, 9]), hid, 7, 6, mask)
-        return chain, tree, head.layer.self_attn.kv_cache.k[:, :, :9].clone()
+        return last, chain, tree, head.layer.self_attn.kv_cache.k[:, :, :9].clone()
 
     assert_all_close(*both_paths(eager, run))
 

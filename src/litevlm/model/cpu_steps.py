@@ -23,8 +23,11 @@ import torch.nn.functional as F
 
 def layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int, mask: Optional[torch.Tensor],
            weights: List[List[torch.Tensor]], caches: List[List[torch.Tensor]], hq: int, hkv: int, d: int,
-           eps: float) -> torch.Tensor:
+           eps: float, last_only: bool = False) -> torch.Tensor:
     """x (n, C) at cache slots start..start+n-1 through the layers -> (n, C), before any final norm.
+
+    last_only (one layer, mask None): every row writes its K/V, only the last goes on through attention,
+    the output projection and the MLP -> (1, C); a draft head's extend needs no more.
 
     cos / sin (n, 1, D) at the tokens' positions; mask (1, 1, n, start + n) where attention is
     allowed, or None when each token may see every slot up to start + n (one token). Per layer,
@@ -46,6 +49,10 @@ def layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int, ma
         v_cache = caches[i][1]
         k_cache[0, :, start:end] = qk[:, hq:].transpose(0, 1)
         v_cache[0, :, start:end] = qkv[:, 2 * nqk :].view(n, hkv, d).transpose(0, 1)
+        if last_only:
+            qk = qk[n - 1 :]
+            x = x[n - 1 :]
+            n = 1
         q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
         y = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, enable_gqa=True)
         x = torch.addmm(x, y[0].transpose(0, 1).reshape(n, hq * d), w[3])

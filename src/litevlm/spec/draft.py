@@ -271,6 +271,10 @@ class DraftHead(nn.Module):
         """
         n = features.shape[0]
         cos, sin = self._cos_sin(positions)
+        if last_only and self._plan is not None and features.dtype == torch.float32:  # the scripted CPU step
+            cfg = self.cfg
+            return cpu_steps.scripted()(self._fuse(features, next_embeds), cos, sin, start, None, self._plan.weights, self._plan.caches,
+                                        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, True)
         if last_only:
             layer, cache = self.layer, self.layer.self_attn.kv_cache
             w = layer.fused_weights()
