@@ -36,6 +36,8 @@ def layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int, ma
     row-major as `DecoderLayer.fused_weights`; caches = [K, V] (1, Hkv, S, D) per layer, written in
     place.
     """
+    if last_only and len(weights) != 1:
+        raise RuntimeError("last_only runs one layer: the next layer would need every row")
     n = x.shape[0]
     c = x.shape[1]
     nqk = (hq + hkv) * d

@@ -56,7 +56,8 @@ def mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w16: 
 def bf16_matmul_supported() -> bool:
     """This CPU multiplies bf16 natively (AMX or AVX512-BF16), so `mm` with bf16 weights pays."""
     try:
-        flags = open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
     except OSError:
         return False
     return torch.backends.mkldnn.is_available() and ("amx_bf16" in flags or "avx512_bf16" in flags)
