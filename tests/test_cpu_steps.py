@@ -158,3 +158,25 @@ def test_a_scripted_draft_chain_equals_the_eager_loop(eager, min_value, eos, dra
         assert len(ta) == 3  # root + two drafts, the second one EOS
     if min_value == 0.0 and eos is None:
         assert len(ta) == 9  # no cut: the full depth
+
+
+def test_the_vision_blocks_on_packed_weights_equal_the_modules():
+    """CPU inference runs the InternViT blocks as plain ops on packed weights: the modules' output, and a
+    weight changed in place is picked up."""
+    model = tiny_vlm()
+    tower = model.vision_tower
+    with torch.no_grad():
+        for p in tower.parameters():  # layer scales and norms away from their init: every weight matters
+            p.add_(torch.randn_like(p) * 0.1)
+    pixels = torch.randn(3, 3, 28, 28, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        fast = tower(pixels)
+        assert tower.__dict__.get("_packed_blocks") is not None  # the packed path ran
+    slow = tower(pixels)  # gradients on: the modules
+    assert slow.requires_grad
+    torch.testing.assert_close(fast, slow.detach(), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        tower.encoder.layer[0].mlp.fc2.bias.add_(0.5)
+        changed = tower(pixels)
+    torch.testing.assert_close(changed, tower(pixels).detach(), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(changed, fast)

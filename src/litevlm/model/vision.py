@@ -9,6 +9,8 @@ one to one.
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -118,7 +120,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         if self.bf16_min_rows and x.shape[0] * x.shape[1] >= self.bf16_min_rows and not torch.is_grad_enabled() \
-                and isinstance(self.attention.q_norm, nn.Identity):
+                and isinstance(self.attention.q_norm, nn.Identity) and _plain_linears(self):
             return self._forward_bf16(x)
         x = x + self.lambda_1 * self.attention(self.layernorm_before(x))
         return x + self.lambda_2 * self.mlp(self.layernorm_after(x))
@@ -154,6 +156,32 @@ class Block(nn.Module):
         return self._packed16[1]
 
 
+def vit_blocks(x: torch.Tensor, weights: List[List[torch.Tensor]], heads: int, eps: float) -> torch.Tensor:
+    """InternViT blocks (LayerNorm, exact GELU, no qk-norm) on raw weights: x (T, N, C). (TorchScript ran
+    this slower than Python at six views, so it stays a plain function.)
+    Per block: [norm1 w, b, qkv W (C, 3C) row-major, qkv b, proj W (C, C), proj b, lambda_1, norm2 w, b,
+    fc1 W (C, I), fc1 b, fc2 W (I, C), fc2 b, lambda_2]."""
+    t, n, c = x.shape
+    d = c // heads
+    for w in weights:
+        h = F.layer_norm(x, [c], w[0], w[1], eps).reshape(t * n, c)
+        q, k, v = (torch.addmm(w[3][i * c : (i + 1) * c], h, w[2][:, i * c : (i + 1) * c]).view(t, n, heads, d).transpose(1, 2)
+                   for i in range(3))  # three products: contiguous q, k, v keep attention on its fast path
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(t * n, c)
+        x = x + w[6] * torch.addmm(w[5], y, w[4]).view(t, n, c)
+        h = F.gelu(torch.addmm(w[10], F.layer_norm(x, [c], w[7], w[8], eps).reshape(t * n, c), w[9]))
+        x = x + w[13] * torch.addmm(w[12], h, w[11]).view(t, n, c)
+    return x
+
+
+def _plain_linears(block: "Block") -> bool:
+    """Every projection of the block an nn.Linear as built (not, say, an FP8Linear) with no hooks
+    (calibration observes them): only then may its weights be used raw."""
+    a, m = block.attention, block.mlp
+    return all(type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks)
+               for lin in (a.q_proj, a.k_proj, a.v_proj, a.projection_layer, m.fc1, m.fc2))
+
+
 class Encoder(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -170,9 +198,37 @@ class VisionTower(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """(tiles, 3, S, S) -> last-layer features without CLS, (tiles, g*g, C)."""
         x = self.embeddings(pixels)
+        weights = self._block_weights(x)
+        if weights is not None:  # CPU inference: the blocks as plain ops on packed weights, no module calls
+            return vit_blocks(x, weights, self.cfg.num_heads, self.cfg.norm_eps)[:, 1:]
         for block in self.encoder.layer:
             x = block(x)
         return x[:, 1:]
+
+    def _block_weights(self, x: torch.Tensor):
+        """`vit_blocks`' weights for fp32 CPU inference with LayerNorm, exact GELU and no qk-norm, unless a block
+        runs its bf16 path on these rows; else None (the blocks run as modules). Cached until a weight changes."""
+        blocks = list(self.encoder.layer)
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() or self.cfg.qk_norm
+                or self.cfg.norm_type != "layer_norm" or self.cfg.hidden_act != "gelu"
+                or any(b.bf16_min_rows and x.shape[0] * x.shape[1] >= b.bf16_min_rows for b in blocks)
+                or not all(_plain_linears(b) for b in blocks)):
+            return None
+        params = [p for b in blocks for p in b.parameters()]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        cache = self.__dict__.get("_packed_blocks")
+        if cache is not None and cache[0] == key:
+            return cache[1]
+        weights = []
+        for b in blocks:
+            a, m = b.attention, b.mlp
+            qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else x.new_zeros(3 * x.shape[-1])
+            weights.append([t.detach().contiguous() for t in (
+                b.layernorm_before.weight, b.layernorm_before.bias, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t(),
+                qkv_b, a.projection_layer.weight.t(), a.projection_layer.bias, b.lambda_1, b.layernorm_after.weight,
+                b.layernorm_after.bias, m.fc1.weight.t(), m.fc1.bias, m.fc2.weight.t(), m.fc2.bias, b.lambda_2)])
+        self.__dict__["_packed_blocks"] = (key, weights)
+        return weights
 
 
 def pixel_shuffle(x: torch.Tensor, grid: int) -> torch.Tensor:
