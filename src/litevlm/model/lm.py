@@ -162,9 +162,9 @@ class DecoderLayer(nn.Module):
     def fusable(self) -> bool:
         """Every projection a plain, unhooked nn.Linear (not, say, an FP8Linear or one being
         calibrated) and the MLP a SwiGLU."""
-        a, m = self.self_attn, self.mlp
-        return isinstance(m, SwiGLU) and all(
-            map(_plain, (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)))
+        m = self._modules["mlp"]
+        mods = self._modules["self_attn"]._modules, m._modules  # direct dict reads: this runs every prefill
+        return isinstance(m, SwiGLU) and all(_plain(ms[name]) for ms, names in zip(mods, _FUSED_PROJECTIONS) for name in names)
 
     def fused_weights(self) -> tuple:
         """Packed, pre-transposed projections (in, out): rebuilt on every call while training (so

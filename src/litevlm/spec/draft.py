@@ -248,7 +248,7 @@ class DraftHead(nn.Module):
                     head, vmap = self._draft_head(), self.vocab_map
                 else:
                     head, vmap = self._target()[1].weight.detach().t().contiguous(), torch.empty(0, dtype=torch.long, device=w.device)
-                self._chain_args = (self._target()[0].weight.detach(), self.fc.weight.detach().t().contiguous(), self.fc.bias.detach(), head, vmap)
+                self._chain_args = (self._target()[0].weight.detach(), self._fc_t(), self.fc.bias.detach(), head, vmap)
 
     def _cos_sin(self, positions: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin (T, 1, D) for positions (T,), or (1, 1, D) for one int position shared by all rows."""
@@ -304,6 +304,16 @@ class DraftHead(nn.Module):
             return cpu_steps.scripted()(x, cos, sin, start, None if mask is None else mask[None, None], plan.weights, plan.caches,
                                         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
         return self._layer(x[None], cos, sin, self.layer.self_attn.kv_cache, start, None if mask is None else mask[None, None])[0]
+
+    def _fc_t(self) -> torch.Tensor:
+        """fc's weight row-major (2C, C), kept until the weight changes."""
+        w = self.fc.weight
+        key = (w.data_ptr(), w._version)
+        hit = self.__dict__.get("_fc_t_cache")
+        if hit is None or hit[0] != key:
+            hit = (key, w.detach().t().contiguous())
+            self.__dict__["_fc_t_cache"] = hit
+        return hit[1]
 
     @torch.no_grad()
     def draft_chain(self, root_hidden: torch.Tensor, position: int, start: int, depth: int, min_value: float,
