@@ -173,8 +173,10 @@ def random_pipeline(shape: str, tokenizer_model: str, max_new_tokens: int, *, se
     return pipe
 
 
-def _hf_rows(samples, pipe, logs: dict[str, RowLog], max_new_tokens: int, warmup: int, progress: bool):
-    """transformers' generate on the same weights (exported through our converter), dynamic and static cache."""
+def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int):
+    """transformers' generate on the same weights (exported through our converter), dynamic and static cache:
+    a function (question index, sample, counted) that answers one question in both rows, so the run can
+    interleave them with ours question by question."""
     from transformers import DynamicCache, InternVLForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
@@ -191,7 +193,8 @@ def _hf_rows(samples, pipe, logs: dict[str, RowLog], max_new_tokens: int, warmup
     cfg = pipe.cfg
     dev = pipe.model.device
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
-    for i, s in enumerate(tqdm(samples, desc="transformers rows", disable=not progress)):
+
+    def run(s, counted: bool) -> None:
         ids = torch.tensor([build_prompt(tok, s.question, list(CAMERAS), pipe.tokens_per_view).ids], device=dev)
         pix = torch.cat([image_to_tiles(load_image(s.images[c]), cfg.vision.image_size, cfg.tiles_per_view) for c in CAMERAS]).to(dev, pipe.model.dtype)
         for name, cache_impl in zip(HF_ROWS, (None, "static")):
@@ -208,15 +211,17 @@ def _hf_rows(samples, pipe, logs: dict[str, RowLog], max_new_tokens: int, warmup
                 out = hf.generate(input_ids=ids, pixel_values=pix, attention_mask=torch.ones_like(ids), do_sample=False,
                                   max_new_tokens=max_new_tokens, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **kw)
                 sync(); t3 = time.perf_counter()
-            new = out[0, ids.shape[1]:].tolist()
-            if i < warmup:
+            if not counted:
                 continue
+            new = out[0, ids.shape[1]:].tolist()
             # Vision and prefill (merge + language model) are timed apart; generate holds vision + prefill + decode.
             vit, prefill, gen = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
             logs[name].add(len(CAMERAS), vit, ids.shape[1], prefill, max(0.0, gen - vit - prefill), 0.0, len(new))
             text = tok.decode([t for t in new if t != tok.eos_id]).strip()
             logs[name].records.append(_record(s, text, len(CAMERAS)))
             logs[name].precision = str(pipe.model.dtype).removeprefix("torch.")
+
+    return run
 
 
 def _record(s, text: str, views: int) -> dict:
@@ -238,7 +243,12 @@ def run_bench(model: str = "drive-tiny", data=None, n: int = 60, shape: str | No
         raise LiteVLMError("--cuda-graphs measures a CUDA device: it needs --shape and a GPU")
     pipes = _pipelines(model, configs, max_new_tokens, shape, cuda_graphs)
     logs = {name: RowLog() for name in (*configs, *(HF_ROWS if hf and shape is None else ()))}
+    hf_run = None
+    if hf and shape is None:
+        hf_run = _hf_runner(pipes["baseline"] if "baseline" in pipes else next(iter(pipes.values())), logs, max_new_tokens)
     for i, s in enumerate(tqdm(samples, desc="bench", disable=not progress)):
+        if hf_run is not None:  # the transformers rows answer each question beside ours: the same moment of the machine
+            hf_run(s, counted=i >= warmup)
         for name, pipe in pipes.items():
             ans = pipe.answer(s.question, s.images)
             if i < warmup:
@@ -249,8 +259,6 @@ def run_bench(model: str = "drive-tiny", data=None, n: int = 60, shape: str | No
             log.accept += ans.accept_lengths
             log.records.append(_record(s, ans.text, len(ans.views)))
             log.precision = ans.precision
-    if hf and shape is None:
-        _hf_rows(samples, pipes["baseline"] if "baseline" in pipes else next(iter(pipes.values())), logs, max_new_tokens, warmup, progress)
     base_total = statistics.median(logs["baseline"].total) if "baseline" in logs else None
     rows = []
     for name, log in logs.items():
