@@ -240,31 +240,10 @@ def fuse(lexical: torch.Tensor, probs: torch.Tensor, weight: float) -> torch.Ten
     return weight * lexical + (1.0 - weight) * probs
 
 
-def _norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
-
-
-def _attend(mha: nn.MultiheadAttention, query: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """`mha(query, kv, kv)` without dropout or weights, as functional ops: (B, Q, C), (B, T, C), allowed
-    (B, 1, 1, T) bool -> (B, Q, C)."""
-    b, nq, c = query.shape
-    h = mha.num_heads
-    wq, wk, wv = mha.in_proj_weight.chunk(3)
-    bq, bk, bv = mha.in_proj_bias.chunk(3)
-    q = F.linear(query, wq, bq).view(b, nq, h, c // h).transpose(1, 2)
-    if query is kv:
-        k, v = F.linear(kv, torch.cat([wk, wv]), torch.cat([bk, bv])).chunk(2, -1)
-    else:
-        k, v = F.linear(kv, wk, bk), F.linear(kv, wv, bv)
-    t = kv.shape[1]
-    k, v = (z.reshape(b, t, h, c // h).transpose(1, 2) for z in (k, v))
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-    return F.linear(y.transpose(1, 2).reshape(b, nq, c), mha.out_proj.weight, mha.out_proj.bias)
-
-
 def _mha_ops(query: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, in_w: torch.Tensor, in_b: torch.Tensor,
              out_w: torch.Tensor, out_b: torch.Tensor, heads: int, self_attention: bool) -> torch.Tensor:
-    """`_attend` on raw weights (in_w (3C, C) = [q; k; v] as nn.MultiheadAttention packs them)."""
+    """`nn.MultiheadAttention(query, kv, kv)` without dropout or weights, on raw weights (in_w (3C, C) =
+    [q; k; v] as the module packs them): (B, Q, C), (B, T, C), allowed (B, 1, 1, T) bool -> (B, Q, C)."""
     b, nq, c = query.shape
     if self_attention:
         q, k, v = F.linear(query, in_w, in_b).chunk(3, -1)
@@ -296,7 +275,7 @@ def _logits_ops(x: torch.Tensor, allowed: torch.Tensor, q: torch.Tensor, encoder
     return F.linear(h, tail[12], tail[13]).squeeze(-1)
 
 
-_SCRIPTED_LOGITS: list = []  # [scripted `_logits_ops` or None], filled on first use
+_SCRIPTED_LOGITS: list = []  # [scripted `_logits_ops`, or `_logits_ops` itself where TorchScript is missing]
 
 
 def keep_mask(scores: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -346,39 +325,28 @@ class ViewSelector(nn.Module):
         b, t, k = ids.shape
         x = self.embed(ids.reshape(b * t, k)).reshape(b, t, -1) + self.pos[:t]  # (B, T, C)
         fast = None if self.training or torch.is_grad_enabled() else self._scripted()
-        if fast is not None:  # inference in one TorchScript call (a question is ~100 tiny ops)
-            fn, encoder, tail, eps = fast
-            named = lexical.to(x.dtype)
-            other = (named.sum(-1, keepdim=True) > 0).to(x.dtype) * (1.0 - named)
-            q = self.latents + named[..., None] * self.lexical_query[0] + other[..., None] * self.lexical_query[1]
-            return fn(x, mask[:, None, None], q, encoder, tail, self.cfg.heads, eps)
-        if self.training:
-            x = self.norm(self.encoder(x, src_key_padding_mask=~mask))  # (B, T, C)
-        else:
-            x = self.norm(self._encode(x, mask))
         named = lexical.to(x.dtype)  # (B, N)
         other = (named.sum(-1, keepdim=True) > 0).to(x.dtype) * (1.0 - named)  # (B, N)
         q = (self.latents + named[..., None] * self.lexical_query[0]
              + other[..., None] * self.lexical_query[1])  # (B, N, C)
-        qn = self.latent_norm(q)
-        if self.training:
-            z = q + self.cross(qn, x, x, key_padding_mask=~mask, need_weights=False)[0]  # (B, N, C)
-        else:
-            z = q + _attend(self.cross, qn, x, mask[:, None, None])
+        if fast is not None:  # inference in one call on raw weights (a question is ~100 tiny ops)
+            fn, encoder, tail, eps = fast
+            return fn(x, mask[:, None, None], q, encoder, tail, self.cfg.heads, eps)
+        x = self.norm(self.encoder(x, src_key_padding_mask=~mask))  # (B, T, C)
+        z = q + self.cross(self.latent_norm(q), x, x, key_padding_mask=~mask, need_weights=False)[0]  # (B, N, C)
         return self.head(z).squeeze(-1)  # (B, N)
 
     def _scripted(self):
         """(scripted `_logits_ops`, encoder weights, tail weights, eps) for inference, rebuilt when a
-        weight changes; None without TorchScript or for a module `_logits_ops` does not describe."""
+        weight changes (`_logits_ops` itself where TorchScript is missing); None for a module `_logits_ops` does
+        not describe (mixed norm eps, a non-GELU encoder), which then runs its modules."""
         if not _SCRIPTED_LOGITS:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     _SCRIPTED_LOGITS.append(torch.jit.script(_logits_ops))
-            except Exception:  # a build without TorchScript: the functional path serves
-                _SCRIPTED_LOGITS.append(None)
-        if _SCRIPTED_LOGITS[0] is None:
-            return None
+            except Exception:  # a build without TorchScript: the same function, in Python
+                _SCRIPTED_LOGITS.append(_logits_ops)
         cache = self.__dict__.get("_script_args")
         if cache is not None and cache[0] == tuple((p.data_ptr(), p._version) for p in cache[1]):
             return cache[2]
@@ -396,17 +364,6 @@ class ViewSelector(nn.Module):
         args = (_SCRIPTED_LOGITS[0], [[p.detach() for p in g] for g in encoder], [p.detach() for p in tail], norms[0].eps)
         self.__dict__["_script_args"] = (tuple((p.data_ptr(), p._version) for p in params), params, args)
         return args
-
-    def _encode(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The encoder's pre-norm layers as plain functional ops (inference): equal to `self.encoder`
-        without its per-call module checks, which cost more than the arithmetic at a question's size."""
-        allowed = mask[:, None, None]  # (B, 1, 1, T): padding keys are never attended
-        for layer in self.encoder.layers:
-            h = _norm(layer.norm1, x)
-            x = x + _attend(layer.self_attn, h, h, allowed)
-            h = _norm(layer.norm2, x)
-            x = x + F.linear(F.gelu(F.linear(h, layer.linear1.weight, layer.linear1.bias)), layer.linear2.weight, layer.linear2.bias)
-        return x
 
     def lexical(self, questions: Sequence[str]) -> torch.Tensor:
         """The lexical map (B, N) of a batch of questions."""
