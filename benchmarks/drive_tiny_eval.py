@@ -23,6 +23,7 @@ import torch
 from litevlm.eval.metrics import normalize_answer
 from litevlm.eval.run import evaluate
 from litevlm.pipeline import STAGES, Pipeline, resolve_model_dir
+from litevlm.train.vlm import HEAD_OBJECTIVES
 
 
 def per_family(records, samples_by_id) -> dict:
@@ -91,8 +92,9 @@ def main() -> None:
 # VLMRecipe fields that `litevlm train vlm` takes as flags (the rest are in the full recipe JSON).
 FLAGS = ("frames", "seed", "first_frame", "minutes", "batch_frames", "threads", "lr", "warmup", "closed_weight", "init",
          "reinit_vision", "reinit_language", "aux_weight", "aux_scale", "vision_warmup", "view_subset_prob",
-         "token_drop_prob", "visual_norm", "probe_frames", "attn_weight", "attn_layer", "option_weight", "option_layer",
-         "letter_weight", "letter_layer", "readout_weight", "readout_layer")
+         "token_drop_prob", "visual_norm", "probe_frames", *(f"{n}_{k}" for n in HEAD_OBJECTIVES for k in ("weight", "layer")))
+# What the model card calls each head objective.
+OBJECTIVE_LABELS = {"attn": "tag attention", "option": "option attention", "letter": "letter attention", "readout": "answer readout"}
 
 
 def train_command(recipe: dict) -> str:
@@ -103,7 +105,7 @@ def train_command(recipe: dict) -> str:
     parts = ["litevlm train vlm --out DIR"]
     for name in FLAGS:
         value = recipe.get(name, getattr(default, name))
-        if value == getattr(default, name) or (name in ("attn_layer", "option_layer", "letter_layer", "readout_layer") and not recipe.get(name.replace("layer", "weight"))):
+        if value == getattr(default, name) or (name.endswith("_layer") and not recipe.get(name.replace("layer", "weight"))):
             continue
         flag = "--" + name.replace("_", "-")
         parts.append(flag if value is True else f"{flag} {value}")
@@ -127,14 +129,7 @@ def stages(meta: dict) -> list[str]:
             [x for x, k in (("vision", "reinit_vision"), ("decoder", "reinit_language")) if r.get(k)]) or "-"
         probe = (st.get("looks_probe") or [{}])[-1]
         other = [f"{k} x{v:g}" for k, v in (r.get("family_weights") or {}).items()]
-        if r.get("attn_weight"):
-            other.append(f"tag attention {r['attn_weight']:g} (layer {r.get('attn_layer')})")
-        if r.get("option_weight"):
-            other.append(f"option attention {r['option_weight']:g} (layer {r.get('option_layer')})")
-        if r.get("letter_weight"):
-            other.append(f"letter attention {r['letter_weight']:g} (layer {r.get('letter_layer')})")
-        if r.get("readout_weight"):
-            other.append(f"answer readout {r['readout_weight']:g} (layer {r.get('readout_layer')})")
+        other += [f"{OBJECTIVE_LABELS[n]} {r[n + '_weight']:g} (layer {r.get(n + '_layer')})" for n in HEAD_OBJECTIVES if r.get(n + "_weight")]
         lines.append(f"| {i} | {st.get('steps')} | {(st.get('train_seconds') or 0) / 60:.1f} | {fresh} | {r.get('lr')} | "
                      f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {', '.join(other) or '-'} | {probe.get('images', '-')} / {probe.get('empty', '-')} | "
                      f"{probe.get('images_needed', '-')} / {probe.get('empty_needed', '-')} |")
