@@ -175,8 +175,8 @@ def random_pipeline(shape: str, tokenizer_model: str, max_new_tokens: int, *, se
 
 def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int):
     """transformers' generate on the same weights (exported through our converter), dynamic and static cache:
-    a function (question index, sample, counted) that answers one question in both rows, so the run can
-    interleave them with ours question by question."""
+    a function (sample, counted) that answers one question in both rows (logged when counted, i.e. past
+    the warm-up), so the run can interleave them with ours question by question."""
     from transformers import DynamicCache, InternVLForConditionalGeneration
     from transformers.utils import logging as hf_logging
 

@@ -161,9 +161,10 @@ class DraftHead(nn.Module):
         self.vocab_map.copy_(ids)
 
     # -- the layer: DecoderLayer's fused kernels (CPU decode is op-overhead bound) ----------------
-    def _layer(self, x, cos, sin, cache: KVCache | None = None, start: int = 0, mask=None) -> torch.Tensor:
+    def _layer(self, x, cos, sin, cache: KVCache | None = None, start: int = 0, mask=None, last_only: bool = False) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C). cos / sin (B or 1, T, 1, D). With a cache: write slots start..start+T-1
-        and attend over slots 0..start+T-1 where `mask` (1, 1, T, S) allows (None: everything)."""
+        and attend over slots 0..start+T-1 where `mask` (1, 1, T, S) allows (None: everything);
+        last_only (with a cache, no mask): every row writes its K/V, only the last goes on -> (B, 1, C)."""
         layer = self.layer
         w = layer.fused_weights()
         q, k, v = layer.fused_qkv(x, cos, sin, w)
@@ -173,8 +174,21 @@ class DraftHead(nn.Module):
             end = start + x.shape[1]
             cache.k[:, :, start:end] = k
             cache.v[:, :, start:end] = v
+            if last_only:  # the last row sees every slot before it
+                q, x = q[:, :, -1:], x[:, -1:]
             y = F.scaled_dot_product_attention(q, cache.k[:, :, :end], cache.v[:, :, :end], attn_mask=mask, enable_gqa=True)
         return layer.fused_out(x, y, w)
+
+    def _cached_layer(self, x: torch.Tensor, cos, sin, start: int, mask=None, last_only: bool = False) -> torch.Tensor:
+        """The layer over the draft cache for one sequence, x (n, C) at slots start..start+n-1 -> (n, C)
+        (or (1, C) with last_only): the scripted CPU step where `prepare` made a plan, else `_layer`.
+        mask (1, 1, n, S) or None (everything)."""
+        plan, cache = self._plan, self.layer.self_attn.kv_cache
+        if plan is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
+            cfg = self.cfg  # the cache is read here, not from the plan: `setup_cache` may have replaced it
+            return cpu_steps.scripted()(x, cos, sin, start, mask, plan.weights, [[cache.k, cache.v]],
+                                        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, last_only)
+        return self._layer(x[None], cos, sin, cache, start, mask, last_only)[0]
 
     def _fuse(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
         dtype = self.fc.weight.dtype  # the draft may run in another precision than the target
@@ -271,26 +285,11 @@ class DraftHead(nn.Module):
         """
         n = features.shape[0]
         cos, sin = self._cos_sin(positions)
-        if last_only and self._plan is not None and features.dtype == torch.float32:  # the scripted CPU step
-            cfg = self.cfg
-            return cpu_steps.scripted()(self._fuse(features, next_embeds), cos, sin, start, None, self._plan.weights, self._plan.caches,
-                                        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, True)
-        if last_only:
-            layer, cache = self.layer, self.layer.self_attn.kv_cache
-            w = layer.fused_weights()
-            x = self._fuse(features, next_embeds)[None]  # (1, n, C)
-            q, k, v = layer.fused_qkv(x, cos, sin, w)
-            end = start + n
-            cache.k[:, :, start:end] = k
-            cache.v[:, :, start:end] = v
-            # the last pair sees every slot before it: no mask
-            y = F.scaled_dot_product_attention(q[:, :, -1:], cache.k[:, :, :end], cache.v[:, :, :end], enable_gqa=True)
-            return layer.fused_out(x[:, -1:], y, w)[0]
         mask = None
-        if n > 1:
+        if n > 1 and not last_only:
             rows = torch.arange(start, start + n, device=features.device)[:, None]
             mask = (torch.arange(start + n, device=features.device)[None, :] <= rows)[None, None]  # (1, 1, n, start + n)
-        return self._layer(self._fuse(features, next_embeds)[None], cos, sin, self.layer.self_attn.kv_cache, start, mask)[0]
+        return self._cached_layer(self._fuse(features, next_embeds), cos, sin, start, mask, last_only)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, position: int, start: int, mask: torch.Tensor) -> torch.Tensor:
@@ -298,12 +297,7 @@ class DraftHead(nn.Module):
         mask (k, S) over draft slots 0..S-1 (S = start + k; None: all) -> predicted features (k, C)."""
         cos, sin = self._cos_sin(position)
         x = self._fuse(hidden, self.embed(tokens))  # (k, C)
-        plan = self._plan
-        if plan is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():  # the scripted CPU step
-            cfg = self.cfg
-            return cpu_steps.scripted()(x, cos, sin, start, None if mask is None else mask[None, None], plan.weights, plan.caches,
-                                        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
-        return self._layer(x[None], cos, sin, self.layer.self_attn.kv_cache, start, None if mask is None else mask[None, None])[0]
+        return self._cached_layer(x, cos, sin, start, None if mask is None else mask[None, None])
 
     def _fc_t(self) -> torch.Tensor:
         """fc's weight row-major (2C, C), kept until the weight changes."""
@@ -323,10 +317,10 @@ class DraftHead(nn.Module):
         drafted ids (m,). None where the eager loop runs (no `prepare`d plan, another dtype, no TorchScript)."""
         if self._chain_args is None or self._plan is None or root_hidden.dtype != torch.float32:
             return None
-        cfg, (cos, sin) = self.cfg, self._rope
+        cfg, (cos, sin), cache = self.cfg, self._rope, self.layer.self_attn.kv_cache
         log_min = math.log(min_value) if min_value > 0 else -math.inf
         return cpu_steps.scripted_chain()(root_hidden, position, start, depth, log_min, -1 if eos_id is None else eos_id, cos, sin,
-                                          *self._chain_args, self._plan.weights, self._plan.caches,
+                                          *self._chain_args, self._plan.weights, [[cache.k, cache.v]],
                                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
 
     # -- checkpoints ------------------------------------------------------------------------------
