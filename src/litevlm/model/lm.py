@@ -76,6 +76,18 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) ->
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
+def rope_table(owner, head_dim: int, theta: float, top: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (P, 1, D) for positions 0..P-1, P > top (the same values as `rope_cos_sin` there), kept on
+    `owner` between calls and grown when a position passes its end."""
+    table = owner.__dict__.get("_rope_table")
+    if table is None or table[0].shape[0] <= top or table[0].dtype != dtype or table[0].device != torch.device(device):
+        size = max(top + 1, 4096)
+        cos, sin = rope_cos_sin(torch.arange(size, device=device)[None], head_dim, theta, dtype)
+        table = (cos[0, 0, :, None], sin[0, 0, :, None])
+        owner.__dict__["_rope_table"] = table
+    return table
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -281,15 +293,7 @@ class TextModel(nn.Module):
         return self.norm(x) if end_layer is None else x
 
     def rope_table(self, top: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (P, 1, D) for positions 0..P-1, P > top, kept between calls (the same values as
-        `rope_cos_sin` at those positions)."""
-        table = self.__dict__.get("_rope_table")
-        if table is None or table[0].shape[0] <= top or table[0].dtype != dtype or table[0].device != device:
-            size = max(top + 1, 4096)
-            cos, sin = rope_cos_sin(torch.arange(size, device=device)[None], self.cfg.head_dim, self.cfg.rope_theta, dtype)
-            table = (cos[0, 0, :, None], sin[0, 0, :, None])
-            self.__dict__["_rope_table"] = table
-        return table
+        return rope_table(self, self.cfg.head_dim, self.cfg.rope_theta, top, dtype, device)
 
     def step_plan(self):
         """The scripted CPU step's arguments for this decoder (`litevlm.model.cpu_steps.Plan`), or None

@@ -47,7 +47,7 @@ from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model.generate import Generation, Prefilled, StageTimer, generate
-from litevlm.model.lm import DecoderLayer, apply_rope, linear, rope_cos_sin
+from litevlm.model.lm import DecoderLayer, apply_rope, linear, rope_cos_sin, rope_table
 from litevlm.model.vision import RMSNorm
 
 SELECTOR_DIR = "token_selector"
@@ -567,15 +567,9 @@ class TokenSelector(nn.Module):
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, 1, D) for positions (T,), from a table kept between prompts."""
-        table = self.__dict__.get("_rope_table")
-        top = int(positions.max()) + 1
-        if table is None or table[0].shape[0] < top or table[0].dtype != dtype or table[0].device != positions.device:
-            cfg = self.text_cfg
-            size = max(top, 4096)
-            cos, sin = rope_cos_sin(torch.arange(size, device=positions.device)[None], cfg.head_dim, cfg.rope_theta, dtype)
-            table = (cos[0, 0, :, None], sin[0, 0, :, None])
-            self.__dict__["_rope_table"] = table
-        return table[0][positions], table[1][positions]
+        cfg = self.text_cfg
+        cos, sin = rope_table(self, cfg.head_dim, cfg.rope_theta, int(positions.max()), dtype, positions.device)
+        return cos[positions], sin[positions]
 
     @torch.no_grad()
     def select(

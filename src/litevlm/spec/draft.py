@@ -30,7 +30,7 @@ from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model.kv_cache import KVCache
 from litevlm.model import cpu_steps
-from litevlm.model.lm import DecoderLayer, linear, rope_cos_sin
+from litevlm.model.lm import DecoderLayer, linear, rope_cos_sin, rope_table
 
 DRAFT_FORMAT = "litevlm-draft"
 DRAFT_SUBDIR = "draft"  # a model directory keeps its draft head here
@@ -250,10 +250,7 @@ class DraftHead(nn.Module):
         cache = self.layer.self_attn.kv_cache
         if cache is None or cache.max_len < cache_len or cache.k.dtype != w.dtype or cache.k.device != w.device:
             self.setup_cache(cache_len)
-        if self._rope is None or self._rope[0].shape[0] <= max_position or self._rope[0].dtype != w.dtype or self._rope[0].device != w.device:
-            size = max(max_position + 1, 1024)
-            cos, sin = rope_cos_sin(torch.arange(size, device=w.device)[None], self.cfg.head_dim, self.cfg.rope_theta, w.dtype)
-            self._rope = (cos[0, 0, :, None], sin[0, 0, :, None])  # (P, 1, D): broadcasts over (B, T, heads, D)
+        self._rope = rope_table(self, self.cfg.head_dim, self.cfg.rope_theta, max_position, w.dtype, w.device)  # (P, 1, D)
         with torch.no_grad():
             self._plan = cpu_steps.plan(w, (self.layer,))
             self._chain_args = None
