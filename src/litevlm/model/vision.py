@@ -116,7 +116,8 @@ class Block(nn.Module):
         self.lambda_2 = nn.Parameter(cfg.layer_scale_init * torch.ones(cfg.hidden_size))
         # Inference calls with at least this many rows multiply in bf16 (0: never): `litevlm.model.lm.mm`.
         self.bf16_min_rows = 0
-        self._packed16: tuple | None = None
+        self._packed: tuple | None = None  # (weight versions, `packed()`)
+        self._packed16: tuple | None = None  # (the `packed()` list it was made from, its bf16 copies)
 
     def forward(self, x):
         if self.bf16_min_rows and x.shape[0] * x.shape[1] >= self.bf16_min_rows and not torch.is_grad_enabled() \
@@ -138,21 +139,30 @@ class Block(nn.Module):
         h = self.mlp.act(mm(self.layernorm_after(x).reshape(t * n, c), None, fc1_b, fc1_16))
         return x + self.lambda_2 * mm(h, None, fc2_b, fc2_16).view(t, n, c)
 
-    def _bf16_weights(self) -> tuple:
-        """(W (in, out) bf16, bias fp32) for qkv (packed), the output projection, fc1 and fc2; rebuilt when a weight changes."""
+    def packed(self) -> list:
+        """The block's weights in `vit_blocks`' order, projections row-major and q, k, v packed into one
+        (a zero bias where the model has none); rebuilt when a weight changes."""
         a, m = self.attention, self.mlp
-        lins = (a.q_proj, a.k_proj, a.v_proj, a.projection_layer, m.fc1, m.fc2)
-        key = tuple((p.data_ptr(), p._version) for lin in lins for p in (lin.weight, lin.bias) if p is not None)
-        if self._packed16 is None or self._packed16[0] != key:
-            def t16(*ws):
-                return torch.cat([w.detach() for w in ws]).t().contiguous().to(torch.bfloat16)
+        params = list(self.parameters())
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if self._packed is None or self._packed[0] != key:
+            c = a.q_proj.in_features
+            qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else a.q_proj.weight.new_zeros(3 * c)
+            weights = [None if t is None else t.detach().contiguous() for t in (
+                self.layernorm_before.weight, getattr(self.layernorm_before, "bias", None),
+                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t(), qkv_b, a.projection_layer.weight.t(),
+                a.projection_layer.bias, self.lambda_1, self.layernorm_after.weight, getattr(self.layernorm_after, "bias", None),
+                m.fc1.weight.t(), m.fc1.bias, m.fc2.weight.t(), m.fc2.bias, self.lambda_2)]
+            self._packed = (key, weights)
+        return self._packed[1]
 
-            bias = None
-            if a.q_proj.bias is not None:
-                bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
-            packed = (t16(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), bias, t16(a.projection_layer.weight),
-                      a.projection_layer.bias.detach(), t16(m.fc1.weight), m.fc1.bias.detach(), t16(m.fc2.weight), m.fc2.bias.detach())
-            self._packed16 = (key, packed)
+    def _bf16_weights(self) -> tuple:
+        """(W (in, out) bf16, bias fp32) for qkv (packed), the output projection, fc1 and fc2: bf16 copies of
+        `packed()`'s projections, made once per packing."""
+        w = self.packed()
+        if self._packed16 is None or self._packed16[0] is not w:
+            self._packed16 = (w, (w[2].to(torch.bfloat16), w[3], w[4].to(torch.bfloat16), w[5], w[9].to(torch.bfloat16), w[10],
+                                  w[11].to(torch.bfloat16), w[12]))
         return self._packed16[1]
 
 
@@ -207,28 +217,14 @@ class VisionTower(nn.Module):
 
     def _block_weights(self, x: torch.Tensor):
         """`vit_blocks`' weights for fp32 CPU inference with LayerNorm, exact GELU and no qk-norm, unless a block
-        runs its bf16 path on these rows; else None (the blocks run as modules). Cached until a weight changes."""
+        runs its bf16 path on these rows; else None (the blocks run as modules). Each block keeps its packing."""
         blocks = list(self.encoder.layer)
         if (x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() or self.cfg.qk_norm
                 or self.cfg.norm_type != "layer_norm" or self.cfg.hidden_act != "gelu"
                 or any(b.bf16_min_rows and x.shape[0] * x.shape[1] >= b.bf16_min_rows for b in blocks)
                 or not all(_plain_linears(b) for b in blocks)):
             return None
-        params = [p for b in blocks for p in b.parameters()]
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        cache = self.__dict__.get("_packed_blocks")
-        if cache is not None and cache[0] == key:
-            return cache[1]
-        weights = []
-        for b in blocks:
-            a, m = b.attention, b.mlp
-            qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else x.new_zeros(3 * x.shape[-1])
-            weights.append([t.detach().contiguous() for t in (
-                b.layernorm_before.weight, b.layernorm_before.bias, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t(),
-                qkv_b, a.projection_layer.weight.t(), a.projection_layer.bias, b.lambda_1, b.layernorm_after.weight,
-                b.layernorm_after.bias, m.fc1.weight.t(), m.fc1.bias, m.fc2.weight.t(), m.fc2.bias, b.lambda_2)])
-        self.__dict__["_packed_blocks"] = (key, weights)
-        return weights
+        return [b.packed() for b in blocks]
 
 
 def pixel_shuffle(x: torch.Tensor, grid: int) -> torch.Tensor:
