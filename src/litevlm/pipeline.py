@@ -305,14 +305,9 @@ class Pipeline:
         )
 
     def _generate(self, embeds, positions, view_spans, timer, prefilled=None):
+        """prefilled: the prompt is in the cache already (the TokenSelector pruned inside the decoder)."""
         args = (self.max_new_tokens, self.stop_id, self.temperature, self.top_p, self.generator, timer)
-        if prefilled is not None:
-            if self.draft is not None:
-                from litevlm.spec.decode import speculative_generate
-
-                return speculative_generate(self.model, self.draft, embeds, positions, *args, tree=self.tree, prefilled=prefilled)
-            return generate(self.model, embeds, positions, *args, step=self._decode_step(), prefilled=prefilled)
-        if self.fastv is not None:
+        if self.fastv is not None:  # never with a TokenSelector (refused at construction)
             from litevlm.select.tokens import fastv_generate
 
             k, r = self.fastv
@@ -320,8 +315,8 @@ class Pipeline:
         if self.draft is not None:
             from litevlm.spec.decode import speculative_generate
 
-            return speculative_generate(self.model, self.draft, embeds, positions, *args, tree=self.tree)
-        return generate(self.model, embeds, positions, *args, step=self._decode_step())
+            return speculative_generate(self.model, self.draft, embeds, positions, *args, tree=self.tree, prefilled=prefilled)
+        return generate(self.model, embeds, positions, *args, step=self._decode_step(), prefilled=prefilled)
 
     def _decode_step(self):
         """The plain decode step as a replayed CUDA graph (cuda_graphs=True), else None (eager)."""
