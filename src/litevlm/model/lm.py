@@ -88,6 +88,13 @@ def rope_table(owner, head_dim: int, theta: float, top: int, dtype, device) -> t
     return table
 
 
+def rotate_head_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A projection's output rows (weight or bias) re-ordered per head as [-second half, first half]:
+    x @ rotate_head_rows(W, D).T == rotate_half(x @ W.T) per head, so RoPE's rotation folds into packed weights."""
+    w = w.view(-1, head_dim, *w.shape[1:])  # (heads, D, ...)
+    return torch.cat([-w[:, head_dim // 2 :], w[:, : head_dim // 2]], 1).reshape(-1, *w.shape[2:])
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -199,17 +206,13 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         d = attn.cfg.head_dim
 
-        def rot(w: torch.Tensor) -> torch.Tensor:  # rows of each head: [-second half, first half]
-            w = w.view(-1, d, *w.shape[1:])  # (heads, D, ...)
-            return torch.cat([-w[:, d // 2 :], w[:, : d // 2]], 1).reshape(-1, *w.shape[2:])
-
         with torch.set_grad_enabled(training):
             qk_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight])
-            qkv_w = torch.cat([qk_w, rot(qk_w), attn.v_proj.weight])
+            qkv_w = torch.cat([qk_w, rotate_head_rows(qk_w, d), attn.v_proj.weight])
             qkv_b = None
             if attn.q_proj.bias is not None:
                 qk_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias])
-                qkv_b = torch.cat([qk_b, rot(qk_b), attn.v_proj.bias])
+                qkv_b = torch.cat([qk_b, rotate_head_rows(qk_b, d), attn.v_proj.bias])
             w = [qkv_w.t(), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t(), attn.o_proj.weight.t(), mlp.down_proj.weight.t()]
         if training:
             return (w[0], qkv_b, *w[1:])

@@ -47,7 +47,7 @@ from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model.generate import Generation, Prefilled, StageTimer, generate
-from litevlm.model.lm import DecoderLayer, apply_rope, linear, rope_cos_sin, rope_table
+from litevlm.model.lm import DecoderLayer, apply_rope, linear, rope_cos_sin, rope_table, rotate_head_rows
 from litevlm.model.vision import RMSNorm
 
 SELECTOR_DIR = "token_selector"
@@ -547,20 +547,16 @@ class TokenSelector(nn.Module):
             return self.__dict__["_packed_cache"][1]
         d = self.text_cfg.head_dim
 
-        def rot(w: torch.Tensor) -> torch.Tensor:  # rows of each head: [-second half, first half]
-            w = w.view(-1, d, *w.shape[1:])
-            return torch.cat([-w[:, d // 2 :], w[:, : d // 2]], 1).reshape(-1, *w.shape[2:])
-
         def bias(lin: nn.Linear, rows: int) -> torch.Tensor:
             return lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(rows)
 
         wq, wk = self.q_proj.weight.detach(), self.k_proj.weight.detach()
         bq, bk = bias(self.q_proj, wq.shape[0]), bias(self.k_proj, wk.shape[0])
         packed = (
-            torch.cat([wq, rot(wq), self.query_gate.weight.detach()]).t().contiguous(),
-            torch.cat([bq, rot(bq), self.query_gate.bias.detach()]),
-            torch.cat([wk, rot(wk)]).t().contiguous(),
-            torch.cat([bk, rot(bk)]),
+            torch.cat([wq, rotate_head_rows(wq, d), self.query_gate.weight.detach()]).t().contiguous(),
+            torch.cat([bq, rotate_head_rows(bq, d), self.query_gate.bias.detach()]),
+            torch.cat([wk, rotate_head_rows(wk, d)]).t().contiguous(),
+            torch.cat([bk, rotate_head_rows(bk, d)]),
         )
         self.__dict__["_packed_cache"] = (key, packed)
         return packed
