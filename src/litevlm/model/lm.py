@@ -21,17 +21,23 @@ from litevlm.model.vision import RMSNorm
 def linear(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
     """`lin(x)`, faster for a few rows at CPU inference: there a row-major (in, out) copy of the
     weight, kept until the weight changes, multiplies about twice as fast as the (out, in) one."""
-    w = lin.weight
-    if x.device.type != "cpu" or (torch.is_grad_enabled() and w.requires_grad) or not _plain(lin):
+    if x.device.type != "cpu" or (torch.is_grad_enabled() and lin.weight.requires_grad) or not _plain(lin):
         return lin(x)
+    w_t = row_major(lin)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = x2 @ w_t if lin.bias is None else torch.addmm(lin.bias, x2, w_t)
+    return y.view(*x.shape[:-1], -1)
+
+
+def row_major(lin: nn.Linear) -> torch.Tensor:
+    """lin's weight as a row-major (in, out) copy, kept on the module until the weight changes."""
+    w = lin.weight
     key = (w.data_ptr(), w._version)
     hit = lin.__dict__.get("_row_major")  # (weight version, weight.t().contiguous())
     if hit is None or hit[0] != key:
         hit = (key, w.detach().t().contiguous())
         lin.__dict__["_row_major"] = hit
-    x2 = x.reshape(-1, x.shape[-1])
-    y = x2 @ hit[1] if lin.bias is None else torch.addmm(lin.bias, x2, hit[1])
-    return y.view(*x.shape[:-1], -1)
+    return hit[1]
 
 
 BF16_ROW_BUCKET = 32

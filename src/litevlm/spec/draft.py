@@ -30,7 +30,7 @@ from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model.kv_cache import KVCache
 from litevlm.model import cpu_steps
-from litevlm.model.lm import DecoderLayer, linear, rope_cos_sin, rope_table
+from litevlm.model.lm import DecoderLayer, linear, rope_cos_sin, rope_table, row_major
 
 DRAFT_FORMAT = "litevlm-draft"
 DRAFT_SUBDIR = "draft"  # a model directory keeps its draft head here
@@ -258,8 +258,8 @@ class DraftHead(nn.Module):
                 if self.cfg.draft_vocab:
                     head, vmap = self._draft_head(), self.vocab_map
                 else:
-                    head, vmap = self._target()[1].weight.detach().t().contiguous(), torch.empty(0, dtype=torch.long, device=w.device)
-                self._chain_args = (self._target()[0].weight.detach(), self._fc_t(), self.fc.bias.detach(), head, vmap)
+                    head, vmap = row_major(self._target()[1]), torch.empty(0, dtype=torch.long, device=w.device)
+                self._chain_args = (self._target()[0].weight.detach(), row_major(self.fc), self.fc.bias.detach(), head, vmap)
 
     def _cos_sin(self, positions: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin (T, 1, D) for positions (T,), or (1, 1, D) for one int position shared by all rows."""
@@ -295,16 +295,6 @@ class DraftHead(nn.Module):
         cos, sin = self._cos_sin(position)
         x = self._fuse(hidden, self.embed(tokens))  # (k, C)
         return self._cached_layer(x, cos, sin, start, None if mask is None else mask[None, None])
-
-    def _fc_t(self) -> torch.Tensor:
-        """fc's weight row-major (2C, C), kept until the weight changes."""
-        w = self.fc.weight
-        key = (w.data_ptr(), w._version)
-        hit = self.__dict__.get("_fc_t_cache")
-        if hit is None or hit[0] != key:
-            hit = (key, w.detach().t().contiguous())
-            self.__dict__["_fc_t_cache"] = hit
-        return hit[1]
 
     @torch.no_grad()
     def draft_chain(self, root_hidden: torch.Tensor, position: int, start: int, depth: int, min_value: float,
