@@ -131,11 +131,11 @@ def layer_weights(layer) -> List[torch.Tensor]:
 
 
 class Plan(NamedTuple):
-    """`layers`' weight and cache arguments for some decoder layers, gathered once: a generation
-    builds one at its start and reuses it for every step (nothing changes the weights meanwhile)."""
+    """`layers`' weight arguments for some decoder layers, gathered once: a generation builds one at its
+    start and reuses it for every step (nothing changes the weights meanwhile). The caches are read at
+    each call (`caches`): `setup_cache` may replace them."""
 
     weights: List[List[torch.Tensor]]
-    caches: List[List[torch.Tensor]]
 
 
 def plan(x: torch.Tensor, decoder_layers) -> Optional[Plan]:
@@ -143,8 +143,17 @@ def plan(x: torch.Tensor, decoder_layers) -> Optional[Plan]:
     path must run (see `usable`)."""
     if not usable(x, decoder_layers):
         return None
-    return Plan([layer_weights(layer) for layer in decoder_layers],
-                [[layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v] for layer in decoder_layers])
+    return Plan([layer_weights(layer) for layer in decoder_layers])
+
+
+def caches(decoder_layers) -> List[List[torch.Tensor]]:
+    """`layers`' cache arguments: each layer's current [K, V] (read through the module dicts: this runs
+    every step, and nn.Module attribute lookups would cost about 20 us here)."""
+    out = []
+    for layer in decoder_layers:
+        buffers = layer._modules["self_attn"]._modules["kv_cache"]._buffers
+        out.append([buffers["k"], buffers["v"]])
+    return out
 
 
 def usable(x: torch.Tensor, decoder_layers) -> bool:

@@ -325,7 +325,7 @@ class TextModel(nn.Module):
         top = int(positions.max()) if positions.numel() > 1 else int(positions)
         cos, sin = self.rope_table(top, embeds.dtype, embeds.device)
         cfg = self.cfg
-        x = cpu_steps.scripted()(embeds, cos[positions], sin[positions], start, mask, plan.weights, plan.caches,
+        x = cpu_steps.scripted()(embeds, cos[positions], sin[positions], start, mask, plan.weights, cpu_steps.caches(self.layers),
                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
         return self.norm(x)
 

@@ -183,12 +183,12 @@ class DraftHead(nn.Module):
         """The layer over the draft cache for one sequence, x (n, C) at slots start..start+n-1 -> (n, C)
         (or (1, C) with last_only): the scripted CPU step where `prepare` made a plan, else `_layer`.
         mask (1, 1, n, S) or None (everything)."""
-        plan, cache = self._plan, self.layer.self_attn.kv_cache
+        plan = self._plan
         if plan is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
-            cfg = self.cfg  # the cache is read here, not from the plan: `setup_cache` may have replaced it
-            return cpu_steps.scripted()(x, cos, sin, start, mask, plan.weights, [[cache.k, cache.v]],
+            cfg = self.cfg
+            return cpu_steps.scripted()(x, cos, sin, start, mask, plan.weights, cpu_steps.caches((self.layer,)),
                                         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, last_only)
-        return self._layer(x[None], cos, sin, cache, start, mask, last_only)[0]
+        return self._layer(x[None], cos, sin, self.layer.self_attn.kv_cache, start, mask, last_only)[0]
 
     def _fuse(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
         dtype = self.fc.weight.dtype  # the draft may run in another precision than the target
@@ -304,10 +304,10 @@ class DraftHead(nn.Module):
         drafted ids (m,). None where the eager loop runs (no `prepare`d plan, another dtype, no TorchScript)."""
         if self._chain_args is None or self._plan is None or root_hidden.dtype != torch.float32:
             return None
-        cfg, (cos, sin), cache = self.cfg, self._rope, self.layer.self_attn.kv_cache
+        cfg, (cos, sin) = self.cfg, self._rope
         log_min = math.log(min_value) if min_value > 0 else -math.inf
         return cpu_steps.scripted_chain()(root_hidden, position, start, depth, log_min, -1 if eos_id is None else eos_id, cos, sin,
-                                          *self._chain_args, self._plan.weights, [[cache.k, cache.v]],
+                                          *self._chain_args, self._plan.weights, cpu_steps.caches((self.layer,)),
                                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
 
     # -- checkpoints ------------------------------------------------------------------------------
