@@ -18,14 +18,18 @@ pytestmark = pytest.mark.skipif(cpu_steps.scripted() is None, reason="this torch
 def eager(monkeypatch):
     """Counts the scripted calls made before `use_eager()` (so a test knows the scripted path ran), after
     which the eager path runs, as in a torch build without TorchScript."""
-    real, real_chain, calls = cpu_steps.scripted(), cpu_steps.scripted_chain(), []
-    monkeypatch.setattr(cpu_steps, "_SCRIPTED", [(lambda *args: calls.append(1) or real(*args),
-                                                 lambda *args: calls.append(1) or real_chain(*args))])
+    real, calls = cpu_steps._SCRIPTED[0], []
+
+    def counted(i, fn):
+        return lambda *args: calls.append(i) or fn(*args)
+
+    monkeypatch.setattr(cpu_steps, "_SCRIPTED", [tuple(counted(i, fn) for i, fn in enumerate(real))])
 
     def use_eager():
         assert calls, "the scripted path did not run"
         monkeypatch.setattr(cpu_steps, "_SCRIPTED", [None])
 
+    use_eager.calls = calls  # indices into the scripted tuple: 2 = draft_cycle, 3 = verify_chain
     return use_eager
 
 
@@ -180,3 +184,27 @@ def test_the_vision_blocks_on_packed_weights_equal_the_modules():
         changed = tower(pixels)
     torch.testing.assert_close(changed, tower(pixels).detach(), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(changed, fast)
+
+
+@pytest.mark.parametrize("plain_steps", [0, 2])
+def test_a_scripted_greedy_chain_cycle_equals_the_eager_one(eager, plain_steps):
+    """Each side of a greedy chain cycle in one scripted call (`draft_cycle`, `verify_chain_greedy`): the
+    same tokens, the same accepted lengths, the same target and draft caches as the eager cycle."""
+    from litevlm.spec import speculative_generate
+    from litevlm.spec.tree import TreeConfig
+
+    model = tiny_vlm(vocab=24)  # a small vocabulary so that a random draft is often right
+    head = random_draft(model)
+    embeds, pos = prompt(model, seed=5)
+    cfg = TreeConfig.chain(6, 0.05, plain_steps=plain_steps)
+
+    def run():
+        out = speculative_generate(model, head, embeds, pos, 30, None, tree=cfg)
+        return out.tokens, out.accept_lengths, caches(model), head.layer.self_attn.kv_cache.k.clone()
+
+    (tok_a, acc_a, *rest_a), (tok_b, acc_b, *rest_b) = both_paths(eager, run)
+    assert {2, 3} <= set(eager.calls)  # both fused calls ran
+    assert tok_a == tok_b and acc_a == acc_b
+    assert max(acc_a) >= 2  # drafts were accepted
+    n = embeds.shape[1] + 30
+    assert_all_close([[k[:, :, :n], v[:, :, :n]] for k, v in rest_a[0]], [[k[:, :, :n], v[:, :, :n]] for k, v in rest_b[0]])

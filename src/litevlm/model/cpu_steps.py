@@ -15,7 +15,7 @@ callers keep the eager path.
 from __future__ import annotations
 
 import warnings
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +95,49 @@ def chain(root_hidden: torch.Tensor, position: int, start: int, depth: int, log_
     return torch.cat(drafted)
 
 
+def draft_cycle(feats: torch.Tensor, nxt: torch.Tensor, pair_pos: torch.Tensor, done: int, root_pos: int, depth: int,
+                log_min: float, eos: int, cos_table: torch.Tensor, sin_table: torch.Tensor, embed: torch.Tensor,
+                fc_w: torch.Tensor, fc_b: torch.Tensor, head: torch.Tensor, vocab_map: torch.Tensor,
+                weights: List[List[torch.Tensor]], caches: List[List[torch.Tensor]], hq: int, hkv: int, d: int,
+                eps: float) -> torch.Tensor:
+    """A draft head's side of a speculative cycle in one call -> the drafted token ids (m,).
+
+    The extend first: the m pairs committed since the last cycle, the target's true features feats (m, C)
+    with the embeddings of the tokens that followed them nxt (m, C) at RoPE positions pair_pos (m,), go
+    through fc and the draft layer into draft slots done..done+m-1 (only the last pair's output is kept:
+    the predicted feature after the root). Then `chain` from it, its steps at slots done+m, ... and
+    positions root_pos, root_pos + 1, ...
+    """
+    x = torch.addmm(fc_b, torch.cat([nxt, feats], -1), fc_w)
+    h_root = layers(x, cos_table[pair_pos], sin_table[pair_pos], done, None, weights, caches, hq, hkv, d, eps, True)
+    return chain(h_root, root_pos, done + feats.shape[0], depth, log_min, eos, cos_table, sin_table, embed, fc_w, fc_b,
+                 head, vocab_map, weights, caches, hq, hkv, d, eps)
+
+
+def verify_chain(tokens: torch.Tensor, start: int, root_pos: int, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                 embed: torch.Tensor, weights: List[List[torch.Tensor]], caches: List[List[torch.Tensor]], hq: int,
+                 hkv: int, d: int, eps: float, norm_w: torch.Tensor, head: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The target's side of a greedy chain cycle in one call: verify root + drafts, accept the longest
+    matching prefix -> (the emitted tokens (a+1,): the a accepted drafts and the bonus, their features
+    (a+1, C): the post-norm hidden states of the root and the accepted drafts).
+
+    tokens (n,): the root (committed, not cached yet) and the chain drafted after it, written at cache
+    slots start..start+n-1 at positions root_pos.. and attending causally over everything before them
+    (a chain's tree mask); norm_w: the final norm; head (C, V): the LM head, row-major. A chain's
+    accepted path is a prefix of it, so its K/V already sit where they belong.
+    """
+    n = tokens.shape[0]
+    rows = torch.arange(n, device=tokens.device)
+    cols = torch.arange(start + n, device=tokens.device)
+    mask = (cols[None, :] <= rows[:, None] + start)[None, None]
+    pos = rows + root_pos
+    x = layers(embed[tokens], cos_table[pos], sin_table[pos], start, mask, weights, caches, hq, hkv, d, eps)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_w  # the final RMSNorm
+    pred = (x @ head).argmax(-1)  # (n,) the target's next token after each node
+    a = int((tokens[1:] == pred[:-1]).long().cumprod(0).sum())
+    return torch.cat([tokens[1 : a + 1], pred[a : a + 1]]), x[: a + 1]
+
+
 _SCRIPTED: list = []  # [(scripted layers, scripted chain) or None], filled on first use
 
 
@@ -103,7 +146,8 @@ def _compile() -> None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                _SCRIPTED.append((torch.jit.script(layers), torch.jit.script(chain)))
+                _SCRIPTED.append((torch.jit.script(layers), torch.jit.script(chain), torch.jit.script(draft_cycle),
+                                  torch.jit.script(verify_chain)))
         except Exception:  # a build without TorchScript: the eager path serves
             _SCRIPTED.append(None)
 
@@ -118,6 +162,12 @@ def scripted_chain():
     """`chain` compiled by TorchScript, or None where that is unavailable."""
     _compile()
     return None if _SCRIPTED[0] is None else _SCRIPTED[0][1]
+
+
+def scripted_cycle():
+    """(`draft_cycle`, `verify_chain`) compiled by TorchScript, or None where that is unavailable."""
+    _compile()
+    return None if _SCRIPTED[0] is None else _SCRIPTED[0][2:]
 
 
 def layer_weights(layer) -> List[torch.Tensor]:

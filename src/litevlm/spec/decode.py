@@ -16,7 +16,9 @@ import torch
 
 from litevlm.errors import LiteVLMError
 from litevlm.model.generate import Generation, Prefilled, StageTimer, decode_step, prefill, sample_token
-from litevlm.spec.tree import TreeConfig, accept_greedy, accept_sampled, commit_path, draft_tree, verify_tree
+from litevlm.spec.tree import (
+    Tree, TreeConfig, _chain, accept_greedy, accept_sampled, commit_path, draft_tree, verify_chain_greedy, verify_tree,
+)
 
 
 @torch.no_grad()
@@ -77,29 +79,50 @@ def speculative_generate(
         pair_pos = positions[0, c0:]
         done, L = 0, t  # pairs in the draft cache (its slots 0..done-1), tokens in the target cache
         plan = lm.step_plan() if live else None  # the scripted CPU steps' arguments, gathered once
+        # A greedy chain on the CPU runs each side of a cycle as one scripted call (draft_cycle, verify_chain_greedy).
+        fused = plan is not None and temperature <= 0 and tree.top_k == 1 and tree.total_tokens == tree.depth + 1 \
+            and hasattr(draft, "draft_cycle")
         while not finished():
             root_pos = next_pos + L - t
-            if L + n_tree > cap:  # no room for a tree: finish with plain steps (the cache is exact)
-                logits, _ = decode_step(model, root.view(1, 1), root_pos, L, plan)
+            if L + n_tree > cap or L - t < tree.plain_steps:  # a plain step: no room for a tree, or not yet speculating
+                logits, h = decode_step(model, root.view(1, 1), root_pos, L, plan)
                 root = sample_token(logits, temperature, top_p, generator)
                 out.append(int(root))
                 accept.append(1)
+                # its pair (f_L, x_{L+1}) joins those the draft's next extend takes in
+                feats, nxt = torch.cat([feats, h[0].to(feats.dtype)]), torch.cat([nxt, lm.embed_tokens(root)])
+                pair_pos = torch.cat([pair_pos, pair_pos.new_full((1,), root_pos)])
                 L += 1
                 continue
             with timer("draft"):
-                h_root = draft.extend(feats, nxt, pair_pos, done, last_only=True)  # (1, C): predicted f_L
-                done += feats.shape[0]
-                tr = draft_tree(draft, root, h_root, done, root_pos, tree, eos_id)  # scratch from draft slot `done`
-            with timer("verify"):
-                logits, hid = verify_tree(model, tr, L, root_pos, live, plan)
-                if temperature <= 0:
-                    path, bonus = accept_greedy(tr, logits)
+                drafted = draft.draft_cycle(feats, nxt, pair_pos, done, root_pos, tree.depth, tree.min_value, eos_id) if fused else None
+                if drafted is not None:
+                    tr_tokens = torch.cat([root.reshape(1).to(drafted.dtype), drafted])
                 else:
-                    path, bonus = accept_sampled(tr, logits, temperature, top_p, generator)
-                new = torch.cat([tr.tokens[path[1:]], bonus.view(1)])  # accepted drafts + bonus
-                host = torch.cat([path, new]).tolist()  # the cycle's one host sync
-                a = path.numel() - 1
-                path_list, new_list = host[: a + 1], host[a + 1 :]
+                    h_root = draft.extend(feats, nxt, pair_pos, done, last_only=True)  # (1, C): predicted f_L
+                    tr = draft_tree(draft, root, h_root, done + feats.shape[0], root_pos, tree, eos_id)  # scratch from there
+                done += feats.shape[0]
+            with timer("verify"):
+                fast = verify_chain_greedy(model, tr_tokens, L, root_pos, plan) if drafted is not None else None
+                if fast is not None:  # a chain's accepted path is a prefix of it: nothing to commit
+                    new, feats = fast
+                    new_list = new.tolist()  # the cycle's one host sync
+                    a = len(new_list) - 1
+                else:
+                    if drafted is not None:
+                        tr = Tree(tr_tokens, *_chain(tr_tokens.numel(), tr_tokens.device))
+                    logits, hid = verify_tree(model, tr, L, root_pos, live, plan)
+                    if temperature <= 0:
+                        path, bonus = accept_greedy(tr, logits)
+                    else:
+                        path, bonus = accept_sampled(tr, logits, temperature, top_p, generator)
+                    new = torch.cat([tr.tokens[path[1:]], bonus.view(1)])  # accepted drafts + bonus
+                    host = torch.cat([path, new]).tolist()  # the cycle's one host sync
+                    a = path.numel() - 1
+                    path_list, new_list = host[: a + 1], host[a + 1 :]
+                    if path_list != list(range(a + 1)):  # a chain's path is already in place
+                        commit_path(model, path, L)
+                    feats = hid[path]  # f_L..f_{L+a}
                 emitted = []
                 for tok in new_list:
                     emitted.append(tok)
@@ -109,9 +132,7 @@ def speculative_generate(
                 accept.append(len(emitted))
                 if finished():
                     break
-                if path_list != list(range(a + 1)):  # a chain's path is already in place
-                    commit_path(model, path, L)
-            feats, nxt = hid[path], lm.embed_tokens(new)  # f_L..f_{L+a} and x_{L+1}..x_{L+a+1}
+            nxt = lm.embed_tokens(new)  # x_{L+1}..x_{L+a+1}
             pair_pos = torch.arange(root_pos, root_pos + a + 1, device=embeds.device)
-            L, root = L + a + 1, bonus.view(1)
+            L, root = L + a + 1, new[-1:]
     return Generation(out, t, dict(timer.ms), accept)

@@ -23,9 +23,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.nn as nn
 
 from litevlm.errors import LiteVLMError
-from litevlm.model.lm import linear
+from litevlm.model import cpu_steps
+from litevlm.model.lm import linear, row_major
+from litevlm.model.vision import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class TreeConfig:
         (all of it), 16 for a tree.
 
     min_value: chains only: stop drafting once the path's draft probability falls below it.
+    plain_steps: decode steps run plainly before speculation starts. A speculative cycle costs more
+        than the plain steps of a two- or three-token answer (a yes/no or a letter, then EOS).
 
     The default is a deep chain (16 drafts) cut at value 0.3: on a CPU a target pass costs more
     with every verified token (a 16-token tree costs about 2 token steps here, an 8-token chain
@@ -55,6 +60,7 @@ class TreeConfig:
     depth: int = 16
     total_tokens: int = 0
     min_value: float = 0.3
+    plain_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.total_tokens == 0 and self.top_k >= 1 and self.depth >= 1:  # frozen: set the derived size once
@@ -63,6 +69,8 @@ class TreeConfig:
             raise LiteVLMError(f"tree top_k must be >= 1, got {self.top_k}")
         if self.depth < 1:
             raise LiteVLMError(f"tree depth must be >= 1, got {self.depth}")
+        if self.plain_steps < 0:
+            raise LiteVLMError(f"tree plain_steps must be >= 0, got {self.plain_steps}")
         if not 0.0 <= self.min_value < 1.0:
             raise LiteVLMError(f"tree min_value must lie in [0, 1), got {self.min_value}")
         if not 2 <= self.total_tokens <= 1 + self.pool_size:
@@ -77,15 +85,16 @@ class TreeConfig:
         return self.top_k + (self.depth - 1) * self.top_k**2
 
     @classmethod
-    def chain(cls, depth: int, min_value: float = 0.0) -> "TreeConfig":
+    def chain(cls, depth: int, min_value: float = 0.0, plain_steps: int = 0) -> "TreeConfig":
         """A chain of `depth` draft tokens (top_k = 1), cut short where its draft probability < min_value."""
-        return cls(top_k=1, depth=depth, total_tokens=depth + 1, min_value=min_value)
+        return cls(top_k=1, depth=depth, total_tokens=depth + 1, min_value=min_value, plain_steps=plain_steps)
 
     def label(self) -> str:
+        plain = f" p{self.plain_steps}" if self.plain_steps else ""
         if self.top_k == 1:
             return (f"chain d{self.depth}" + ("" if self.total_tokens == self.depth + 1 else f" n{self.total_tokens}")
-                    + (f" v{self.min_value:g}" if self.min_value else ""))
-        return f"tree k{self.top_k} d{self.depth} n{self.total_tokens}"
+                    + (f" v{self.min_value:g}" if self.min_value else "") + plain)
+        return f"tree k{self.top_k} d{self.depth} n{self.total_tokens}" + plain
 
 
 @dataclass
@@ -261,6 +270,23 @@ def verify_tree(model, tree: Tree, start: int, root_position: int, live_prefix: 
         kv_len = None
     hidden = lm(embeds, positions, slots=slots, mask=mask[None, None], kv_len=kv_len)[0]  # (N, C)
     return linear(hidden, model.lm_head), hidden
+
+
+@torch.no_grad()
+def verify_chain_greedy(model, tokens: torch.Tensor, start: int, root_position: int, plan) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`verify_tree` + `accept_greedy` for a chain (root + drafts, tokens (n,)) in one scripted call on the
+    CPU -> (emitted tokens (a+1,): the accepted drafts and the bonus, their features (a+1, C): the target's
+    hidden states at the root and the accepted drafts). A chain's accepted path is a prefix, so nothing
+    needs committing. None where the eager path runs (no `plan`, or a head or final norm it does not know)."""
+    fns = cpu_steps.scripted_cycle()
+    lm = model.language_model
+    if fns is None or plan is None or type(model.lm_head) is not nn.Linear or type(lm.norm) is not RMSNorm:
+        return None
+    cfg = lm.cfg
+    cos, sin = lm.rope_table(root_position + tokens.numel(), torch.float32, tokens.device)
+    return fns[1](tokens, start, root_position, cos, sin, lm.embed_tokens.weight.detach(), plan.weights,
+                  cpu_steps.caches(lm.layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps,
+                  lm.norm.weight.detach(), row_major(model.lm_head))
 
 
 def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
