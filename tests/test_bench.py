@@ -64,3 +64,16 @@ def test_the_shape_path_runs_every_row_on_random_weights(full_model_dir, monkeyp
         assert r["score"] is None and r["total_ms"] > 0
     assert rows["litevlm"]["input_tokens"] < rows["views + eagle"]["input_tokens"]  # the selector pruned
     assert result["model"] == "random weights, tiny-test shapes"
+
+
+def test_rows_can_be_chosen_by_name(full_model_dir):
+    from litevlm.errors import LiteVLMError
+    from litevlm.eval.bench import configs_named
+
+    chosen = configs_named("litevlm, baseline")
+    assert list(chosen) == ["baseline", "litevlm"]  # the table's order, whatever the list's
+    assert chosen["litevlm"] == CONFIGS["litevlm"]
+    with pytest.raises(LiteVLMError, match="unknown bench rows"):
+        configs_named("baseline,turbo")
+    result, _ = run_bench(str(full_model_dir), n=2, warmup=1, max_new_tokens=4, configs=chosen, hf=False, progress=False)
+    assert [r["config"] for r in result["rows"]] == ["baseline", "litevlm"]

@@ -7,19 +7,27 @@ import torch
 from litevlm.errors import LiteVLMError
 from litevlm.model import lm as lm_module
 from litevlm.model.generate import decode_step, prefill
-from litevlm.model.lm import bf16_matmul_supported, mm
+from litevlm.model.lm import bf16_matmul_supported, mm, pack_bf16
 
 from test_spec import prompt, tiny_vlm
 
 needs_bf16 = pytest.mark.skipif(not bf16_matmul_supported(), reason="this CPU has no AMX / AVX512-BF16")
 
 
-def test_mm_matches_addmm_within_bf16_rounding():
+def test_mm_without_bf16_weights_is_addmm():
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(40, 64, generator=g), torch.randn(64, 48, generator=g), torch.randn(48, generator=g)
+    assert torch.equal(mm(x, w, b), torch.addmm(b, x, w))
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [40, 64, 7])
+def test_mm_matches_addmm_within_bf16_rounding(rows):
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(rows, 64, generator=g), torch.randn(64, 48, generator=g), torch.randn(48, generator=g)
     ref = torch.addmm(b, x, w)
-    assert torch.equal(mm(x, w, b), ref)
-    got = mm(x, None, b, w.to(torch.bfloat16))
+    got = mm(x, None, b, pack_bf16(w))
+    assert got.shape == ref.shape
     assert got.dtype == torch.float32
     assert ((got - ref).norm() / ref.norm()) < 1e-2
 

@@ -27,6 +27,8 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-top-k", type=int, default=None)
     g.add_argument("--tree-depth", type=int, default=None)
     g.add_argument("--tree-total", type=int, default=None, help="draft tree size verified per step (root included)")
+    g.add_argument("--tree-min-value", type=float, default=None, help="a chain ends where its draft probability falls below this")
+    g.add_argument("--tree-plain-steps", type=int, default=None, help="decode steps run plainly before speculation starts")
     g.add_argument("--fp8", default=None, metavar="RECIPE", help="fp8-dynamic-per-row: quantise decoder linears at load")
     g.add_argument("--matmul", default="fp32", choices=("fp32", "bf16"),
                    help="bf16: vision and prefill matmuls in bf16 on CPUs with AMX or AVX512-BF16 (decode stays fp32)")
@@ -46,7 +48,7 @@ def _pipeline(args):
         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         select_views=args.select_views, select_tokens=args.select_tokens, fastv_k=args.fastv_k, fastv_r=args.fastv_r,
         speculative=args.speculative, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, tree_total=args.tree_total,
-        fp8=args.fp8, matmul=args.matmul,
+        tree_min_value=args.tree_min_value, tree_plain_steps=args.tree_plain_steps, fp8=args.fp8, matmul=args.matmul,
     )
 
 
@@ -180,9 +182,10 @@ def cmd_quantize(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from litevlm.eval.bench import format_table, plot, run_bench
+    from litevlm.eval.bench import configs_named, format_table, plot, run_bench
 
-    result, per_question = run_bench(args.model, data=args.data, n=args.n, shape=args.shape, hf=not args.no_transformers,
+    configs = configs_named(args.configs) if args.configs else None
+    result, per_question = run_bench(args.model, data=args.data, n=args.n, shape=args.shape, configs=configs, hf=not args.no_transformers,
                                      max_new_tokens=args.max_new_tokens, warmup=args.warmup, progress=not args.json,
                                      cuda_graphs=args.cuda_graphs)
     if args.plot:
@@ -321,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cuda-graphs", action="store_true",
                    help="with --shape on a GPU: replay plain decode steps as CUDA graphs (capture time reported apart)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers generate rows")
+    b.add_argument("--configs", default=None, metavar="NAMES",
+                   help="comma-separated rows to run (e.g. 'baseline,litevlm,litevlm bf16'; default: every row)")
     b.add_argument("--plot", default=None, help="save the stage plots to this PNG")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)

@@ -43,6 +43,16 @@ BF16_CONFIGS: dict[str, dict] = {
     "litevlm bf16": {"select_views": True, "select_tokens": LITEVLM_KEEP_RATIO, "speculative": True, "matmul": "bf16"},
 }
 HF_ROWS = ("transformers eager", "transformers static")
+
+
+def configs_named(names: str) -> dict[str, dict]:
+    """The rows named in a comma-separated list (the transformers rows are `hf`'s), in the table's order."""
+    known = {**CONFIGS, **BF16_CONFIGS}
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in known and n not in HF_ROWS]
+    if unknown or not wanted:
+        raise LiteVLMError(f"unknown bench rows {unknown}: choose among {', '.join(known)}")
+    return {name: cfg for name, cfg in known.items() if name in wanted}
 COLUMNS = ("config", "views", "vit_ms", "input_tokens", "prefill_ms", "extend_one_ms", "decode_ms", "select_ms", "total_ms", "speedup", "score")
 
 

@@ -44,19 +44,29 @@ BF16_ROW_BUCKET = 32
 
 
 def mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w16: torch.Tensor | None = None) -> torch.Tensor:
-    """bias + x @ w for a 2-D x; with w16 (w in bfloat16) the product runs in bf16 (AMX on CPUs that have
-    it) and returns fp32: for the many-row matmuls of a prefill or a vision pass, where it is 2-4x faster.
+    """bias + x @ w for a 2-D x; with w16 (`pack_bf16(w)`) the product runs in bf16 (AMX on CPUs that have
+    it) and returns fp32: for the many-row matmuls of a prefill or a vision pass, where it is about 3x
+    faster (the weights pre-blocked once for the CPU library, so no call re-lays them out).
 
     The bf16 rows are padded to a multiple of BF16_ROW_BUCKET: the CPU library builds a kernel for each
-    new shape (about 1.8 ms here, more than the product), and prompts come in every length."""
+    new shape (about 1.5 ms here, more than the product), and prompts come in every length."""
     if w16 is None:
         return x @ w if bias is None else torch.addmm(bias, x, w)
-    m = x.shape[0]
-    xb = x.to(torch.bfloat16)
-    if m % BF16_ROW_BUCKET:
-        xb = F.pad(xb, (0, 0, 0, BF16_ROW_BUCKET - m % BF16_ROW_BUCKET))
-    y = (xb @ w16)[:m].float()
-    return y if bias is None else y.add_(bias)
+    m, k = x.shape
+    pad = -m % BF16_ROW_BUCKET
+    if pad:  # cast into a zero-tailed buffer: one copy, no separate pad
+        xb = x.new_empty((m + pad, k), dtype=torch.bfloat16)
+        xb[:m] = x
+        xb[m:] = 0
+    else:
+        xb = x.to(torch.bfloat16)
+    y = torch.ops.mkldnn._linear_pointwise(xb, w16, None, "none", [], "")[:m]
+    return y.float() if bias is None else torch.add(bias, y)  # bf16 + fp32 computes in fp32
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """A row-major (in, out) fp32 weight as `mm`'s w16: bf16, in the CPU library's blocked layout."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.t().to(torch.bfloat16), 4 * BF16_ROW_BUCKET)
 
 
 def bf16_matmul_supported() -> bool:
@@ -66,7 +76,8 @@ def bf16_matmul_supported() -> bool:
             flags = f.read()
     except OSError:
         return False
-    return torch.backends.mkldnn.is_available() and ("amx_bf16" in flags or "avx512_bf16" in flags)
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+        and ("amx_bf16" in flags or "avx512_bf16" in flags)
 
 
 def _plain(lin: nn.Module) -> bool:
@@ -232,7 +243,7 @@ class DecoderLayer(nn.Module):
         if not self.bf16_min_rows or rows < self.bf16_min_rows or w[0].requires_grad:
             return (None, None, None, None)
         if self._fused16 is None or self._fused16[0] is not w:
-            self._fused16 = (w, tuple(w[i].to(torch.bfloat16) for i in (0, 2, 3, 4)))
+            self._fused16 = (w, tuple(pack_bf16(w[i]) for i in (0, 2, 3, 4)))
         return self._fused16[1]
 
     def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:

@@ -157,12 +157,13 @@ class Block(nn.Module):
         return self._packed[1]
 
     def _bf16_weights(self) -> tuple:
-        """(W (in, out) bf16, bias fp32) for qkv (packed), the output projection, fc1 and fc2: bf16 copies of
+        """(W packed for bf16 `mm`, bias fp32) for qkv (packed), the output projection, fc1 and fc2: bf16 copies of
         `packed()`'s projections, made once per packing."""
+        from litevlm.model.lm import pack_bf16
+
         w = self.packed()
         if self._packed16 is None or self._packed16[0] is not w:
-            self._packed16 = (w, (w[2].to(torch.bfloat16), w[3], w[4].to(torch.bfloat16), w[5], w[9].to(torch.bfloat16), w[10],
-                                  w[11].to(torch.bfloat16), w[12]))
+            self._packed16 = (w, (pack_bf16(w[2]), w[3], pack_bf16(w[4]), w[5], pack_bf16(w[9]), w[10], pack_bf16(w[11]), w[12]))
         return self._packed16[1]
 
 

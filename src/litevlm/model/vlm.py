@@ -33,15 +33,15 @@ class VLM(nn.Module):
         if cfg.text.tie_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight
 
-    def set_bf16_matmul(self, min_rows: int = 256) -> None:
+    def set_bf16_matmul(self, min_rows: int = 32, warm_rows: int = 512) -> None:
         """Multiply in bf16 wherever an inference call has at least `min_rows` rows: the vision blocks and
         the decoder's prefill; decode steps and tree verification (a few rows) stay fp32, as does all
         else (norms, attention, residuals). 0 turns it off. Needs a CPU with AMX or AVX512-BF16.
 
-        The default, 256 rows, is where it paid on drive-tiny's shapes (CPU-2, BENCHMARKS.md): at its six
-        views (390 vision rows) it cut the vision pass by about a fifth, while at 2-3 views and 80-100
-        prompt tokens the casts cost what the bf16 products save."""
-        from litevlm.model.lm import bf16_matmul_supported
+        The weights are packed once for the CPU library (`litevlm.model.lm.pack_bf16`), and the library's
+        kernel for every weight shape and row bucket up to `warm_rows` is built here (about 1.5 ms each,
+        0.2 s in all for drive-tiny) rather than inside the first prompts of each length."""
+        from litevlm.model.lm import BF16_ROW_BUCKET, bf16_matmul_supported, mm
 
         if min_rows and (self.device.type != "cpu" or self.dtype != torch.float32 or not bf16_matmul_supported()):
             raise LiteVLMError("bf16 matmuls are a CPU path for fp32 models on CPUs with AMX or AVX512-BF16; "
@@ -50,6 +50,18 @@ class VLM(nn.Module):
             block.bf16_min_rows = min_rows
         for layer in self.language_model.layers:
             layer.bf16_min_rows = min_rows
+        if not min_rows:
+            return
+        with torch.no_grad():
+            packed = [w for block in self.vision_tower.encoder.layer for w in block._bf16_weights()[::2]]
+            packed += [w for layer in self.language_model.layers for w in layer.bf16_weights(layer.fused_weights(), min_rows)]
+            shapes = {}
+            for w in packed:
+                shapes.setdefault(tuple(w.shape), w)  # (out, in)
+            first = -(-min_rows // BF16_ROW_BUCKET) * BF16_ROW_BUCKET
+            for (_, k), w in shapes.items():
+                for rows in range(first, warm_rows + 1, BF16_ROW_BUCKET):
+                    mm(torch.zeros(rows, k), None, None, w)
 
     @property
     def matmul_precision(self) -> str:
