@@ -32,7 +32,7 @@ import zlib
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -240,10 +240,11 @@ def fuse(lexical: torch.Tensor, probs: torch.Tensor, weight: float) -> torch.Ten
     return weight * lexical + (1.0 - weight) * probs
 
 
-def _mha_ops(query: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, in_w: torch.Tensor, in_b: torch.Tensor,
+def _mha_ops(query: torch.Tensor, kv: torch.Tensor, allowed: Optional[torch.Tensor], in_w: torch.Tensor, in_b: torch.Tensor,
              out_w: torch.Tensor, out_b: torch.Tensor, heads: int, self_attention: bool) -> torch.Tensor:
     """`nn.MultiheadAttention(query, kv, kv)` without dropout or weights, on raw weights (in_w (3C, C) =
-    [q; k; v] as the module packs them): (B, Q, C), (B, T, C), allowed (B, 1, 1, T) bool -> (B, Q, C)."""
+    [q; k; v] as the module packs them): (B, Q, C), (B, T, C), allowed (B, 1, 1, T) bool or None (every
+    key) -> (B, Q, C)."""
     b, nq, c = query.shape
     if self_attention:
         q, k, v = F.linear(query, in_w, in_b).chunk(3, -1)
@@ -258,7 +259,7 @@ def _mha_ops(query: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, in_w:
     return F.linear(y.transpose(1, 2).reshape(b, nq, c), out_w, out_b)
 
 
-def _logits_ops(x: torch.Tensor, allowed: torch.Tensor, q: torch.Tensor, encoder: List[List[torch.Tensor]], tail: List[torch.Tensor],
+def _logits_ops(x: torch.Tensor, allowed: Optional[torch.Tensor], q: torch.Tensor, encoder: List[List[torch.Tensor]], tail: List[torch.Tensor],
                 heads: int, eps: float) -> torch.Tensor:
     """The module's inference from the embedded words x (B, T, C) and the latent queries q (B, N, C) on
     raw weights, in one call (scripted by `ViewSelector._scripted`): the encoder's pre-norm layers, its
@@ -331,7 +332,8 @@ class ViewSelector(nn.Module):
              + other[..., None] * self.lexical_query[1])  # (B, N, C)
         if fast is not None:  # inference in one call on raw weights (a question is ~100 tiny ops)
             fn, encoder, tail, eps = fast
-            return fn(x, mask[:, None, None], q, encoder, tail, self.cfg.heads, eps)
+            allowed = None if bool(mask.all()) else mask[:, None, None]  # one question: no padding to mask
+            return fn(x, allowed, q, encoder, tail, self.cfg.heads, eps)
         x = self.norm(self.encoder(x, src_key_padding_mask=~mask))  # (B, T, C)
         z = q + self.cross(self.latent_norm(q), x, x, key_padding_mask=~mask, need_weights=False)[0]  # (B, N, C)
         return self.head(z).squeeze(-1)  # (B, N)
