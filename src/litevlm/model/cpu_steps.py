@@ -95,12 +95,13 @@ def chain(root_hidden: torch.Tensor, position: int, start: int, depth: int, log_
     return torch.cat(drafted)
 
 
-def draft_cycle(feats: torch.Tensor, nxt: torch.Tensor, pair_pos: torch.Tensor, done: int, root_pos: int, depth: int,
+def draft_cycle(feats: torch.Tensor, nxt: torch.Tensor, pair_pos: torch.Tensor, done: int, root: torch.Tensor, root_pos: int, depth: int,
                 log_min: float, eos: int, cos_table: torch.Tensor, sin_table: torch.Tensor, embed: torch.Tensor,
                 fc_w: torch.Tensor, fc_b: torch.Tensor, head: torch.Tensor, vocab_map: torch.Tensor,
                 weights: List[List[torch.Tensor]], caches: List[List[torch.Tensor]], hq: int, hkv: int, d: int,
                 eps: float) -> torch.Tensor:
-    """A draft head's side of a speculative cycle in one call -> the drafted token ids (m,).
+    """A draft head's side of a speculative cycle in one call -> the chain to verify (1 + m,): the root (1,)
+    (the newest token, not cached yet) and the m tokens drafted after it.
 
     The extend first: the m pairs committed since the last cycle, the target's true features feats (m, C)
     with the embeddings of the tokens that followed them nxt (m, C) at RoPE positions pair_pos (m,), go
@@ -110,16 +111,19 @@ def draft_cycle(feats: torch.Tensor, nxt: torch.Tensor, pair_pos: torch.Tensor, 
     """
     x = torch.addmm(fc_b, torch.cat([nxt, feats], -1), fc_w)
     h_root = layers(x, cos_table[pair_pos], sin_table[pair_pos], done, None, weights, caches, hq, hkv, d, eps, True)
-    return chain(h_root, root_pos, done + feats.shape[0], depth, log_min, eos, cos_table, sin_table, embed, fc_w, fc_b,
-                 head, vocab_map, weights, caches, hq, hkv, d, eps)
+    drafted = chain(h_root, root_pos, done + feats.shape[0], depth, log_min, eos, cos_table, sin_table, embed, fc_w, fc_b,
+                    head, vocab_map, weights, caches, hq, hkv, d, eps)
+    return torch.cat([root.to(drafted.dtype), drafted])
 
 
 def verify_chain(tokens: torch.Tensor, start: int, root_pos: int, cos_table: torch.Tensor, sin_table: torch.Tensor,
                  embed: torch.Tensor, weights: List[List[torch.Tensor]], caches: List[List[torch.Tensor]], hq: int,
-                 hkv: int, d: int, eps: float, norm_w: torch.Tensor, head: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                 hkv: int, d: int, eps: float, norm_w: torch.Tensor, head: torch.Tensor
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's side of a greedy chain cycle in one call: verify root + drafts, accept the longest
-    matching prefix -> (the emitted tokens (a+1,): the a accepted drafts and the bonus, their features
-    (a+1, C): the post-norm hidden states of the root and the accepted drafts).
+    matching prefix -> (the emitted tokens (a+1,): the a accepted drafts and the bonus; the pairs the
+    draft's next extend takes in: the features (a+1, C) (the post-norm hidden states of the root and the
+    accepted drafts), the embeddings of the tokens after them (a+1, C), their positions (a+1,)).
 
     tokens (n,): the root (committed, not cached yet) and the chain drafted after it, written at cache
     slots start..start+n-1 at positions root_pos.. and attending causally over everything before them
@@ -135,7 +139,8 @@ def verify_chain(tokens: torch.Tensor, start: int, root_pos: int, cos_table: tor
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_w  # the final RMSNorm
     pred = (x @ head).argmax(-1)  # (n,) the target's next token after each node
     a = int((tokens[1:] == pred[:-1]).long().cumprod(0).sum())
-    return torch.cat([tokens[1 : a + 1], pred[a : a + 1]]), x[: a + 1]
+    new = torch.cat([tokens[1 : a + 1], pred[a : a + 1]])
+    return new, x[: a + 1], embed[new], pos[: a + 1]
 
 
 _SCRIPTED: list = []  # [(scripted layers, scripted chain) or None], filled on first use

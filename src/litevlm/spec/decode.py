@@ -95,22 +95,20 @@ def speculative_generate(
                 L += 1
                 continue
             with timer("draft"):
-                drafted = draft.draft_cycle(feats, nxt, pair_pos, done, root_pos, tree.depth, tree.min_value, eos_id) if fused else None
-                if drafted is not None:
-                    tr_tokens = torch.cat([root.reshape(1).to(drafted.dtype), drafted])
-                else:
+                chain = draft.draft_cycle(feats, nxt, pair_pos, done, root, root_pos, tree.depth, tree.min_value, eos_id) if fused else None
+                if chain is None:
                     h_root = draft.extend(feats, nxt, pair_pos, done, last_only=True)  # (1, C): predicted f_L
                     tr = draft_tree(draft, root, h_root, done + feats.shape[0], root_pos, tree, eos_id)  # scratch from there
                 done += feats.shape[0]
             with timer("verify"):
-                fast = verify_chain_greedy(model, tr_tokens, L, root_pos, plan) if drafted is not None else None
+                fast = verify_chain_greedy(model, chain, L, root_pos, plan) if chain is not None else None
                 if fast is not None:  # a chain's accepted path is a prefix of it: nothing to commit
-                    new, feats = fast
+                    new, feats, nxt, pair_pos = fast
                     new_list = new.tolist()  # the cycle's one host sync
                     a = len(new_list) - 1
                 else:
-                    if drafted is not None:
-                        tr = Tree(tr_tokens, *_chain(tr_tokens.numel(), tr_tokens.device))
+                    if chain is not None:
+                        tr = Tree(chain, *_chain(chain.numel(), chain.device))
                     logits, hid = verify_tree(model, tr, L, root_pos, live, plan)
                     if temperature <= 0:
                         path, bonus = accept_greedy(tr, logits)
@@ -122,7 +120,8 @@ def speculative_generate(
                     path_list, new_list = host[: a + 1], host[a + 1 :]
                     if path_list != list(range(a + 1)):  # a chain's path is already in place
                         commit_path(model, path, L)
-                    feats = hid[path]  # f_L..f_{L+a}
+                    feats, nxt = hid[path], lm.embed_tokens(new)  # f_L..f_{L+a}, x_{L+1}..x_{L+a+1}
+                    pair_pos = torch.arange(root_pos, root_pos + a + 1, device=embeds.device)
                 emitted = []
                 for tok in new_list:
                     emitted.append(tok)
@@ -132,7 +131,5 @@ def speculative_generate(
                 accept.append(len(emitted))
                 if finished():
                     break
-            nxt = lm.embed_tokens(new)  # x_{L+1}..x_{L+a+1}
-            pair_pos = torch.arange(root_pos, root_pos + a + 1, device=embeds.device)
             L, root = L + a + 1, new[-1:]
     return Generation(out, t, dict(timer.ms), accept)

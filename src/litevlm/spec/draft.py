@@ -312,17 +312,17 @@ class DraftHead(nn.Module):
 
     @torch.no_grad()
     def draft_cycle(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, start: int,
-                    root_position: int, depth: int, min_value: float, eos_id: int | None) -> torch.Tensor | None:
+                    root: torch.Tensor, root_position: int, depth: int, min_value: float, eos_id: int | None) -> torch.Tensor | None:
         """`extend(features, next_embeds, positions, start, last_only=True)` and then `draft_chain` from its
-        output at slot start + n, in one scripted call on the CPU -> drafted ids (m,); None where the
-        eager path runs (as `draft_chain`)."""
+        output at slot start + n, in one scripted call on the CPU -> the root (1,) and the drafted ids
+        (1 + m,); None where the eager path runs (as `draft_chain`)."""
         fns = cpu_steps.scripted_cycle()
         if fns is None or self._chain_args is None or self._plan is None or features.dtype != torch.float32 \
                 or next_embeds.dtype != torch.float32:
             return None
         cfg, (cos, sin) = self.cfg, self._rope
         log_min = math.log(min_value) if min_value > 0 else -math.inf
-        return fns[0](features, next_embeds, positions, start, root_position, depth, log_min, -1 if eos_id is None else eos_id,
+        return fns[0](features, next_embeds, positions, start, root.reshape(1), root_position, depth, log_min, -1 if eos_id is None else eos_id,
                       cos, sin, *self._chain_args, self._plan.weights, cpu_steps.caches((self.layer,)),
                       cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
 

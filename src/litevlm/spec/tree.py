@@ -273,11 +273,12 @@ def verify_tree(model, tree: Tree, start: int, root_position: int, live_prefix: 
 
 
 @torch.no_grad()
-def verify_chain_greedy(model, tokens: torch.Tensor, start: int, root_position: int, plan) -> tuple[torch.Tensor, torch.Tensor] | None:
+def verify_chain_greedy(model, tokens: torch.Tensor, start: int, root_position: int, plan) -> tuple | None:
     """`verify_tree` + `accept_greedy` for a chain (root + drafts, tokens (n,)) in one scripted call on the
-    CPU -> (emitted tokens (a+1,): the accepted drafts and the bonus, their features (a+1, C): the target's
-    hidden states at the root and the accepted drafts). A chain's accepted path is a prefix, so nothing
-    needs committing. None where the eager path runs (no `plan`, or a head or final norm it does not know)."""
+    CPU -> (emitted tokens (a+1,): the accepted drafts and the bonus; the pairs for the draft's next extend:
+    the target's hidden states at the root and the accepted drafts (a+1, C), the embeddings of the tokens
+    after them (a+1, C), their positions (a+1,)). A chain's accepted path is a prefix, so nothing needs
+    committing. None where the eager path runs (no `plan`, or a head or final norm it does not know)."""
     fns = cpu_steps.scripted_cycle()
     lm = model.language_model
     if fns is None or plan is None or type(model.lm_head) is not nn.Linear or type(lm.norm) is not RMSNorm:
