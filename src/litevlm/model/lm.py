@@ -40,7 +40,7 @@ def row_major(lin: nn.Linear) -> torch.Tensor:
     return hit[1]
 
 
-BF16_ROW_BUCKET = 32
+BF16_ROW_BUCKET = 16
 
 
 def mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w16: torch.Tensor | None = None) -> torch.Tensor:
