@@ -26,8 +26,6 @@ from litevlm.spec import DraftHead, TreeConfig, speculative_generate
 
 SWEEP = [
     TreeConfig(),  # the default: a depth-16 chain cut at draft probability 0.3
-    TreeConfig.chain(16, 0.3, plain_steps=1),
-    TreeConfig.chain(16, 0.3, plain_steps=2),
     TreeConfig.chain(16, 0.2),
     TreeConfig.chain(16, 0.1),
     TreeConfig.chain(16, 0.5),

@@ -127,10 +127,9 @@ def test_tree_options_reach_the_decoder(full_model_dir, images):
     from litevlm.cli import build_parser, _pipeline
 
     args = build_parser().parse_args(["ask", "--model", str(full_model_dir), "--images", "x", "--question", "q", "--speculative",
-                                      "--tree-depth", "5", "--tree-min-value", "0.2", "--tree-plain-steps", "2"])
+                                      "--tree-depth", "5", "--tree-min-value", "0.2"])
     pipe = _pipeline(args)
-    assert (pipe.tree.depth, pipe.tree.min_value, pipe.tree.plain_steps) == (5, 0.2, 2)
+    assert (pipe.tree.depth, pipe.tree.min_value, pipe.tree.total_tokens) == (5, 0.2, 6)
     ans = pipe.answer("Is there a red car to the front of the ego car?", images)
     plain = Pipeline.from_pretrained(full_model_dir, max_new_tokens=pipe.max_new_tokens).answer("Is there a red car to the front of the ego car?", images)
     assert ans.tokens == plain.tokens
-    assert ans.accept_lengths[:2] == [1, 1][: len(ans.accept_lengths[:2])]  # the plain steps come first

@@ -358,7 +358,7 @@ def test_accept_greedy_handcrafted():
 # End-to-end greedy losslessness
 # ------------------------------------------------------------------------------------------------
 CONFIGS = [TreeConfig.chain(1), TreeConfig.chain(4), TreeConfig.chain(6, min_value=0.6), TreeConfig.chain(10, 0.1), TreeConfig(2, 3, 6),
-           TreeConfig(4, 5, 16), TreeConfig(3, 6, 24), TreeConfig.chain(5, plain_steps=3), TreeConfig(2, 3, 6, plain_steps=1)]
+           TreeConfig(4, 5, 16), TreeConfig(3, 6, 24)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.label())
@@ -387,8 +387,7 @@ def test_greedy_lossless_with_an_oracle_draft(cfg):
         assert max(accepted) == cfg.depth + 1  # full paths were accepted
 
 
-@pytest.mark.parametrize("cfg", [TreeConfig(), TreeConfig.chain(3), TreeConfig(4, 5, 16), TreeConfig(8, 4, 32),
-                                 TreeConfig(plain_steps=2)], ids=lambda c: c.label())
+@pytest.mark.parametrize("cfg", [TreeConfig(), TreeConfig.chain(3), TreeConfig(4, 5, 16), TreeConfig(8, 4, 32)], ids=lambda c: c.label())
 def test_greedy_lossless_with_a_draft_head(cfg):
     model = tiny_vlm(vocab=24)  # a small vocabulary so that a random draft is sometimes right
     head = random_draft(model)
@@ -401,17 +400,6 @@ def test_greedy_lossless_with_a_draft_head(cfg):
         accepted += out.accept_lengths
     if cfg.top_k > 1:
         assert max(accepted) >= 2  # some drafts were accepted, so commits happened
-
-
-def test_plain_steps_come_first_and_count_as_target_forwards():
-    model = tiny_vlm()
-    embeds, pos = prompt(model, 0)
-    seq = generate(model, embeds, pos, 40, None).tokens
-    out = speculative_generate(model, OracleDraft(seq, embeds.shape[1], 64), embeds, pos, 20, None, tree=TreeConfig.chain(4, plain_steps=3))
-    assert out.tokens == seq[:20]
-    assert out.accept_lengths[:4] == [1, 1, 1, 5]  # three plain steps, then a fully accepted chain
-    with pytest.raises(LiteVLMError, match="plain_steps"):
-        TreeConfig(plain_steps=-1)
 
 
 def test_greedy_lossless_when_the_cache_has_no_room_for_a_tree():

@@ -144,7 +144,6 @@ class Pipeline:
         tree_depth: int | None = None,
         tree_total: int | None = None,
         tree_min_value: float | None = None,
-        tree_plain_steps: int | None = None,
         fp8: str | None = None,
         matmul: str = "fp32",
         **options,
@@ -155,8 +154,7 @@ class Pipeline:
         select_tokens=r: use its TokenSelector (model_dir/token_selector), keeping a fraction r.
         fastv_k, fastv_r: FastV at layer K keeping r (the comparison baseline).
         speculative: EAGLE-2 with its draft head (model_dir/draft), tree_* override the default tree
-            (tree_min_value: a chain ends where its draft probability falls below it; tree_plain_steps:
-            decode steps run plainly before speculation starts).
+            (tree_min_value: a chain ends where its draft probability falls below it).
         fp8: "fp8-dynamic-per-row" quantises the decoder linears at load; a checkpoint written by
             `litevlm quantize` is FP8 already (static scales) and needs no option.
         matmul: "bf16" multiplies the many-row matmuls (vision, prefill; 32 rows or more) in bf16 on CPUs
@@ -209,7 +207,6 @@ class Pipeline:
             parts["tree"] = TreeConfig(
                 top_k=tree_top_k or default.top_k, depth=tree_depth or default.depth, total_tokens=tree_total or 0,  # 0: derived
                 min_value=default.min_value if tree_min_value is None else tree_min_value,
-                plain_steps=default.plain_steps if tree_plain_steps is None else tree_plain_steps,
             )
         return cls(model, Tokenizer.from_dir(path), name=path.name, **parts, **options)
 

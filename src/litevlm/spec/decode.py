@@ -84,14 +84,11 @@ def speculative_generate(
             and hasattr(draft, "draft_cycle")
         while not finished():
             root_pos = next_pos + L - t
-            if L + n_tree > cap or L - t < tree.plain_steps:  # a plain step: no room for a tree, or not yet speculating
-                logits, h = decode_step(model, root.view(1, 1), root_pos, L, plan)
+            if L + n_tree > cap:  # no room for a tree: finish with plain steps (the cache is exact)
+                logits, _ = decode_step(model, root.view(1, 1), root_pos, L, plan)
                 root = sample_token(logits, temperature, top_p, generator)
                 out.append(int(root))
                 accept.append(1)
-                # its pair (f_L, x_{L+1}) joins those the draft's next extend takes in
-                feats, nxt = torch.cat([feats, h[0].to(feats.dtype)]), torch.cat([nxt, lm.embed_tokens(root)])
-                pair_pos = torch.cat([pair_pos, pair_pos.new_full((1,), root_pos)])
                 L += 1
                 continue
             with timer("draft"):

@@ -43,8 +43,6 @@ class TreeConfig:
         (all of it), 16 for a tree.
 
     min_value: chains only: stop drafting once the path's draft probability falls below it.
-    plain_steps: decode steps run plainly before speculation starts. A speculative cycle costs more
-        than the plain steps of a two- or three-token answer (a yes/no or a letter, then EOS).
 
     The default is a deep chain (16 drafts) cut at value 0.3: on a CPU a target pass costs more
     with every verified token (a 16-token tree costs about 2 token steps here, an 8-token chain
@@ -60,7 +58,6 @@ class TreeConfig:
     depth: int = 16
     total_tokens: int = 0
     min_value: float = 0.3
-    plain_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.total_tokens == 0 and self.top_k >= 1 and self.depth >= 1:  # frozen: set the derived size once
@@ -69,8 +66,6 @@ class TreeConfig:
             raise LiteVLMError(f"tree top_k must be >= 1, got {self.top_k}")
         if self.depth < 1:
             raise LiteVLMError(f"tree depth must be >= 1, got {self.depth}")
-        if self.plain_steps < 0:
-            raise LiteVLMError(f"tree plain_steps must be >= 0, got {self.plain_steps}")
         if not 0.0 <= self.min_value < 1.0:
             raise LiteVLMError(f"tree min_value must lie in [0, 1), got {self.min_value}")
         if not 2 <= self.total_tokens <= 1 + self.pool_size:
@@ -85,16 +80,15 @@ class TreeConfig:
         return self.top_k + (self.depth - 1) * self.top_k**2
 
     @classmethod
-    def chain(cls, depth: int, min_value: float = 0.0, plain_steps: int = 0) -> "TreeConfig":
+    def chain(cls, depth: int, min_value: float = 0.0) -> "TreeConfig":
         """A chain of `depth` draft tokens (top_k = 1), cut short where its draft probability < min_value."""
-        return cls(top_k=1, depth=depth, total_tokens=depth + 1, min_value=min_value, plain_steps=plain_steps)
+        return cls(top_k=1, depth=depth, total_tokens=depth + 1, min_value=min_value)
 
     def label(self) -> str:
-        plain = f" p{self.plain_steps}" if self.plain_steps else ""
         if self.top_k == 1:
             return (f"chain d{self.depth}" + ("" if self.total_tokens == self.depth + 1 else f" n{self.total_tokens}")
-                    + (f" v{self.min_value:g}" if self.min_value else "") + plain)
-        return f"tree k{self.top_k} d{self.depth} n{self.total_tokens}" + plain
+                    + (f" v{self.min_value:g}" if self.min_value else ""))
+        return f"tree k{self.top_k} d{self.depth} n{self.total_tokens}"
 
 
 @dataclass
