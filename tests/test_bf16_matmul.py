@@ -51,6 +51,7 @@ def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32():
         model.set_bf16_matmul(8)
         step16 = decode_step(model, torch.tensor([[9]]), 40, 40)[0]
     assert not torch.equal(vis16, vis32) and not torch.equal(hidden16, hidden32)  # the bf16 path ran
+    assert all(block._packed16 is not None for block in model.vision_tower.encoder.layer)  # the tower ran in bf16 blocks
     assert ((vis16 - vis32).norm() / vis32.norm()) < 2e-2
     assert ((hidden16 - hidden32).norm() / hidden32.norm()) < 6e-2  # a random decoder with large weights amplifies rounding
     torch.testing.assert_close(step16, step32, atol=1e-5, rtol=1e-5)

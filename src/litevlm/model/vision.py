@@ -9,7 +9,7 @@ one to one.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -114,30 +114,14 @@ class Block(nn.Module):
         self.layernorm_after = _norm(cfg)
         self.lambda_1 = nn.Parameter(cfg.layer_scale_init * torch.ones(cfg.hidden_size))
         self.lambda_2 = nn.Parameter(cfg.layer_scale_init * torch.ones(cfg.hidden_size))
-        # Inference calls with at least this many rows multiply in bf16 (0: never): `litevlm.model.lm.mm`.
+        # Inference calls with at least this many rows run in bf16 (0: never): `vit_blocks_bf16`.
         self.bf16_min_rows = 0
         self._packed: tuple | None = None  # (weight versions, `packed()`)
         self._packed16: tuple | None = None  # (the `packed()` list it was made from, its bf16 copies)
 
     def forward(self, x):
-        if self.bf16_min_rows and x.shape[0] * x.shape[1] >= self.bf16_min_rows and not torch.is_grad_enabled() \
-                and isinstance(self.attention.q_norm, nn.Identity) and _plain_linears(self):
-            return self._forward_bf16(x)
         x = x + self.lambda_1 * self.attention(self.layernorm_before(x))
         return x + self.lambda_2 * self.mlp(self.layernorm_after(x))
-
-    def _forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward` with its four matmuls in bf16 (q, k and v packed into one), everything else in fp32."""
-        from litevlm.model.lm import mm
-
-        t, n, c = x.shape
-        qkv16, qkv_b, proj16, proj_b, fc1_16, fc1_b, fc2_16, fc2_b = self._bf16_weights()
-        h = self.layernorm_before(x).reshape(t * n, c)
-        q, k, v = (z.view(t, n, self.attention.num_heads, -1).transpose(1, 2) for z in mm(h, None, qkv_b, qkv16).chunk(3, -1))
-        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(t * n, c)
-        x = x + self.lambda_1 * mm(y, None, proj_b, proj16).view(t, n, c)
-        h = self.mlp.act(mm(self.layernorm_after(x).reshape(t * n, c), None, fc1_b, fc1_16))
-        return x + self.lambda_2 * mm(h, None, fc2_b, fc2_16).view(t, n, c)
 
     def packed(self) -> list:
         """The block's weights in `vit_blocks`' order, projections row-major and q, k, v packed into one
@@ -156,14 +140,18 @@ class Block(nn.Module):
             self._packed = (key, weights)
         return self._packed[1]
 
-    def _bf16_weights(self) -> tuple:
-        """(W packed for bf16 `mm`, bias fp32) for qkv (packed), the output projection, fc1 and fc2: bf16 copies of
-        `packed()`'s projections, made once per packing."""
+    def bf16_weights(self) -> list:
+        """`vit_blocks_bf16`' weights: `packed()` in bf16, its projections packed for the CPU library (q, k and v
+        apart) with bf16 biases; made once per packing."""
         from litevlm.model.lm import pack_bf16
 
         w = self.packed()
         if self._packed16 is None or self._packed16[0] is not w:
-            self._packed16 = (w, (pack_bf16(w[2]), w[3], pack_bf16(w[4]), w[5], pack_bf16(w[9]), w[10], pack_bf16(w[11]), w[12]))
+            c = w[2].shape[0]
+            half = [None if t is None else t.to(torch.bfloat16) for t in w]
+            qkv = [t for i in range(3) for t in (pack_bf16(w[2][:, i * c : (i + 1) * c]), half[3][i * c : (i + 1) * c])]
+            self._packed16 = (w, [half[0], half[1], *qkv, pack_bf16(w[4]), half[5], half[6], half[7], half[8],
+                                  pack_bf16(w[9]), half[10], pack_bf16(w[11]), half[12], half[13]])
         return self._packed16[1]
 
 
@@ -183,6 +171,26 @@ def vit_blocks(x: torch.Tensor, weights: List[List[torch.Tensor]], heads: int, e
         h = F.gelu(torch.addmm(w[10], F.layer_norm(x, [c], w[7], w[8], eps).reshape(t * n, c), w[9]))
         x = x + w[13] * torch.addmm(w[12], h, w[11]).view(t, n, c)
     return x
+
+
+def vit_blocks_bf16(x: torch.Tensor, weights: List[List[Optional[torch.Tensor]]], heads: int, eps: float) -> torch.Tensor:
+    """`vit_blocks` in bf16 end to end (CPUs with AMX / AVX512-BF16): x (T, N, C) fp32 is cast once, every
+    product runs on weights packed for the CPU library (fc1 with its GELU fused), norms, attention and the
+    residual stream stay bf16, and the output is cast back once. Casting around each product instead cost
+    what the bf16 products saved at 2-3 views. Per block (`Block.bf16_weights`): [norm1 w, b, q W, q b, k W,
+    k b, v W, v b, proj W, proj b, lambda_1, norm2 w, b, fc1 W, fc1 b, fc2 W, fc2 b, lambda_2]."""
+    t, n, c = x.shape
+    d = c // heads
+    x = x.to(torch.bfloat16)
+    for w in weights:
+        h = F.layer_norm(x, [c], w[0], w[1], eps).reshape(t * n, c)
+        q, k, v = (torch.ops.mkldnn._linear_pointwise(h, w[2 + 2 * i], w[3 + 2 * i], "none", [], "").view(t, n, heads, d).transpose(1, 2)
+                   for i in range(3))
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(t * n, c)
+        x = x + w[10] * torch.ops.mkldnn._linear_pointwise(y, w[8], w[9], "none", [], "").view(t, n, c)
+        h = torch.ops.mkldnn._linear_pointwise(F.layer_norm(x, [c], w[11], w[12], eps).reshape(t * n, c), w[13], w[14], "gelu", [], "none")
+        x = x + w[17] * torch.ops.mkldnn._linear_pointwise(h, w[15], w[16], "none", [], "").view(t, n, c)
+    return x.float()
 
 
 def _plain_linears(block: "Block") -> bool:
@@ -209,23 +217,21 @@ class VisionTower(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """(tiles, 3, S, S) -> last-layer features without CLS, (tiles, g*g, C)."""
         x = self.embeddings(pixels)
-        weights = self._block_weights(x)
-        if weights is not None:  # CPU inference: the blocks as plain ops on packed weights, no module calls
-            return vit_blocks(x, weights, self.cfg.num_heads, self.cfg.norm_eps)[:, 1:]
+        if self._plain_ops(x):  # CPU inference: the blocks as plain ops on packed weights, no module calls
+            blocks = list(self.encoder.layer)
+            if all(b.bf16_min_rows and x.shape[0] * x.shape[1] >= b.bf16_min_rows for b in blocks):
+                return vit_blocks_bf16(x, [b.bf16_weights() for b in blocks], self.cfg.num_heads, self.cfg.norm_eps)[:, 1:]
+            return vit_blocks(x, [b.packed() for b in blocks], self.cfg.num_heads, self.cfg.norm_eps)[:, 1:]
         for block in self.encoder.layer:
             x = block(x)
         return x[:, 1:]
 
-    def _block_weights(self, x: torch.Tensor):
-        """`vit_blocks`' weights for fp32 CPU inference with LayerNorm, exact GELU and no qk-norm, unless a block
-        runs its bf16 path on these rows; else None (the blocks run as modules). Each block keeps its packing."""
-        blocks = list(self.encoder.layer)
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() or self.cfg.qk_norm
-                or self.cfg.norm_type != "layer_norm" or self.cfg.hidden_act != "gelu"
-                or any(b.bf16_min_rows and x.shape[0] * x.shape[1] >= b.bf16_min_rows for b in blocks)
-                or not all(_plain_linears(b) for b in blocks)):
-            return None
-        return [b.packed() for b in blocks]
+    def _plain_ops(self, x: torch.Tensor) -> bool:
+        """fp32 CPU inference with LayerNorm, exact GELU, no qk-norm and plain projections: `vit_blocks` (or, in
+        bf16 mode, `vit_blocks_bf16`) applies; else the blocks run as modules."""
+        return not (x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() or self.cfg.qk_norm
+                    or self.cfg.norm_type != "layer_norm" or self.cfg.hidden_act != "gelu"
+                    or not all(_plain_linears(b) for b in self.encoder.layer))
 
 
 def pixel_shuffle(x: torch.Tensor, grid: int) -> torch.Tensor:

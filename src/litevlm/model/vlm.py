@@ -38,9 +38,11 @@ class VLM(nn.Module):
         the decoder's prefill; decode steps and tree verification (a few rows) stay fp32, as does all
         else (norms, attention, residuals). 0 turns it off. Needs a CPU with AMX or AVX512-BF16.
 
-        The weights are packed once for the CPU library (`litevlm.model.lm.pack_bf16`), and the library's
-        kernel for every weight shape and row bucket up to `warm_rows` is built here (about 1.5 ms each,
-        0.2 s in all for drive-tiny) rather than inside the first prompts of each length."""
+        The vision tower then runs in bf16 end to end (`vit_blocks_bf16`); the decoder's prefill multiplies
+        in bf16 and keeps the rest fp32 (`litevlm.model.lm.mm`). Weights are packed once for the CPU
+        library (`litevlm.model.lm.pack_bf16`), and its kernel for every weight shape and row count the
+        model will see (1-6 views; decoder row buckets up to `warm_rows`) is built here (about 1.5 ms each,
+        under a second in all for drive-tiny) rather than inside the first prompts of each length."""
         from litevlm.model.lm import BF16_ROW_BUCKET, bf16_matmul_supported, mm
 
         if min_rows and (self.device.type != "cpu" or self.dtype != torch.float32 or not bf16_matmul_supported()):
@@ -53,13 +55,16 @@ class VLM(nn.Module):
         if not min_rows:
             return
         with torch.no_grad():
-            packed = [w for block in self.vision_tower.encoder.layer for w in block._bf16_weights()[::2]]
-            packed += [w for layer in self.language_model.layers for w in layer.bf16_weights(layer.fused_weights(), min_rows)]
-            shapes = {}
-            for w in packed:
-                shapes.setdefault(tuple(w.shape), w)  # (out, in)
+            # the vision tower runs views x tiles x (patches + 1) rows, unpadded; the decoder pads to buckets
+            vision = {tuple(w.shape): w for block in self.vision_tower.encoder.layer for w in block.bf16_weights()
+                      if w is not None and w.is_mkldnn}
+            per_view = self.cfg.tiles_per_view * (self.cfg.vision.grid ** 2 + 1)
+            for (_, k), w in vision.items():
+                for rows in range(per_view, 6 * per_view + 1, per_view):
+                    torch.ops.mkldnn._linear_pointwise(torch.zeros(rows, k, dtype=torch.bfloat16), w, None, "none", [], "")
+            text = {tuple(w.shape): w for layer in self.language_model.layers for w in layer.bf16_weights(layer.fused_weights(), min_rows)}
             first = -(-min_rows // BF16_ROW_BUCKET) * BF16_ROW_BUCKET
-            for (_, k), w in shapes.items():
+            for (_, k), w in text.items():
                 for rows in range(first, warm_rows + 1, BF16_ROW_BUCKET):
                     mm(torch.zeros(rows, k), None, None, w)
 
