@@ -52,6 +52,9 @@ def mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w16: 
     new shape (about 1.5 ms here, more than the product), and prompts come in every length."""
     if w16 is None:
         return x @ w if bias is None else torch.addmm(bias, x, w)
+    if x.dtype == torch.bfloat16:  # a prompt held in bf16 end to end (`TextModel.forward`): no casts
+        y = _bf16_product(x, w16)
+        return y if bias is None else y.add_(bias)
     m, k = x.shape
     pad = -m % BF16_ROW_BUCKET
     if pad:  # cast into a zero-tailed buffer: one copy, no separate pad
@@ -62,6 +65,16 @@ def mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w16: 
         xb = x.to(torch.bfloat16)
     y = torch.ops.mkldnn._linear_pointwise(xb, w16, None, "none", [], "")[:m]
     return y.float() if bias is None else torch.add(bias, y)  # bf16 + fp32 computes in fp32
+
+
+def _bf16_product(x: torch.Tensor, w16: torch.Tensor) -> torch.Tensor:
+    """x (m, K) bf16 @ packed w16 -> (m, N) bf16, rows padded to the bucket as `mm` does."""
+    m, k = x.shape
+    pad = -m % BF16_ROW_BUCKET
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, k)])
+    y = torch.ops.mkldnn._linear_pointwise(x, w16, None, "none", [], "")
+    return y[:m] if pad else y
 
 
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
@@ -151,6 +164,9 @@ class SelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=mask is None, attn_mask=mask, enable_gqa=True)
         t = q.shape[2]
         self.kv_cache.write(slots, k, v)
+        if q.dtype != self.kv_cache.k.dtype and mask is None and kv_len == t:
+            # a bf16 prompt from slot 0 over an fp32 cache: it sees exactly its own keys, causally
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         k, v = self.kv_cache.k, self.kv_cache.v
         if kv_len is not None:  # attend over the live prefix only (eager CPU path)
             k, v = k[:, :, :kv_len], v[:, :, :kv_len]
@@ -249,6 +265,8 @@ class DecoderLayer(nn.Module):
     def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         if isinstance(norm, nn.Identity):
             return x
+        if x.dtype == torch.bfloat16 and self.bf16_min_rows:  # a prompt in bf16 end to end
+            return F.rms_norm(x, (x.shape[-1],), norm.weight.to(torch.bfloat16), norm.eps)
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps) if x.dtype == torch.float32 else norm(x)
 
     def fused_qkv(self, x, cos, sin, w: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -307,10 +325,28 @@ class TextModel(nn.Module):
         allowed, S = kv_len or the cache length. Without slots, attention is causal over `embeds`.
         """
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
-        x = embeds
-        for layer in self.layers[start_layer:end_layer]:
-            x = layer(x, cos, sin, slots, mask, kv_len)
+        layers = self.layers[start_layer:end_layer]
+        if self._bf16_prompt(embeds, layers, slots, mask, kv_len):
+            # bf16 mode on a prompt from slot 0: one cast in, one out, everything between in bf16 (the K/V go
+            # into the cache in its own dtype); casting around each product cost what the products saved
+            x, cos, sin = embeds.to(torch.bfloat16), cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+            for layer in layers:
+                x = layer(x, cos, sin, slots, mask, kv_len)
+            x = x.float()
+        else:
+            x = embeds
+            for layer in layers:
+                x = layer(x, cos, sin, slots, mask, kv_len)
         return self.norm(x) if end_layer is None else x
+
+    @staticmethod
+    def _bf16_prompt(embeds: torch.Tensor, layers, slots, mask, kv_len) -> bool:
+        """Every layer multiplies these rows in bf16 (`bf16_min_rows`) and they are a prompt written from cache
+        slot 0 without a mask (a prefill, or a pruned prefill's later layers), in fp32 CPU inference."""
+        rows = embeds.shape[0] * embeds.shape[1]
+        return (embeds.dtype == torch.float32 and embeds.device.type == "cpu" and not torch.is_grad_enabled()
+                and slots is not None and mask is None and kv_len == embeds.shape[1] and len(layers) > 0
+                and all(layer.bf16_min_rows and rows >= layer.bf16_min_rows and layer.fusable() for layer in layers))
 
     def rope_table(self, top: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_table(self, self.cfg.head_dim, self.cfg.rope_theta, top, dtype, device)
