@@ -30,7 +30,7 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-min-value", type=float, default=None, help="a chain ends where its draft probability falls below this")
     g.add_argument("--fp8", default=None, metavar="RECIPE", help="fp8-dynamic-per-row: quantise decoder linears at load")
     g.add_argument("--matmul", default="fp32", choices=("fp32", "bf16"),
-                   help="bf16: vision and prefill matmuls in bf16 on CPUs with AMX or AVX512-BF16 (decode stays fp32)")
+                   help="bf16: the vision tower and the prefill in bf16 on CPUs with AMX or AVX512-BF16 (decode stays fp32)")
     g.add_argument("--litevlm", action="store_true", help="the full LiteVLM configuration: --select-views --select-tokens 0.5 --speculative")
 
 

@@ -157,8 +157,8 @@ class Pipeline:
             (tree_min_value: a chain ends where its draft probability falls below it).
         fp8: "fp8-dynamic-per-row" quantises the decoder linears at load; a checkpoint written by
             `litevlm quantize` is FP8 already (static scales) and needs no option.
-        matmul: "bf16" multiplies the many-row matmuls (vision, prefill; 32 rows or more) in bf16 on CPUs
-            with AMX or AVX512-BF16, the CPU's counterpart of the paper's low-precision step; decode stays fp32.
+        matmul: "bf16" runs the vision tower and a prompt's prefill in bf16 (from 32 rows) on CPUs with AMX or
+            AVX512-BF16, the CPU's counterpart of the paper's low-precision step; decode stays fp32.
         """
         from litevlm.data.tokenizer import Tokenizer
         from litevlm.model.hf import load_native

@@ -36,7 +36,7 @@ CONFIGS: dict[str, dict] = {
     "litevlm fp8": {"select_views": True, "select_tokens": LITEVLM_KEEP_RATIO, "speculative": True, "fp8": "fp8-dynamic-per-row"},
 }
 # The CPU's counterpart of the low-precision step, where the CPU multiplies bf16 natively (AMX /
-# AVX512-BF16): vision and prefill matmuls in bf16. The baseline gets it too, so the table shows how much
+# AVX512-BF16): the vision tower and the prefill in bf16. The baseline gets it too, so the table shows how much
 # of the LiteVLM row's gain is precision and how much the techniques.
 BF16_CONFIGS: dict[str, dict] = {
     "baseline bf16": {"matmul": "bf16"},
