@@ -6,7 +6,9 @@ times its arithmetic: drive-tiny's 12 MB of decoder weights multiply in about 0.
 step takes 2-2.5 ms. The same ops, scripted, run in TorchScript's C++ interpreter. `layers` is the
 fused `DecoderLayer` path (`litevlm.model.lm`) written for one sequence of n tokens at contiguous
 cache slots start..start+n-1, which covers a plain decode step (n = 1), a tree verification (n nodes,
-ancestor mask) and a draft step (one layer). Tests pin it to the eager path.
+ancestor mask) and a draft step (one layer). `chain` drafts a whole chain in one call; a greedy chain's
+speculative cycle is two calls, one per side (`draft_cycle`: the draft's extend and chain; `verify_chain`:
+the target's verification and acceptance). Tests pin them to the eager path.
 
 Where TorchScript cannot compile it (a torch build without it), `scripted()` returns None and
 callers keep the eager path.
@@ -143,7 +145,7 @@ def verify_chain(tokens: torch.Tensor, start: int, root_pos: int, cos_table: tor
     return new, x[: a + 1], embed[new], pos[: a + 1]
 
 
-_SCRIPTED: list = []  # [(scripted layers, scripted chain) or None], filled on first use
+_SCRIPTED: list = []  # [(scripted layers, chain, draft_cycle, verify_chain) or None], filled on first use
 
 
 def _compile() -> None:

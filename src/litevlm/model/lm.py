@@ -45,8 +45,9 @@ BF16_ROW_BUCKET = 16
 
 def mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w16: torch.Tensor | None = None) -> torch.Tensor:
     """bias + x @ w for a 2-D x; with w16 (`pack_bf16(w)`) the product runs in bf16 (AMX on CPUs that have
-    it) and returns fp32: for the many-row matmuls of a prefill or a vision pass, where it is about 3x
-    faster (the weights pre-blocked once for the CPU library, so no call re-lays them out).
+    it): for the many-row matmuls of a prefill, where it is about 3x faster (the weights pre-blocked once
+    for the CPU library, so no call re-lays them out). An fp32 x is cast and the result returned in fp32; a
+    bf16 x (a prompt held in bf16, `TextModel.forward`) stays bf16.
 
     The bf16 rows are padded to a multiple of BF16_ROW_BUCKET: the CPU library builds a kernel for each
     new shape (about 1.5 ms here, more than the product), and prompts come in every length."""
@@ -326,17 +327,16 @@ class TextModel(nn.Module):
         """
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
         layers = self.layers[start_layer:end_layer]
-        if self._bf16_prompt(embeds, layers, slots, mask, kv_len):
-            # bf16 mode on a prompt from slot 0: one cast in, one out, everything between in bf16 (the K/V go
-            # into the cache in its own dtype); casting around each product cost what the products saved
-            x, cos, sin = embeds.to(torch.bfloat16), cos.to(torch.bfloat16), sin.to(torch.bfloat16)
-            for layer in layers:
-                x = layer(x, cos, sin, slots, mask, kv_len)
+        x = embeds
+        # bf16 mode on a prompt from slot 0: one cast in, one out, everything between in bf16 (the K/V go into
+        # the cache in its own dtype); casting around each product cost what the products saved
+        bf16 = self._bf16_prompt(embeds, layers, slots, mask, kv_len)
+        if bf16:
+            x, cos, sin = x.to(torch.bfloat16), cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+        for layer in layers:
+            x = layer(x, cos, sin, slots, mask, kv_len)
+        if bf16:
             x = x.float()
-        else:
-            x = embeds
-            for layer in layers:
-                x = layer(x, cos, sin, slots, mask, kv_len)
         return self.norm(x) if end_layer is None else x
 
     @staticmethod

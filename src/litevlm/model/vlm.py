@@ -34,15 +34,15 @@ class VLM(nn.Module):
             self.lm_head.weight = self.language_model.embed_tokens.weight
 
     def set_bf16_matmul(self, min_rows: int = 32, warm_rows: int = 512) -> None:
-        """Multiply in bf16 wherever an inference call has at least `min_rows` rows: the vision blocks and
-        the decoder's prefill; decode steps and tree verification (a few rows) stay fp32, as does all
-        else (norms, attention, residuals). 0 turns it off. Needs a CPU with AMX or AVX512-BF16.
+        """Run in bf16 wherever an inference call has at least `min_rows` rows: the vision tower
+        (`vit_blocks_bf16`) and a prompt's prefill (`TextModel.forward`), each end to end (one cast in, one
+        out; the prompt's K/V are stored in the cache's fp32). Decode steps and tree verification (a few
+        rows) stay fp32. 0 turns it off. Needs a CPU with AMX or AVX512-BF16.
 
-        The vision tower then runs in bf16 end to end (`vit_blocks_bf16`); the decoder's prefill multiplies
-        in bf16 and keeps the rest fp32 (`litevlm.model.lm.mm`). Weights are packed once for the CPU
-        library (`litevlm.model.lm.pack_bf16`), and its kernel for every weight shape and row count the
-        model will see (1-6 views; decoder row buckets up to `warm_rows`) is built here (about 1.5 ms each,
-        under a second in all for drive-tiny) rather than inside the first prompts of each length."""
+        Weights are packed once for the CPU library (`litevlm.model.lm.pack_bf16`), and its kernel for every
+        weight shape and row count the model will see (1-6 views; decoder row buckets up to `warm_rows`) is
+        built here (about 1.5 ms each, under a second in all for drive-tiny) rather than inside the first
+        prompts of each length."""
         from litevlm.model.lm import BF16_ROW_BUCKET, bf16_matmul_supported, mm
 
         if min_rows and (self.device.type != "cpu" or self.dtype != torch.float32 or not bf16_matmul_supported()):
@@ -55,13 +55,10 @@ class VLM(nn.Module):
         if not min_rows:
             return
         with torch.no_grad():
-            # the vision tower runs views x tiles x (patches + 1) rows, unpadded; the decoder pads to buckets
-            vision = {tuple(w.shape): w for block in self.vision_tower.encoder.layer for w in block.bf16_weights()
-                      if w is not None and w.is_mkldnn}
-            per_view = self.cfg.tiles_per_view * (self.cfg.vision.grid ** 2 + 1)
-            for (_, k), w in vision.items():
-                for rows in range(per_view, 6 * per_view + 1, per_view):
-                    torch.ops.mkldnn._linear_pointwise(torch.zeros(rows, k, dtype=torch.bfloat16), w, None, "none", [], "")
+            # the vision tower's rows (views x tiles x (patches + 1)) are not padded: run it on 1-6 blank views
+            s = self.cfg.vision.image_size
+            for views in range(1, 7):
+                self.vision_tower(torch.zeros(views * self.cfg.tiles_per_view, 3, s, s, device=self.device))
             text = {tuple(w.shape): w for layer in self.language_model.layers for w in layer.bf16_weights(layer.fused_weights(), min_rows)}
             first = -(-min_rows // BF16_ROW_BUCKET) * BF16_ROW_BUCKET
             for (_, k), w in text.items():

@@ -314,8 +314,8 @@ class DraftHead(nn.Module):
     def draft_cycle(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, start: int,
                     root: torch.Tensor, root_position: int, depth: int, min_value: float, eos_id: int | None) -> torch.Tensor | None:
         """`extend(features, next_embeds, positions, start, last_only=True)` and then `draft_chain` from its
-        output at slot start + n, in one scripted call on the CPU -> the root (1,) and the drafted ids
-        (1 + m,); None where the eager path runs (as `draft_chain`)."""
+        output at slot start + n, in one scripted call on the CPU -> the chain to verify (1 + m,): the root,
+        then the m drafted ids; None where the eager path runs (as `draft_chain`)."""
         fns = cpu_steps.scripted_cycle()
         if fns is None or self._chain_args is None or self._plan is None or features.dtype != torch.float32 \
                 or next_embeds.dtype != torch.float32:
