@@ -27,3 +27,12 @@ def test_demo_with_view_selection_reports_the_views_it_used(full_model_dir, tmp_
     for q in result["questions"]:
         assert q["views"] and set(q["views"]) <= set(CAMERAS)
     assert any(len(q["views"]) < len(CAMERAS) for q in result["questions"])  # at least one question needs fewer
+
+
+def test_demo_out_may_be_a_folder_and_a_bad_out_is_refused_up_front(tiny_model_dir, tmp_path, capsys):
+    run_demo(str(tiny_model_dir), out=str(tmp_path), n_questions=1, as_json=True)
+    assert (tmp_path / "demo.png").stat().st_size > 5_000  # a folder gets demo.png inside it
+    assert main(["demo", "--model", str(tiny_model_dir), "--out", str(tmp_path / "grid")]) == 2
+    assert "not an image file name" in capsys.readouterr().err
+    assert main(["demo", "--model", str(tiny_model_dir), "--out", str(tmp_path / "missing" / "grid.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err

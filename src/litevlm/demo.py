@@ -7,9 +7,25 @@ import statistics
 from pathlib import Path
 
 from litevlm.cameras import CAMERAS
+from litevlm.errors import LiteVLMError
 from litevlm.pipeline import STAGES, Pipeline
 
 GRID = (("CAM_FRONT_LEFT", "CAM_FRONT", "CAM_FRONT_RIGHT"), ("CAM_BACK_LEFT", "CAM_BACK", "CAM_BACK_RIGHT"))
+
+
+def grid_path(out: str | Path) -> Path:
+    """Where the picture goes: `out` itself (an image file name in an existing folder), or demo.png inside
+    `out` when it is a folder; anything else is refused before any work is done."""
+    from PIL import Image
+
+    path = Path(out)
+    if path.is_dir():
+        path = path / "demo.png"
+    if path.suffix.lower() not in Image.registered_extensions():
+        raise LiteVLMError(f"--out {out}: not an image file name (.png, .jpg, ...) or a folder")
+    if not path.parent.is_dir():
+        raise LiteVLMError(f"--out {out}: the folder {path.parent} does not exist")
+    return path
 
 
 def save_grid(images: dict, path: str | Path, tile=(400, 225)) -> Path:
@@ -24,7 +40,7 @@ def save_grid(images: dict, path: str | Path, tile=(400, 225)) -> Path:
             canvas.paste(images[cam].convert("RGB").resize(tile), (c * w, r * h))
             draw.rectangle([c * w, r * h, c * w + 8 * len(cam) + 8, r * h + 16], fill="black")
             draw.text((c * w + 4, r * h + 3), cam, fill="white")
-    path = Path(path)
+    path = grid_path(path)
     canvas.save(path)
     return path
 
@@ -46,6 +62,7 @@ def run_demo(model: str = "drive-tiny", out: str = "demo.png", seed: int = 2026,
              select_views: bool = False) -> dict:
     from litevlm.data.synthetic import make_frame, render_views
 
+    grid_path(out)  # a bad --out fails before the model loads
     pipe = Pipeline.from_pretrained(model, select_views=select_views)
     frame = make_frame(seed, 0)
     images = render_views(frame, size=(800, 450))
