@@ -81,3 +81,16 @@ def test_speculative_decoding_stays_lossless_with_bf16_prefill(full_model_dir):
         assert a.tokens == b.tokens and a.precision == b.precision == "bf16-matmul+float32"
     with pytest.raises(LiteVLMError, match="matmul"):
         Pipeline.from_pretrained(full_model_dir, matmul="int4")
+
+
+@needs_bf16
+def test_bf16_mode_leaves_fp8_decoder_layers_alone(full_model_dir):
+    """FP8 quantises the decoder's linears; bf16 mode then runs the vision tower in bf16 and leaves those
+    layers to their FP8 path (it used to try packing their FP8 weights and fail)."""
+    from litevlm.data.synthetic import make_frame, render_views
+    from litevlm.pipeline import Pipeline
+
+    images = render_views(make_frame(1, 0), size=(160, 90))
+    pipe = Pipeline.from_pretrained(full_model_dir, fp8="fp8-dynamic-per-row", matmul="bf16", max_new_tokens=6)
+    ans = pipe.answer("Is there a red car to the front of the ego car?", images)
+    assert ans.tokens and ans.precision.startswith("fp8")
