@@ -26,14 +26,22 @@ def test_mm_matches_addmm_within_bf16_rounding(rows):
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(rows, 64, generator=g), torch.randn(64, 48, generator=g), torch.randn(48, generator=g)
     ref = torch.addmm(b, x, w)
-    got = mm(x, None, b, pack_bf16(w))
+    got = mm(x.to(torch.bfloat16), None, b, pack_bf16(w)).float()
     assert got.shape == ref.shape
-    assert got.dtype == torch.float32
     assert ((got - ref).norm() / ref.norm()) < 1e-2
 
 
 @needs_bf16
-def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32():
+@pytest.mark.parametrize("scripted", [True, False])
+def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32(scripted, monkeypatch):
+    """Decode steps and tree verifications (any number of rows: a 20-node chain here, over the 8-row
+    threshold) stay fp32, so speculative decoding stays lossless against plain decoding in bf16 mode too;
+    on the scripted CPU steps and on the eager path alike."""
+    from litevlm.model import cpu_steps
+    from litevlm.spec.tree import Tree, _chain, verify_tree
+
+    if not scripted:
+        monkeypatch.setattr(cpu_steps, "_SCRIPTED", [None])
     model = tiny_vlm(layers=2)
     pixels = torch.randn(3, 3, 28, 28, generator=torch.Generator().manual_seed(1))
     embeds, pos = prompt(model, seed=2, n=40)
@@ -41,6 +49,8 @@ def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32():
         vis32 = model.encode_tiles(pixels)
         logits32, hidden32 = prefill(model, embeds, pos)
         step32 = decode_step(model, torch.tensor([[9]]), 40, 40)[0]
+        chain = Tree(torch.arange(7, 27), *_chain(20, torch.device("cpu")))
+        verify32 = verify_tree(model, chain, 40, 40)
         model.set_bf16_matmul(8)
         assert model.matmul_precision == "bf16"
         vis16 = model.encode_tiles(pixels)
@@ -50,11 +60,16 @@ def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32():
         prefill(model, embeds, pos)
         model.set_bf16_matmul(8)
         step16 = decode_step(model, torch.tensor([[9]]), 40, 40)[0]
+        model.set_bf16_matmul(0)
+        prefill(model, embeds, pos)
+        model.set_bf16_matmul(8)
+        verify16 = verify_tree(model, chain, 40, 40)
     assert not torch.equal(vis16, vis32) and not torch.equal(hidden16, hidden32)  # the bf16 path ran
     assert all(block._packed16 is not None for block in model.vision_tower.encoder.layer)  # the tower ran in bf16 blocks
     assert ((vis16 - vis32).norm() / vis32.norm()) < 2e-2
     assert ((hidden16 - hidden32).norm() / hidden32.norm()) < 6e-2  # a random decoder with large weights amplifies rounding
     torch.testing.assert_close(step16, step32, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(verify16, verify32, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_matmul_is_refused_where_the_cpu_lacks_it(monkeypatch):

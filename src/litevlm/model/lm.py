@@ -44,38 +44,19 @@ BF16_ROW_BUCKET = 16
 
 
 def mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w16: torch.Tensor | None = None) -> torch.Tensor:
-    """bias + x @ w for a 2-D x; with w16 (`pack_bf16(w)`) the product runs in bf16 (AMX on CPUs that have
-    it): for the many-row matmuls of a prefill, where it is about 3x faster (the weights pre-blocked once
-    for the CPU library, so no call re-lays them out). An fp32 x is cast and the result returned in fp32; a
-    bf16 x (a prompt held in bf16, `TextModel.forward`) stays bf16.
+    """bias + x @ w for a 2-D x. With w16 (`pack_bf16(w)`), x is bf16 (a prompt held in bf16 end to end,
+    `TextModel.forward`) and the product runs in bf16 on AMX / AVX512-BF16, about 3x an fp32 one at 100 rows
+    (the weights pre-blocked once for the CPU library, so no call re-lays them out); the result is bf16.
 
     The bf16 rows are padded to a multiple of BF16_ROW_BUCKET: the CPU library builds a kernel for each
     new shape (about 1.5 ms here, more than the product), and prompts come in every length."""
     if w16 is None:
         return x @ w if bias is None else torch.addmm(bias, x, w)
-    if x.dtype == torch.bfloat16:  # a prompt held in bf16 end to end (`TextModel.forward`): no casts
-        y = _bf16_product(x, w16)
-        return y if bias is None else y.add_(bias)
     m, k = x.shape
     pad = -m % BF16_ROW_BUCKET
-    if pad:  # cast into a zero-tailed buffer: one copy, no separate pad
-        xb = x.new_empty((m + pad, k), dtype=torch.bfloat16)
-        xb[:m] = x
-        xb[m:] = 0
-    else:
-        xb = x.to(torch.bfloat16)
-    y = torch.ops.mkldnn._linear_pointwise(xb, w16, None, "none", [], "")[:m]
-    return y.float() if bias is None else torch.add(bias, y)  # bf16 + fp32 computes in fp32
-
-
-def _bf16_product(x: torch.Tensor, w16: torch.Tensor) -> torch.Tensor:
-    """x (m, K) bf16 @ packed w16 -> (m, N) bf16, rows padded to the bucket as `mm` does."""
-    m, k = x.shape
-    pad = -m % BF16_ROW_BUCKET
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, k)])
-    y = torch.ops.mkldnn._linear_pointwise(x, w16, None, "none", [], "")
-    return y[:m] if pad else y
+    y = torch.ops.mkldnn._linear_pointwise(torch.cat([x, x.new_zeros(pad, k)]) if pad else x, w16, None, "none", [], "")
+    y = y[:m] if pad else y
+    return y if bias is None else y.add_(bias)
 
 
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
@@ -165,9 +146,8 @@ class SelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=mask is None, attn_mask=mask, enable_gqa=True)
         t = q.shape[2]
         self.kv_cache.write(slots, k, v)
-        if q.dtype != self.kv_cache.k.dtype and mask is None and kv_len == t:
-            # a bf16 prompt from slot 0 over an fp32 cache: it sees exactly its own keys, causally
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if mask is None and kv_len == t:  # a prompt from slot 0 sees exactly its own keys (in its own dtype)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
         k, v = self.kv_cache.k, self.kv_cache.v
         if kv_len is not None:  # attend over the live prefix only (eager CPU path)
             k, v = k[:, :, :kv_len], v[:, :, :kv_len]
@@ -254,10 +234,10 @@ class DecoderLayer(nn.Module):
         self._fused = (key, (w[0], None if qkv_b is None else qkv_b.detach(), *w[1:]))
         return self._fused[1]
 
-    def bf16_weights(self, w: tuple, rows: int) -> tuple:
-        """bf16 copies of the packed (qkv, gate_up, o, down) weights when a call of `rows` rows should
-        multiply in bf16 (`bf16_min_rows`), else Nones; made once per packing."""
-        if not self.bf16_min_rows or rows < self.bf16_min_rows or w[0].requires_grad:
+    def bf16_weights(self, w: tuple, x: torch.Tensor) -> tuple:
+        """The packed (qkv, gate_up, o, down) weights for bf16 `mm` when x is a prompt held in bf16
+        (`TextModel.forward` decides), else Nones; made once per packing."""
+        if x.dtype != torch.bfloat16 or not self.bf16_min_rows or w[0].requires_grad:
             return (None, None, None, None)
         if self._fused16 is None or self._fused16[0] is not w:
             self._fused16 = (w, tuple(pack_bf16(w[i]) for i in (0, 2, 3, 4)))
@@ -280,7 +260,7 @@ class DecoderLayer(nn.Module):
         w = w or self.fused_weights()
         qkv_w, qkv_b = w[:2]
         h = self._norm(x, self.input_layernorm).reshape(b * t, c)
-        qkv = mm(h, qkv_w, qkv_b, self.bf16_weights(w, b * t)[0]).view(b, t, -1)  # (B, T, 2 nqk + Hkv D)
+        qkv = mm(h, qkv_w, qkv_b, self.bf16_weights(w, x)[0]).view(b, t, -1)  # (B, T, 2 nqk + Hkv D)
         qk, qk_rot, v = qkv.split((nqk, nqk, h_kv * d), -1)
         qk = torch.addcmul(qk.view(b, t, -1, d) * cos, qk_rot.view(b, t, -1, d), sin)  # (B, T, Hq + Hkv, D) RoPE'd
         v = v.view(b, t, h_kv, d).transpose(1, 2)  # (B, Hkv, T, D)
@@ -291,7 +271,7 @@ class DecoderLayer(nn.Module):
         b, t, c = x.shape
         w = w or self.fused_weights()
         _, _, gate_up, o_t, down_t = w
-        _, gate_up16, o16, down16 = self.bf16_weights(w, b * t)
+        _, gate_up16, o16, down16 = self.bf16_weights(w, x)
         x = mm(y.transpose(1, 2).reshape(b * t, -1), o_t, x.reshape(b * t, c), o16)  # (B T, C): x + o_proj(y)
         g, u = mm(self._norm(x, self.post_attention_layernorm), gate_up, None, gate_up16).chunk(2, -1)
         return mm(F.silu(g) * u, down_t, x, down16).view(b, t, c)  # + down_proj(silu(gate) * up)
