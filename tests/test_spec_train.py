@@ -115,3 +115,15 @@ def test_unrolled_passes_match_drafting_on_own_predictions():
             for lvl in range(1, s):
                 h = head.step(tokens[root + lvl : root + lvl + 1], h, root + lvl, root + lvl, None)
             torch.testing.assert_close(h[0], preds[s - 1][0, i], rtol=1e-4, atol=1e-4)
+
+
+def test_the_cli_passes_the_draft_layer_width_to_the_recipe(monkeypatch, capsys):
+    from litevlm import cli
+    from litevlm.train import draft as draft_training
+
+    seen = []
+    monkeypatch.setattr(draft_training, "train_draft", lambda model_dir, recipe: seen.append(recipe) or "DIR")
+    assert cli.main(["train", "draft", "m", "--frames", "3", "--intermediate", "0"]) in (0, None)
+    assert cli.main(["train", "draft", "m", "--frames", "3"]) in (0, None)
+    assert seen[0].intermediate_size == 0 and seen[0].frames == 3  # 0: the target's width
+    assert seen[1].intermediate_size == draft_training.DraftRecipe().intermediate_size  # the default stays

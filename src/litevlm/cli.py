@@ -125,6 +125,8 @@ def cmd_train_draft(args) -> None:
     from litevlm.train.draft import DraftRecipe, train_draft
 
     recipe = DraftRecipe(frames=args.frames, minutes=args.minutes, threads=args.threads, seed=args.seed, passes=args.passes)
+    if args.intermediate is not None:
+        recipe.intermediate_size = args.intermediate
     print(f"saved to {train_draft(args.model_dir, recipe=recipe)}")
 
 
@@ -292,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--seed", type=int, default=0, help="frames (seed, 0..frames-1); the held-out split is seed 1")
     td.add_argument("--passes", type=int, default=1,
                     help="training-time test: 1 = teacher forcing only; s > 1 also trains on the head's own s-1 predictions")
+    td.add_argument("--intermediate", type=int, default=None, metavar="N",
+                    help="the draft layer's MLP width (default 128; 0 = the target's)")
     td.set_defaults(func=cmd_train_draft)
 
     e = sub.add_parser("eval", help="DriveLM scores of a pipeline configuration")
