@@ -38,7 +38,7 @@ def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32(scripted, monkey
     threshold) stay fp32, so speculative decoding stays lossless against plain decoding in bf16 mode too;
     on the scripted CPU steps and on the eager path alike."""
     from litevlm.model import cpu_steps
-    from litevlm.spec.tree import Tree, _chain, verify_tree
+    from litevlm.spec.tree import chain_tree, verify_tree
 
     if not scripted:
         monkeypatch.setattr(cpu_steps, "_SCRIPTED", [None])
@@ -49,7 +49,7 @@ def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32(scripted, monkey
         vis32 = model.encode_tiles(pixels)
         logits32, hidden32 = prefill(model, embeds, pos)
         step32 = decode_step(model, torch.tensor([[9]]), 40, 40)[0]
-        chain = Tree(torch.arange(7, 27), *_chain(20, torch.device("cpu")))
+        chain = chain_tree(torch.arange(7, 27))
         verify32 = verify_tree(model, chain, 40, 40)
         model.set_bf16_matmul(8)
         assert model.matmul_precision == "bf16"

@@ -53,6 +53,8 @@ def configs_named(names: str) -> dict[str, dict]:
     if unknown or not wanted:
         raise LiteVLMError(f"unknown bench rows {unknown}: choose among {', '.join(known)}")
     return {name: cfg for name, cfg in known.items() if name in wanted}
+
+
 COLUMNS = ("config", "views", "vit_ms", "input_tokens", "prefill_ms", "extend_one_ms", "decode_ms", "select_ms", "total_ms", "speedup", "score")
 
 

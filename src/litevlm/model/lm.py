@@ -234,10 +234,10 @@ class DecoderLayer(nn.Module):
         self._fused = (key, (w[0], None if qkv_b is None else qkv_b.detach(), *w[1:]))
         return self._fused[1]
 
-    def bf16_weights(self, w: tuple, x: torch.Tensor) -> tuple:
-        """The packed (qkv, gate_up, o, down) weights for bf16 `mm` when x is a prompt held in bf16
-        (`TextModel.forward` decides), else Nones; made once per packing."""
-        if x.dtype != torch.bfloat16 or not self.bf16_min_rows or w[0].requires_grad:
+    def bf16_weights(self, w: tuple, dtype: torch.dtype) -> tuple:
+        """The packed (qkv, gate_up, o, down) weights for bf16 `mm` when the rows are a prompt held in bf16
+        (dtype bf16; `TextModel.forward` decides), else Nones; made once per packing."""
+        if dtype != torch.bfloat16 or not self.bf16_min_rows or w[0].requires_grad:
             return (None, None, None, None)
         if self._fused16 is None or self._fused16[0] is not w:
             self._fused16 = (w, tuple(pack_bf16(w[i]) for i in (0, 2, 3, 4)))
@@ -260,7 +260,7 @@ class DecoderLayer(nn.Module):
         w = w or self.fused_weights()
         qkv_w, qkv_b = w[:2]
         h = self._norm(x, self.input_layernorm).reshape(b * t, c)
-        qkv = mm(h, qkv_w, qkv_b, self.bf16_weights(w, x)[0]).view(b, t, -1)  # (B, T, 2 nqk + Hkv D)
+        qkv = mm(h, qkv_w, qkv_b, self.bf16_weights(w, x.dtype)[0]).view(b, t, -1)  # (B, T, 2 nqk + Hkv D)
         qk, qk_rot, v = qkv.split((nqk, nqk, h_kv * d), -1)
         qk = torch.addcmul(qk.view(b, t, -1, d) * cos, qk_rot.view(b, t, -1, d), sin)  # (B, T, Hq + Hkv, D) RoPE'd
         v = v.view(b, t, h_kv, d).transpose(1, 2)  # (B, Hkv, T, D)
@@ -271,7 +271,7 @@ class DecoderLayer(nn.Module):
         b, t, c = x.shape
         w = w or self.fused_weights()
         _, _, gate_up, o_t, down_t = w
-        _, gate_up16, o16, down16 = self.bf16_weights(w, x)
+        _, gate_up16, o16, down16 = self.bf16_weights(w, x.dtype)
         x = mm(y.transpose(1, 2).reshape(b * t, -1), o_t, x.reshape(b * t, c), o16)  # (B T, C): x + o_proj(y)
         g, u = mm(self._norm(x, self.post_attention_layernorm), gate_up, None, gate_up16).chunk(2, -1)
         return mm(F.silu(g) * u, down_t, x, down16).view(b, t, c)  # + down_proj(silu(gate) * up)

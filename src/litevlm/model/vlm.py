@@ -59,9 +59,8 @@ class VLM(nn.Module):
             s = self.cfg.vision.image_size
             for views in range(1, 7):
                 self.vision_tower(torch.zeros(views * self.cfg.tiles_per_view, 3, s, s, device=self.device))
-            bf16 = torch.zeros(0, dtype=torch.bfloat16)  # `bf16_weights` hands out the packing for bf16 rows
             text = {tuple(w.shape): w for layer in self.language_model.layers if layer.fusable()  # not FP8 or hooked layers
-                    for w in layer.bf16_weights(layer.fused_weights(), bf16)}
+                    for w in layer.bf16_weights(layer.fused_weights(), torch.bfloat16)}
             first = -(-min_rows // BF16_ROW_BUCKET) * BF16_ROW_BUCKET
             for (_, k), w in text.items():
                 for rows in range(first, warm_rows + 1, BF16_ROW_BUCKET):

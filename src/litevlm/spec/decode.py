@@ -17,7 +17,7 @@ import torch
 from litevlm.errors import LiteVLMError
 from litevlm.model.generate import Generation, Prefilled, StageTimer, decode_step, prefill, sample_token
 from litevlm.spec.tree import (
-    Tree, TreeConfig, _chain, accept_greedy, accept_sampled, commit_path, draft_tree, verify_chain_greedy, verify_tree,
+    TreeConfig, accept_greedy, accept_sampled, chain_tree, commit_path, draft_tree, verify_chain_greedy, verify_tree,
 )
 
 
@@ -105,7 +105,7 @@ def speculative_generate(
                     a = len(new_list) - 1
                 else:
                     if chain is not None:
-                        tr = Tree(chain, *_chain(chain.numel(), chain.device))
+                        tr = chain_tree(chain)
                     logits, hid = verify_tree(model, tr, L, root_pos, live, plan)
                     if temperature <= 0:
                         path, bonus = accept_greedy(tr, logits)

@@ -126,6 +126,11 @@ def _chain(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, to
     return idx - 1, idx, torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
+def chain_tree(tokens: torch.Tensor) -> Tree:
+    """A chain as a Tree: tokens (n,), the root first, each node the child of the one before."""
+    return Tree(tokens, *_chain(tokens.numel(), tokens.device))
+
+
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """(N,) parent indices (root -1, parents before children) -> (N, N) ancestor-or-self mask.
 
@@ -190,7 +195,7 @@ def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start
         fast = getattr(draft, "draft_chain", None)
         drafted = None if fast is None else fast(root_hidden, position, start, levels, cfg.min_value, eos_id)
         if drafted is not None:  # the whole chain in one scripted call (CPU)
-            return Tree(torch.cat([root_token.reshape(1).to(drafted.dtype), drafted]), *_chain(drafted.numel() + 1, dev))
+            return chain_tree(torch.cat([root_token.reshape(1).to(drafted.dtype), drafted]))
         value, tok = draft.topk(root_hidden, 1)
         drafted = [tok[:, 0]]  # (1,)
         hidden = root_hidden
@@ -203,7 +208,7 @@ def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start
             lp, tok = draft.topk(hidden, 1)
             value = value + lp
             drafted.append(tok[:, 0])
-        return Tree(torch.cat([root_token.reshape(1).to(drafted[0].dtype), *drafted]), *_chain(len(drafted) + 1, dev))
+        return chain_tree(torch.cat([root_token.reshape(1).to(drafted[0].dtype), *drafted]))
     scores, tokens = (x[0] for x in draft.topk(root_hidden, k))  # (k,) level 1
     pool_scores, pool_tokens, pool_parents = [scores], [tokens], [torch.full((k,), -1, device=dev)]
     frontier = torch.arange(k, device=dev)  # pool indices of the nodes expanded next
