@@ -290,3 +290,55 @@ def test_the_step_plan_follows_the_pace_so_far():
     assert replan(100000, 1000, 1000.0, 600.0, 1000) == 1600  # the machine got faster: the plan grows
     assert replan(500, 20, 1.0, 600.0, 20) == 500  # capped by --steps
     assert replan(100000, 900, 1800.0, -5.0, 900) == 900  # past the deadline: stop where it is
+
+
+def test_grown_decoder_computes_what_the_original_did(tiny_tokenizer):
+    from conftest import tiny_config
+    from litevlm.train.vlm import grow_decoder, init_weights
+
+    cfg = tiny_config(tiny_tokenizer)
+    model = VLM(cfg).eval()
+    init_weights(model, 0)
+    grown = grow_decoder(model, (0, 1)).eval()
+    assert grown.cfg.text.num_layers == 4 and model.cfg.text.num_layers == 2
+    layers = grown.language_model.layers
+    # Order: original 0, its copy, original 1, its copy; the copies add nothing until trained.
+    torch.testing.assert_close(layers[1].self_attn.q_proj.weight, model.language_model.layers[0].self_attn.q_proj.weight)
+    assert layers[1].self_attn.o_proj.weight.abs().sum() == 0 and layers[3].mlp.down_proj.weight.abs().sum() == 0
+    torch.testing.assert_close(layers[2].mlp.up_proj.weight, model.language_model.layers[1].mlp.up_proj.weight)
+    ids = torch.randint(6, cfg.text.vocab_size, (2, 11))
+    pos = torch.arange(11).expand(2, -1)
+    with torch.no_grad():
+        a = model.lm_head(model.language_model(model.language_model.embed_tokens(ids), pos))
+        b = grown.lm_head(grown.language_model(grown.language_model.embed_tokens(ids), pos))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # A grown copy trains: its zeroed projections get gradients.
+    grown.train()
+    loss = grown.lm_head(grown.language_model(grown.language_model.embed_tokens(ids), pos)).logsumexp(-1).mean()
+    loss.backward()
+    assert layers[1].self_attn.o_proj.weight.grad.abs().sum() > 0
+    for bad in ((2,), (0, 0), (-1,)):
+        with pytest.raises(ValueError, match="grow_after"):
+            grow_decoder(model, bad)
+
+
+def test_a_grown_run_saves_half_precision_weights_that_load_as_the_grown_model(tmp_path):
+    from safetensors import safe_open
+
+    from litevlm.model.hf import load_native
+
+    first = VLMRecipe(frames=3, steps=1, batch_frames=2, questions_per_frame=2, probe_frames=0, render_size=(200, 112),
+                      vocab_size=400, warmup=1, tokenizer_frames=40)
+    a = train_vlm(tmp_path / "a", first, progress=False)
+    from dataclasses import replace
+
+    b = train_vlm(tmp_path / "b", replace(first, init=str(a), grow_after=(1, 3), store_dtype="float16", attn_weight=0.3,
+                                          attn_layer=5), progress=False)
+    with safe_open(str(b / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
+    assert (b / "model.safetensors").stat().st_size < 0.6 * (a / "model.safetensors").stat().st_size * 6 / 4
+    model = load_native(b)
+    assert model.cfg.text.num_layers == 6 and next(model.parameters()).dtype == torch.float16
+    assert json.loads((b / "config.json").read_text())["recipe"]["grow_after"] == [1, 3]
+    with pytest.raises(ValueError, match="needs a checkpoint"):
+        train_vlm(tmp_path / "c", replace(first, grow_after=(0,)), progress=False)

@@ -108,6 +108,7 @@ def cmd_train_vlm(args) -> None:
         family_weights=dict(args.family_weight), attn_weight=args.attn_weight, attn_layer=args.attn_layer,
         option_weight=args.option_weight, option_layer=args.option_layer, letter_weight=args.letter_weight,
         letter_layer=args.letter_layer, readout_weight=args.readout_weight, readout_layer=args.readout_layer,
+        grow_after=tuple(args.grow_after), store_dtype=args.store_dtype,
     )
     out = train_vlm(args.out, recipe)
     print(f"saved to {out}")
@@ -266,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     tv.add_argument("--init", default=None, help="continue training from this checkpoint")
     tv.add_argument("--reinit-vision", action="store_true", help="with --init: keep the decoder, start the vision side afresh")
     tv.add_argument("--reinit-language", action="store_true", help="with --init: keep the vision side, start the decoder afresh")
+    tv.add_argument("--grow-after", type=int, nargs="+", default=[], metavar="LAYER",
+                    help="with --init: insert a new decoder layer after each of these layers (a copy with zeroed output "
+                         "projections, so training starts from the same function); the layer options count the grown model")
+    tv.add_argument("--store-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                    help="dtype of the saved weights (training runs in fp32)")
     tv.add_argument("--aux-weight", type=float, default=0.5, help="weight of the dense visual-token objective (0: answers only)")
     tv.add_argument("--aux-scale", type=float, default=4.0, help="cosine-to-logit scale of the visual-token objective")
     tv.add_argument("--vision-warmup", type=int, default=0, help="first steps on the visual-token objective alone")

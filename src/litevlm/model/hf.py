@@ -754,15 +754,16 @@ def _save_hf_into(model: VLM, d: Path, tokenizer=None) -> None:
         tokenizer.save(d)
 
 
-def save_native(model: VLM, out_dir, extra_meta: dict | None = None) -> Path:
+def save_native(model: VLM, out_dir, extra_meta: dict | None = None, dtype: torch.dtype | None = None) -> Path:
     """Our checkpoint: config.json = {"litevlm": VLMConfig.to_dict(), "format": "litevlm", **extra_meta} and
-    model.safetensors with our parameter names (a tied lm_head is not stored). Written atomically."""
+    model.safetensors with our parameter names (a tied lm_head is not stored), floating tensors cast
+    to `dtype` when given (the model itself is left as it is). Written atomically."""
     with _atomic_dir(out_dir) as tmp:
-        _save_native_into(model, tmp, extra_meta)
+        _save_native_into(model, tmp, extra_meta, dtype)
     return Path(out_dir)
 
 
-def _save_native_into(model: VLM, d: Path, extra_meta: dict | None = None) -> None:
+def _save_native_into(model: VLM, d: Path, extra_meta: dict | None = None, dtype: torch.dtype | None = None) -> None:
     extra_meta = dict(extra_meta or {})
     clash = {"litevlm", "format"} & set(extra_meta)
     if clash:
@@ -770,7 +771,10 @@ def _save_native_into(model: VLM, d: Path, extra_meta: dict | None = None) -> No
     meta = {"litevlm": model.cfg.to_dict(), "format": NATIVE_FORMAT, **extra_meta}
     text = json.dumps(meta, indent=2)  # fails before any tensor is written if extra_meta is not JSON
     tied = model.cfg.text.tie_embeddings
-    _save_tensors({k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}, d / "model.safetensors")
+    tensors = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    _save_tensors(tensors, d / "model.safetensors")
     (d / "config.json").write_text(text + "\n", encoding="utf-8")
 
 

@@ -33,6 +33,7 @@ opens there first.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -100,6 +101,8 @@ class VLMRecipe:
     init: str | None = None  # continue from this checkpoint (its tokenizer and weights)
     reinit_vision: bool = False  # with init: keep the decoder, start the vision tower and projector afresh
     reinit_language: bool = False  # with init: keep the vision side, start the decoder afresh
+    grow_after: tuple[int, ...] = ()  # with init: a new decoder layer after each of these layers (see grow_decoder)
+    store_dtype: str = "float32"  # dtype of the saved weights (float16 halves the file; training stays fp32)
     aux_weight: float = 0.5  # weight of the dense visual-token objective (0: answers only)
     aux_scale: float = 4.0  # cosine-to-logit scale of the per-cell probe (fixed)
     vision_warmup: int = 0  # first steps on the visual-token objective alone
@@ -523,6 +526,31 @@ def init_language(model: VLM, seed: int) -> None:
         _init_param(name, p, g)
 
 
+@torch.no_grad()
+def grow_decoder(model: VLM, after: tuple[int, ...]) -> VLM:
+    """Depth growth by block expansion (LLaMA Pro): a new decoder layer after each layer in `after`, a
+    copy of that layer with its two output projections (o_proj, down_proj) zeroed. A zeroed layer adds
+    nothing to the residual stream, so the grown model computes exactly what the original did, and
+    training starts from everything the original had learned."""
+    n = model.cfg.text.num_layers
+    bad = sorted({i for i in after if not 0 <= i < n})
+    if bad or len(set(after)) != len(after):
+        raise ValueError(f"grow_after must name distinct decoder layers 0-{n - 1}, got {list(after)}")
+    cfg = dataclasses.replace(model.cfg, text=dataclasses.replace(model.cfg.text, num_layers=n + len(after)))
+    grown = VLM(cfg).to(next(model.parameters()).dtype)
+    old = model.language_model.layers
+    order = [(i, False) for i in range(n)]
+    for i in sorted(after, reverse=True):
+        order.insert(i + 1, (i, True))
+    state = {k: v for k, v in model.state_dict().items() if ".layers." not in k or not k.startswith("language_model.")}
+    for j, (i, fresh) in enumerate(order):
+        for k, v in old[i].state_dict().items():
+            zero = fresh and k in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight", "mlp.down_proj.bias")
+            state[f"language_model.layers.{j}.{k}"] = torch.zeros_like(v) if zero else v.clone()
+    grown.load_state_dict(state)
+    return grown
+
+
 def _init_param(name: str, p: torch.Tensor, g: torch.Generator) -> None:
     if name.endswith("lambda_1") or name.endswith("lambda_2"):
         p.data.fill_(0.1)
@@ -638,6 +666,11 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
             init_vision(model, recipe.seed)
         if recipe.reinit_language:
             init_language(model, recipe.seed)
+        if recipe.grow_after:
+            model = grow_decoder(model, tuple(recipe.grow_after))
+            cfg = model.cfg
+    elif recipe.grow_after:
+        raise ValueError("grow_after needs a checkpoint to grow (init)")
     else:
         tokenizer = train_default(question_corpus(n_frames=recipe.tokenizer_frames, seed=recipe.seed), vocab_size=recipe.vocab_size)
         cfg = drive_tiny_config(tokenizer)
@@ -770,7 +803,7 @@ def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, 
     meta = {"recipe": asdict(recipe), "steps": step, "train_seconds": round(time.time() - t_start, 1),
             "final_loss": float(np.mean(losses[-100:])) if losses else None, "looks_probe": log["probe"][-1:] or None,
             "lineage": lineage_of(recipe.init) if recipe.init else []}
-    save_native(model, out, extra_meta=meta)
+    save_native(model, out, extra_meta=meta, dtype=getattr(torch, recipe.store_dtype))
     tokenizer.save(out)
     curves = {"loss": losses[::10], "aux": log["aux"][::10], "probe": log["probe"]}
     for name in HEAD_OBJECTIVES:
