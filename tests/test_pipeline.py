@@ -133,3 +133,16 @@ def test_tree_options_reach_the_decoder(full_model_dir, images):
     ans = pipe.answer("Is there a red car to the front of the ego car?", images)
     plain = Pipeline.from_pretrained(full_model_dir, max_new_tokens=pipe.max_new_tokens).answer("Is there a red car to the front of the ego car?", images)
     assert ans.tokens == plain.tokens
+
+
+def test_the_shipped_default_model_is_complete_and_within_its_size_budget():
+    """drive-tiny ships inside the package: at most 20 MB of safetensors, with every LiteVLM module beside it."""
+    from litevlm.model.hf import read_native_meta
+    from litevlm.pipeline import resolve_model_dir
+
+    d = resolve_model_dir("drive-tiny")
+    assert (d / "model.safetensors").stat().st_size <= 20 * 10**6
+    for part in ("view_selector", "token_selector", "draft"):
+        assert any((d / part).glob("*.safetensors")), part
+    meta = read_native_meta(d)
+    assert meta["litevlm"]["name"] == "drive-tiny" and (d / "MODEL.md").exists()
