@@ -92,7 +92,7 @@ def main() -> None:
 # VLMRecipe fields that `litevlm train vlm` takes as flags (the rest are in the full recipe JSON).
 FLAGS = ("frames", "seed", "first_frame", "minutes", "batch_frames", "threads", "lr", "warmup", "closed_weight", "init",
          "reinit_vision", "reinit_language", "aux_weight", "aux_scale", "vision_warmup", "view_subset_prob",
-         "token_drop_prob", "visual_norm", "probe_frames", *(f"{n}_{k}" for n in HEAD_OBJECTIVES for k in ("weight", "layer")))
+         "token_drop_prob", "visual_norm", "probe_frames", "grow_after", "store_dtype", *(f"{n}_{k}" for n in HEAD_OBJECTIVES for k in ("weight", "layer")))
 # What the model card calls each head objective.
 OBJECTIVE_LABELS = {"attn": "tag attention", "option": "option attention", "letter": "letter attention", "readout": "answer readout"}
 
@@ -108,7 +108,7 @@ def train_command(recipe: dict) -> str:
         if value == getattr(default, name) or (name.endswith("_layer") and not recipe.get(name.replace("layer", "weight"))):
             continue
         flag = "--" + name.replace("_", "-")
-        parts.append(flag if value is True else f"{flag} {value}")
+        parts.append(flag if value is True else f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}")
     parts += [f"--family-weight {k}={v:g}" for k, v in (recipe.get("family_weights") or {}).items()]
     return " ".join(parts)
 
@@ -128,7 +128,8 @@ def stages(meta: dict) -> list[str]:
         fresh = "everything" if not r.get("init") else ", ".join(
             [x for x, k in (("vision", "reinit_vision"), ("decoder", "reinit_language")) if r.get(k)]) or "-"
         probe = (st.get("looks_probe") or [{}])[-1]
-        other = [f"{k} x{v:g}" for k, v in (r.get("family_weights") or {}).items()]
+        other = [f"decoder grown after layers {', '.join(map(str, r['grow_after']))}"] if r.get("grow_after") else []
+        other += [f"{k} x{v:g}" for k, v in (r.get("family_weights") or {}).items()]
         other += [f"{OBJECTIVE_LABELS[n]} {r[n + '_weight']:g} (layer {r.get(n + '_layer')})" for n in HEAD_OBJECTIVES if r.get(n + "_weight")]
         lines.append(f"| {i} | {st.get('steps')} | {(st.get('train_seconds') or 0) / 60:.1f} | {fresh} | {r.get('lr')} | "
                      f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {', '.join(other) or '-'} | {probe.get('images', '-')} / {probe.get('empty', '-')} | "
