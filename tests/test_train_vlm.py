@@ -323,6 +323,8 @@ def test_grown_decoder_computes_what_the_original_did(tiny_tokenizer):
 
 
 def test_a_grown_run_saves_half_precision_weights_that_load_as_the_grown_model(tmp_path):
+    from dataclasses import replace
+
     from safetensors import safe_open
 
     from litevlm.model.hf import load_native
@@ -330,8 +332,6 @@ def test_a_grown_run_saves_half_precision_weights_that_load_as_the_grown_model(t
     first = VLMRecipe(frames=3, steps=1, batch_frames=2, questions_per_frame=2, probe_frames=0, render_size=(200, 112),
                       vocab_size=400, warmup=1, tokenizer_frames=40)
     a = train_vlm(tmp_path / "a", first, progress=False)
-    from dataclasses import replace
-
     b = train_vlm(tmp_path / "b", replace(first, init=str(a), grow_after=(1, 3), store_dtype="float16", attn_weight=0.3,
                                           attn_layer=5), progress=False)
     with safe_open(str(b / "model.safetensors"), "pt") as f:
@@ -342,3 +342,6 @@ def test_a_grown_run_saves_half_precision_weights_that_load_as_the_grown_model(t
     assert json.loads((b / "config.json").read_text())["recipe"]["grow_after"] == [1, 3]
     with pytest.raises(ValueError, match="needs a checkpoint"):
         train_vlm(tmp_path / "c", replace(first, grow_after=(0,)), progress=False)
+    with pytest.raises(ValueError, match="store_dtype"):  # refused before any work, not at the first save
+        train_vlm(tmp_path / "d", replace(first, store_dtype="half"), progress=False)
+    assert not (tmp_path / "d").exists()

@@ -68,6 +68,10 @@ def drive_tiny_config(tokenizer) -> VLMConfig:
     )
 
 
+# What `VLMRecipe.store_dtype` may name: the dtype of the saved weights.
+STORE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 @dataclass
 class VLMRecipe:
     frames: int = 6000  # distinct training frames (seed, 0..frames-1)
@@ -542,7 +546,7 @@ def grow_decoder(model: VLM, after: tuple[int, ...]) -> VLM:
     order = [(i, False) for i in range(n)]
     for i in sorted(after, reverse=True):
         order.insert(i + 1, (i, True))
-    state = {k: v for k, v in model.state_dict().items() if ".layers." not in k or not k.startswith("language_model.")}
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("language_model.layers.")}
     for j, (i, fresh) in enumerate(order):
         for k, v in old[i].state_dict().items():
             zero = fresh and k in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight", "mlp.down_proj.bias")
@@ -651,6 +655,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     unknown = sorted(set(recipe.family_weights) - set(FAMILIES))
     if unknown:
         raise ValueError(f"unknown QA family {', '.join(map(repr, unknown))} in family weights (known: {', '.join(FAMILIES)})")
+    if recipe.store_dtype not in STORE_DTYPES:  # checked here, not at the first save minutes into training
+        raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {recipe.store_dtype!r}")
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
     out = Path(out_dir)
@@ -803,7 +809,7 @@ def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, 
     meta = {"recipe": asdict(recipe), "steps": step, "train_seconds": round(time.time() - t_start, 1),
             "final_loss": float(np.mean(losses[-100:])) if losses else None, "looks_probe": log["probe"][-1:] or None,
             "lineage": lineage_of(recipe.init) if recipe.init else []}
-    save_native(model, out, extra_meta=meta, dtype=getattr(torch, recipe.store_dtype))
+    save_native(model, out, extra_meta=meta, dtype=STORE_DTYPES[recipe.store_dtype])
     tokenizer.save(out)
     curves = {"loss": losses[::10], "aux": log["aux"][::10], "probe": log["probe"]}
     for name in HEAD_OBJECTIVES:
