@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 
 def features(pipe, seed: int, frames: int, size=(400, 225)):
-    """{cue: (token features (M, C), patch features (M, Cv), labels (M,))} over every object of the frames."""
+    """{cue: (token features (M, C), patch features (M, Cv), labels (M,))} over every object of the frames;
+    labels are 0/1 for moving, the LIGHT_STATES index for light, the colour's name for colour."""
     from litevlm.cameras import CAMERAS
     from litevlm.data.synthetic import LIGHT_STATES, MOVERS, VEHICLES, make_frame, render_views
     from litevlm.model.vlm import image_to_tiles
@@ -33,7 +34,6 @@ def features(pipe, seed: int, frames: int, size=(400, 225)):
     model, cfg = pipe.model, pipe.cfg
     g, tpv = cfg.vision.grid, cfg.tiles_per_view
     out = {"moving": ([], [], []), "light": ([], [], []), "colour": ([], [], [])}
-    colours: list[str] = []
     for i in tqdm(range(frames), desc=f"frames (seed {seed})"):
         frame = make_frame(seed, i)
         views = render_views(frame, size=size)
@@ -57,14 +57,12 @@ def features(pipe, seed: int, frames: int, size=(400, 225)):
                 if o.light:
                     labels.append(("light", LIGHT_STATES.index(o.light)))
                 if o.colour and o.cls in VEHICLES:
-                    if o.colour not in colours:
-                        colours.append(o.colour)
-                    labels.append(("colour", colours.index(o.colour) if seed == 0 else o.colour))
+                    labels.append(("colour", o.colour))
                 for cue, y in labels:
                     out[cue][0].append(ft)
                     out[cue][1].append(fp)
                     out[cue][2].append(y)
-    return out, colours
+    return out
 
 
 def fit_and_score(xtr, ytr, xte, yte, classes: int, steps: int = 600) -> float:
@@ -93,13 +91,15 @@ def main() -> None:
     torch.manual_seed(0)
     t0 = time.time()
     pipe = Pipeline.from_pretrained(args.model)
-    train, colours = features(pipe, 0, args.train_frames)
-    test, _ = features(pipe, 1, args.test_frames)
+    train = features(pipe, 0, args.train_frames)
+    test = features(pipe, 1, args.test_frames)
     rows = {}
     for cue in ("moving", "light", "colour"):
-        ytr = torch.tensor(train[cue][2])
-        keep = [j for j, y in enumerate(test[cue][2]) if cue != "colour" or y in colours]
-        yte = torch.tensor([colours.index(test[cue][2][j]) if cue == "colour" else test[cue][2][j] for j in keep])
+        names = sorted(set(train[cue][2])) if cue == "colour" else None  # colours as class indices
+        code = (lambda y: names.index(y)) if names else (lambda y: y)
+        ytr = torch.tensor([code(y) for y in train[cue][2]])
+        keep = [j for j, y in enumerate(test[cue][2]) if names is None or y in names]
+        yte = torch.tensor([code(test[cue][2][j]) for j in keep])
         classes = int(ytr.max()) + 1
         majority = float((yte == torch.bincount(ytr, minlength=classes).argmax()).float().mean())
         row = {"train": len(ytr), "test": len(yte), "majority": round(majority, 3)}
