@@ -5,8 +5,10 @@ and the projector) over the cells the object covers are averaged into one featur
 regression is fitted on training frames (seed 0) and scored on held-out frames (seed 1), beside the
 majority class. The same is done on the vision tower's own patch features (before pixel shuffle, four
 times the cells) and on the raw input pixels of those patches (their mean and maximum over the
-object), the most a linear reader could get from the tower's input. A cue the probe reads well but the
-model answers at chance is lost in the decoder; a cue the probe cannot read is lost before it.
+object). A small convolutional network trained on each object's crop of the input tile (with an object
+width of margin on either side, where a motion trail is drawn) says whether the tile's pixels carry the
+cue at all. A cue the probe reads well but the model answers at chance is lost in the decoder; a cue the
+probe cannot read is lost before it.
 
     python benchmarks/cue_probe.py --model drive-tiny --train-frames 800 --test-frames 200
 
@@ -25,20 +27,39 @@ from tqdm import tqdm
 
 
 CUES = ("moving", "light", "colour")
+CROP = (16, 48)  # (h, w) of an object's crop: the object and an object width of margin either side
+
+
+def crop_reader_score(xtr, ytr, xte, yte, classes: int, epochs: int = 12) -> float:
+    """Test accuracy of a small CNN trained on the crops (N, 3, h, w)."""
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveMaxPool2d(1),
+        torch.nn.Flatten(), torch.nn.Linear(64, classes),
+    )
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-4)
+    for _ in range(epochs):
+        for idx in torch.randperm(len(xtr)).split(128):
+            opt.zero_grad()
+            F.cross_entropy(net(xtr[idx]), ytr[idx]).backward()
+            opt.step()
+    with torch.no_grad():
+        return float((net(xte).argmax(-1) == yte).float().mean())
 
 
 def features(pipe, seed: int, frames: int, size=(400, 225)):
-    """{cue: (token features (M, C), patch features (M, Cv), pixel features (M, 6 p p), labels (M,))} over
-    every object of the frames; labels are 0/1 for moving, the LIGHT_STATES index for light, the colour's
-    name for colour."""
-    from litevlm.cameras import CAMERAS
+    """{cue: (token features (M, C), patch features (M, Cv), pixel features (M, 6 p p), crops (M, 3, h, w),
+    labels (M,))} over every object of the frames; labels are 0/1 for moving, the LIGHT_STATES index for
+    light, the colour's name for colour."""
+    from litevlm.cameras import CAMERAS, IMAGE_HEIGHT, IMAGE_WIDTH
     from litevlm.data.synthetic import LIGHT_STATES, MOVERS, VEHICLES, make_frame, render_views
     from litevlm.model.vlm import image_to_tiles
     from litevlm.train.vlm import cells_of
 
     model, cfg = pipe.model, pipe.cfg
     g, tpv = cfg.vision.grid, cfg.tiles_per_view
-    out = {cue: ([], [], [], []) for cue in CUES}
+    out = {cue: ([], [], [], [], []) for cue in CUES}
+    s = cfg.vision.image_size
     p = cfg.vision.image_size // g
     for i in tqdm(range(frames), desc=f"frames (seed {seed})"):
         frame = make_frame(seed, i)
@@ -59,6 +80,14 @@ def features(pipe, seed: int, frames: int, size=(400, 225)):
                     continue
                 ft, fp = tokens[v, tok].mean(0), patches[v, pat].mean(0)
                 fr = torch.cat([raw[v, pat].mean(0), raw[v, pat].amax(0)])
+                u0, v0, u1, v1 = box.clipped()
+                w = u1 - u0
+                x0 = max(0, int((u0 - 1.2 * w) / IMAGE_WIDTH * s * tpv))
+                x1 = min(s * tpv, int((u1 + 1.2 * w) / IMAGE_WIDTH * s * tpv) + 1)
+                y0, y1 = max(0, int(v0 / IMAGE_HEIGHT * s)), min(s, int(v1 / IMAGE_HEIGHT * s) + 1)
+                view = pixels[v * tpv:(v + 1) * tpv].permute(1, 2, 0, 3).reshape(3, s, s * tpv)  # tiles side by side
+                crop = F.interpolate(view[None, :, y0:max(y1, y0 + 1), x0:max(x1, x0 + 1)], size=CROP, mode="bilinear",
+                                     align_corners=False)[0]
                 labels = []
                 if o.cls in MOVERS:
                     labels.append(("moving", int(o.moving)))
@@ -70,7 +99,8 @@ def features(pipe, seed: int, frames: int, size=(400, 225)):
                     out[cue][0].append(ft)
                     out[cue][1].append(fp)
                     out[cue][2].append(fr)
-                    out[cue][3].append(y)
+                    out[cue][3].append(crop)
+                    out[cue][4].append(y)
     return out
 
 
@@ -104,11 +134,11 @@ def main() -> None:
     test = features(pipe, 1, args.test_frames)
     rows = {}
     for cue in CUES:
-        names = sorted(set(train[cue][3])) if cue == "colour" else None  # colours as class indices
+        names = sorted(set(train[cue][4])) if cue == "colour" else None  # colours as class indices
         code = (lambda y: names.index(y)) if names else (lambda y: y)
-        ytr = torch.tensor([code(y) for y in train[cue][3]])
-        keep = [j for j, y in enumerate(test[cue][3]) if names is None or y in names]
-        yte = torch.tensor([code(test[cue][3][j]) for j in keep])
+        ytr = torch.tensor([code(y) for y in train[cue][4]])
+        keep = [j for j, y in enumerate(test[cue][4]) if names is None or y in names]
+        yte = torch.tensor([code(test[cue][4][j]) for j in keep])
         classes = int(ytr.max()) + 1
         majority = float((yte == torch.bincount(ytr, minlength=classes).argmax()).float().mean())
         row = {"train": len(ytr), "test": len(yte), "majority": round(majority, 3)}
@@ -116,9 +146,12 @@ def main() -> None:
             xtr = torch.stack(train[cue][k]).float()
             xte = torch.stack([test[cue][k][j] for j in keep]).float()
             row[name] = round(fit_and_score(xtr, ytr, xte, yte, classes), 3)
+        crops_tr, crops_te = torch.stack(train[cue][3]), torch.stack([test[cue][3][j] for j in keep])
+        row["crop_cnn"] = round(crop_reader_score(crops_tr, ytr, crops_te, yte, classes), 3)
         rows[cue] = row
         print(f"{cue:8s} n={row['train']}/{row['test']}  majority {row['majority']:.3f}  "
-              f"probe on visual tokens {row['tokens']:.3f}  on vision patches {row['patches']:.3f}  on pixels {row['pixels']:.3f}")
+              f"probe on visual tokens {row['tokens']:.3f}  on vision patches {row['patches']:.3f}  on pixels {row['pixels']:.3f}  "
+              f"CNN on crops {row['crop_cnn']:.3f}")
     print(json.dumps({"benchmark": "cue_probe", "model": args.model, "train_frames": args.train_frames,
                       "test_frames": args.test_frames, "cues": rows, "wall_s": round(time.time() - t0, 1)}))
 

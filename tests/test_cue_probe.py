@@ -32,10 +32,11 @@ def test_probe_features_cover_every_cue():
     probe = _probe()
     feats = probe.features(Pipeline.from_pretrained("drive-tiny"), 0, 3)
     assert set(feats) == {"moving", "light", "colour"}
-    tok, pat, pix, labels = feats["moving"]
-    assert len(tok) == len(pat) == len(pix) == len(labels) > 0
+    tok, pat, pix, crops, labels = feats["moving"]
+    assert len(tok) == len(pat) == len(pix) == len(crops) == len(labels) > 0
+    assert crops[0].shape == (3, *probe.CROP)
     assert pix[0].numel() == 2 * 3 * 14 * 14  # mean and max of each raw 14 x 14 patch
     assert set(labels) <= {0, 1}
     from litevlm.data.synthetic import COLOURS
 
-    assert feats["colour"][3] and set(feats["colour"][3]) <= set(COLOURS)
+    assert feats["colour"][4] and set(feats["colour"][4]) <= set(COLOURS)
