@@ -345,3 +345,46 @@ def test_a_grown_run_saves_half_precision_weights_that_load_as_the_grown_model(t
     with pytest.raises(ValueError, match="store_dtype"):  # refused before any work, not at the first save
         train_vlm(tmp_path / "d", replace(first, store_dtype="half"), progress=False)
     assert not (tmp_path / "d").exists()
+
+
+def test_patch_objective_targets_line_up_and_train_the_vision_tower(tiny_bank):
+    """The patch objective: one target row per vision patch, and its loss alone moves the tower's weights."""
+    from dataclasses import replace
+
+    from litevlm.model.vlm import VLM
+    from litevlm.train.vlm import aux_fields, aux_targets, patch_loss
+
+    tok, cfg, _, _ = tiny_bank
+    recipe = VLMRecipe(frames=3, batch_frames=2, render_size=(200, 112), patch_aux_weight=1.0)
+    bank = FrameBank(recipe, cfg, tok, progress=False)
+    assert bank.patch_aux.shape == (3, 6, cfg.vision.grid ** 2 * cfg.tiles_per_view, len(aux_fields()))
+    b = make_batch(bank, tok, cfg, recipe, random.Random(0))
+    assert b.patch_aux.shape == (b.pixels.shape[0] * cfg.vision.grid ** 2, len(aux_fields()))
+    assert b.patch_aux.sum() > 0  # objects cover some patches
+    # patch resolution is the token grid's, twice as fine: a token cell's contents are its four patches'
+    from litevlm.data.synthetic import make_frame
+
+    frame = make_frame(recipe.seed, recipe.first_frame)
+    fine, coarse = aux_targets(frame, cfg.vision.grid, 1), aux_targets(frame, cfg.vision.grid // 2, 1)
+    assert torch.equal(fine.amax(1) > 0, coarse.amax(1) > 0)  # the same fields occur in each camera
+    # without the bank: no targets and no cost
+    assert make_batch(FrameBank(replace(recipe, patch_aux_weight=0.0), cfg, tok, progress=False), tok, cfg,
+                      replace(recipe, patch_aux_weight=0.0), random.Random(0)).patch_aux is None
+
+    torch.manual_seed(0)
+    model = VLM(cfg)
+    head = torch.nn.Linear(cfg.vision.hidden_size, len(aux_fields()))
+    loss = patch_loss(head, model.vision_tower(b.pixels), b.patch_aux)
+    loss.backward()
+    grads = [p.grad for p in model.vision_tower.parameters() if p.grad is not None]
+    assert loss.item() > 0 and grads and any(g.abs().sum() > 0 for g in grads)
+    assert all(p.grad is None for p in model.language_model.parameters())  # the decoder is not involved
+
+
+def test_train_vlm_with_the_patch_objective_logs_it(tmp_path):
+    recipe = VLMRecipe(frames=3, steps=3, batch_frames=2, questions_per_frame=2, probe_frames=0, render_size=(200, 112),
+                       vocab_size=400, warmup=1, tokenizer_frames=40, patch_aux_weight=2.0)
+    out = train_vlm(tmp_path / "m", recipe, progress=False)
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["steps"] == 3 and len(log["patch"]) == 1 and log["patch"][0] > 0
+    assert log["recipe"]["patch_aux_weight"] == 2.0

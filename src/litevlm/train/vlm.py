@@ -50,6 +50,7 @@ from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.config import TextConfig, VisionConfig, VLMConfig
+from litevlm.model.vision import pixel_shuffle
 from litevlm.model.vlm import VLM, image_to_tiles, image_to_uint8_tiles, normalize_tiles
 
 IGNORE = -100
@@ -109,6 +110,10 @@ class VLMRecipe:
     store_dtype: str = "float32"  # dtype of the saved weights (float16 halves the file; training stays fp32)
     aux_weight: float = 0.5  # weight of the dense visual-token objective (0: answers only)
     aux_scale: float = 4.0  # cosine-to-logit scale of the per-cell probe (fixed)
+    # weight of the patch objective: a linear probe on the vision tower's own patch features (before pixel
+    # shuffle) names each patch's contents, so small cues (a motion trail, a light's colour) reach the tower's
+    # output instead of being averaged away before the projector (0: off)
+    patch_aux_weight: float = 0.0
     vision_warmup: int = 0  # first steps on the visual-token objective alone
     probe_frames: int = 24  # validation frames for the looks-probe (0: none)
     visual_norm: float = 4.0  # cap on a visual token's L2 norm (a squared-hinge penalty; 0: none)
@@ -221,6 +226,9 @@ class FrameBank:
         # index of the right option or None, (letter token, first and end token) of every option or None
         self.qas: list[list[tuple]] = []
         self.aux = torch.empty(recipe.frames, len(CAMERAS), cfg.tokens_per_tile * tpv, len(aux_fields()), dtype=torch.uint8)
+        patches = cfg.vision.grid * cfg.vision.grid * tpv
+        self.patch_aux = (torch.empty(recipe.frames, len(CAMERAS), patches, len(aux_fields()), dtype=torch.uint8)
+                          if recipe.patch_aux_weight > 0 else None)
         self.steer = torch.empty(recipe.frames, dtype=torch.long)
         for i in tqdm(range(recipe.frames), desc="rendering frames", disable=not progress):
             frame = make_frame(recipe.seed, recipe.first_frame + i)
@@ -230,6 +238,8 @@ class FrameBank:
                               tag_cells(q.question, cfg.vision.grid // 2, tpv), right_option(q.answer),
                               option_spans(q.question, tokenizer)) for q in frame.qas])
             self.aux[i] = aux_targets(frame, cfg.vision.grid // 2, tpv)
+            if self.patch_aux is not None:
+                self.patch_aux[i] = aux_targets(frame, cfg.vision.grid, tpv)
             self.steer[i] = STEERS.index(frame.ego.steer)
         self.tpv = tpv
 
@@ -267,7 +277,7 @@ def block_mask(block: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rng: random.Random):
     frames = rng.sample(range(len(bank.qas)), recipe.batch_frames)
     tpv_tokens = cfg.tokens_per_tile * cfg.tiles_per_view
-    seqs, pixels, keeps, aux, front, steer, looks, options, letters = [], [], [], [], [], [], [], [], []
+    seqs, pixels, keeps, aux, front, steer, looks, options, letters, patch_aux = [], [], [], [], [], [], [], [], [], []
     for f in frames:
         qas = bank.qas[f]
         views = list(CAMERAS)
@@ -291,6 +301,8 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         keeps.append(keep)
         pixels.append(bank.pixels(f, views))
         aux.append(bank.aux[f, [CAMERAS.index(c) for c in views]].reshape(-1, bank.aux.shape[-1]))
+        if bank.patch_aux is not None:
+            patch_aux.append(bank.patch_aux[f, [CAMERAS.index(c) for c in views]].reshape(-1, bank.patch_aux.shape[-1]))
         if "CAM_FRONT" in views:  # the front view's tokens (offset into this batch's visual tokens)
             front.append(sum(len(p) for p in pixels[:-1]) * cfg.tokens_per_tile + views.index("CAM_FRONT") * tpv_tokens)
             steer.append(int(bank.steer[f]))
@@ -307,7 +319,7 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         valid[i, :n] = True
     return Batch(ids, labels, pos, block_mask(block, valid), torch.cat(pixels), torch.cat(keeps), torch.cat(aux).float(),
                  torch.tensor(front, dtype=torch.long), torch.tensor(steer, dtype=torch.long), answer_weights(labels, block), looks,
-                 options, letters)
+                 options, letters, torch.cat(patch_aux).float() if patch_aux else None)
 
 
 def tag_targets(seq, chosen, views: list[str], image_id: int, tokens_per_view: int) -> list[tuple[int, list[int], list[int]]]:
@@ -430,6 +442,7 @@ class Batch:
     looks: list = field(default_factory=list)  # (row in batch, answer row, visual positions, tagged positions)
     options: list = field(default_factory=list)  # (row in batch, answer row, option positions, right option's positions)
     letters: list = field(default_factory=list)  # (row in batch, option-text row, positions up to it, its letter's position)
+    patch_aux: torch.Tensor | None = None  # (P, F) per-patch targets of the patch objective, or None when it is off
 
 
 class AuxHeads(nn.Module):
@@ -459,6 +472,14 @@ class AuxHeads(nn.Module):
             return cell
         idx = batch.front[:, None] + torch.arange(self.tokens_per_view)
         return cell + F.cross_entropy(self.steer(F.rms_norm(visual[idx], (visual.shape[-1],)).flatten(1)), batch.steer)
+
+
+def patch_loss(head: nn.Linear, patches: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The patch objective: a linear probe names every patch's contents from the vision tower's features
+    patches (tiles, g*g, Cv); targets (tiles*g*g, F) are `aux_targets` at patch resolution. Summed over
+    fields, averaged over patches."""
+    logits = head(patches.reshape(-1, patches.shape[-1]))
+    return F.binary_cross_entropy_with_logits(logits, targets, reduction="none").sum(-1).mean()
 
 
 def field_words(tokenizer) -> list[list[int]]:
@@ -693,7 +714,13 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         rescale_visual(model, bank, recipe.visual_norm)
     probe = LooksProbe(recipe, cfg, tokenizer) if recipe.probe_frames else None
     heads = AuxHeads(cfg.text.hidden_size, field_words(tokenizer), len(STEERS), cfg.tokens_per_tile * cfg.tiles_per_view, recipe.aux_scale)
+    # the patch objective's probe: training-only, like the heads
+    patch_head = nn.Linear(cfg.vision.hidden_size, len(aux_fields())) if recipe.patch_aux_weight > 0 else None
+    if patch_head is not None:  # start at "nothing here" (most patches are road), like the token heads
+        nn.init.constant_(patch_head.bias, -4.0)
     params = [*model.named_parameters(), *heads.named_parameters(prefix="aux")]
+    if patch_head is not None:
+        params += list(patch_head.named_parameters(prefix="patch"))
     decay = [p for n, p in params if p.ndim >= 2]
     no_decay = [p for n, p in params if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
@@ -701,19 +728,21 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     deadline = time.time() + recipe.minutes * 60
     total = recipe.steps  # re-planned to the time budget after a short timing
     bar = tqdm(total=recipe.steps, desc="training vlm", disable=not progress)
-    log = {"loss": [], "aux": [], "probe": [], **{k: [] for name in HEAD_OBJECTIVES for k in (name, f"{name}_hit")}}
+    log = {"loss": [], "aux": [], "patch": [], "probe": [], **{k: [] for name in HEAD_OBJECTIVES for k in (name, f"{name}_hit")}}
     step, t_loop, last_save = 0, time.time(), time.time()
     model.train()
     while step < total and time.time() < deadline:
         batch = make_batch(bank, tokenizer, cfg, recipe, rng)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, recipe)
-        visual = model.encode_tiles(batch.pixels).reshape(-1, cfg.text.hidden_size)
+        patches = model.vision_tower(batch.pixels)  # (tiles, g*g, Cv)
+        visual = model.multi_modal_projector(pixel_shuffle(patches, cfg.vision.grid)).reshape(-1, cfg.text.hidden_size)
         aux = heads.loss(visual, batch, model.language_model.embed_tokens) if recipe.aux_weight > 0 else torch.zeros(())
+        patch = patch_loss(patch_head, patches, batch.patch_aux) if patch_head is not None else torch.zeros(())
         if recipe.visual_norm > 0:
             aux = aux + F.relu(visual.norm(dim=-1) - recipe.visual_norm).pow(2).mean()
         if step < recipe.vision_warmup:
-            loss = aux
+            loss = aux + patch
         else:
             embeds = model.embed(batch.ids, visual[batch.keep])
             # The attention objectives read the residual stream entering their layers.
@@ -741,11 +770,13 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
                 lm = (F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel], reduction="none") * w).sum() / w.sum()
             else:
                 lm = F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel])
-            loss = lm + recipe.aux_weight * aux
+            loss = lm + recipe.aux_weight * aux + recipe.patch_aux_weight * patch
             for name in HEAD_OBJECTIVES:
                 loss = loss + getattr(recipe, f"{name}_weight") * attn[name]
             log["loss"].append(lm.item())
         log["aux"].append(aux.item())
+        if patch_head is not None:
+            log["patch"].append(patch.item())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         # Clipped apart: the dense objective's gradients must not shrink the decoder's step.
@@ -775,6 +806,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
                 post.update(opt=f"{np.mean(log['option'][-50:]):.3f}", opt_hit=f"{np.mean(log['option_hit'][-50:]):.2f}")
             if log["letter"]:
                 post.update(let_hit=f"{np.mean(log['letter_hit'][-50:]):.2f}")
+            if log["patch"]:
+                post.update(patch=f"{np.mean(log['patch'][-50:]):.3f}")
             if log["readout"]:
                 post.update(read=f"{np.mean(log['readout'][-50:]):.3f}", read_hit=f"{np.mean(log['readout_hit'][-50:]):.2f}")
             bar.set_postfix(**post)
@@ -812,6 +845,8 @@ def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, 
     save_native(model, out, extra_meta=meta, dtype=STORE_DTYPES[recipe.store_dtype])
     tokenizer.save(out)
     curves = {"loss": losses[::10], "aux": log["aux"][::10], "probe": log["probe"]}
+    if log["patch"]:
+        curves["patch"] = log["patch"][::10]
     for name in HEAD_OBJECTIVES:
         if log.get(name):
             curves.update({name: log[name][::10], f"{name}_hit": log[f"{name}_hit"][::10]})
