@@ -91,7 +91,7 @@ def main() -> None:
 
 # VLMRecipe fields that `litevlm train vlm` takes as flags (the rest are in the full recipe JSON).
 FLAGS = ("frames", "seed", "first_frame", "minutes", "batch_frames", "threads", "lr", "warmup", "closed_weight", "init",
-         "reinit_vision", "reinit_language", "aux_weight", "aux_scale", "vision_warmup", "view_subset_prob",
+         "reinit_vision", "reinit_language", "aux_weight", "aux_scale", "patch_aux_weight", "vision_warmup", "view_subset_prob",
          "token_drop_prob", "visual_norm", "probe_frames", "grow_after", "store_dtype", *(f"{n}_{k}" for n in HEAD_OBJECTIVES for k in ("weight", "layer")))
 # What the model card calls each head objective.
 OBJECTIVE_LABELS = {"attn": "tag attention", "option": "option attention", "letter": "letter attention", "readout": "answer readout"}
