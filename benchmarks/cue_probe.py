@@ -66,8 +66,7 @@ def features(pipe, seed: int, frames: int, size=(400, 225)):
         views = render_views(frame, size=size)
         pixels = torch.cat([image_to_tiles(views[c], cfg.vision.image_size, tpv) for c in CAMERAS])
         with torch.no_grad():
-            patches = model.vision_tower(pixels)  # (6 tpv, g*g, Cv)
-            tokens = model.encode_tiles(pixels)  # (6 tpv, g*g/4, C)
+            tokens, patches = model.encode_tiles_and_patches(pixels)  # (6 tpv, g*g/4, C), (6 tpv, g*g, Cv)
         tokens = tokens.reshape(len(CAMERAS), -1, tokens.shape[-1])
         patches = patches.reshape(len(CAMERAS), -1, patches.shape[-1])
         raw = pixels.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(len(CAMERAS), g * g * tpv, -1)

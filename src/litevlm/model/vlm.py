@@ -73,11 +73,15 @@ class VLM(nn.Module):
     # -- vision ---------------------------------------------------------------------------------
     def encode_tiles(self, pixels: torch.Tensor) -> torch.Tensor:
         """(tiles, 3, S, S) normalised pixels -> (tiles, tokens_per_tile, C_llm) visual tokens."""
+        return self.encode_tiles_and_patches(pixels)[0]
+
+    def encode_tiles_and_patches(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`encode_tiles`, plus the vision tower's own patch features (tiles, g*g, Cv) it shuffled and projected."""
         s = self.cfg.vision.image_size
         if pixels.ndim != 4 or tuple(pixels.shape[1:]) != (3, s, s):
             raise LiteVLMError(f"image tiles must have shape (tiles, 3, {s}, {s}); got {tuple(pixels.shape)}")
         feats = self.vision_tower(pixels.to(self.dtype))  # (T, g*g, Cv)
-        return self.multi_modal_projector(pixel_shuffle(feats, self.cfg.vision.grid))  # (T, g*g/4, C)
+        return self.multi_modal_projector(pixel_shuffle(feats, self.cfg.vision.grid)), feats  # (T, g*g/4, C), (T, g*g, Cv)
 
     # -- text -----------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor, visual: torch.Tensor | None = None) -> torch.Tensor:

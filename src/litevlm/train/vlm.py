@@ -50,7 +50,6 @@ from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.config import TextConfig, VisionConfig, VLMConfig
-from litevlm.model.vision import pixel_shuffle
 from litevlm.model.vlm import VLM, image_to_tiles, image_to_uint8_tiles, normalize_tiles
 
 IGNORE = -100
@@ -735,8 +734,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         batch = make_batch(bank, tokenizer, cfg, recipe, rng)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, recipe)
-        patches = model.vision_tower(batch.pixels)  # (tiles, g*g, Cv)
-        visual = model.multi_modal_projector(pixel_shuffle(patches, cfg.vision.grid)).reshape(-1, cfg.text.hidden_size)
+        visual, patches = model.encode_tiles_and_patches(batch.pixels)
+        visual = visual.reshape(-1, cfg.text.hidden_size)
         aux = heads.loss(visual, batch, model.language_model.embed_tokens) if recipe.aux_weight > 0 else torch.zeros(())
         patch = patch_loss(patch_head, patches, batch.patch_aux) if patch_head is not None else torch.zeros(())
         if recipe.visual_norm > 0:
