@@ -47,10 +47,11 @@ def crop_reader_score(xtr, ytr, xte, yte, classes: int, epochs: int = 12) -> flo
         return float((net(xte).argmax(-1) == yte).float().mean())
 
 
-def features(pipe, seed: int, frames: int, size=(400, 225)):
+def features(pipe, seed: int, frames: int, size=(400, 225), margin: float = 0.0):
     """{cue: (token features (M, C), patch features (M, Cv), pixel features (M, 6 p p), crops (M, 3, h, w),
     labels (M,))} over every object of the frames; labels are 0/1 for moving, the LIGHT_STATES index for
-    light, the colour's name for colour."""
+    light, the colour's name for colour. margin: the linear probes pool over the object's box widened by this
+    many object widths on either side (a motion trail is drawn beside the object, outside its box)."""
     from litevlm.cameras import CAMERAS, IMAGE_HEIGHT, IMAGE_WIDTH
     from litevlm.data.synthetic import LIGHT_STATES, MOVERS, VEHICLES, make_frame, render_views
     from litevlm.model.vlm import image_to_tiles
@@ -73,14 +74,15 @@ def features(pipe, seed: int, frames: int, size=(400, 225)):
         for o in frame.objects:
             for cam, box in o.views.items():
                 v = CAMERAS.index(cam)
-                tok = sorted(cells_of(box.clipped(), g // 2, tpv))
-                pat = sorted(cells_of(box.clipped(), g, tpv))
+                u0, v0, u1, v1 = box.clipped()
+                w = u1 - u0
+                pooled = (max(0.0, u0 - margin * w), v0, min(IMAGE_WIDTH - 0.1, u1 + margin * w), v1)
+                tok = sorted(cells_of(pooled, g // 2, tpv))
+                pat = sorted(cells_of(pooled, g, tpv))
                 if not tok or not pat:
                     continue
                 ft, fp = tokens[v, tok].mean(0), patches[v, pat].mean(0)
                 fr = torch.cat([raw[v, pat].mean(0), raw[v, pat].amax(0)])
-                u0, v0, u1, v1 = box.clipped()
-                w = u1 - u0
                 x0 = max(0, int((u0 - 1.2 * w) / IMAGE_WIDTH * s * tpv))
                 x1 = min(s * tpv, int((u1 + 1.2 * w) / IMAGE_WIDTH * s * tpv) + 1)
                 y0, y1 = max(0, int(v0 / IMAGE_HEIGHT * s)), min(s, int(v1 / IMAGE_HEIGHT * s) + 1)
@@ -124,13 +126,15 @@ def main() -> None:
     ap.add_argument("--train-frames", type=int, default=800)
     ap.add_argument("--test-frames", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--margin", type=float, default=0.0,
+                    help="the linear probes pool over the object's box widened by this many object widths either side")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     t0 = time.time()
     pipe = Pipeline.from_pretrained(args.model)
-    train = features(pipe, 0, args.train_frames)
-    test = features(pipe, 1, args.test_frames)
+    train = features(pipe, 0, args.train_frames, margin=args.margin)
+    test = features(pipe, 1, args.test_frames, margin=args.margin)
     rows = {}
     for cue in CUES:
         names = sorted(set(train[cue][4])) if cue == "colour" else None  # colours as class indices
@@ -152,7 +156,7 @@ def main() -> None:
               f"probe on visual tokens {row['tokens']:.3f}  on vision patches {row['patches']:.3f}  on pixels {row['pixels']:.3f}  "
               f"CNN on crops {row['crop_cnn']:.3f}")
     print(json.dumps({"benchmark": "cue_probe", "model": args.model, "train_frames": args.train_frames,
-                      "test_frames": args.test_frames, "cues": rows, "wall_s": round(time.time() - t0, 1)}))
+                      "test_frames": args.test_frames, "margin": args.margin, "cues": rows, "wall_s": round(time.time() - t0, 1)}))
 
 
 if __name__ == "__main__":
