@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 
 CUES = ("moving", "light", "colour")
-CROP = (16, 48)  # (h, w) of an object's crop: the object and an object width of margin either side
+CROP = (16, 48)  # (h, w) of an object's crop for the CNN, resized from
+CROP_MARGIN = 1.2  # the object and this many object widths either side (where a motion trail is drawn)
 
 
 def crop_reader_score(xtr, ytr, xte, yte, classes: int, epochs: int = 12) -> float:
@@ -61,11 +62,11 @@ def features(pipe, seed: int, frames: int, size=(400, 225), margin: float = 0.0)
     g, tpv = cfg.vision.grid, cfg.tiles_per_view
     out = {cue: ([], [], [], [], []) for cue in CUES}
     s = cfg.vision.image_size
-    p = cfg.vision.image_size // g
+    p = s // g  # pixels per patch side
     for i in tqdm(range(frames), desc=f"frames (seed {seed})"):
         frame = make_frame(seed, i)
         views = render_views(frame, size=size)
-        pixels = torch.cat([image_to_tiles(views[c], cfg.vision.image_size, tpv) for c in CAMERAS])
+        pixels = torch.cat([image_to_tiles(views[c], s, tpv) for c in CAMERAS])
         with torch.no_grad():
             tokens, patches = model.encode_tiles_and_patches(pixels)  # (6 tpv, g*g/4, C), (6 tpv, g*g, Cv)
         tokens = tokens.reshape(len(CAMERAS), -1, tokens.shape[-1])
@@ -83,8 +84,8 @@ def features(pipe, seed: int, frames: int, size=(400, 225), margin: float = 0.0)
                     continue
                 ft, fp = tokens[v, tok].mean(0), patches[v, pat].mean(0)
                 fr = torch.cat([raw[v, pat].mean(0), raw[v, pat].amax(0)])
-                x0 = max(0, int((u0 - 1.2 * w) / IMAGE_WIDTH * s * tpv))
-                x1 = min(s * tpv, int((u1 + 1.2 * w) / IMAGE_WIDTH * s * tpv) + 1)
+                x0 = max(0, int((u0 - CROP_MARGIN * w) / IMAGE_WIDTH * s * tpv))
+                x1 = min(s * tpv, int((u1 + CROP_MARGIN * w) / IMAGE_WIDTH * s * tpv) + 1)
                 y0, y1 = max(0, int(v0 / IMAGE_HEIGHT * s)), min(s, int(v1 / IMAGE_HEIGHT * s) + 1)
                 view = pixels[v * tpv:(v + 1) * tpv].permute(1, 2, 0, 3).reshape(3, s, s * tpv)  # tiles side by side
                 crop = F.interpolate(view[None, :, y0:max(y1, y0 + 1), x0:max(x1, x0 + 1)], size=CROP, mode="bilinear",

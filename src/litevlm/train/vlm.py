@@ -299,9 +299,10 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         seqs.append(seq)
         keeps.append(keep)
         pixels.append(bank.pixels(f, views))
-        aux.append(bank.aux[f, [CAMERAS.index(c) for c in views]].reshape(-1, bank.aux.shape[-1]))
+        cams = [CAMERAS.index(c) for c in views]
+        aux.append(bank.aux[f, cams].reshape(-1, bank.aux.shape[-1]))
         if bank.patch_aux is not None:
-            patch_aux.append(bank.patch_aux[f, [CAMERAS.index(c) for c in views]].reshape(-1, bank.patch_aux.shape[-1]))
+            patch_aux.append(bank.patch_aux[f, cams].reshape(-1, bank.patch_aux.shape[-1]))
         if "CAM_FRONT" in views:  # the front view's tokens (offset into this batch's visual tokens)
             front.append(sum(len(p) for p in pixels[:-1]) * cfg.tokens_per_tile + views.index("CAM_FRONT") * tpv_tokens)
             steer.append(int(bank.steer[f]))
@@ -713,12 +714,11 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         rescale_visual(model, bank, recipe.visual_norm)
     probe = LooksProbe(recipe, cfg, tokenizer) if recipe.probe_frames else None
     heads = AuxHeads(cfg.text.hidden_size, field_words(tokenizer), len(STEERS), cfg.tokens_per_tile * cfg.tiles_per_view, recipe.aux_scale)
-    # the patch objective's probe: training-only, like the heads
-    patch_head = nn.Linear(cfg.vision.hidden_size, len(aux_fields())) if recipe.patch_aux_weight > 0 else None
-    if patch_head is not None:  # start at "nothing here" (most patches are road), like the token heads
-        nn.init.constant_(patch_head.bias, -4.0)
     params = [*model.named_parameters(), *heads.named_parameters(prefix="aux")]
-    if patch_head is not None:
+    patch_head = None  # the patch objective's probe: training-only, like the heads
+    if recipe.patch_aux_weight > 0:
+        patch_head = nn.Linear(cfg.vision.hidden_size, len(aux_fields()))
+        nn.init.constant_(patch_head.bias, -4.0)  # start at "nothing here" (most patches are road), like the token heads
         params += list(patch_head.named_parameters(prefix="patch"))
     decay = [p for n, p in params if p.ndim >= 2]
     no_decay = [p for n, p in params if p.ndim < 2]
