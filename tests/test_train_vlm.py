@@ -388,3 +388,75 @@ def test_train_vlm_with_the_patch_objective_logs_it(tmp_path):
     log = json.loads((out / "train_log.json").read_text())
     assert log["steps"] == 3 and len(log["patch"]) == 1 and log["patch"][0] > 0
     assert log["recipe"]["patch_aux_weight"] == 2.0
+
+
+def test_trail_boxes_cover_the_pixels_a_moving_object_adds_beside_itself():
+    """`trail_boxes` is where the renderer draws the trail: a moving car's image differs from the same car
+    standing inside those boxes, and a standing car has none."""
+    import numpy as np
+
+    from litevlm.data.synthetic import render_view, trail_boxes
+
+    def scene(motion):
+        return frame_from_objects([SceneObject("car", 14.0, 0.5, heading=1.2, colour="red", motion=motion)])
+
+    moving, standing = scene("Going ahead"), scene("Stopped")
+    car = moving.objects[0]
+    box = car.views["CAM_FRONT"]
+    boxes = trail_boxes(car, box, "CAM_FRONT")
+    assert len(boxes) == 2 and trail_boxes(standing.objects[0], standing.objects[0].views["CAM_FRONT"], "CAM_FRONT") == []
+    diff = np.abs(np.asarray(render_view(moving, "CAM_FRONT"), dtype=int) - np.asarray(render_view(standing, "CAM_FRONT"), dtype=int)).sum(-1)
+    u0, v0, u1, v1 = boxes[0]  # the farther copy: mostly outside the car's own box
+    outside = [u for u in range(int(u0) + 1, int(u1)) if not box.u0 <= u <= box.u1]
+    assert outside, "the trail must reach beyond the object's box"
+    assert (diff[int(v0) + 1 : int(v1), outside] > 0).mean() > 0.9
+    assert diff[:, : int(min(u0, box.u0)) - 2].sum() == 0 and diff[:, int(max(u1, box.u1)) + 2 :].sum() == 0
+
+
+def test_trail_targets_mark_motion_fields_only_on_the_trail_cells():
+    from litevlm.data.synthetic import trail_boxes
+    from litevlm.select.tokens import box_cells
+
+    car = SceneObject("car", 14.0, 0.5, heading=1.2, colour="red", motion="Going ahead")
+    frame = frame_from_objects([car])
+    plain, trails = aux_targets(frame, 8, TPV), aux_targets(frame, 8, TPV, trails=True)
+    front = CAMERAS.index("CAM_FRONT")
+    own = cells_of(car.views["CAM_FRONT"].clipped(), 8, TPV)
+    trail = set().union(*(box_cells(b, 8, TPV) for b in trail_boxes(car, car.views["CAM_FRONT"], "CAM_FRONT"))) - own
+    assert trail, "the trail lies partly outside the car's cells"
+    # the car's own cells are marked alike; the trail's hold its motion, not its class or colour
+    assert torch.equal(plain[front, sorted(own)], trails[front, sorted(own)])
+    cells = sorted(trail)
+    assert trails[front, cells, field("moving")].all() and trails[front, cells, field("motion:Going ahead")].all()
+    assert not trails[front, cells, field("class:car")].any() and not trails[front, cells, field("colour:red")].any()
+    assert not plain[front, cells].any()
+    assert torch.equal(trails - plain, trails * (trails > plain))  # trails only add marks
+    standing = frame_from_objects([SceneObject("car", 14.0, 0.5, heading=1.2, colour="red", motion="Stopped")])
+    assert torch.equal(aux_targets(standing, 8, TPV), aux_targets(standing, 8, TPV, trails=True))
+
+
+def test_the_token_probe_lines_up_with_the_visual_tokens_and_trains(tiny_bank, tmp_path):
+    from dataclasses import replace
+
+    from litevlm.train.vlm import patch_loss
+
+    tok, cfg, _, _ = tiny_bank
+    recipe = VLMRecipe(frames=3, batch_frames=2, render_size=(200, 112), token_probe_weight=1.0)
+    bank = FrameBank(recipe, cfg, tok, progress=False)
+    b = make_batch(bank, tok, cfg, recipe, random.Random(0))
+    assert b.token_aux.shape == b.aux.shape  # one row per visual token, like the dense objective's
+    assert (b.token_aux >= b.aux).all() and b.token_aux.sum() > 0  # its targets add the trails
+    assert make_batch(FrameBank(replace(recipe, token_probe_weight=0.0), cfg, tok, progress=False), tok, cfg,
+                      replace(recipe, token_probe_weight=0.0), random.Random(0)).token_aux is None
+    torch.manual_seed(0)
+    model = VLM(cfg)
+    head = torch.nn.Linear(cfg.text.hidden_size, len(aux_fields()))
+    patch_loss(head, model.encode_tiles(b.pixels), b.token_aux).backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.multi_modal_projector.parameters())
+    assert all(p.grad is None for p in model.language_model.parameters())
+
+    run = VLMRecipe(frames=3, steps=3, batch_frames=2, questions_per_frame=2, probe_frames=0, render_size=(200, 112),
+                    vocab_size=400, warmup=1, tokenizer_frames=40, token_probe_weight=1.0, vision_warmup=2)
+    log = json.loads((train_vlm(tmp_path / "m", run, progress=False) / "train_log.json").read_text())
+    assert log["steps"] == 3 and len(log["token_probe"]) == 1 and log["token_probe"][0] > 0
+    assert len(log["loss"]) == 1  # two vision-only steps, then one with the answers

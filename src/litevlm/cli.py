@@ -103,6 +103,7 @@ def cmd_train_vlm(args) -> None:
         threads=args.threads, lr=args.lr, warmup=args.warmup, first_frame=args.first_frame,
         closed_weight=args.closed_weight, init=args.init, reinit_vision=args.reinit_vision,
         reinit_language=args.reinit_language, aux_weight=args.aux_weight, aux_scale=args.aux_scale, patch_aux_weight=args.patch_aux_weight,
+        token_probe_weight=args.token_probe_weight,
         vision_warmup=args.vision_warmup, probe_frames=args.probe_frames, visual_norm=args.visual_norm,
         view_subset_prob=args.view_subset_prob, token_drop_prob=args.token_drop_prob,
         family_weights=dict(args.family_weight), attn_weight=args.attn_weight, attn_layer=args.attn_layer,
@@ -277,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     tv.add_argument("--patch-aux-weight", type=float, default=0.0,
                     help="weight of the patch objective: a linear probe on the vision tower's patch features names each "
                          "patch's contents (motion, light state, ...), before pixel shuffle can average small cues away")
+    tv.add_argument("--token-probe-weight", type=float, default=0.0,
+                    help="weight of the token probe: a linear probe on the projected visual tokens names each token's "
+                         "contents, so the projector keeps what the tower sees")
     tv.add_argument("--vision-warmup", type=int, default=0, help="first steps on the visual-token objective alone")
     tv.add_argument("--view-subset-prob", type=float, default=0.5, help="share of frames shown only some questions' views")
     tv.add_argument("--token-drop-prob", type=float, default=0.35, help="share of frames whose visual tokens are thinned")

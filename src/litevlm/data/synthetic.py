@@ -969,6 +969,35 @@ def _lamp(d, xc, yc, r, fill) -> None:
     d.rectangle([xc - r, yc - r, xc + r, yc + r], fill=fill, outline=TYRE)
 
 
+# A moving object's trail: faded copies of it (blend toward the road, shift as a fraction of the full one).
+TRAIL_COPIES = ((0.75, 1.0), (0.5, 0.55))
+
+
+def trail_direction(o: SceneObject, b: ViewBox, cam: str) -> float:
+    """Image-space shift (1600-px units, signed) from a moving object to where it was 2.5 m back along its
+    travel; 0 when that point is behind the camera. `trail_shift` turns it into the drawn offset."""
+    travel = o.heading + (math.pi if o.motion == "Back up" else 0.0)
+    f, l = _to_cam(cam, o.x - 2.5 * math.cos(travel), o.y - 2.5 * math.sin(travel))
+    return CX - focal_px(cam) * l / f - b.uc if f > NEAR_PLANE else 0.0
+
+
+def trail_shift(du: float, width: float) -> float:
+    """The trail's full offset: du's side, its length held between 0.45 and 1.1 object widths (any unit)."""
+    return math.copysign(min(max(abs(du), 0.45 * width), 1.1 * width), du if du != 0 else 1.0)
+
+
+def trail_boxes(o: SceneObject, b: ViewBox, cam: str) -> list[tuple[float, float, float, float]]:
+    """Where a moving object's trail copies lie in one view (1600x900 pixels), as drawn; [] when it stands."""
+    if not o.moving:
+        return []
+    w, h = b.u1 - b.u0, b.v1 - b.v0
+    du = trail_shift(trail_direction(o, b, cam), w)
+    xc = (b.u0 + b.u1) / 2
+    gx0, gx1 = (b.u0, b.u1) if o.cls in VEHICLES else (xc - 0.3 * w, xc + 0.3 * w)
+    top = b.v0 + (0.3 if o.cls in VEHICLES else 0.1) * h
+    return [(gx0 + du * frac, top, gx1 + du * frac, b.v1 - 0.08 * h) for _, frac in TRAIL_COPIES]
+
+
 def _draw_object(d: ImageDraw.ImageDraw, o: SceneObject, b: ViewBox, cam: str, s: tuple[float, float]) -> None:
     x0, y0, x1, y1 = b.u0 * s[0], b.v0 * s[1], b.u1 * s[0], b.v1 * s[1]
     # A thing far away still gets two output pixels each way, so it never vanishes at 112 px.
@@ -981,14 +1010,10 @@ def _draw_object(d: ImageDraw.ImageDraw, o: SceneObject, b: ViewBox, cam: str, s
     col = COLOURS.get(o.colour or "", DARK)
 
     if o.moving:  # motion trail: faded copies on the side the object came from
-        travel = o.heading + (math.pi if o.motion == "Back up" else 0.0)
-        px, py = o.x - 2.5 * math.cos(travel), o.y - 2.5 * math.sin(travel)
-        f, l = _to_cam(cam, px, py)
-        du = (CX - focal_px(cam) * l / f) * s[0] - b.uc * s[0] if f > NEAR_PLANE else 0.0
-        du = math.copysign(min(max(abs(du), 0.45 * w), 1.1 * w), du if du != 0 else 1.0)
+        du = trail_shift(trail_direction(o, b, cam) * s[0], w)
         top = y0 + (0.3 if o.cls in VEHICLES else 0.1) * h
         gx0, gx1 = (x0, x1) if o.cls in VEHICLES else (xc - max(0.3 * w, 1), xc + max(0.3 * w, 1))
-        for t, frac in ((0.75, 1.0), (0.5, 0.55)):
+        for t, frac in TRAIL_COPIES:
             d.rectangle([gx0 + du * frac, top, gx1 + du * frac, y1 - 0.08 * h], fill=_blend(col, ROAD, t))
 
     if o.cls in VEHICLES:

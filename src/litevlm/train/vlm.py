@@ -113,6 +113,10 @@ class VLMRecipe:
     # shuffle) names each patch's contents, so small cues (a motion trail, a light's colour) reach the tower's
     # output instead of being averaged away before the projector (0: off)
     patch_aux_weight: float = 0.0
+    # weight of the token-probe objective: a linear probe on the projected visual tokens (what the decoder
+    # receives) names each token's contents, so the projector keeps what the tower sees (0: off). It and the
+    # patch objective mark motion-trail cells as moving (`aux_targets(trails=True)`).
+    token_probe_weight: float = 0.0
     vision_warmup: int = 0  # first steps on the visual-token objective alone
     probe_frames: int = 24  # validation frames for the looks-probe (0: none)
     visual_norm: float = 4.0  # cap on a visual token's L2 norm (a squared-hinge penalty; 0: none)
@@ -201,15 +205,31 @@ def right_option(answer: str) -> int | None:
     return "ABCD".index(letter) if letter in ("A", "B", "C", "D") else None
 
 
-def aux_targets(frame, grid: int, tiles_per_view: int) -> torch.Tensor:
-    """(6, tokens_per_view, F) uint8: what each visual token's cell holds, per camera (CAMERAS order)."""
+def aux_targets(frame, grid: int, tiles_per_view: int, trails: bool = False) -> torch.Tensor:
+    """(6, cells_per_view, F) uint8: what each cell of a grid x grid view holds, per camera (CAMERAS order).
+
+    trails: the cells a moving object's motion trail covers are marked too, with its motion fields only
+    ("moving" and, for a vehicle, its "motion:" status): motion shows there, beside the object's box."""
+    from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
+    from litevlm.data.synthetic import trail_boxes
+    from litevlm.select.tokens import box_cells
+
     fields = {f: i for i, f in enumerate(aux_fields())}
     out = torch.zeros(len(CAMERAS), grid * grid * tiles_per_view, len(fields), dtype=torch.uint8)
     for o in frame.objects:
-        idx = [fields[f] for f in object_fields(o)]
+        names = object_fields(o)
+        idx = [fields[f] for f in names]
+        motion = [fields[f] for f in names if f == "moving" or f.startswith("motion:")]
         for cam, box in o.views.items():
+            v = CAMERAS.index(cam)
             for cell in cells_of(box.clipped(), grid, tiles_per_view):
-                out[CAMERAS.index(cam), cell, idx] = 1
+                out[v, cell, idx] = 1
+            if trails and motion:
+                for u0, v0, u1, v1 in trail_boxes(o, box, cam):
+                    u0, u1 = max(u0, 0.0), min(u1, IMAGE_WIDTH - 0.1)
+                    if u1 > u0:
+                        for cell in box_cells((u0, max(v0, 0.0), u1, min(v1, IMAGE_HEIGHT - 0.1)), grid, tiles_per_view):
+                            out[v, cell, motion] = 1
     return out
 
 
@@ -228,6 +248,7 @@ class FrameBank:
         patches = cfg.vision.grid * cfg.vision.grid * tpv
         self.patch_aux = (torch.empty(recipe.frames, len(CAMERAS), patches, len(aux_fields()), dtype=torch.uint8)
                           if recipe.patch_aux_weight > 0 else None)
+        self.token_aux = (torch.empty_like(self.aux) if recipe.token_probe_weight > 0 else None)
         self.steer = torch.empty(recipe.frames, dtype=torch.long)
         for i in tqdm(range(recipe.frames), desc="rendering frames", disable=not progress):
             frame = make_frame(recipe.seed, recipe.first_frame + i)
@@ -238,7 +259,9 @@ class FrameBank:
                               option_spans(q.question, tokenizer)) for q in frame.qas])
             self.aux[i] = aux_targets(frame, cfg.vision.grid // 2, tpv)
             if self.patch_aux is not None:
-                self.patch_aux[i] = aux_targets(frame, cfg.vision.grid, tpv)
+                self.patch_aux[i] = aux_targets(frame, cfg.vision.grid, tpv, trails=True)
+            if self.token_aux is not None:
+                self.token_aux[i] = aux_targets(frame, cfg.vision.grid // 2, tpv, trails=True)
             self.steer[i] = STEERS.index(frame.ego.steer)
         self.tpv = tpv
 
@@ -276,7 +299,7 @@ def block_mask(block: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rng: random.Random):
     frames = rng.sample(range(len(bank.qas)), recipe.batch_frames)
     tpv_tokens = cfg.tokens_per_tile * cfg.tiles_per_view
-    seqs, pixels, keeps, aux, front, steer, looks, options, letters, patch_aux = [], [], [], [], [], [], [], [], [], []
+    seqs, pixels, keeps, aux, front, steer, looks, options, letters, patch_aux, token_aux = [], [], [], [], [], [], [], [], [], [], []
     for f in frames:
         qas = bank.qas[f]
         views = list(CAMERAS)
@@ -303,6 +326,8 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         aux.append(bank.aux[f, cams].reshape(-1, bank.aux.shape[-1]))
         if bank.patch_aux is not None:
             patch_aux.append(bank.patch_aux[f, cams].reshape(-1, bank.patch_aux.shape[-1]))
+        if bank.token_aux is not None:
+            token_aux.append(bank.token_aux[f, cams].reshape(-1, bank.token_aux.shape[-1]))
         if "CAM_FRONT" in views:  # the front view's tokens (offset into this batch's visual tokens)
             front.append(sum(len(p) for p in pixels[:-1]) * cfg.tokens_per_tile + views.index("CAM_FRONT") * tpv_tokens)
             steer.append(int(bank.steer[f]))
@@ -319,7 +344,8 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         valid[i, :n] = True
     return Batch(ids, labels, pos, block_mask(block, valid), torch.cat(pixels), torch.cat(keeps), torch.cat(aux).float(),
                  torch.tensor(front, dtype=torch.long), torch.tensor(steer, dtype=torch.long), answer_weights(labels, block), looks,
-                 options, letters, torch.cat(patch_aux).float() if patch_aux else None)
+                 options, letters, torch.cat(patch_aux).float() if patch_aux else None,
+                 torch.cat(token_aux).float() if token_aux else None)
 
 
 def tag_targets(seq, chosen, views: list[str], image_id: int, tokens_per_view: int) -> list[tuple[int, list[int], list[int]]]:
@@ -443,6 +469,7 @@ class Batch:
     options: list = field(default_factory=list)  # (row in batch, answer row, option positions, right option's positions)
     letters: list = field(default_factory=list)  # (row in batch, option-text row, positions up to it, its letter's position)
     patch_aux: torch.Tensor | None = None  # (P, F) per-patch targets of the patch objective, or None when it is off
+    token_aux: torch.Tensor | None = None  # (N, F) per-token targets of the token probe (trails marked), or None when it is off
 
 
 class AuxHeads(nn.Module):
@@ -475,9 +502,9 @@ class AuxHeads(nn.Module):
 
 
 def patch_loss(head: nn.Linear, patches: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The patch objective: a linear probe names every patch's contents from the vision tower's features
-    patches (tiles, g*g, Cv); targets (tiles*g*g, F) are `aux_targets` at patch resolution. Summed over
-    fields, averaged over patches."""
+    """The patch objective (and the token probe): a linear probe names every cell's contents from its
+    features patches (..., C), one row per cell of targets (cells, F), `aux_targets` at the features'
+    resolution. Summed over fields, averaged over cells."""
     logits = head(patches.reshape(-1, patches.shape[-1]))
     return F.binary_cross_entropy_with_logits(logits, targets, reduction="none").sum(-1).mean()
 
@@ -720,6 +747,11 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         patch_head = nn.Linear(cfg.vision.hidden_size, len(aux_fields()))
         nn.init.constant_(patch_head.bias, -4.0)  # start at "nothing here" (most patches are road), like the token heads
         params += list(patch_head.named_parameters(prefix="patch"))
+    token_head = None  # the token probe: training-only too
+    if recipe.token_probe_weight > 0:
+        token_head = nn.Linear(cfg.text.hidden_size, len(aux_fields()))
+        nn.init.constant_(token_head.bias, -4.0)
+        params += list(token_head.named_parameters(prefix="token_probe"))
     decay = [p for n, p in params if p.ndim >= 2]
     no_decay = [p for n, p in params if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
@@ -727,7 +759,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     deadline = time.time() + recipe.minutes * 60
     total = recipe.steps  # re-planned to the time budget after a short timing
     bar = tqdm(total=recipe.steps, desc="training vlm", disable=not progress)
-    log = {"loss": [], "aux": [], "patch": [], "probe": [], **{k: [] for name in HEAD_OBJECTIVES for k in (name, f"{name}_hit")}}
+    log = {"loss": [], "aux": [], "patch": [], "token_probe": [], "probe": [], **{k: [] for name in HEAD_OBJECTIVES for k in (name, f"{name}_hit")}}
     step, t_loop, last_save = 0, time.time(), time.time()
     model.train()
     while step < total and time.time() < deadline:
@@ -738,10 +770,11 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         visual = visual.reshape(-1, cfg.text.hidden_size)
         aux = heads.loss(visual, batch, model.language_model.embed_tokens) if recipe.aux_weight > 0 else torch.zeros(())
         patch = patch_loss(patch_head, patches, batch.patch_aux) if patch_head is not None else torch.zeros(())
+        token_probe = patch_loss(token_head, visual, batch.token_aux) if token_head is not None else torch.zeros(())
         if recipe.visual_norm > 0:
             aux = aux + F.relu(visual.norm(dim=-1) - recipe.visual_norm).pow(2).mean()
         if step < recipe.vision_warmup:
-            loss = aux + patch
+            loss = aux + patch + token_probe
         else:
             embeds = model.embed(batch.ids, visual[batch.keep])
             # The attention objectives read the residual stream entering their layers.
@@ -769,13 +802,15 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
                 lm = (F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel], reduction="none") * w).sum() / w.sum()
             else:
                 lm = F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel])
-            loss = lm + recipe.aux_weight * aux + recipe.patch_aux_weight * patch
+            loss = lm + recipe.aux_weight * aux + recipe.patch_aux_weight * patch + recipe.token_probe_weight * token_probe
             for name in HEAD_OBJECTIVES:
                 loss = loss + getattr(recipe, f"{name}_weight") * attn[name]
             log["loss"].append(lm.item())
         log["aux"].append(aux.item())
         if patch_head is not None:
             log["patch"].append(patch.item())
+        if token_head is not None:
+            log["token_probe"].append(token_probe.item())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         # Clipped apart: the dense objective's gradients must not shrink the decoder's step.
@@ -807,6 +842,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
                 post.update(let_hit=f"{np.mean(log['letter_hit'][-50:]):.2f}")
             if log["patch"]:
                 post.update(patch=f"{np.mean(log['patch'][-50:]):.3f}")
+            if log["token_probe"]:
+                post.update(tok=f"{np.mean(log['token_probe'][-50:]):.3f}")
             if log["readout"]:
                 post.update(read=f"{np.mean(log['readout'][-50:]):.3f}", read_hit=f"{np.mean(log['readout_hit'][-50:]):.2f}")
             bar.set_postfix(**post)
@@ -844,8 +881,9 @@ def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, 
     save_native(model, out, extra_meta=meta, dtype=STORE_DTYPES[recipe.store_dtype])
     tokenizer.save(out)
     curves = {"loss": losses[::10], "aux": log["aux"][::10], "probe": log["probe"]}
-    if log["patch"]:
-        curves["patch"] = log["patch"][::10]
+    for name in ("patch", "token_probe"):
+        if log[name]:
+            curves[name] = log[name][::10]
     for name in HEAD_OBJECTIVES:
         if log.get(name):
             curves.update({name: log[name][::10], f"{name}_hit": log[f"{name}_hit"][::10]})
