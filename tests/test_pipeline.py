@@ -146,3 +146,28 @@ def test_the_shipped_default_model_is_complete_and_within_its_size_budget():
         assert any((d / part).glob("*.safetensors")), part
     meta = read_native_meta(d)
     assert meta["litevlm"]["name"] == "drive-tiny" and (d / "MODEL.md").exists()
+
+
+def test_the_token_selector_skips_prompts_below_its_threshold(full_model_dir, images):
+    """min_select_tokens: a prompt with fewer visual tokens is answered unpruned, exactly as without a
+    selector; one with as many or more is pruned. --litevlm sets the LiteVLM threshold; a negative one is refused."""
+    from litevlm.cli import _pipeline, build_parser
+    from litevlm.eval.bench import LITEVLM_MIN_SELECT_TOKENS
+
+    n_visual = 6 * Pipeline.from_pretrained(full_model_dir).cfg.tokens_per_tile
+    q = "Is there a red car to the front of the ego car?"
+    full = Pipeline.from_pretrained(full_model_dir, max_new_tokens=10).answer(q, images)
+    above = Pipeline.from_pretrained(full_model_dir, select_tokens=0.5, min_select_tokens=n_visual + 1, max_new_tokens=10)
+    at = Pipeline.from_pretrained(full_model_dir, select_tokens=0.5, min_select_tokens=n_visual, max_new_tokens=10)
+    a, b = above.answer(q, images), at.answer(q, images)
+    assert a.tokens == full.tokens and a.num_visual_tokens == n_visual and a.input_tokens == full.input_tokens
+    assert a.timings_ms["select_tokens"] < 1.0  # nothing ran but the check
+    assert b.num_visual_tokens == n_visual - n_visual // 2 and b.input_tokens < full.input_tokens
+    assert "from" in at.config_name
+    with pytest.raises(LiteVLMError, match="min_select_tokens"):
+        Pipeline.from_pretrained(full_model_dir, select_tokens=0.5, min_select_tokens=-1)
+    args = build_parser().parse_args(["ask", "--model", str(full_model_dir), "--images", "x", "--question", "q", "--litevlm"])
+    assert _pipeline(args).min_select_tokens == LITEVLM_MIN_SELECT_TOKENS
+    args = build_parser().parse_args(["ask", "--model", str(full_model_dir), "--images", "x", "--question", "q", "--litevlm",
+                                      "--select-min-tokens", "0"])
+    assert _pipeline(args).min_select_tokens == 0

@@ -21,6 +21,9 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--select-views", action="store_true", help="ViewSelector: encode only the cameras the question needs")
     g.add_argument("--select-tokens", type=float, default=None, metavar="R", help="TokenSelector keeping a fraction R of visual tokens")
+    g.add_argument("--select-min-tokens", type=int, default=None, metavar="N",
+                   help="run the TokenSelector only on prompts with at least N visual tokens (default 0: always; --litevlm: "
+                        "the LiteVLM default)")
     g.add_argument("--fastv-k", type=int, default=None, metavar="K", help="FastV baseline: prune at decoder layer K")
     g.add_argument("--fastv-r", type=float, default=None, metavar="R", help="FastV baseline: fraction of visual tokens kept")
     g.add_argument("--speculative", action="store_true", help="EAGLE-2 speculative decoding with the model's draft head")
@@ -38,16 +41,18 @@ def _pipeline(args):
     from litevlm.pipeline import Pipeline
 
     if args.litevlm:
-        from litevlm.eval.bench import LITEVLM_KEEP_RATIO
+        from litevlm.eval.bench import LITEVLM_KEEP_RATIO, LITEVLM_MIN_SELECT_TOKENS
 
         args.select_views, args.speculative = True, True
         args.select_tokens = args.select_tokens or LITEVLM_KEEP_RATIO
+        if args.select_min_tokens is None:
+            args.select_min_tokens = LITEVLM_MIN_SELECT_TOKENS
     return Pipeline.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         select_views=args.select_views, select_tokens=args.select_tokens, fastv_k=args.fastv_k, fastv_r=args.fastv_r,
         speculative=args.speculative, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, tree_total=args.tree_total,
-        tree_min_value=args.tree_min_value, fp8=args.fp8, matmul=args.matmul,
+        tree_min_value=args.tree_min_value, fp8=args.fp8, matmul=args.matmul, min_select_tokens=args.select_min_tokens or 0,
     )
 
 

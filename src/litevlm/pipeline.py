@@ -71,6 +71,8 @@ class Pipeline:
 
     view_selector: ViewSelector or None (all six views are encoded).
     token_selector + keep_ratio: TokenSelector keeping a fraction r of the visual tokens, or None.
+    min_select_tokens: the TokenSelector runs only on prompts with at least this many visual tokens;
+        below, its scoring costs more than the tokens it prunes save (0: always).
     fastv: (K, r) for FastV pruning inside the LLM (the baseline), or None.
     draft + tree: EAGLE-2 speculative decoding with this draft head and tree envelope, or None.
     cuda_graphs: on a CUDA device, replay plain decode steps as one captured graph each (the
@@ -85,6 +87,7 @@ class Pipeline:
         view_selector=None,
         token_selector=None,
         keep_ratio: float | None = None,
+        min_select_tokens: int = 0,
         fastv: tuple[int, float] | None = None,
         draft=None,
         tree=None,
@@ -107,6 +110,9 @@ class Pipeline:
         self.view_selector = view_selector
         self.token_selector = token_selector
         self.keep_ratio = keep_ratio
+        if min_select_tokens < 0:
+            raise LiteVLMError(f"min_select_tokens must be >= 0; got {min_select_tokens}")
+        self.min_select_tokens = min_select_tokens
         self.fastv = fastv
         self.draft = draft
         self.tree = tree
@@ -226,7 +232,7 @@ class Pipeline:
         if self.view_selector is not None:
             parts.append("views")
         if self.token_selector is not None:
-            parts.append(f"tokens r={self.keep_ratio}")
+            parts.append(f"tokens r={self.keep_ratio}" + (f" from {self.min_select_tokens}" if self.min_select_tokens else ""))
         if self.fastv is not None:
             parts.append(f"fastv K={self.fastv[0]} r={self.fastv[1]}")
         if self.draft is not None:
@@ -277,9 +283,10 @@ class Pipeline:
         embeds = self.model.embed(ids, visual)
         positions = torch.arange(ids.shape[1], device=dev)[None]
         n_visual = int(visual.shape[0] * visual.shape[1])
-        prefilled, inside = None, self.token_selector is not None and self.token_selector.cfg.shared_layer
+        prune = self.token_selector is not None and n_visual >= self.min_select_tokens
+        prefilled, inside = None, prune and self.token_selector.cfg.shared_layer
         with timer("select_tokens"):
-            if self.token_selector is not None and not inside:
+            if prune and not inside:
                 embeds, positions, kept = self.token_selector.select(
                     self.model, embeds, positions, layout.view_spans, keep_ratio=self.keep_ratio, question=question
                 )

@@ -24,6 +24,10 @@ from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
 
 LITEVLM_KEEP_RATIO = 0.5
+# The TokenSelector scores a prompt in about half a decoder layer; pruning half of n visual tokens saves
+# n / 2 tokens of the other layers. On drive-tiny (16 tokens a view) that pays from three views on
+# (`benchmarks/select_threshold.py`), so smaller prompts are not pruned.
+LITEVLM_MIN_SELECT_TOKENS = 48
 CONFIGS: dict[str, dict] = {
     "baseline": {},
     "fastv r=0.7": {"fastv_k": 1, "fastv_r": 0.7},
@@ -32,15 +36,15 @@ CONFIGS: dict[str, dict] = {
     # LiteVLM without its TokenSelector: what the selector's one decoder layer costs against the
     # prefill it saves depends on how much of the prompt is visual (drive-tiny: 16 tokens a view).
     "views + eagle": {"select_views": True, "speculative": True},
-    "litevlm": {"select_views": True, "select_tokens": LITEVLM_KEEP_RATIO, "speculative": True},
-    "litevlm fp8": {"select_views": True, "select_tokens": LITEVLM_KEEP_RATIO, "speculative": True, "fp8": "fp8-dynamic-per-row"},
+    "litevlm": {"select_views": True, "select_tokens": LITEVLM_KEEP_RATIO, "min_select_tokens": LITEVLM_MIN_SELECT_TOKENS, "speculative": True},
+    "litevlm fp8": {"select_views": True, "select_tokens": LITEVLM_KEEP_RATIO, "min_select_tokens": LITEVLM_MIN_SELECT_TOKENS, "speculative": True, "fp8": "fp8-dynamic-per-row"},
 }
 # The CPU's counterpart of the low-precision step, where the CPU multiplies bf16 natively (AMX /
 # AVX512-BF16): the vision tower and the prefill in bf16. The baseline gets it too, so the table shows how much
 # of the LiteVLM row's gain is precision and how much the techniques.
 BF16_CONFIGS: dict[str, dict] = {
     "baseline bf16": {"matmul": "bf16"},
-    "litevlm bf16": {"select_views": True, "select_tokens": LITEVLM_KEEP_RATIO, "speculative": True, "matmul": "bf16"},
+    "litevlm bf16": {"select_views": True, "select_tokens": LITEVLM_KEEP_RATIO, "min_select_tokens": LITEVLM_MIN_SELECT_TOKENS, "speculative": True, "matmul": "bf16"},
 }
 HF_ROWS = ("transformers eager", "transformers static")
 
@@ -132,7 +136,8 @@ def _pipelines(model: str, configs: dict[str, dict], max_new_tokens: int, shape:
 
 
 def random_pipeline(shape: str, tokenizer_model: str, max_new_tokens: int, *, select_views=False, select_tokens=None,
-                    fastv_k=None, fastv_r=None, speculative=False, fp8=None, seed: int = 0, cuda_graphs: bool = False):
+                    min_select_tokens: int = 0, fastv_k=None, fastv_r=None, speculative=False, fp8=None, seed: int = 0,
+                    cuda_graphs: bool = False):
     """A pipeline at a real model's shapes with random weights (latency only): `--shape 2b` etc.
 
     The text side borrows drive-tiny's tokenizer (its ids fit every real vocabulary); each camera is cut
@@ -164,6 +169,7 @@ def random_pipeline(shape: str, tokenizer_model: str, max_new_tokens: int, *, se
 
         parts["token_selector"] = TokenSelector.from_model(model, SelectorConfig()).to(device=dev, dtype=dtype)
         parts["keep_ratio"] = select_tokens
+        parts["min_select_tokens"] = min_select_tokens
     if fastv_k is not None:
         parts["fastv"] = (fastv_k, fastv_r)
     if speculative:
