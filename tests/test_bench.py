@@ -24,7 +24,8 @@ def test_bench_rows_are_consistent(full_model_dir, tmp_path):
     assert rows["litevlm"]["views"] <= 6.0
     # The same views with and without the TokenSelector: only the selector shortens the prompt.
     assert rows["views + eagle"]["views"] == rows["litevlm"]["views"]
-    assert rows["litevlm"]["input_tokens"] < rows["views + eagle"]["input_tokens"]
+    # the TokenSelector prunes only prompts of LITEVLM_MIN_SELECT_TOKENS visual tokens or more
+    assert rows["litevlm"]["input_tokens"] <= rows["views + eagle"]["input_tokens"]
     assert rows["eagle"]["tau"] >= 1.0
     assert rows["litevlm fp8"]["precision"].startswith("fp8")
     if bf16_matmul_supported():
@@ -62,7 +63,8 @@ def test_the_shape_path_runs_every_row_on_random_weights(full_model_dir, monkeyp
     assert list(rows) == list(CONFIGS)  # no bf16 or transformers rows at a preset's shapes
     for r in rows.values():
         assert r["score"] is None and r["total_ms"] > 0
-    assert rows["litevlm"]["input_tokens"] < rows["views + eagle"]["input_tokens"]  # the selector pruned
+    # tiny-test prompts hold fewer visual tokens than the threshold: the selector leaves them whole
+    assert rows["litevlm"]["input_tokens"] == rows["views + eagle"]["input_tokens"]
     assert result["model"] == "random weights, tiny-test shapes"
 
 
