@@ -41,12 +41,12 @@ def _pipeline(args):
     from litevlm.pipeline import Pipeline
 
     if args.litevlm:
-        from litevlm.eval.bench import LITEVLM_KEEP_RATIO, LITEVLM_MIN_SELECT_TOKENS
+        from litevlm.eval.bench import LITEVLM
 
-        args.select_views, args.speculative = True, True
-        args.select_tokens = args.select_tokens or LITEVLM_KEEP_RATIO
+        args.select_views, args.speculative = LITEVLM["select_views"], LITEVLM["speculative"]
+        args.select_tokens = args.select_tokens or LITEVLM["select_tokens"]
         if args.select_min_tokens is None:
-            args.select_min_tokens = LITEVLM_MIN_SELECT_TOKENS
+            args.select_min_tokens = LITEVLM["min_select_tokens"]
     return Pipeline.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed,

@@ -112,7 +112,13 @@ class ViewBox:
     v_ground: float  # image row of the object's foot (poles reach down to it)
 
     def clipped(self) -> tuple[float, float, float, float]:
-        return (max(self.u0, 0.0), max(self.v0, 0.0), min(self.u1, IMAGE_WIDTH - 0.1), min(self.v1, IMAGE_HEIGHT - 0.1))
+        return clip_box((self.u0, self.v0, self.u1, self.v1))
+
+
+def clip_box(box: tuple[float, float, float, float]) -> tuple[float, float, float, float]:
+    """A (u0, v0, u1, v1) box in 1600x900 pixels cut to the image (it may come out empty: u1 <= u0)."""
+    u0, v0, u1, v1 = box
+    return (max(u0, 0.0), max(v0, 0.0), min(u1, IMAGE_WIDTH - 0.1), min(v1, IMAGE_HEIGHT - 0.1))
 
 
 @dataclass

@@ -28,6 +28,9 @@ LITEVLM_KEEP_RATIO = 0.5
 # n / 2 tokens of the other layers. On drive-tiny (16 tokens a view) that pays from three views on
 # (`benchmarks/select_threshold.py`), so smaller prompts are not pruned.
 LITEVLM_MIN_SELECT_TOKENS = 48
+# The full LiteVLM configuration (`--litevlm`); the table's LiteVLM rows add a precision to it.
+LITEVLM: dict = {"select_views": True, "select_tokens": LITEVLM_KEEP_RATIO, "min_select_tokens": LITEVLM_MIN_SELECT_TOKENS,
+                 "speculative": True}
 CONFIGS: dict[str, dict] = {
     "baseline": {},
     "fastv r=0.7": {"fastv_k": 1, "fastv_r": 0.7},
@@ -36,15 +39,15 @@ CONFIGS: dict[str, dict] = {
     # LiteVLM without its TokenSelector: what the selector's one decoder layer costs against the
     # prefill it saves depends on how much of the prompt is visual (drive-tiny: 16 tokens a view).
     "views + eagle": {"select_views": True, "speculative": True},
-    "litevlm": {"select_views": True, "select_tokens": LITEVLM_KEEP_RATIO, "min_select_tokens": LITEVLM_MIN_SELECT_TOKENS, "speculative": True},
-    "litevlm fp8": {"select_views": True, "select_tokens": LITEVLM_KEEP_RATIO, "min_select_tokens": LITEVLM_MIN_SELECT_TOKENS, "speculative": True, "fp8": "fp8-dynamic-per-row"},
+    "litevlm": LITEVLM,
+    "litevlm fp8": {**LITEVLM, "fp8": "fp8-dynamic-per-row"},
 }
 # The CPU's counterpart of the low-precision step, where the CPU multiplies bf16 natively (AMX /
 # AVX512-BF16): the vision tower and the prefill in bf16. The baseline gets it too, so the table shows how much
 # of the LiteVLM row's gain is precision and how much the techniques.
 BF16_CONFIGS: dict[str, dict] = {
     "baseline bf16": {"matmul": "bf16"},
-    "litevlm bf16": {"select_views": True, "select_tokens": LITEVLM_KEEP_RATIO, "min_select_tokens": LITEVLM_MIN_SELECT_TOKENS, "speculative": True, "matmul": "bf16"},
+    "litevlm bf16": {**LITEVLM, "matmul": "bf16"},
 }
 HF_ROWS = ("transformers eager", "transformers static")
 

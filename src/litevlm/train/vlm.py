@@ -210,8 +210,7 @@ def aux_targets(frame, grid: int, tiles_per_view: int, trails: bool = False) -> 
 
     trails: the cells a moving object's motion trail covers are marked too, with its motion fields only
     ("moving" and, for a vehicle, its "motion:" status): motion shows there, beside the object's box."""
-    from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
-    from litevlm.data.synthetic import trail_boxes
+    from litevlm.data.synthetic import clip_box, trail_boxes
     from litevlm.select.tokens import box_cells
 
     fields = {f: i for i, f in enumerate(aux_fields())}
@@ -225,10 +224,9 @@ def aux_targets(frame, grid: int, tiles_per_view: int, trails: bool = False) -> 
             for cell in cells_of(box.clipped(), grid, tiles_per_view):
                 out[v, cell, idx] = 1
             if trails and motion:
-                for u0, v0, u1, v1 in trail_boxes(o, box, cam):
-                    u0, u1 = max(u0, 0.0), min(u1, IMAGE_WIDTH - 0.1)
-                    if u1 > u0:
-                        for cell in box_cells((u0, max(v0, 0.0), u1, min(v1, IMAGE_HEIGHT - 0.1)), grid, tiles_per_view):
+                for trail in map(clip_box, trail_boxes(o, box, cam)):
+                    if trail[2] > trail[0]:  # some of it in the image
+                        for cell in box_cells(trail, grid, tiles_per_view):
                             out[v, cell, motion] = 1
     return out
 
