@@ -1,0 +1,59 @@
+"""benchmarks/answer_row_probe.py: its classifier reads a separable cue and not noise, and the rows it probes are
+the decoder's own at the answer position."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from litevlm.cameras import CAMERAS
+
+
+def _probe():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "answer_row_probe.py"
+    spec = importlib.util.spec_from_file_location("answer_row_probe_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ridge_reads_a_separable_cue_and_not_noise():
+    probe = _probe()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(600, 24, generator=g)
+    y = x[:, [2, 5, 9]].argmax(1)  # three classes, each the largest of three features: linearly separable
+    assert probe.ridge_accuracy(x, y, 400, 3, lam=1.0) > 0.85
+    noise = torch.randint(0, 3, (600,), generator=g)
+    assert probe.ridge_accuracy(x, noise, 400, 3, lam=1.0) < 0.5
+
+
+def test_layer_rows_are_the_decoders_answer_row():
+    from litevlm.model.generate import prefill
+    from litevlm.pipeline import Pipeline
+
+    probe = _probe()
+    pipe = Pipeline.from_pretrained("drive-tiny", select_views=True)
+    rng = np.random.default_rng(0)
+    images = {c: rng.integers(0, 255, (225, 400, 3), dtype=np.uint8) for c in CAMERAS}
+    question = "Is <c1,CAM_FRONT,800.0,450.0> moving?"
+    with torch.no_grad():
+        rows = probe.layer_rows(pipe, question, images)
+        lm = pipe.model.language_model
+        assert rows.shape == (lm.cfg.num_layers + 1, lm.cfg.hidden_size)
+        # the last row after the last layer, through the final norm, is what a prefill of the same prompt ends with
+        views = pipe.select_views(question)
+        from litevlm.model.prompt import build_prompt
+        from litevlm.model.vlm import image_to_tiles, load_image
+
+        pixels = torch.cat([image_to_tiles(load_image(images[c]), pipe.cfg.vision.image_size, pipe.cfg.tiles_per_view) for c in views])
+        layout = build_prompt(pipe.tokenizer, question, views, pipe.tokens_per_view)
+        ids = torch.tensor([layout.ids])
+        embeds = pipe.model.embed(ids, pipe.model.encode_tiles(pixels))
+        _, hidden = prefill(pipe.model, embeds, torch.arange(ids.shape[1])[None])
+        torch.testing.assert_close(lm.norm(rows[-1]), hidden[0, -1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(rows[0], embeds[0, -1])
+        # teacher forcing moves the row: a prefix of the answer changes what the last row sees
+        assert not torch.allclose(probe.layer_rows(pipe, question, images, "The"), rows)
