@@ -60,3 +60,19 @@ def full_model_dir(tiny_model_dir, tmp_path_factory):
     TokenSelector.from_model(model).save(d)
     DraftHead(DraftConfig.for_target(model.cfg.text), model).save(d / "draft")
     return d
+
+
+@pytest.fixture(scope="session")
+def benchmark_script():
+    """Import a script of benchmarks/ by name ("cue_probe" -> benchmarks/cue_probe.py) to test its parts."""
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str):
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load

@@ -3,25 +3,14 @@ the decoder's own at the answer position."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import torch
 
 from litevlm.cameras import CAMERAS
 
 
-def _probe():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "answer_row_probe.py"
-    spec = importlib.util.spec_from_file_location("answer_row_probe_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_ridge_reads_a_separable_cue_and_not_noise():
-    probe = _probe()
+def test_ridge_reads_a_separable_cue_and_not_noise(benchmark_script):
+    probe = benchmark_script("answer_row_probe")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(600, 24, generator=g)
     y = x[:, [2, 5, 9]].argmax(1)  # three classes, each the largest of three features: linearly separable
@@ -30,11 +19,11 @@ def test_ridge_reads_a_separable_cue_and_not_noise():
     assert probe.ridge_accuracy(x, noise, 400, 3, lam=1.0) < 0.5
 
 
-def test_layer_rows_are_the_decoders_answer_row():
+def test_layer_rows_are_the_decoders_answer_row(benchmark_script):
     from litevlm.model.generate import prefill
     from litevlm.pipeline import Pipeline
 
-    probe = _probe()
+    probe = benchmark_script("answer_row_probe")
     pipe = Pipeline.from_pretrained("drive-tiny", select_views=True)
     rng = np.random.default_rng(0)
     images = {c: rng.integers(0, 255, (225, 400, 3), dtype=np.uint8) for c in CAMERAS}

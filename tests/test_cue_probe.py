@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
 
-def _probe():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cue_probe.py"
-    spec = importlib.util.spec_from_file_location("cue_probe_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_probe_reads_a_separable_cue_and_not_noise():
-    probe = _probe()
+def test_probe_reads_a_separable_cue_and_not_noise(benchmark_script):
+    probe = benchmark_script("cue_probe")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(600, 16, generator=g)
     y = (x[:, 3] + 0.5 * x[:, 7] > 0).long()  # a linear cue
@@ -26,10 +15,10 @@ def test_probe_reads_a_separable_cue_and_not_noise():
     assert probe.fit_and_score(x[:400], noise[:400], x[400:], noise[400:], 2, steps=300) < 0.65
 
 
-def test_probe_features_cover_every_cue():
+def test_probe_features_cover_every_cue(benchmark_script):
     from litevlm.pipeline import Pipeline
 
-    probe = _probe()
+    probe = benchmark_script("cue_probe")
     feats = probe.features(Pipeline.from_pretrained("drive-tiny"), 0, 3)
     assert set(feats) == {"moving", "light", "colour"}
     tok, pat, pix, crops, labels = feats["moving"]

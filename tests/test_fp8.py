@@ -360,14 +360,8 @@ def _fp8_gpu() -> bool:
 
 
 @pytest.mark.skipif(_fp8_gpu(), reason="checks the no-GPU path of the benchmark")
-def test_gpu_benchmark_skips_cleanly_without_a_capable_gpu(capsys):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_gpu.py"
-    spec = importlib.util.spec_from_file_location("fp8_gpu_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_gpu_benchmark_skips_cleanly_without_a_capable_gpu(capsys, benchmark_script):
+    bench = benchmark_script("fp8_gpu")
     assert bench.main([]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["skipped"] is True and record["measured"] is False and record["reason"]
