@@ -23,8 +23,6 @@ import re
 import torch
 
 from litevlm.data.drivelm import load_images, load_samples
-from litevlm.model.prompt import build_prompt
-from litevlm.model.vlm import image_to_tiles, load_image
 from litevlm.pipeline import Pipeline
 
 MOVING_Q = re.compile(r"\b(moving|in motion)\b", re.IGNORECASE)
@@ -35,19 +33,16 @@ def layer_rows(pipe: Pipeline, question: str, images, answer_prefix: str = "") -
     """(layers + 1, C): the hidden state of the row that predicts the next token after the prompt (and after
     `answer_prefix`, teacher-forced), after the embeddings and after each decoder layer."""
     model, tok = pipe.model, pipe.tokenizer
-    views = pipe.select_views(question)
-    pixels = torch.cat([image_to_tiles(load_image(images[c]), pipe.cfg.vision.image_size, pipe.cfg.tiles_per_view) for c in views])
-    visual = model.encode_tiles(pixels)
-    layout = build_prompt(tok, question, views, pipe.tokens_per_view)
-    ids = layout.ids + (tok.encode(answer_prefix) if answer_prefix else [])
-    ids_t = torch.tensor([ids])
-    x = model.embed(ids_t, visual)
+    x = pipe.prompt(question, images).embeds
+    if answer_prefix:
+        x = torch.cat([x, model.embed(torch.tensor([tok.encode(answer_prefix)]), None)], 1)
+    n = x.shape[1]
     lm = model.language_model
-    lm.setup_cache(1, ids_t.shape[1] + 8)
+    lm.setup_cache(1, n + 8)
     rows = [x[0, -1]]
     hooks = [layer.register_forward_hook(lambda _m, _i, out: rows.append(out[0, -1])) for layer in lm.layers]
     try:
-        lm(x, torch.arange(ids_t.shape[1])[None], slots=torch.arange(ids_t.shape[1]), mask=None, kv_len=ids_t.shape[1])
+        lm(x, torch.arange(n)[None], slots=torch.arange(n), mask=None, kv_len=n)
     finally:
         for h in hooks:
             h.remove()

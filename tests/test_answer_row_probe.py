@@ -33,15 +33,8 @@ def test_layer_rows_are_the_decoders_answer_row(benchmark_script):
         lm = pipe.model.language_model
         assert rows.shape == (lm.cfg.num_layers + 1, lm.cfg.hidden_size)
         # the last row after the last layer, through the final norm, is what a prefill of the same prompt ends with
-        views = pipe.select_views(question)
-        from litevlm.model.prompt import build_prompt
-        from litevlm.model.vlm import image_to_tiles, load_image
-
-        pixels = torch.cat([image_to_tiles(load_image(images[c]), pipe.cfg.vision.image_size, pipe.cfg.tiles_per_view) for c in views])
-        layout = build_prompt(pipe.tokenizer, question, views, pipe.tokens_per_view)
-        ids = torch.tensor([layout.ids])
-        embeds = pipe.model.embed(ids, pipe.model.encode_tiles(pixels))
-        _, hidden = prefill(pipe.model, embeds, torch.arange(ids.shape[1])[None])
+        embeds = pipe.prompt(question, images).embeds
+        _, hidden = prefill(pipe.model, embeds, torch.arange(embeds.shape[1])[None])
         torch.testing.assert_close(lm.norm(rows[-1]), hidden[0, -1], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(rows[0], embeds[0, -1])
         # teacher forcing moves the row: a prefix of the answer changes what the last row sees

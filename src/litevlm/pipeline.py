@@ -52,6 +52,15 @@ class Answer:
         }
 
 
+@dataclass
+class Prompt:
+    views: list[str]
+    view_spans: list[tuple[str, int, int]]  # (camera, start, end) of each view's visual tokens in ids
+    ids: torch.Tensor  # (1, T)
+    embeds: torch.Tensor  # (1, T, C): token embeddings with the visual tokens in place
+    num_visual_tokens: int
+
+
 def resolve_model_dir(name_or_path: str | Path) -> Path:
     """A bundled model name ("drive-tiny") or a directory holding config.json."""
     p = Path(name_or_path)
@@ -266,35 +275,41 @@ class Pipeline:
         return self.view_selector.select(question)[0]
 
     @torch.no_grad()
+    def prompt(self, question: str, images: Mapping, timer: StageTimer | None = None) -> Prompt:
+        """The chosen views and the question's prompt, embedded with its visual tokens (stages timed on `timer`)."""
+        timer = timer or StageTimer(self.model.device)
+        with timer("select_views"):
+            views = self.select_views(question)
+        with timer("preprocess"):
+            pixels = torch.cat([image_to_tiles(load_image(images[c]), self.cfg.vision.image_size, self.cfg.tiles_per_view) for c in views])
+            pixels = pixels.to(self.model.device)
+        with timer("vit"):
+            visual = self.model.encode_tiles(pixels)  # (tiles, tokens_per_tile, C)
+        layout = build_prompt(self.tokenizer, question, views, self.tokens_per_view)
+        ids = torch.tensor([layout.ids], device=self.model.device)
+        return Prompt(views, layout.view_spans, ids, self.model.embed(ids, visual), int(visual.shape[0] * visual.shape[1]))
+
+    @torch.no_grad()
     def answer(self, question: str, images: Mapping) -> Answer:
         self.check_question(question)
         self.check_images(images)
         dev = self.model.device
         timer = StageTimer(dev)
-        with timer("select_views"):
-            views = self.select_views(question)
-        with timer("preprocess"):
-            pixels = torch.cat([image_to_tiles(load_image(images[c]), self.cfg.vision.image_size, self.cfg.tiles_per_view) for c in views])
-            pixels = pixels.to(dev)
-        with timer("vit"):
-            visual = self.model.encode_tiles(pixels)  # (tiles, tokens_per_tile, C)
-        layout = build_prompt(self.tokenizer, question, views, self.tokens_per_view)
-        ids = torch.tensor([layout.ids], device=dev)
-        embeds = self.model.embed(ids, visual)
+        p = self.prompt(question, images, timer)
+        views, ids, embeds, n_visual = p.views, p.ids, p.embeds, p.num_visual_tokens
         positions = torch.arange(ids.shape[1], device=dev)[None]
-        n_visual = int(visual.shape[0] * visual.shape[1])
         prune = self.token_selector is not None and n_visual >= self.min_select_tokens
         prefilled, inside = None, prune and self.token_selector.cfg.shared_layer
         with timer("select_tokens"):
             if prune and not inside:
                 embeds, positions, kept = self.token_selector.select(
-                    self.model, embeds, positions, layout.view_spans, keep_ratio=self.keep_ratio, question=question
+                    self.model, embeds, positions, p.view_spans, keep_ratio=self.keep_ratio, question=question
                 )
                 n_visual -= ids.shape[1] - kept.numel()
         if inside:  # selection inside the decoder: layer 0 once on the whole prompt, the rest on the kept tokens
-            pre = self.token_selector.prefill(self.model, embeds, positions, layout.view_spans, self.keep_ratio, question=question, timer=timer)
+            pre = self.token_selector.prefill(self.model, embeds, positions, p.view_spans, self.keep_ratio, question=question, timer=timer)
             prefilled = pre.prefilled(embeds, positions)
-        gen = self._generate(embeds, positions, layout.view_spans, timer, prefilled)
+        gen = self._generate(embeds, positions, p.view_spans, timer, prefilled)
         if self.fastv is not None or prefilled is not None:
             n_visual -= ids.shape[1] - gen.prompt_len
         tokens = [t for t in gen.tokens if t != self.tokenizer.eos_id]
