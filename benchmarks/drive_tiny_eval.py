@@ -114,13 +114,17 @@ def train_command(recipe: dict) -> str:
 
 
 def stages(meta: dict) -> list[str]:
-    """The `--init` chain behind the weights (oldest first), with what each stage re-initialised."""
-    chain = [*meta.get("lineage", []), {"checkpoint": "(these weights)", "steps": meta.get("steps"),
-                                        "train_seconds": meta.get("train_seconds"), "recipe": meta.get("recipe", {}),
-                                        "looks_probe": meta.get("looks_probe")}]
+    """The `--init` chain behind the weights (oldest first), with what each stage re-initialised; the stages of an
+    averaged checkpoint (`litevlm train average`) follow the lineage they share, marked "mean of"."""
+    last = [{**st, "mean": True} for st in meta["averaged"]] if meta.get("averaged") else [
+        {"checkpoint": "(these weights)", "steps": meta.get("steps"), "train_seconds": meta.get("train_seconds"),
+         "recipe": meta.get("recipe", {}), "looks_probe": meta.get("looks_probe")}]
+    chain = [*meta.get("lineage", []), *last]
     if len(chain) == 1:
         return []
-    lines = ["## Training stages", "", "Each stage continued from the one before (`--init`); a re-initialised part starts afresh there.", "",
+    lines = ["## Training stages", "", "Each stage continued from the one before (`--init`); a re-initialised part starts afresh there.",
+             *(["The last stages each continued from the stage before them, and the weights are their element-wise mean."]
+               if meta.get("averaged") else []), "",
              "| stage | steps | minutes | re-initialised | lr | closed weight | view-subset share | other | looks-probe at the end, six views (images / empty) | needed views (images / empty) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for i, st in enumerate(chain, start=1):
@@ -131,7 +135,8 @@ def stages(meta: dict) -> list[str]:
         other = [f"decoder grown after layers {', '.join(map(str, r['grow_after']))}"] if r.get("grow_after") else []
         other += [f"{k} x{v:g}" for k, v in (r.get("family_weights") or {}).items()]
         other += [f"{OBJECTIVE_LABELS[n]} {r[n + '_weight']:g} (layer {r.get(n + '_layer')})" for n in HEAD_OBJECTIVES if r.get(n + "_weight")]
-        lines.append(f"| {i} | {st.get('steps')} | {(st.get('train_seconds') or 0) / 60:.1f} | {fresh} | {r.get('lr')} | "
+        label = f"{i} (mean of)" if st.get("mean") else i
+        lines.append(f"| {label} | {st.get('steps')} | {(st.get('train_seconds') or 0) / 60:.1f} | {fresh} | {r.get('lr')} | "
                      f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {', '.join(other) or '-'} | {probe.get('images', '-')} / {probe.get('empty', '-')} | "
                      f"{probe.get('images_needed', '-')} / {probe.get('empty_needed', '-')} |")
     total = sum((st.get("train_seconds") or 0) for st in chain) / 60
@@ -141,7 +146,8 @@ def stages(meta: dict) -> list[str]:
 
 def write_card(model_dir: Path, result: dict) -> None:
     meta = json.loads((model_dir / "config.json").read_text())
-    recipe = meta.get("recipe", {})
+    parts = meta.get("averaged") or [meta]
+    recipe = parts[-1].get("recipe", {})
     f, b = result["full"], result["blank"]
     lines = [
         f"# {model_dir.name}",
@@ -157,9 +163,17 @@ def write_card(model_dir: Path, result: dict) -> None:
         "",
         "## Recipe",
         "",
-        f"- command (last stage): `{train_command(recipe)}`",
+    ]
+    if meta.get("averaged"):
+        lines.append(f"- the element-wise mean of {len(parts)} stages, each continued from the same checkpoint: "
+                     f"`litevlm train average {' '.join(f'STAGE{i}' for i in range(1, len(parts) + 1))} --out DIR`")
+    for i, part in enumerate(parts, start=1):
+        r = part.get("recipe", {})
+        name = f"stage {i} of the mean" if meta.get("averaged") else "last stage"
+        lines.append(f"- command ({name}): `{train_command(r)}`; {part.get('steps')} steps, "
+                     f"{(part.get('train_seconds') or 0) / 60:.1f} min on one core of the 2-core CPU machine")
+    lines += [
         f"- data: {recipe.get('frames')} synthetic frames of seed {recipe.get('seed')} (indices {recipe.get('first_frame', 0)}..{recipe.get('first_frame', 0) + recipe.get('frames', 1) - 1}), every QA family, rendered at {recipe.get('render_size')} then resized like inference input",
-        f"- steps: {meta.get('steps')}, final training loss {meta.get('final_loss'):.4f}, training time {meta.get('train_seconds', 0) / 60:.1f} min on one core of the 2-core CPU machine",
         f"- full recipe: `{json.dumps(recipe)}`",
         "",
         *stages(meta),

@@ -460,3 +460,56 @@ def test_the_token_probe_lines_up_with_the_visual_tokens_and_trains(tiny_bank, t
     log = json.loads((train_vlm(tmp_path / "m", run, progress=False) / "train_log.json").read_text())
     assert log["steps"] == 3 and len(log["token_probe"]) == 1 and log["token_probe"][0] > 0
     assert len(log["loss"]) == 1  # two vision-only steps, then one with the answers
+
+
+def test_averaging_two_stages_from_one_checkpoint_keeps_the_shared_lineage(tmp_path):
+    from dataclasses import replace
+
+    from litevlm.cli import main
+    from litevlm.errors import LiteVLMError
+    from litevlm.model.hf import load_native, save_native
+    from litevlm.train.vlm import average_checkpoints
+
+    first = VLMRecipe(frames=3, steps=2, batch_frames=2, questions_per_frame=2, probe_frames=0, render_size=(200, 112),
+                      vocab_size=400, warmup=1, tokenizer_frames=40)
+    a = train_vlm(tmp_path / "a", first, progress=False)
+    b = train_vlm(tmp_path / "b", replace(first, steps=2, init=str(a), lr=1e-3), progress=False)
+    c = train_vlm(tmp_path / "c", replace(first, steps=3, init=str(a), lr=2e-3, seed=5), progress=False)
+    assert main(["train", "average", str(b), str(c), "--out", str(tmp_path / "s")]) == 0
+    soup = load_native(tmp_path / "s")
+    wb, wc = load_native(b).state_dict(), load_native(c).state_dict()
+    for k, v in soup.state_dict().items():
+        torch.testing.assert_close(v, (wb[k] + wc[k]) / 2)
+    assert not torch.equal(wb["language_model.norm.weight"], wc["language_model.norm.weight"])  # the two stages differ
+    meta = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert [s["steps"] for s in meta["lineage"]] == [2]  # stage a, shared
+    assert [s["checkpoint"] for s in meta["averaged"]] == [str(b), str(c)] and meta["steps"] == 5
+    assert (tmp_path / "s" / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+
+    other = load_native(b)
+    other.cfg.text.num_layers -= 1
+    other.language_model.layers = other.language_model.layers[:-1]
+    save_native(other, tmp_path / "other")
+    with pytest.raises(LiteVLMError, match="another model config.*num_layers|another model config.*text"):
+        average_checkpoints(tmp_path / "bad", [b, tmp_path / "other"])
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_model_card_lists_an_averaged_checkpoints_stages(tmp_path, benchmark_script):
+    card = benchmark_script("drive_tiny_eval")
+    stage = lambda steps, lr, init: {"checkpoint": f"/runs/{steps}", "steps": steps, "train_seconds": 60.0 * steps,  # noqa: E731
+                                     "recipe": {"lr": lr, "init": init, "frames": 10, "seed": 0, "closed_weight": 3.0}, "looks_probe": None}
+    meta = {"litevlm": {"name": "x"}, "format": "litevlm", "lineage": [stage(7, 3e-4, None)],
+            "averaged": [stage(2, 1.2e-4, "/runs/7"), stage(3, 8e-5, "/runs/7")], "steps": 5, "train_seconds": 300.0}
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    scores = {"n": 4, "final": 0.5, "accuracy": 0.75, "language": 0.6, "match": 0.0, "closed_accuracy": 0.75}
+    result = {"full": scores, "blank": {**scores, "closed_accuracy": 0.25}, "data": "d", "pipeline": "views", "final_note": "no judge",
+              "per_family_closed": {"is_moving": 1.0}, "per_family_closed_blank": {"is_moving": 0.5}, "machine": "m",
+              "latency_ms": {**{s: 1.0 for s in card.STAGES}, "total": 5.0, "share": {s: 0.2 for s in card.STAGES}}}
+    card.write_card(tmp_path, result)
+    text = (tmp_path / "MODEL.md").read_text()
+    assert "element-wise mean of 2 stages" in text
+    assert "--lr 0.00012" in text and "--lr 8e-05" in text  # each averaged stage's own command
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "mean of" in line]
+    assert [r.split(" | ")[1] for r in rows] == ["2", "3"]  # steps of the two averaged stages, after the shared stage 1
+    assert "| 1 | 7 |" in text

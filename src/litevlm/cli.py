@@ -120,6 +120,12 @@ def cmd_train_vlm(args) -> None:
     print(f"saved to {out}")
 
 
+def cmd_train_average(args) -> None:
+    from litevlm.train.vlm import average_checkpoints
+
+    print(f"saved to {average_checkpoints(args.out, args.checkpoints)}")
+
+
 def cmd_train_tokens(args) -> None:
     from litevlm.train.tokens import TokenRecipe, train_token_selector
 
@@ -304,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train a copy of decoder layer 0 with the head and prune before the decoder (default: the head reads "
                          "the model's own frozen layer 0, which then runs once and the rest of the decoder sees only the kept tokens)")
     tt.set_defaults(func=cmd_train_tokens)
+    ta = train.add_parser("average", help="the element-wise mean of checkpoints trained from one stage (a model soup)")
+    ta.add_argument("checkpoints", nargs="+", help="two or more checkpoint folders of one model config")
+    ta.add_argument("--out", required=True, help="where the averaged checkpoint is written")
+    ta.set_defaults(func=cmd_train_average)
     td = train.add_parser("draft", help="train the EAGLE-2 draft head of a model (saved in MODEL_DIR/draft)")
     td.add_argument("model_dir", help="the model's folder (or a built-in name); the draft head is saved inside it")
     td.add_argument("--frames", type=int, default=150, help="synthetic frames whose questions the model answers to make the training data")

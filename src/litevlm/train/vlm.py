@@ -50,6 +50,7 @@ from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.config import TextConfig, VisionConfig, VLMConfig
+from litevlm.errors import LiteVLMError
 from litevlm.model.vlm import VLM, image_to_tiles, image_to_uint8_tiles, normalize_tiles
 
 IGNORE = -100
@@ -887,3 +888,42 @@ def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, 
             curves.update({name: log[name][::10], f"{name}_hit": log[f"{name}_hit"][::10]})
     (out / "train_log.json").write_text(json.dumps({**curves, **meta}, indent=1))
     return out
+
+
+def average_checkpoints(out: str | Path, checkpoints: list[str | Path]) -> Path:
+    """The element-wise mean of checkpoints of one shape (a "model soup"), saved at `out` with the tokenizer of the first.
+
+    Stages continued from one checkpoint stay close enough in weight space for their mean to work; the mean of unrelated
+    models does not. The card records the averaged stages (`averaged`) after the lineage they share.
+    """
+    from litevlm.model.hf import load_native, read_native_meta, save_native
+
+    if len(checkpoints) < 2:
+        raise LiteVLMError(f"averaging needs at least two checkpoints, got {len(checkpoints)}")
+    metas = [read_native_meta(c) for c in checkpoints]
+    for c, m in zip(checkpoints[1:], metas[1:]):
+        if m["litevlm"] != metas[0]["litevlm"]:
+            diff = sorted(k for k in {*m["litevlm"], *metas[0]["litevlm"]} if m["litevlm"].get(k) != metas[0]["litevlm"].get(k))
+            raise LiteVLMError(f"{c} has another model config than {checkpoints[0]} (differs in {', '.join(diff)}): only checkpoints of one shape average")
+    models = [load_native(c, dtype=torch.float32) for c in checkpoints]
+    sums = {k: v.clone() for k, v in models[0].state_dict().items()}
+    for m in models[1:]:
+        for k, v in m.state_dict().items():
+            sums[k] += v
+    models[0].load_state_dict({k: v / len(models) for k, v in sums.items()})
+    stages = [lineage_of(c) for c in checkpoints]
+    shared = []  # the stages all inputs have in common, oldest first
+    for earlier in zip(*(s[:-1] for s in stages)):
+        if any(e != earlier[0] for e in earlier):
+            break
+        shared.append(earlier[0])
+    stored = {m.get("recipe", {}).get("store_dtype", "float32") for m in metas}
+    dtype = STORE_DTYPES["float16" if stored == {"float16"} else "float32"]
+    meta = {"averaged": [s[-1] for s in stages], "lineage": shared, "steps": sum(m.get("steps") or 0 for m in metas),
+            "train_seconds": sum(m.get("train_seconds") or 0 for m in metas)}
+    save_native(models[0], out, extra_meta=meta, dtype=dtype)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        src = Path(checkpoints[0]) / name
+        if src.is_file():
+            (Path(out) / name).write_bytes(src.read_bytes())
+    return Path(out)
