@@ -105,6 +105,8 @@ def train_command(recipe: dict) -> str:
     parts = ["litevlm train vlm --out DIR"]
     for name in FLAGS:
         value = recipe.get(name, getattr(default, name))
+        if isinstance(value, list):  # JSON gives lists where the recipe holds tuples
+            value = type(getattr(default, name))(value) if isinstance(getattr(default, name), tuple) else value
         if value == getattr(default, name) or (name.endswith("_layer") and not recipe.get(name.replace("layer", "weight"))):
             continue
         flag = "--" + name.replace("_", "-")
@@ -123,7 +125,7 @@ def stages(meta: dict) -> list[str]:
     if len(chain) == 1:
         return []
     lines = ["## Training stages", "", "Each stage continued from the one before (`--init`); a re-initialised part starts afresh there.",
-             *(["The last stages each continued from the stage before them, and the weights are their element-wise mean."]
+             *(['The rows marked "mean of" each continued from the stage before the first of them; the weights are their element-wise mean.']
                if meta.get("averaged") else []), "",
              "| stage | steps | minutes | re-initialised | lr | closed weight | view-subset share | other | looks-probe at the end, six views (images / empty) | needed views (images / empty) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
