@@ -121,12 +121,13 @@ def stages(meta: dict) -> list[str]:
     last = [{**st, "mean": True} for st in meta["averaged"]] if meta.get("averaged") else [
         {"checkpoint": "(these weights)", "steps": meta.get("steps"), "train_seconds": meta.get("train_seconds"),
          "recipe": meta.get("recipe", {}), "looks_probe": meta.get("looks_probe")}]
-    chain = [*meta.get("lineage", []), *last]
+    chain = [part for st in [*meta.get("lineage", []), *last]  # an averaged stage inside the lineage: one row per part
+             for part in ([{**a, "mean": True} for a in st["averaged"]] if st.get("averaged") else [st])]
     if len(chain) == 1:
         return []
     lines = ["## Training stages", "", "Each stage continued from the one before (`--init`); a re-initialised part starts afresh there.",
-             *(['The rows marked "mean of" each continued from the stage before the first of them; the weights are their element-wise mean.']
-               if meta.get("averaged") else []), "",
+             *(['Adjacent rows marked "mean of" each continued from the stage before them; their element-wise mean is these weights, or the checkpoint the next stage continued from.']
+               if any(st.get("mean") for st in chain) else []), "",
              "| stage | steps | minutes | re-initialised | lr | closed weight | view-subset share | other | looks-probe at the end, six views (images / empty) | needed views (images / empty) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for i, st in enumerate(chain, start=1):

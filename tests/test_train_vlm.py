@@ -486,6 +486,10 @@ def test_averaging_two_stages_from_one_checkpoint_keeps_the_shared_lineage(tmp_p
     assert [s["checkpoint"] for s in meta["averaged"]] == [str(b), str(c)] and meta["steps"] == 5
     assert (tmp_path / "s" / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
 
+    d = train_vlm(tmp_path / "d", replace(first, steps=1, init=str(tmp_path / "s")), progress=False)  # continued from the mean
+    lineage = json.loads((d / "config.json").read_text())["lineage"]
+    assert [s["steps"] for s in lineage] == [2, 5] and [s["steps"] for s in lineage[-1]["averaged"]] == [2, 3]
+
     other = load_native(b)
     other.cfg.text.num_layers -= 1
     other.language_model.layers = other.language_model.layers[:-1]
@@ -513,3 +517,11 @@ def test_the_model_card_lists_an_averaged_checkpoints_stages(tmp_path, benchmark
     rows = [line for line in text.splitlines() if line.startswith("| ") and "mean of" in line]
     assert [r.split(" | ")[1] for r in rows] == ["2", "3"]  # steps of the two averaged stages, after the shared stage 1
     assert "| 1 | 7 |" in text
+    # a stage continued from the mean: the averaged stages stay in its lineage, one row each
+    averaged = meta.pop("averaged")
+    continued = {**meta, "lineage": [stage(7, 3e-4, None), {**stage(5, None, None), "averaged": averaged}],
+                 "recipe": {"lr": 5e-5, "init": "/runs/soup"}, "steps": 4}
+    (tmp_path / "config.json").write_text(json.dumps(continued))
+    card.write_card(tmp_path, result)
+    rows = [line.split(" | ")[:2] for line in (tmp_path / "MODEL.md").read_text().splitlines() if line[2:3].isdigit()]
+    assert rows == [["| 1", "7"], ["| 2 (mean of)", "2"], ["| 3 (mean of)", "3"], ["| 4", "4"]]

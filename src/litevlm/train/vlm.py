@@ -866,6 +866,8 @@ def lineage_of(checkpoint: str | Path) -> list[dict]:
         earlier = lineage_of(recipe["init"]) if recipe.get("init") else []
     stage = {"checkpoint": str(checkpoint), "steps": meta.get("steps"), "train_seconds": meta.get("train_seconds"),
              "recipe": recipe, "looks_probe": meta.get("looks_probe")}
+    if "averaged" in meta:  # `average_checkpoints`: the mean of these stages, each continued from `earlier`
+        stage["averaged"] = meta["averaged"]
     return [*earlier, stage]
 
 
