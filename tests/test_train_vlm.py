@@ -490,6 +490,13 @@ def test_averaging_two_stages_from_one_checkpoint_keeps_the_shared_lineage(tmp_p
     lineage = json.loads((d / "config.json").read_text())["lineage"]
     assert [s["steps"] for s in lineage] == [2, 5] and [s["steps"] for s in lineage[-1]["averaged"]] == [2, 3]
 
+    (tmp_path / "c2").mkdir()
+    for f in c.iterdir():
+        (tmp_path / "c2" / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "c2" / "tokenizer.json").write_text("{}")
+    with pytest.raises(LiteVLMError, match="tokenizer"):
+        average_checkpoints(tmp_path / "bad", [b, tmp_path / "c2"])
+
     other = load_native(b)
     other.cfg.text.num_layers -= 1
     other.language_model.layers = other.language_model.layers[:-1]

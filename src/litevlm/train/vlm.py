@@ -907,7 +907,13 @@ def average_checkpoints(out: str | Path, checkpoints: list[str | Path]) -> Path:
         if m["litevlm"] != metas[0]["litevlm"]:
             diff = sorted(k for k in {*m["litevlm"], *metas[0]["litevlm"]} if m["litevlm"].get(k) != metas[0]["litevlm"].get(k))
             raise LiteVLMError(f"{c} has another model config than {checkpoints[0]} (differs in {', '.join(diff)}): only checkpoints of one shape average")
-    models = [load_native(c, dtype=torch.float32) for c in checkpoints]
+    tokenizers = [(Path(c) / "tokenizer.json").read_bytes() if (Path(c) / "tokenizer.json").is_file() else None for c in checkpoints]
+    if any(t != tokenizers[0] for t in tokenizers):
+        raise LiteVLMError("the checkpoints' tokenizer.json files differ: the same ids would mean other tokens in each")
+    models = [load_native(c) for c in checkpoints]  # in their stored dtype: the mean is stored in it (fp32 where they differ)
+    stored = {next(m.parameters()).dtype for m in models}
+    dtype = stored.pop() if len(stored) == 1 else torch.float32
+    models = [m.float() for m in models]
     sums = {k: v.clone() for k, v in models[0].state_dict().items()}
     for m in models[1:]:
         for k, v in m.state_dict().items():
@@ -919,8 +925,6 @@ def average_checkpoints(out: str | Path, checkpoints: list[str | Path]) -> Path:
         if any(e != earlier[0] for e in earlier):
             break
         shared.append(earlier[0])
-    stored = {m.get("recipe", {}).get("store_dtype", "float32") for m in metas}
-    dtype = STORE_DTYPES["float16" if stored == {"float16"} else "float32"]
     meta = {"averaged": [s[-1] for s in stages], "lineage": shared, "steps": sum(m.get("steps") or 0 for m in metas),
             "train_seconds": sum(m.get("train_seconds") or 0 for m in metas)}
     save_native(models[0], out, extra_meta=meta, dtype=dtype)
