@@ -104,10 +104,10 @@ def train_command(recipe: dict) -> str:
     default = VLMRecipe()
     parts = ["litevlm train vlm --out DIR"]
     for name in FLAGS:
-        value = recipe.get(name, getattr(default, name))
-        if isinstance(value, list):  # JSON gives lists where the recipe holds tuples
-            value = type(getattr(default, name))(value) if isinstance(getattr(default, name), tuple) else value
-        if value == getattr(default, name) or (name.endswith("_layer") and not recipe.get(name.replace("layer", "weight"))):
+        value, unset = recipe.get(name, getattr(default, name)), getattr(default, name)
+        if isinstance(unset, tuple) and isinstance(value, list):  # JSON gives lists where the recipe holds tuples
+            value = tuple(value)
+        if value == unset or (name.endswith("_layer") and not recipe.get(name.replace("layer", "weight"))):
             continue
         flag = "--" + name.replace("_", "-")
         parts.append(flag if value is True else f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}")
@@ -118,10 +118,9 @@ def train_command(recipe: dict) -> str:
 def stages(meta: dict) -> list[str]:
     """The `--init` chain behind the weights (oldest first), with what each stage re-initialised; the stages of an
     averaged checkpoint (`litevlm train average`) follow the lineage they share, marked "mean of"."""
-    last = [{**st, "mean": True} for st in meta["averaged"]] if meta.get("averaged") else [
-        {"checkpoint": "(these weights)", "steps": meta.get("steps"), "train_seconds": meta.get("train_seconds"),
-         "recipe": meta.get("recipe", {}), "looks_probe": meta.get("looks_probe")}]
-    chain = [part for st in [*meta.get("lineage", []), *last]  # an averaged stage inside the lineage: one row per part
+    last = {"checkpoint": "(these weights)", "steps": meta.get("steps"), "train_seconds": meta.get("train_seconds"),
+            "recipe": meta.get("recipe", {}), "looks_probe": meta.get("looks_probe"), "averaged": meta.get("averaged")}
+    chain = [part for st in [*meta.get("lineage", []), last]  # an averaged stage (these weights or one before): a row per part
              for part in ([{**a, "mean": True} for a in st["averaged"]] if st.get("averaged") else [st])]
     if len(chain) == 1:
         return []
