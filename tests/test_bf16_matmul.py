@@ -41,7 +41,7 @@ def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32(scripted, monkey
     from litevlm.spec.tree import chain_tree, verify_tree
 
     if not scripted:
-        monkeypatch.setattr(cpu_steps, "_SCRIPTED", [None])
+        monkeypatch.setattr(cpu_steps, "_STEPS", [None])
     model = tiny_vlm(layers=2)
     pixels = torch.randn(3, 3, 28, 28, generator=torch.Generator().manual_seed(1))
     embeds, pos = prompt(model, seed=2, n=40)

@@ -1,17 +1,22 @@
-"""Decoder steps over a few tokens on the CPU, run by the TorchScript interpreter.
+"""Decoder steps over a few tokens on the CPU, outside the eager interpreter.
 
 A decode step of a small decoder is about a hundred tiny ops (norms, a few matmuls, RoPE, a cache
 write and attention per layer). Eagerly, each pays Python dispatch, which on a CPU costs several
-times its arithmetic: drive-tiny's 12 MB of decoder weights multiply in about 0.65 ms, while an eager
-step takes 2-2.5 ms. The same ops, scripted, run in TorchScript's C++ interpreter. `layers` is the
-fused `DecoderLayer` path (`litevlm.model.lm`) written for one sequence of n tokens at contiguous
-cache slots start..start+n-1, which covers a plain decode step (n = 1), a tree verification (n nodes,
-ancestor mask) and a draft step (one layer). `chain` drafts a whole chain in one call; a greedy chain's
-speculative cycle is two calls, one per side (`draft_cycle`: the draft's extend and chain; `verify_chain`:
-the target's verification and acceptance). Tests pin them to the eager path.
+times its arithmetic: drive-tiny's 12 MB of decoder weights multiply in about 0.75 ms, while an eager
+step takes 2-2.5 ms. `layers` is the fused `DecoderLayer` path (`litevlm.model.lm`) written for one
+sequence of n tokens at contiguous cache slots start..start+n-1, which covers a plain decode step
+(n = 1), a tree verification (n nodes, ancestor mask) and a draft step (one layer). `chain` drafts a
+whole chain in one call; a greedy chain's speculative cycle is two calls, one per side (`draft_cycle`:
+the draft's extend and chain; `verify_chain`: the target's verification and acceptance).
 
-Where TorchScript cannot compile it (a torch build without it), `scripted()` returns None and
-callers keep the eager path.
+Two implementations run them, chosen once per process (`backend()`):
+- "native": the same four functions in C++ (cpu_steps.cpp, built on first use by
+  `litevlm.model.native`): the matmuls go to ATen and everything between them is one loop each, so a
+  step is its matmuls plus about 20 us a layer (drive-tiny: 1.1 ms against 1.55 ms scripted).
+- "torchscript": the Python functions below, run by TorchScript's interpreter, where the native
+  build is unavailable or disabled (LITEVLM_NATIVE=0).
+Where neither is available, the accessors return None and callers keep the eager path. Tests pin both
+to the eager path.
 """
 
 from __future__ import annotations
@@ -145,36 +150,86 @@ def verify_chain(tokens: torch.Tensor, start: int, root_pos: int, cos_table: tor
     return new, x[: a + 1], embed[new], pos[: a + 1]
 
 
-_SCRIPTED: list = []  # [(scripted layers, chain, draft_cycle, verify_chain) or None], filled on first use
+_STEPS: list = []  # [(layers, chain, draft_cycle, verify_chain) or None], filled on first use by `_load`
+_BACKEND: list = []  # ["native" | "torchscript" | None], beside it
 
 
-def _compile() -> None:
-    if not _SCRIPTED:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                _SCRIPTED.append((torch.jit.script(layers), torch.jit.script(chain), torch.jit.script(draft_cycle),
-                                  torch.jit.script(verify_chain)))
-        except Exception:  # a build without TorchScript: the eager path serves
-            _SCRIPTED.append(None)
+def _scripted_steps() -> tuple | None:
+    """The four functions above compiled by TorchScript, or None where that is unavailable."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return (torch.jit.script(layers), torch.jit.script(chain), torch.jit.script(draft_cycle),
+                    torch.jit.script(verify_chain))
+    except Exception:  # a build without TorchScript: the eager path serves
+        return None
+
+
+def _flat(groups: List[List[torch.Tensor]]) -> List[torch.Tensor]:
+    return [t for group in groups for t in group]
+
+
+def _native_steps() -> tuple | None:
+    """The four functions as the native ops of cpu_steps.cpp (`litevlm.model.native`), taking the same
+    arguments, or None where they cannot be built here."""
+    from litevlm.model import native
+
+    ops = native.ops()
+    if ops is None:
+        return None
+
+    def native_layers(x, cos, sin, start, mask, weights, caches, hq, hkv, d, eps, last_only=False):
+        return ops.layers(x, cos, sin, start, mask, _flat(weights), _flat(caches), hq, hkv, d, eps, last_only)
+
+    def native_chain(root_hidden, position, start, depth, log_min, eos, cos_table, sin_table, embed, fc_w, fc_b, head,
+                     vocab_map, weights, caches, hq, hkv, d, eps):
+        return ops.chain(root_hidden, position, start, depth, log_min, eos, cos_table, sin_table, embed, fc_w, fc_b, head,
+                         vocab_map, _flat(weights), _flat(caches), hq, hkv, d, eps)
+
+    def native_cycle(feats, nxt, pair_pos, done, root, root_pos, depth, log_min, eos, cos_table, sin_table, embed, fc_w,
+                     fc_b, head, vocab_map, weights, caches, hq, hkv, d, eps):
+        return ops.draft_cycle(feats, nxt, pair_pos, done, root, root_pos, depth, log_min, eos, cos_table, sin_table,
+                               embed, fc_w, fc_b, head, vocab_map, _flat(weights), _flat(caches), hq, hkv, d, eps)
+
+    def native_verify(tokens, start, root_pos, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps, norm_w,
+                      head):
+        return ops.verify_chain(tokens, start, root_pos, cos_table, sin_table, embed, _flat(weights), _flat(caches), hq,
+                                hkv, d, eps, norm_w, head)
+
+    return native_layers, native_chain, native_cycle, native_verify
+
+
+def _load() -> None:
+    if not _STEPS:
+        steps, name = _native_steps(), "native"
+        if steps is None:
+            steps, name = _scripted_steps(), "torchscript"
+        _STEPS.append(steps)
+        _BACKEND.append(name if steps is not None else None)
+
+
+def backend() -> Optional[str]:
+    """Which implementation runs the CPU steps: "native" (cpu_steps.cpp), "torchscript", or None (eager)."""
+    _load()
+    return _BACKEND[0]
 
 
 def scripted():
-    """`layers` compiled by TorchScript (once per process), or None where that is unavailable."""
-    _compile()
-    return None if _SCRIPTED[0] is None else _SCRIPTED[0][0]
+    """`layers` as run here (native or TorchScript, once per process), or None where neither is available."""
+    _load()
+    return None if _STEPS[0] is None else _STEPS[0][0]
 
 
 def scripted_chain():
-    """`chain` compiled by TorchScript, or None where that is unavailable."""
-    _compile()
-    return None if _SCRIPTED[0] is None else _SCRIPTED[0][1]
+    """`chain` as run here, or None."""
+    _load()
+    return None if _STEPS[0] is None else _STEPS[0][1]
 
 
 def scripted_cycle():
-    """(`draft_cycle`, `verify_chain`) compiled by TorchScript, or None where that is unavailable."""
-    _compile()
-    return None if _SCRIPTED[0] is None else _SCRIPTED[0][2:]
+    """(`draft_cycle`, `verify_chain`) as run here, or None."""
+    _load()
+    return None if _STEPS[0] is None else _STEPS[0][2:]
 
 
 def layer_weights(layer) -> List[torch.Tensor]:
