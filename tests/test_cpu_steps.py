@@ -51,7 +51,7 @@ def eager(request, monkeypatch):
         assert calls, "the scripted path did not run"
         monkeypatch.setattr(cpu_steps, "_STEPS", [None])
 
-    use_eager.calls = calls  # indices into the scripted tuple: 2 = draft_cycle, 3 = verify_chain
+    use_eager.calls = calls  # indices into the step tuple: 2 = draft_cycle, 3 = verify_chain, 4 = decode_logits
     return use_eager
 
 
@@ -81,7 +81,10 @@ def assert_all_close(a, b):
         assert_all_close(x, y)
 
 
-def test_a_scripted_decode_step_equals_the_eager_one(eager):
+@pytest.mark.parametrize("with_plan", [True, False])
+def test_a_scripted_decode_step_equals_the_eager_one(eager, with_plan):
+    """With a generation's plan the whole step (layers, final norm, LM head) is one call (`decode_logits`);
+    without one, the layers are (`layers`) and the head runs in Python."""
     model = tiny_vlm(layers=3)
     embeds, pos = prompt(model, seed=3)
     t = embeds.shape[1]
@@ -89,10 +92,12 @@ def test_a_scripted_decode_step_equals_the_eager_one(eager):
 
     def run():
         prefill(model, embeds, pos)
-        out = [decode_step(model, tok.view(1, 1), t + 2 + i, t + i) for i, tok in enumerate(tokens)]  # positions may skip
+        plan = model.language_model.step_plan() if with_plan else None
+        out = [decode_step(model, tok.view(1, 1), t + 2 + i, t + i, plan) for i, tok in enumerate(tokens)]  # positions may skip
         return out, caches(model)
 
     assert_all_close(*both_paths(eager, run))
+    assert (4 in eager.calls) == with_plan  # 4 = decode_logits
 
 
 def test_a_scripted_tree_verification_equals_the_eager_one(eager):
@@ -232,3 +237,36 @@ def test_a_scripted_greedy_chain_cycle_equals_the_eager_one(eager):
     assert max(acc_a) >= 2  # drafts were accepted
     n = embeds.shape[1] + 30
     assert_all_close([[k[:, :, :n], v[:, :, :n]] for k, v in rest_a[0]], [[k[:, :, :n], v[:, :, :n]] for k, v in rest_b[0]])
+
+
+def test_a_native_prompt_equals_the_eager_one(monkeypatch):
+    """A prompt from slot 0 (a prefill, and a pruned prefill's two halves at skipping positions) runs as one
+    native call: the same hidden states and cache contents as the eager layers; hooked layers stay eager."""
+    backend_steps("native")
+    model = tiny_vlm(layers=3)
+    lm = model.language_model
+    embeds, pos = prompt(model, seed=5, n=20, pruned=True)
+    t = embeds.shape[1]
+    kept = torch.tensor([0, 1, 4, 5, 9, 12, 13, 17, 19])
+    calls = []
+    real = cpu_steps.prompt_layers
+    monkeypatch.setattr(cpu_steps, "prompt_layers", lambda *a: (lambda r: calls.append(r is not None) or r)(real(*a)))
+
+    def run():
+        with torch.no_grad():
+            full = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t)
+            first = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t, end_layer=1)
+            rest = lm(first[:, kept], pos[:, kept], slots=torch.arange(kept.numel()), mask=None, kv_len=kept.numel(),
+                      start_layer=1)
+            return full, first, rest, caches(model)
+
+    fast = run()
+    assert calls == [True, True, True]  # each of the three prompts ran natively
+    monkeypatch.setattr(cpu_steps, "_BACKEND", ["torchscript"])  # prompt_layers now declines: the eager layers run
+    assert_all_close(fast, run())
+    monkeypatch.setattr(cpu_steps, "_BACKEND", ["native"])
+    hook = lm.layers[1].mlp.register_forward_hook(lambda *a: None)
+    try:
+        assert cpu_steps.prompt_layers(embeds[0], *lm.rope_table(t, torch.float32, "cpu"), lm.layers, lm.cfg) is None
+    finally:
+        hook.remove()

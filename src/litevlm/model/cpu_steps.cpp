@@ -1,7 +1,7 @@
 // Decoder steps over a few tokens of one sequence on the CPU, as native ops (torch.ops.litevlm_cpu).
 //
 // The same computations as the TorchScript functions of cpu_steps.py (`layers`, `chain`, `draft_cycle`,
-// `verify_chain`), with the same arguments except that the per-layer weight and cache lists come flat
+// `verify_chain`, `decode_logits`), with the same arguments except that the per-layer weight and cache lists come flat
 // (7 weights and 2 caches a layer, in cpu_steps.py's order). The matmuls go to ATen (MKL); everything
 // between them (RMSNorm, RoPE, the cache writes, attention over the cached slots, SiLU-gating, the draft's
 // log-softmax top-1 and the acceptance test) is one loop each over fp32 rows, with no dispatch per op.
@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -35,7 +34,8 @@ void exp_inplace(float* x, int64_t count) {
   for (int64_t i = 0; i < count; ++i) {
     const float v = x[i];
     const float clamped = std::min(std::max(v, -87.0f), 88.0f);
-    const float k = std::floor(clamped * 1.44269504088896341f + 0.5f);
+    // k = round(clamped / ln 2) by the 1.5 * 2^23 trick (std::floor would keep the loop scalar)
+    const float k = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     const float r = (clamped - k * 0.693359375f) + k * 2.12194440e-4f;  // Cody-Waite: ln 2 in two parts
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -45,9 +45,7 @@ void exp_inplace(float* x, int64_t count) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(float));
-    const float e = p * scale;
+    const float e = p * __builtin_bit_cast(float, bits);
     x[i] = v < -87.0f ? 0.0f : (v > 88.0f ? INFINITY : e);
   }
 }
@@ -364,6 +362,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_op(
   return {out, xn.slice(0, 0, a + 1), embed.index_select(0, out), positions};
 }
 
+std::tuple<at::Tensor, at::Tensor> decode_logits_op(const at::Tensor& token, int64_t position, int64_t slot,
+                                                    const at::Tensor& cos_table, const at::Tensor& sin_table,
+                                                    const at::Tensor& embed, at::TensorList weights, at::TensorList caches,
+                                                    int64_t hq, int64_t hkv, int64_t d, double eps,
+                                                    const at::Tensor& norm_w, const at::Tensor& head) {
+  at::Tensor x = run_layers(embed.index_select(0, token.to(at::kLong).view({1})), rows_at(cos_table, &position, 1),
+                            rows_at(sin_table, &position, 1), slot, Visible{}, weights, caches, hq, hkv, d, eps, false);
+  at::Tensor xn = at::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), norm_w.contiguous().data_ptr<float>(), xn.data_ptr<float>(), 1, x.size(1), eps);
+  return {at::mm(xn, head), xn};
+}
+
+// A prompt of one sequence written at cache slots 0..n-1, causally (row r sees slots 0..r): a prefill, or a
+// pruned prefill's layers -> (n, C), before any final norm.
+at::Tensor prompt_layers_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
+                            at::TensorList caches, int64_t hq, int64_t hkv, int64_t d, double eps) {
+  Visible causal;
+  causal.causal = true;
+  return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), 0, causal, weights, caches, hq, hkv, d, eps,
+                    false);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(litevlm_cpu, m) {
@@ -382,4 +402,11 @@ TORCH_LIBRARY(litevlm_cpu, m) {
         "Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps, Tensor norm_w, Tensor head) "
         "-> (Tensor, Tensor, Tensor, Tensor)",
         &verify_chain_op);
+  m.def("decode_logits(Tensor token, int position, int slot, Tensor cos_table, Tensor sin_table, Tensor embed, "
+        "Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps, Tensor norm_w, Tensor head) "
+        "-> (Tensor, Tensor)",
+        &decode_logits_op);
+  m.def("prompt_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, "
+        "float eps) -> Tensor",
+        &prompt_layers_op);
 }

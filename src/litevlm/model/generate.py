@@ -82,7 +82,11 @@ def decode_step(model, token: torch.Tensor, position: int, slot: int, plan=None)
     plan: `model.language_model.step_plan()`, made once per generation (the scripted CPU step)."""
     lm = model.language_model
     dev = token.device
-    if token.shape[0] == 1:  # one sequence on the CPU: the scripted step (None where it does not apply)
+    if token.shape[0] == 1 and plan is not None:  # one sequence on the CPU: the whole step in one call
+        fused = lm.fast_decode(token.view(1), position, slot, model.lm_head, plan)
+        if fused is not None:
+            return fused[0], fused[1][None]
+    if token.shape[0] == 1:  # the CPU step's layers (None where they do not apply)
         h = lm.fast_forward(lm.embed_tokens(token[0]), torch.tensor([position], device=dev), slot, plan=plan)
         if h is not None:
             return linear(h, model.lm_head), h[None]

@@ -311,6 +311,15 @@ class TextModel(nn.Module):
         # bf16 mode on a prompt from slot 0: one cast in, one out, everything between in bf16 (the K/V go into
         # the cache in its own dtype); casting around each product cost what the products saved
         bf16 = self._bf16_prompt(embeds, layers, slots, mask, kv_len)
+        if not bf16 and embeds.shape[0] == 1 and slots is not None and mask is None and kv_len == embeds.shape[1] \
+                and len(layers) > 0:  # a prompt from slot 0, one sequence: one native call where it applies
+            from litevlm.model import cpu_steps
+
+            t, d = embeds.shape[1], self.cfg.head_dim
+            x = cpu_steps.prompt_layers(embeds[0], cos.reshape(t, 1, d), sin.reshape(t, 1, d), layers, self.cfg)
+            if x is not None:
+                return self.norm(x[None]) if end_layer is None else x[None]
+            x = embeds
         if bf16:
             x, cos, sin = x.to(torch.bfloat16), cos.to(torch.bfloat16), sin.to(torch.bfloat16)
         for layer in layers:
@@ -355,6 +364,21 @@ class TextModel(nn.Module):
         x = cpu_steps.scripted()(embeds, cos[positions], sin[positions], start, mask, plan.weights, cpu_steps.caches(self.layers),
                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
         return self.norm(x)
+
+    def fast_decode(self, token: torch.Tensor, position: int, slot: int, lm_head: nn.Module, plan):
+        """A plain decode step of one sequence in one CPU call (`litevlm.model.cpu_steps.decode_logits`): token (1,)
+        at RoPE `position`, written at cache `slot` -> (logits (1, V), post-norm hidden (1, C)); None where it does
+        not apply (no plan, a head with a bias or a norm it does not know: the caller runs the layers alone)."""
+        from litevlm.model import cpu_steps
+
+        fn = cpu_steps.scripted_decode()
+        if fn is None or plan is None or torch.is_grad_enabled() or type(lm_head) is not nn.Linear \
+                or lm_head.bias is not None or type(self.norm) is not RMSNorm:
+            return None
+        cos, sin = self.rope_table(position, torch.float32, token.device)
+        cfg = self.cfg
+        return fn(token, position, slot, cos, sin, self.embed_tokens.weight.detach(), plan.weights, cpu_steps.caches(self.layers),
+                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, self.norm.weight.detach(), row_major(lm_head))
 
     def commit(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Move cache entries at src_slots to dst_start.. in every layer (accepting a speculative path)."""

@@ -280,7 +280,8 @@ def verify_chain_greedy(model, tokens: torch.Tensor, start: int, root_position: 
     committing. None where the eager path runs (no `plan`, or a head or final norm it does not know)."""
     fns = cpu_steps.scripted_cycle()
     lm = model.language_model
-    if fns is None or plan is None or type(model.lm_head) is not nn.Linear or type(lm.norm) is not RMSNorm:
+    if fns is None or plan is None or type(model.lm_head) is not nn.Linear or model.lm_head.bias is not None \
+            or type(lm.norm) is not RMSNorm:
         return None
     cfg = lm.cfg
     cos, sin = lm.rope_table(root_position + tokens.numel(), torch.float32, tokens.device)
