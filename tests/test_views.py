@@ -307,3 +307,33 @@ def test_inference_path_equals_the_module_path(trained, scripted, monkeypatch):
                 m.dropout = 0.0
         slow = sel(ids, mask, lex)
     assert torch.allclose(fast, slow, atol=1e-5), (fast - slow).abs().max()
+
+
+def test_the_native_inference_equals_the_module_path(trained, monkeypatch):
+    """One question at a time (no padding), the native `view_logits` runs and gives the training modules'
+    logits; an in-place weight change reaches it too."""
+    from litevlm.select import views
+
+    ops = views.native_ops()
+    if ops is None:
+        pytest.skip("the native CPU code is unavailable here")
+    calls = []
+    monkeypatch.setattr(views, "native_ops", lambda: calls.append(1) or ops)
+    sel = ViewSelector.load(trained[0])
+    questions = [q for q, _ in EXPLICIT[:3]] + SCENE_WIDE[:2] + ["Is <c1,CAM_BACK,700.0,500.0> moving?"]
+    with torch.no_grad():
+        fast = torch.cat([sel(*sel.cfg.features([q]), sel.lexical([q])) for q in questions])
+        assert len(calls) == len(questions)
+        sel.head[3].bias.add_(1.0)
+        moved = torch.cat([sel(*sel.cfg.features([q]), sel.lexical([q])) for q in questions])
+        sel.head[3].bias.sub_(1.0)
+        sel.train()
+        for m in sel.modules():  # the module path without dropout
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+            if isinstance(m, torch.nn.MultiheadAttention):
+                m.dropout = 0.0
+        slow = torch.cat([sel(*sel.cfg.features([q]), sel.lexical([q])) for q in questions])
+    assert len(calls) == 2 * len(questions)  # training mode runs the modules
+    assert torch.allclose(moved, fast + 1.0, atol=1e-5)
+    assert torch.allclose(fast, slow, atol=1e-5), (fast - slow).abs().max()

@@ -384,6 +384,127 @@ at::Tensor prompt_layers_op(const at::Tensor& x, const at::Tensor& cos, const at
                     false);
 }
 
+// ---- the ViewSelector's inference (litevlm.select.views), one question --------------------------------------
+// Its layers are tiny (width 64, a question of ~10-40 words): as ATen ops each costs more in dispatch than in
+// arithmetic, so everything here is plain loops over fp32 rows.
+
+// y (rows, out) = x (rows, in) W + b with W given transposed, (in, ld) row-major (nn.Linear's weight.t()), of
+// which columns 0..out-1 are used (one small GEMM in the BLAS: ~3x a plain loop here).
+std::vector<float> linear_rows(const std::vector<float>& x, int64_t rows, int64_t in, const float* wt, int64_t ld,
+                               int64_t out, const float* b) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  std::vector<float> y(rows * out);
+  at::Tensor yt = at::from_blob(y.data(), {rows, out}, f32);
+  yt.copy_(at::from_blob(const_cast<float*>(b), {1, out}, f32).expand({rows, out}));
+  at::Tensor xt = at::from_blob(const_cast<float*>(x.data()), {rows, in}, f32);
+  at::Tensor w = at::from_blob(const_cast<float*>(wt), {in, out}, {ld, 1}, f32);
+  yt.addmm_(xt, w);
+  return y;
+}
+
+std::vector<float> linear_rows(const std::vector<float>& x, int64_t rows, const at::Tensor& wt, const at::Tensor& b) {
+  return linear_rows(x, rows, wt.size(0), wt.data_ptr<float>(), wt.size(1), wt.size(1), b.data_ptr<float>());
+}
+
+std::vector<float> layer_norm_rows(const std::vector<float>& x, int64_t rows, int64_t c, const at::Tensor& w,
+                                   const at::Tensor& b, double eps) {
+  const float* wp = w.data_ptr<float>();
+  const float* bp = b.data_ptr<float>();
+  std::vector<float> y(rows * c);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.data() + r * c;
+    float mean = 0.f, var = 0.f;
+    for (int64_t j = 0; j < c; ++j) mean += xr[j];
+    mean /= static_cast<float>(c);
+    for (int64_t j = 0; j < c; ++j) var += (xr[j] - mean) * (xr[j] - mean);
+    const float inv = 1.f / std::sqrt(var / static_cast<float>(c) + static_cast<float>(eps));
+    for (int64_t j = 0; j < c; ++j) y[r * c + j] = (xr[j] - mean) * inv * wp[j] + bp[j];
+  }
+  return y;
+}
+
+void gelu_inplace(std::vector<float>& x) {  // exact GELU, as nn.GELU()
+  for (float& v : x) v = 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
+}
+
+// Multi-head attention of nq query rows q (nq, C) over t rows k, v (t, C), every key visible -> (nq, C).
+// q, k, v may sit inside wider rows: one row every q_stride / kv_stride floats.
+std::vector<float> mha(const float* q, int64_t q_stride, const float* k, const float* v, int64_t kv_stride, int64_t nq,
+                       int64_t t, int64_t c, int64_t heads) {
+  const int64_t d = c / heads;
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  std::vector<float> y(nq * c, 0.f), p(t);
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* qi = q + i * q_stride + h * d;
+      float best = -INFINITY;
+      for (int64_t j = 0; j < t; ++j) {
+        const float* kj = k + j * kv_stride + h * d;
+        float s = 0.f;
+        for (int64_t e = 0; e < d; ++e) s += qi[e] * kj[e];
+        p[j] = s * scale;
+        best = std::max(best, p[j]);
+      }
+      float total = 0.f;
+      for (int64_t j = 0; j < t; ++j) {
+        p[j] = std::exp(p[j] - best);
+        total += p[j];
+      }
+      float* yi = y.data() + i * c + h * d;
+      for (int64_t j = 0; j < t; ++j) {
+        const float* vj = v + j * kv_stride + h * d;
+        const float pj = p[j] / total;
+        for (int64_t e = 0; e < d; ++e) yi[e] += pj * vj[e];
+      }
+    }
+  }
+  return y;
+}
+
+// `_logits_ops` of litevlm/select/views.py for one question with no padding: embedded words x (1, T, C), latent
+// queries q (1, N, C); encoder: 12 tensors a layer, tail: 14 (views.py's order, every linear weight transposed to
+// (in, out) row-major) -> logits (1, N).
+at::Tensor view_logits_op(const at::Tensor& x_in, const at::Tensor& q_in, at::TensorList encoder, at::TensorList tail,
+                          int64_t heads, double eps) {
+  TORCH_CHECK(x_in.size(0) == 1 && q_in.size(0) == 1, "litevlm_cpu: view_logits takes one question");
+  TORCH_CHECK(encoder.size() % 12 == 0 && tail.size() == 14, "litevlm_cpu: view_logits weights do not match");
+  for (const auto& w : encoder) check_f32_contiguous(w, "a ViewSelector weight");
+  for (const auto& w : tail) check_f32_contiguous(w, "a ViewSelector weight");
+  at::Tensor xc = x_in.contiguous(), qc = q_in.contiguous();
+  check_f32_contiguous(xc, "x");
+  check_f32_contiguous(qc, "q");
+  const int64_t t = xc.size(1), c = xc.size(2), n = qc.size(1);
+  std::vector<float> x(xc.data_ptr<float>(), xc.data_ptr<float>() + t * c);
+  for (size_t l = 0; l < encoder.size(); l += 12) {
+    const auto w = encoder.slice(l, 12);
+    std::vector<float> h = layer_norm_rows(x, t, c, w[0], w[1], eps);
+    std::vector<float> qkv = linear_rows(h, t, w[2], w[3]);  // (t, 3C)
+    std::vector<float> y = mha(qkv.data(), 3 * c, qkv.data() + c, qkv.data() + 2 * c, 3 * c, t, t, c, heads);
+    std::vector<float> o = linear_rows(y, t, w[4], w[5]);
+    for (int64_t i = 0; i < t * c; ++i) x[i] += o[i];
+    h = layer_norm_rows(x, t, c, w[6], w[7], eps);
+    std::vector<float> f = linear_rows(h, t, w[8], w[9]);
+    gelu_inplace(f);
+    o = linear_rows(f, t, w[10], w[11]);
+    for (int64_t i = 0; i < t * c; ++i) x[i] += o[i];
+  }
+  x = layer_norm_rows(x, t, c, tail[0], tail[1], eps);
+  std::vector<float> q(qc.data_ptr<float>(), qc.data_ptr<float>() + n * c);
+  std::vector<float> ql = layer_norm_rows(q, n, c, tail[2], tail[3], eps);
+  // the cross-attention's in-projection: q from the latents, k and v from the words (in_w (3C, C) = [q; k; v])
+  const float* in_wt = tail[4].data_ptr<float>();  // (C, 3C)
+  const float* in_b = tail[5].data_ptr<float>();
+  std::vector<float> qp = linear_rows(ql, n, c, in_wt, 3 * c, c, in_b);
+  std::vector<float> kv = linear_rows(x, t, c, in_wt + c, 3 * c, 2 * c, in_b + c);
+  std::vector<float> y = mha(qp.data(), c, kv.data(), kv.data() + c, 2 * c, n, t, c, heads);
+  std::vector<float> o = linear_rows(y, n, tail[6], tail[7]);
+  for (int64_t i = 0; i < n * c; ++i) q[i] += o[i];
+  std::vector<float> h = linear_rows(layer_norm_rows(q, n, c, tail[8], tail[9], eps), n, tail[10], tail[11]);
+  gelu_inplace(h);
+  std::vector<float> logits = linear_rows(h, n, tail[12], tail[13]);  // (n, 1)
+  return at::tensor(logits, at::kFloat).view({1, n});
+}
+
 }  // namespace
 
 TORCH_LIBRARY(litevlm_cpu, m) {
@@ -409,4 +530,6 @@ TORCH_LIBRARY(litevlm_cpu, m) {
   m.def("prompt_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, "
         "float eps) -> Tensor",
         &prompt_layers_op);
+  m.def("view_logits(Tensor x, Tensor q, Tensor[] encoder, Tensor[] tail, int heads, float eps) -> Tensor",
+        &view_logits_op);
 }

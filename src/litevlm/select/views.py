@@ -276,6 +276,13 @@ def _logits_ops(x: torch.Tensor, allowed: Optional[torch.Tensor], q: torch.Tenso
     return F.linear(h, tail[12], tail[13]).squeeze(-1)
 
 
+def native_ops():
+    """torch.ops.litevlm_cpu where the native CPU code is built (`litevlm.model.native`), else None."""
+    from litevlm.model import native
+
+    return native.ops()
+
+
 _SCRIPTED_LOGITS: list = []  # [scripted `_logits_ops`, or `_logits_ops` itself where TorchScript is missing]
 
 
@@ -333,6 +340,10 @@ class ViewSelector(nn.Module):
         if fast is not None:  # inference in one call on raw weights (a question is ~100 tiny ops)
             fn, encoder, tail, eps = fast
             allowed = None if bool(mask.all()) else mask[:, None, None]  # one question: no padding to mask
+            ops = native_ops() if allowed is None and x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == torch.float32 else None
+            if ops is not None:  # the same ops as native loops (cpu_steps.cpp)
+                encoder_t, tail_t = self._native_weights(encoder, tail)
+                return ops.view_logits(x, q, encoder_t, tail_t, self.cfg.heads, eps)
             return fn(x, allowed, q, encoder, tail, self.cfg.heads, eps)
         x = self.norm(self.encoder(x, src_key_padding_mask=~mask))  # (B, T, C)
         z = q + self.cross(self.latent_norm(q), x, x, key_padding_mask=~mask, need_weights=False)[0]  # (B, N, C)
@@ -366,6 +377,18 @@ class ViewSelector(nn.Module):
         args = (_SCRIPTED_LOGITS[0], [[p.detach() for p in g] for g in encoder], [p.detach() for p in tail], norms[0].eps)
         self.__dict__["_script_args"] = (tuple((p.data_ptr(), p._version) for p in params), params, args)
         return args
+
+    def _native_weights(self, encoder: list, tail: list) -> tuple[list, list]:
+        """`_scripted`'s weight lists for the native `view_logits`: the encoder's flat, every linear weight
+        transposed to (in, out) row-major; kept until `_scripted` rebuilds its lists."""
+        cache = self.__dict__.get("_native_args")
+        if cache is not None and cache[0] is encoder:
+            return cache[1]
+        linear_enc, linear_tail = (2, 4, 8, 10), (4, 6, 10, 12)  # positions of weights in `_logits_ops`' lists
+        flat = [w.t().contiguous() if i in linear_enc else w.contiguous() for layer in encoder for i, w in enumerate(layer)]
+        tail_t = [w.t().contiguous() if i in linear_tail else w.contiguous() for i, w in enumerate(tail)]
+        self.__dict__["_native_args"] = (encoder, (flat, tail_t))
+        return flat, tail_t
 
     def lexical(self, questions: Sequence[str]) -> torch.Tensor:
         """The lexical map (B, N) of a batch of questions."""
