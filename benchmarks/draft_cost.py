@@ -4,7 +4,8 @@
 
 Times the draft head's side of a greedy chain cycle (`DraftHead.draft_cycle`: the extend over the pairs
 committed last cycle, then the chain) at chain depths 1, 2, 4, 8, 16 with no cut, after an extend of 1 and
-of 5 pairs, and the parts of one chain step alone: the scripted draft layer on one token and the head with
+of 5 pairs, and the parts of one chain step alone: the draft layer's CPU step (native or TorchScript, as
+`litevlm.model.cpu_steps.backend()` says) on one token and the head with
 its log-softmax and top-1. The per-step cost is the slope over depth; the fixed part is the intercept.
 Medians over --k calls; the last stdout line is one JSON object.
 """
@@ -47,8 +48,8 @@ def main() -> None:
 
     pipe = Pipeline.from_pretrained(args.model, speculative=True)
     model, draft = pipe.model, pipe.draft
-    if cpu_steps.scripted_cycle() is None:
-        raise SystemExit("this torch build has no TorchScript: the scripted draft cycle cannot be timed")
+    if cpu_steps.step_cycle() is None:
+        raise SystemExit("neither the native nor the TorchScript CPU steps are available: the one-call draft cycle cannot be timed")
     width = model.cfg.text.hidden_size
     draft.prepare(512, 600)
     embed = model.language_model.embed_tokens.weight
@@ -75,7 +76,7 @@ def main() -> None:
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
         fits[pairs] = {"per_step_ms": round(slope, 4), "fixed_ms": round(my - slope * mx, 4)}
 
-    layer, cfg = cpu_steps.scripted(), draft.cfg
+    layer, cfg = cpu_steps.step_layers(), draft.cfg
     x = torch.randn(1, width, generator=gen)
     cos, sin = draft._rope
     weights, caches = draft._plan.weights, cpu_steps.caches((draft.layer,))
@@ -91,6 +92,7 @@ def main() -> None:
         print(f"extend {pairs}: {f['fixed_ms']:.3f} ms fixed + {f['per_step_ms']:.3f} ms per chain step")
     print(f"one draft layer call, one token: {layer_ms:.3f} ms; head + log-softmax + top-1: {head_ms:.3f} ms")
     print(json.dumps({"benchmark": "draft_cost", "model": args.model, "threads": args.threads, "cpu": platform.machine(),
+                      "cpu_steps": cpu_steps.backend(),
                       "rows": rows, "fits": {str(k): v for k, v in fits.items()}, "layer_ms": round(layer_ms, 4),
                       "head_ms": round(head_ms, 4)}))
 

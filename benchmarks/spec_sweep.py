@@ -21,6 +21,7 @@ import time
 import torch
 
 from litevlm.cameras import CAMERAS
+from litevlm.model import cpu_steps
 from litevlm.model.generate import StageTimer, generate
 from litevlm.spec import DraftHead, TreeConfig, speculative_generate
 
@@ -159,7 +160,7 @@ def main() -> None:
     best = max(rows[1:], key=lambda r: r["speedup"] or 0)
     print(json.dumps({
         "benchmark": "spec_sweep", "model": args.model, "data": args.data, "questions": len(qs),
-        "max_new_tokens": args.max_new_tokens, "threads": args.threads, "dtype": "float32",
+        "max_new_tokens": args.max_new_tokens, "threads": args.threads, "dtype": "float32", "cpu_steps": cpu_steps.backend(),
         "cpu": platform.processor() or platform.machine(), "wall_s": round(wall, 1),
         "plain_tokens_per_s": rows[0]["tokens_per_s"], "best": best["config"], "best_speedup": best["speedup"],
         "best_tau": best["tau"], "lossless": all(r["mismatches"] == 0 for r in rows), "rows": rows,

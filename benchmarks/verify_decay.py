@@ -2,7 +2,7 @@
 
     python benchmarks/verify_decay.py --model drive-tiny --data /tmp/heldout
 
-One chain verification (root + 5 drafts, the scripted CPU call the decode loop makes) is timed right
+One chain verification (root + 5 drafts, the one CPU call the decode loop makes) is timed right
 after each of several things: nothing (back to back), a busy wait on a few KB for 0.5 / 1.5 / 5 ms (time
 passes, nothing of ours is evicted), a 1.5 ms sleep, a read of 2 MB and of 16 MB of unrelated data. If
 the busy waits cost as much as the reads, the slowdown is the machine's caches dropping the target's
@@ -40,7 +40,7 @@ def main() -> None:
     model = pipe.model
     plan = model.language_model.step_plan()
     if plan is None:
-        raise SystemExit("the scripted CPU step does not apply here (needs fp32 on the CPU)")
+        raise SystemExit("the one-call CPU step does not apply here (needs fp32 on the CPU)")
     chain = torch.arange(7, 13)
     tiny, mid, big = torch.randn(64, 64), torch.randn(724, 724), torch.randn(2048, 2048)  # 16 KB, 2 MB, 16 MB
 

@@ -36,7 +36,7 @@ def test_mm_matches_addmm_within_bf16_rounding(rows):
 def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32(scripted, monkeypatch):
     """Decode steps and tree verifications (any number of rows: a 20-node chain here, over the 8-row
     threshold) stay fp32, so speculative decoding stays lossless against plain decoding in bf16 mode too;
-    on the scripted CPU steps and on the eager path alike."""
+    on the CPU steps and on the eager path alike."""
     from litevlm.model import cpu_steps
     from litevlm.spec.tree import chain_tree, verify_tree
 

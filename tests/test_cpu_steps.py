@@ -13,7 +13,7 @@ from litevlm.spec.tree import Tree, ancestor_mask, verify_tree
 
 from test_spec import prompt, random_draft, tiny_vlm
 
-pytestmark = pytest.mark.skipif(cpu_steps.scripted() is None, reason="this torch build has no TorchScript")
+pytestmark = pytest.mark.skipif(cpu_steps.step_layers() is None, reason="this torch build has no TorchScript")
 
 
 def backend_steps(name: str):
@@ -48,7 +48,7 @@ def eager(request, monkeypatch):
     monkeypatch.setattr(cpu_steps, "_STEPS", [tuple(counted(i, fn) for i, fn in enumerate(real))])
 
     def use_eager():
-        assert calls, "the scripted path did not run"
+        assert calls, "the CPU step path did not run"
         monkeypatch.setattr(cpu_steps, "_STEPS", [None])
 
     use_eager.calls = calls  # indices into the step tuple: 2 = draft_cycle, 3 = verify_chain, 4 = decode_logits
@@ -60,7 +60,7 @@ def caches(model):
 
 
 def both_paths(eager, run):
-    """run() on the scripted path, then on the eager one: (scripted result, eager result)."""
+    """run() on the CPU step path, then on the eager one: (fast result, eager result)."""
     with torch.no_grad():
         fast = run()
         eager()
@@ -82,7 +82,7 @@ def assert_all_close(a, b):
 
 
 @pytest.mark.parametrize("with_plan", [True, False])
-def test_a_scripted_decode_step_equals_the_eager_one(eager, with_plan):
+def test_a_cpu_step_decode_step_equals_the_eager_one(eager, with_plan):
     """With a generation's plan the whole step (layers, final norm, LM head) is one call (`decode_logits`);
     without one, the layers are (`layers`) and the head runs in Python."""
     model = tiny_vlm(layers=3)
@@ -100,7 +100,7 @@ def test_a_scripted_decode_step_equals_the_eager_one(eager, with_plan):
     assert (4 in eager.calls) == with_plan  # 4 = decode_logits
 
 
-def test_a_scripted_tree_verification_equals_the_eager_one(eager):
+def test_a_cpu_step_tree_verification_equals_the_eager_one(eager):
     model = tiny_vlm(layers=2)
     embeds, pos = prompt(model, seed=4)
     t = embeds.shape[1]
@@ -116,7 +116,7 @@ def test_a_scripted_tree_verification_equals_the_eager_one(eager):
 
 
 @pytest.mark.parametrize("input_norm", [True, False])
-def test_a_scripted_draft_step_equals_the_eager_one(eager, input_norm):
+def test_a_cpu_step_draft_step_equals_the_eager_one(eager, input_norm):
     model = tiny_vlm()
     head = random_draft(model)
     if not input_norm:
@@ -138,7 +138,7 @@ def test_a_scripted_draft_step_equals_the_eager_one(eager, input_norm):
     assert_all_close(*both_paths(eager, run))
 
 
-def test_the_scripted_step_stays_out_of_the_way():
+def test_the_cpu_step_stays_out_of_the_way():
     """Training (gradients), another dtype, a batch of sequences, a hooked projection: the eager path runs."""
     model = tiny_vlm()
     layers = model.language_model.layers
@@ -157,8 +157,8 @@ def test_the_scripted_step_stays_out_of_the_way():
 
 @pytest.mark.parametrize("min_value,eos", [(0.0, None), (0.3, None), (0.0, "drafted")])
 @pytest.mark.parametrize("draft_vocab", [0, 40])
-def test_a_scripted_draft_chain_equals_the_eager_loop(eager, min_value, eos, draft_vocab):
-    """One scripted call drafts the chain the Python loop drafts: same tokens, same draft cache."""
+def test_a_cpu_step_draft_chain_equals_the_eager_loop(eager, min_value, eos, draft_vocab):
+    """One CPU call drafts the chain the Python loop drafts: same tokens, same draft cache."""
     from litevlm.spec.draft import DraftConfig, DraftHead
     from litevlm.spec.tree import TreeConfig, draft_tree
 
@@ -216,8 +216,8 @@ def test_the_vision_blocks_on_packed_weights_equal_the_modules():
     assert not torch.allclose(changed, fast)
 
 
-def test_a_scripted_greedy_chain_cycle_equals_the_eager_one(eager):
-    """Each side of a greedy chain cycle in one scripted call (`draft_cycle`, `verify_chain_greedy`): the
+def test_a_cpu_step_greedy_chain_cycle_equals_the_eager_one(eager):
+    """Each side of a greedy chain cycle in one CPU call (`draft_cycle`, `verify_chain_greedy`): the
     same tokens, the same accepted lengths, the same target and draft caches as the eager cycle."""
     from litevlm.spec import speculative_generate
     from litevlm.spec.tree import TreeConfig

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
+from litevlm.model import cpu_steps
 
 LITEVLM_KEEP_RATIO = 0.5
 # The TokenSelector scores a prompt in about half a decoder layer; pruning half of n visual tokens saves
@@ -295,7 +296,7 @@ def run_bench(model: str = "drive-tiny", data=None, n: int = 60, shape: str | No
     per_question = {name: {"views": log.views, "vit": log.vit, "input_tokens": log.input_tokens, "prefill": log.prefill}
                     for name, log in logs.items()}
     return {"model": model if shape is None else f"random weights, {shape} shapes", "device": dev,
-            "threads": torch.get_num_threads(), "questions": len(samples) - warmup, "rows": rows,
+            "threads": torch.get_num_threads(), "cpu_steps": cpu_steps.backend(), "questions": len(samples) - warmup, "rows": rows,
             "cuda_graphs": cuda_graphs, "capture_ms": {name: round(p.capture_ms, 1) for name, p in pipes.items()}}, per_question
 
 

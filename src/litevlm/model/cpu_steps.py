@@ -229,25 +229,25 @@ def backend() -> Optional[str]:
     return _BACKEND[0]
 
 
-def scripted():
+def step_layers():
     """`layers` as run here (native or TorchScript, once per process), or None where neither is available."""
     _load()
     return None if _STEPS[0] is None else _STEPS[0][0]
 
 
-def scripted_chain():
+def step_chain():
     """`chain` as run here, or None."""
     _load()
     return None if _STEPS[0] is None else _STEPS[0][1]
 
 
-def scripted_cycle():
+def step_cycle():
     """(`draft_cycle`, `verify_chain`) as run here, or None."""
     _load()
     return None if _STEPS[0] is None else _STEPS[0][2:4]
 
 
-def scripted_decode():
+def step_decode():
     """`decode_logits` as run here, or None."""
     _load()
     return None if _STEPS[0] is None else _STEPS[0][4]
@@ -287,7 +287,7 @@ class Plan(NamedTuple):
 
 
 def plan(x: torch.Tensor, decoder_layers) -> Optional[Plan]:
-    """The arguments for running `decoder_layers` scripted on inputs like x, or None where the eager
+    """The arguments for running `decoder_layers` as CPU steps on inputs like x, or None where the eager
     path must run (see `usable`)."""
     if not usable(x, decoder_layers):
         return None
@@ -314,11 +314,11 @@ def _hooked(decoder_layers) -> bool:
 
 
 def usable(x: torch.Tensor, decoder_layers) -> bool:
-    """The scripted path applies: CPU, fp32, inference, plain projections, caches for one sequence, no hooks."""
+    """The CPU steps apply: CPU, fp32, inference, plain projections, caches for one sequence, no hooks."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() or _hooked(decoder_layers):
         return False
     for layer in decoder_layers:
         cache = layer.self_attn.kv_cache
         if cache is None or cache.k.shape[0] != 1 or cache.k.dtype != torch.float32 or not layer.fusable():
             return False
-    return scripted() is not None
+    return step_layers() is not None

@@ -79,7 +79,7 @@ class Prefilled(NamedTuple):
 @torch.no_grad()
 def decode_step(model, token: torch.Tensor, position: int, slot: int, plan=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token (B, 1) at RoPE `position`, written at cache `slot`; returns (logits (B, V), hidden (B, 1, C)).
-    plan: `model.language_model.step_plan()`, made once per generation (the scripted CPU step)."""
+    plan: `model.language_model.step_plan()`, made once per generation (the CPU step)."""
     lm = model.language_model
     dev = token.device
     if token.shape[0] == 1 and plan is not None:  # one sequence on the CPU: the whole step in one call

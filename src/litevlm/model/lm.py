@@ -341,7 +341,7 @@ class TextModel(nn.Module):
         return rope_table(self, self.cfg.head_dim, self.cfg.rope_theta, top, dtype, device)
 
     def step_plan(self):
-        """The scripted CPU step's arguments for this decoder (`litevlm.model.cpu_steps.Plan`), or None
+        """The CPU step's arguments for this decoder (`litevlm.model.cpu_steps.Plan`), or None
         where the eager path runs; build one per generation and pass it to every step."""
         from litevlm.model import cpu_steps
 
@@ -349,7 +349,7 @@ class TextModel(nn.Module):
 
     def fast_forward(self, embeds: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None = None, plan=None):
         """A few tokens of one sequence, embeds (n, C) at positions (n,), written at cache slots
-        start..start+n-1 -> post-norm hidden (n, C), through the scripted CPU step
+        start..start+n-1 -> post-norm hidden (n, C), through the CPU step
         (`litevlm.model.cpu_steps`); None where it does not apply (the caller runs `forward`).
         mask (1, 1, n, start + n) bool, or None: every token sees slots 0..start+n-1 (n = 1).
         plan: from `step_plan()` at the start of a generation (built here when not given)."""
@@ -361,7 +361,7 @@ class TextModel(nn.Module):
         top = int(positions.max()) if positions.numel() > 1 else int(positions)
         cos, sin = self.rope_table(top, embeds.dtype, embeds.device)
         cfg = self.cfg
-        x = cpu_steps.scripted()(embeds, cos[positions], sin[positions], start, mask, plan.weights, cpu_steps.caches(self.layers),
+        x = cpu_steps.step_layers()(embeds, cos[positions], sin[positions], start, mask, plan.weights, cpu_steps.caches(self.layers),
                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
         return self.norm(x)
 
@@ -371,7 +371,7 @@ class TextModel(nn.Module):
         not apply (no plan, a head with a bias or a norm it does not know: the caller runs the layers alone)."""
         from litevlm.model import cpu_steps
 
-        fn = cpu_steps.scripted_decode()
+        fn = cpu_steps.step_decode()
         if fn is None or plan is None or torch.is_grad_enabled() or type(lm_head) is not nn.Linear \
                 or lm_head.bias is not None or type(self.norm) is not RMSNorm:
             return None

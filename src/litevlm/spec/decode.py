@@ -78,8 +78,8 @@ def speculative_generate(
         nxt = torch.cat([embeds[0, c0 + 1 :], lm.embed_tokens(root)])  # (t - c0, C)
         pair_pos = positions[0, c0:]
         done, L = 0, t  # pairs in the draft cache (its slots 0..done-1), tokens in the target cache
-        plan = lm.step_plan() if live else None  # the scripted CPU steps' arguments, gathered once
-        # A greedy chain on the CPU runs each side of a cycle as one scripted call (draft_cycle, verify_chain_greedy).
+        plan = lm.step_plan() if live else None  # the CPU steps' arguments, gathered once
+        # A greedy chain on the CPU runs each side of a cycle as one CPU call (draft_cycle, verify_chain_greedy).
         fused = plan is not None and temperature <= 0 and tree.top_k == 1 and tree.total_tokens == tree.depth + 1 \
             and hasattr(draft, "draft_cycle")
         while not finished():

@@ -100,8 +100,8 @@ class DraftHead(nn.Module):
         self.metrics: dict = {}
         self._shared: tuple[nn.Embedding, nn.Linear] | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, 1, D) cos / sin tables
-        self._plan: cpu_steps.Plan | None = None  # the scripted CPU step's arguments, made by `prepare`
-        self._chain_args: tuple | None = None  # and the scripted chain's: embedding, fc, head, vocabulary map
+        self._plan: cpu_steps.Plan | None = None  # the CPU step's arguments, made by `prepare`
+        self._chain_args: tuple | None = None  # and the one-call chain's: embedding, fc, head, vocabulary map
         if target is not None:
             self.attach(target)
 
@@ -181,12 +181,12 @@ class DraftHead(nn.Module):
 
     def _cached_layer(self, x: torch.Tensor, cos, sin, start: int, mask=None, last_only: bool = False) -> torch.Tensor:
         """The layer over the draft cache for one sequence, x (n, C) at slots start..start+n-1 -> (n, C)
-        (or (1, C) with last_only): the scripted CPU step where `prepare` made a plan, else `_layer`.
+        (or (1, C) with last_only): the CPU step where `prepare` made a plan, else `_layer`.
         mask (1, 1, n, S) or None (everything)."""
         plan = self._plan
         if plan is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
             cfg = self.cfg
-            return cpu_steps.scripted()(x, cos, sin, start, mask, plan.weights, cpu_steps.caches((self.layer,)),
+            return cpu_steps.step_layers()(x, cos, sin, start, mask, plan.weights, cpu_steps.caches((self.layer,)),
                                         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, last_only)
         return self._layer(x[None], cos, sin, self.layer.self_attn.kv_cache, start, mask, last_only)[0]
 
@@ -244,7 +244,7 @@ class DraftHead(nn.Module):
 
     def prepare(self, cache_len: int, max_position: int) -> None:
         """Ready the draft for a generation: a cache of at least `cache_len` slots, RoPE tables
-        covering positions 0..max_position, and the scripted CPU step's arguments (weights do not
+        covering positions 0..max_position, and the CPU step's arguments (weights do not
         change during a generation; `prepare` again after changing them)."""
         w = self.fc.weight
         cache = self.layer.self_attn.kv_cache
@@ -254,7 +254,7 @@ class DraftHead(nn.Module):
         with torch.no_grad():
             self._plan = cpu_steps.plan(w, (self.layer,))
             self._chain_args = None
-            if self._plan is not None and cpu_steps.scripted_chain() is not None:
+            if self._plan is not None and cpu_steps.step_chain() is not None:
                 if self.cfg.draft_vocab:
                     head, vmap = self._draft_head(), self.vocab_map
                 else:
@@ -300,13 +300,13 @@ class DraftHead(nn.Module):
     def draft_chain(self, root_hidden: torch.Tensor, position: int, start: int, depth: int, min_value: float,
                     eos_id: int | None) -> torch.Tensor | None:
         """The chain `litevlm.spec.tree.draft_tree` drafts (top-1 tokens until the summed log-probability
-        falls below log(min_value), a drafted EOS, or `depth` tokens) in one scripted call on the CPU:
+        falls below log(min_value), a drafted EOS, or `depth` tokens) in one CPU call on the CPU:
         drafted ids (m,). None where the eager loop runs (no `prepare`d plan, another dtype, no TorchScript)."""
         if self._chain_args is None or self._plan is None or root_hidden.dtype != torch.float32:
             return None
         cfg, (cos, sin) = self.cfg, self._rope
         log_min = math.log(min_value) if min_value > 0 else -math.inf
-        return cpu_steps.scripted_chain()(root_hidden, position, start, depth, log_min, -1 if eos_id is None else eos_id, cos, sin,
+        return cpu_steps.step_chain()(root_hidden, position, start, depth, log_min, -1 if eos_id is None else eos_id, cos, sin,
                                           *self._chain_args, self._plan.weights, cpu_steps.caches((self.layer,)),
                                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
 
@@ -314,9 +314,9 @@ class DraftHead(nn.Module):
     def draft_cycle(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, start: int,
                     root: torch.Tensor, root_position: int, depth: int, min_value: float, eos_id: int | None) -> torch.Tensor | None:
         """`extend(features, next_embeds, positions, start, last_only=True)` and then `draft_chain` from its
-        output at slot start + n, in one scripted call on the CPU -> the chain to verify (1 + m,): the root,
+        output at slot start + n, in one CPU call on the CPU -> the chain to verify (1 + m,): the root,
         then the m drafted ids; None where the eager path runs (as `draft_chain`)."""
-        fns = cpu_steps.scripted_cycle()
+        fns = cpu_steps.step_cycle()
         if fns is None or self._chain_args is None or self._plan is None or features.dtype != torch.float32 \
                 or next_embeds.dtype != torch.float32:
             return None

@@ -194,7 +194,7 @@ def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start
     if k == 1 and cfg.total_tokens == levels + 1:  # a chain: no reranking, no tree mask to track
         fast = getattr(draft, "draft_chain", None)
         drafted = None if fast is None else fast(root_hidden, position, start, levels, cfg.min_value, eos_id)
-        if drafted is not None:  # the whole chain in one scripted call (CPU)
+        if drafted is not None:  # the whole chain in one CPU call (CPU)
             return chain_tree(torch.cat([root_token.reshape(1).to(drafted.dtype), drafted]))
         value, tok = draft.topk(root_hidden, 1)
         drafted = [tok[:, 0]]  # (1,)
@@ -259,7 +259,7 @@ def verify_tree(model, tree: Tree, start: int, root_position: int, live_prefix: 
     if live_prefix:
         mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=dev), tree.mask], 1)  # (N, start + N)
         kv_len = start + n
-        hidden = lm.fast_forward(embeds[0], positions[0], start, mask[None, None], plan)  # the scripted CPU step, or None
+        hidden = lm.fast_forward(embeds[0], positions[0], start, mask[None, None], plan)  # the CPU step, or None
         if hidden is not None:
             return linear(hidden, model.lm_head), hidden
     else:
@@ -273,12 +273,12 @@ def verify_tree(model, tree: Tree, start: int, root_position: int, live_prefix: 
 
 @torch.no_grad()
 def verify_chain_greedy(model, tokens: torch.Tensor, start: int, root_position: int, plan) -> tuple | None:
-    """`verify_tree` + `accept_greedy` for a chain (root + drafts, tokens (n,)) in one scripted call on the
+    """`verify_tree` + `accept_greedy` for a chain (root + drafts, tokens (n,)) in one CPU call on the
     CPU -> (emitted tokens (a+1,): the accepted drafts and the bonus; the pairs for the draft's next extend:
     the target's hidden states at the root and the accepted drafts (a+1, C), the embeddings of the tokens
     after them (a+1, C), their positions (a+1,)). A chain's accepted path is a prefix, so nothing needs
     committing. None where the eager path runs (no `plan`, or a head or final norm it does not know)."""
-    fns = cpu_steps.scripted_cycle()
+    fns = cpu_steps.step_cycle()
     lm = model.language_model
     if fns is None or plan is None or type(model.lm_head) is not nn.Linear or model.lm_head.bias is not None \
             or type(lm.norm) is not RMSNorm:
