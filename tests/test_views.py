@@ -278,6 +278,16 @@ def test_tag_augmentation_moves_single_tags():
     assert len(dedupe(out + [(q.replace("547.9", "12.0"), (F,))])) == 7  # coordinates do not make a new question
 
 
+def train_without_dropout(sel: ViewSelector) -> None:
+    """Training mode (the module path) with every dropout off, so it must give the inference path's logits."""
+    sel.train()
+    for m in sel.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(m, torch.nn.MultiheadAttention):
+            m.dropout = 0.0
+
+
 @pytest.mark.parametrize("scripted", [True, False])
 def test_inference_path_equals_the_module_path(trained, scripted, monkeypatch):
     """The eval-mode inference (one call on raw weights: scripted, or the same function in Python where
@@ -299,12 +309,7 @@ def test_inference_path_equals_the_module_path(trained, scripted, monkeypatch):
         sel.head[3].bias.add_(1.0)  # an in-place weight change reaches the inference path
         assert torch.allclose(sel(ids, mask, lex), fast + 1.0, atol=1e-5)
         sel.head[3].bias.sub_(1.0)
-        sel.train()
-        for m in sel.modules():  # the module path without dropout
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.0
-            if isinstance(m, torch.nn.MultiheadAttention):
-                m.dropout = 0.0
+        train_without_dropout(sel)
         slow = sel(ids, mask, lex)
     assert torch.allclose(fast, slow, atol=1e-5), (fast - slow).abs().max()
 
@@ -327,12 +332,7 @@ def test_the_native_inference_equals_the_module_path(trained, monkeypatch):
         sel.head[3].bias.add_(1.0)
         moved = torch.cat([sel(*sel.cfg.features([q]), sel.lexical([q])) for q in questions])
         sel.head[3].bias.sub_(1.0)
-        sel.train()
-        for m in sel.modules():  # the module path without dropout
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.0
-            if isinstance(m, torch.nn.MultiheadAttention):
-                m.dropout = 0.0
+        train_without_dropout(sel)
         slow = torch.cat([sel(*sel.cfg.features([q]), sel.lexical([q])) for q in questions])
     assert len(calls) == 2 * len(questions)  # training mode runs the modules
     assert torch.allclose(moved, fast + 1.0, atol=1e-5)
