@@ -270,3 +270,41 @@ def test_a_native_prompt_equals_the_eager_one(monkeypatch):
         assert cpu_steps.prompt_layers(embeds[0], *lm.rope_table(t, torch.float32, "cpu"), lm.layers, lm.cfg) is None
     finally:
         hook.remove()
+
+
+def test_a_failed_native_build_falls_back_to_torchscript_and_says_why(monkeypatch, capsys):
+    """No compiler (or a broken build): `native.ops()` is None with the reason on stderr and in `error()`, and
+    the CPU steps run in TorchScript, still equal to the eager path."""
+    def broken(verbose=False):
+        raise RuntimeError("ninja: build stopped\nfoo.cpp:1:1: error: no compiler here")
+
+    monkeypatch.setattr(native, "build", broken)
+    monkeypatch.setattr(native, "_LOADED", [])
+    monkeypatch.setattr(native, "_ERROR", [])
+    monkeypatch.setattr(cpu_steps, "_STEPS", [])
+    monkeypatch.setattr(cpu_steps, "_BACKEND", [])
+    assert native.ops() is None
+    assert "error: no compiler here" in native.error()
+    assert "native CPU steps unavailable" in capsys.readouterr().err
+    if cpu_steps._scripted_steps() is None:
+        pytest.skip("no TorchScript either")
+    assert cpu_steps.backend() == "torchscript"
+    model = tiny_vlm(layers=2)
+    embeds, pos = prompt(model, seed=6)
+    t = embeds.shape[1]
+    with torch.no_grad():
+        prefill(model, embeds, pos)
+        plan = model.language_model.step_plan()
+        fast = decode_step(model, torch.tensor([[9]]), t, t, plan)
+        monkeypatch.setattr(cpu_steps, "_STEPS", [None])  # the eager path
+        prefill(model, embeds, pos)
+        assert model.language_model.step_plan() is None
+        assert_all_close(fast, decode_step(model, torch.tensor([[9]]), t, t, None))
+
+
+def test_litevlm_native_0_turns_the_native_steps_off(monkeypatch):
+    monkeypatch.setenv("LITEVLM_NATIVE", "0")
+    monkeypatch.setattr(native, "_LOADED", [])
+    monkeypatch.setattr(native, "_ERROR", [])
+    assert native.ops() is None
+    assert native.error() == "disabled by LITEVLM_NATIVE"
