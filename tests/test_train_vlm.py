@@ -532,3 +532,27 @@ def test_the_model_card_lists_an_averaged_checkpoints_stages(tmp_path, benchmark
     card.write_card(tmp_path, result)
     rows = [line.split(" | ")[:2] for line in (tmp_path / "MODEL.md").read_text().splitlines() if line[2:3].isdigit()]
     assert rows == [["| 1", "7"], ["| 2 (mean of)", "2"], ["| 3 (mean of)", "3"], ["| 4", "4"]]
+
+
+def test_light_contrasts_ask_the_other_colours_of_the_same_light():
+    """Each sibling of a light_is question names another colour of the same light, answered from its state,
+    and the generator's own answer follows the same rule (so the siblings are consistent with the data)."""
+    from litevlm.data.synthetic import LIGHT_STATES, _visible, make_frame
+    from litevlm.train.vlm import light_contrasts
+
+    seen = 0
+    for i in range(120):
+        frame = make_frame(0, i)
+        for qa in frame.qas:
+            if qa.family != "light_is":
+                continue
+            seen += 1
+            light = _visible(frame, qa.views[0], lambda o: o.cls == "traffic light")[0].light
+            asked = next(s for s in LIGHT_STATES if qa.question.endswith(f" {s}?"))
+            assert qa.answer == ("Yes." if asked == light else "No.")
+            siblings = light_contrasts(frame, qa)
+            assert sorted(q.rsplit(" ", 1)[1] for q, _ in siblings) == sorted(f"{s}?" for s in LIGHT_STATES if s != asked)
+            for q, a in siblings:
+                assert q.rsplit(" ", 1)[0] == qa.question.rsplit(" ", 1)[0]
+                assert a == ("Yes." if q.endswith(f" {light}?") else "No.")
+    assert seen >= 10

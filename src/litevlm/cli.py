@@ -114,7 +114,7 @@ def cmd_train_vlm(args) -> None:
         family_weights=dict(args.family_weight), attn_weight=args.attn_weight, attn_layer=args.attn_layer,
         option_weight=args.option_weight, option_layer=args.option_layer, letter_weight=args.letter_weight,
         letter_layer=args.letter_layer, readout_weight=args.readout_weight, readout_layer=args.readout_layer,
-        grow_after=tuple(args.grow_after), store_dtype=args.store_dtype,
+        grow_after=tuple(args.grow_after), store_dtype=args.store_dtype, light_contrast=args.light_contrast,
     )
     out = train_vlm(args.out, recipe)
     print(f"saved to {out}")
@@ -293,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weight of the token probe: a linear probe on the projected visual tokens names each token's "
                          "contents, so the projector keeps what the tower sees")
     tv.add_argument("--vision-warmup", type=int, default=0, help="first steps on the visual-token objective alone")
+    tv.add_argument("--light-contrast", action="store_true",
+                    help="ask each 'is the traffic light X?' question with the other two colours too (answers from the light's state)")
     tv.add_argument("--view-subset-prob", type=float, default=0.5, help="share of frames shown only some questions' views")
     tv.add_argument("--token-drop-prob", type=float, default=0.35, help="share of frames whose visual tokens are thinned")
     tv.add_argument("--visual-norm", type=float, default=4.0, help="cap on visual-token norm (0: none)")

@@ -121,6 +121,9 @@ class VLMRecipe:
     vision_warmup: int = 0  # first steps on the visual-token objective alone
     probe_frames: int = 24  # validation frames for the looks-probe (0: none)
     visual_norm: float = 4.0  # cap on a visual token's L2 norm (a squared-hinge penalty; 0: none)
+    # each "is the traffic light X?" question also asked with the other two colours (same light, same view,
+    # the answers that follow), so Yes and No differ only in the asked colour (`light_contrasts`)
+    light_contrast: bool = False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,9 +256,13 @@ class FrameBank:
             frame = make_frame(recipe.seed, recipe.first_frame + i)
             views = render_views(frame, size=recipe.render_size)
             self.tiles[i] = torch.from_numpy(np.concatenate([image_to_uint8_tiles(views[c], s, tpv) for c in CAMERAS]))
-            self.qas.append([(tokenizer.encode(q.question), tokenizer.encode(q.answer), tuple(q.views), q.closed, q.family,
-                              tag_cells(q.question, cfg.vision.grid // 2, tpv), right_option(q.answer),
-                              option_spans(q.question, tokenizer)) for q in frame.qas])
+            pairs = [(q, q.question, q.answer) for q in frame.qas]
+            if recipe.light_contrast:
+                pairs += [(q, question, answer) for q in frame.qas if q.family == "light_is"
+                          for question, answer in light_contrasts(frame, q)]
+            self.qas.append([(tokenizer.encode(question), tokenizer.encode(answer), tuple(q.views), q.closed, q.family,
+                              tag_cells(question, cfg.vision.grid // 2, tpv), right_option(answer),
+                              option_spans(question, tokenizer)) for q, question, answer in pairs])
             self.aux[i] = aux_targets(frame, cfg.vision.grid // 2, tpv)
             if self.patch_aux is not None:
                 self.patch_aux[i] = aux_targets(frame, cfg.vision.grid, tpv, trails=True)
@@ -267,6 +274,20 @@ class FrameBank:
     def pixels(self, frame: int, views: list[str]) -> torch.Tensor:
         idx = [CAMERAS.index(c) * self.tpv + j for c in views for j in range(self.tpv)]
         return normalize_tiles(self.tiles[frame, idx])
+
+
+def light_contrasts(frame, qa) -> list[tuple[str, str]]:
+    """A "light_is" question asked with the other two colours -> [(question, answer)]: the same light in the same
+    view, answered from its true state. drive-tiny names a light's colour when asked what it shows, yet answered
+    "Is it X?" with Yes for nearly every X; these siblings make Yes and No differ only in the asked colour."""
+    from litevlm.data.synthetic import LIGHT_STATES, _visible
+
+    lights = _visible(frame, qa.views[0], lambda o: o.cls == "traffic light") if qa.views else []
+    asked = [s for s in LIGHT_STATES if qa.question.endswith(f" {s}?")]
+    if len(lights) != 1 or len(asked) != 1:
+        return []
+    stem = qa.question[: -len(asked[0]) - 1]
+    return [(f"{stem}{s}?", "Yes." if s == lights[0].light else "No.") for s in LIGHT_STATES if s != asked[0]]
 
 
 def pack_frame(tokenizer, views: list[str], tokens_per_view: int, blocks: list[tuple[list[int], list[int]]]):
