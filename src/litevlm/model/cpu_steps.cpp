@@ -294,6 +294,7 @@ at::Tensor chain_op(const at::Tensor& root_hidden, int64_t position, int64_t sta
   at::Tensor pair = at::empty({1, 2 * c}, embed.options());
   for (int64_t i = 0; i < depth - 1; ++i) {
     if (value < log_min || tok == eos) break;
+    TORCH_CHECK(tok >= 0 && tok < embed.size(0), "litevlm_cpu: drafted token ", tok, " is outside the embedding");
     float* p = pair.data_ptr<float>();
     std::copy_n(embed.data_ptr<float>() + tok * c, c, p);
     std::copy_n(hidden.data_ptr<float>(), c, p + c);
