@@ -91,8 +91,8 @@ def main() -> None:
 
 # VLMRecipe fields that `litevlm train vlm` takes as flags (the rest are in the full recipe JSON).
 FLAGS = ("frames", "seed", "first_frame", "minutes", "batch_frames", "threads", "lr", "warmup", "closed_weight", "init",
-         "reinit_vision", "reinit_language", "aux_weight", "aux_scale", "patch_aux_weight", "vision_warmup", "view_subset_prob",
-         "token_drop_prob", "visual_norm", "probe_frames", "grow_after", "store_dtype", *(f"{n}_{k}" for n in HEAD_OBJECTIVES for k in ("weight", "layer")))
+         "reinit_vision", "reinit_language", "aux_weight", "aux_scale", "patch_aux_weight", "token_probe_weight", "vision_warmup",
+         "view_subset_prob", "token_drop_prob", "visual_norm", "probe_frames", "grow_after", "store_dtype", "light_contrast", *(f"{n}_{k}" for n in HEAD_OBJECTIVES for k in ("weight", "layer")))
 # What the model card calls each head objective.
 OBJECTIVE_LABELS = {"attn": "tag attention", "option": "option attention", "letter": "letter attention", "readout": "answer readout"}
 
@@ -137,6 +137,7 @@ def stages(meta: dict) -> list[str]:
         other = [f"decoder grown after layers {', '.join(map(str, r['grow_after']))}"] if r.get("grow_after") else []
         other += [f"{k} x{v:g}" for k, v in (r.get("family_weights") or {}).items()]
         other += [f"{OBJECTIVE_LABELS[n]} {r[n + '_weight']:g} (layer {r.get(n + '_layer')})" for n in HEAD_OBJECTIVES if r.get(n + "_weight")]
+        other += ["light-colour contrast questions"] if r.get("light_contrast") else []
         label = f"{i} (mean of)" if st.get("mean") else i
         lines.append(f"| {label} | {st.get('steps')} | {(st.get('train_seconds') or 0) / 60:.1f} | {fresh} | {r.get('lr')} | "
                      f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {', '.join(other) or '-'} | {probe.get('images', '-')} / {probe.get('empty', '-')} | "

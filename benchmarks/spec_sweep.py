@@ -26,9 +26,9 @@ from litevlm.model.generate import StageTimer, generate
 from litevlm.spec import DraftHead, TreeConfig, speculative_generate
 
 SWEEP = [
-    TreeConfig(),  # the default: a depth-16 chain cut at draft probability 0.3
+    TreeConfig(),  # the default: a depth-16 chain cut at draft probability 0.1
     TreeConfig.chain(16, 0.2),
-    TreeConfig.chain(16, 0.1),
+    TreeConfig.chain(16, 0.3),
     TreeConfig.chain(16, 0.5),
     TreeConfig.chain(10, 0.3),
     TreeConfig.chain(3),

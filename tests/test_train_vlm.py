@@ -556,3 +556,23 @@ def test_light_contrasts_ask_the_other_colours_of_the_same_light():
                 assert q.rsplit(" ", 1)[0] == qa.question.rsplit(" ", 1)[0]
                 assert a == ("Yes." if q.endswith(f" {light}?") else "No.")
     assert seen >= 10
+
+
+def test_the_model_cards_command_line_covers_every_recipe_flag(benchmark_script):
+    """Each `litevlm train vlm` option that sets a recipe field reaches the card's command line, so the card
+    reproduces the stage (the token probe and the light contrast were once left out)."""
+    import argparse
+    import dataclasses
+
+    from litevlm.cli import build_parser
+    from litevlm.train.vlm import VLMRecipe
+
+    card = benchmark_script("drive_tiny_eval")
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    vlm = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction)).choices["vlm"]
+    fields = {f.name for f in dataclasses.fields(VLMRecipe)}
+    options = {a.dest for a in vlm._actions if a.dest in fields}
+    assert options - set(card.FLAGS) - {"steps"} == set()
+    line = card.train_command({"light_contrast": True, "token_probe_weight": 1.0, "family_weights": {"light_is": 6.0}})
+    assert "--light-contrast" in line and "--token-probe-weight 1.0" in line and "--family-weight light_is=6" in line
