@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 
 import torch
 
+from litevlm.eval import timing
 from litevlm.model import cpu_steps
 from litevlm.model.generate import decode_step, prefill
 from litevlm.pipeline import Pipeline
@@ -27,14 +26,7 @@ from litevlm.spec.tree import verify_chain_greedy
 
 
 def median_ms(fn, k: int) -> float:
-    for _ in range(max(3, k // 10)):
-        fn()
-    times = []
-    for _ in range(k):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return timing.median_ms(fn, k, warmup=max(3, k // 10))
 
 
 def use(backend: str | None) -> None:

@@ -16,25 +16,14 @@ import argparse
 import json
 import platform
 import statistics
-import time
 
 import torch
 
+from litevlm.eval.timing import median_ms
 from litevlm.model import cpu_steps
 from litevlm.pipeline import Pipeline
 
 DEPTHS = (1, 2, 4, 8, 16)
-
-
-def median_ms(fn, k: int) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(k):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:

@@ -21,6 +21,8 @@ import warnings
 
 import torch
 
+from litevlm.eval.timing import median_ms as median_wall_ms
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -47,15 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def median_ms(fn, repeats: int, setup=None) -> float:
     """Median wall ms of fn() over `repeats` runs after one warm-up; setup() runs untimed before each."""
-    times = []
-    for i in range(repeats + 1):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        if i:  # the first run is the warm-up
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return median_wall_ms(fn, repeats, warmup=1, setup=setup)
 
 
 def build_hf(a: argparse.Namespace):

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from litevlm.eval.timing import median_ms as median_wall_ms
+
 METHODS = ("selector", "fastv_k1", "fastv_k2", "random", "uniform")
 LABELS = {"selector": "TokenSelector", "fastv_k1": "FastV K=1", "fastv_k2": "FastV K=2", "random": "random", "uniform": "uniform"}
 
@@ -139,16 +141,7 @@ def run_accuracy(model, tokenizer, selector, samples, prompts: Prompts, ratios, 
 
 
 def _median_ms(fn, repeats: int, device) -> float:
-    from litevlm.model.generate import sync
-
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return median_wall_ms(fn, repeats, warmup=0, device=device)
 
 
 @torch.no_grad()
