@@ -316,10 +316,9 @@ class TextModel(nn.Module):
             from litevlm.model import cpu_steps
 
             t, d = embeds.shape[1], self.cfg.head_dim
-            x = cpu_steps.prompt_layers(embeds[0], cos.reshape(t, 1, d), sin.reshape(t, 1, d), layers, self.cfg)
-            if x is not None:
-                return self.norm(x[None]) if end_layer is None else x[None]
-            x = embeds
+            out = cpu_steps.prompt_layers(embeds[0], cos.reshape(t, 1, d), sin.reshape(t, 1, d), layers, self.cfg)
+            if out is not None:
+                return self.norm(out[None]) if end_layer is None else out[None]
         if bf16:
             x, cos, sin = x.to(torch.bfloat16), cos.to(torch.bfloat16), sin.to(torch.bfloat16)
         for layer in layers:
@@ -365,6 +364,11 @@ class TextModel(nn.Module):
                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
         return self.norm(x)
 
+    def head_fusable(self, lm_head: nn.Module) -> bool:
+        """The final norm and LM head are what the one-call CPU steps compute them as: an RMSNorm and a plain,
+        bias-free nn.Linear (its weight read row-major)."""
+        return type(lm_head) is nn.Linear and lm_head.bias is None and type(self.norm) is RMSNorm
+
     def fast_decode(self, token: torch.Tensor, position: int, slot: int, lm_head: nn.Module, plan):
         """A plain decode step of one sequence in one CPU call (`litevlm.model.cpu_steps.decode_logits`): token (1,)
         at RoPE `position`, written at cache `slot` -> (logits (1, V), post-norm hidden (1, C)); None where it does
@@ -372,8 +376,7 @@ class TextModel(nn.Module):
         from litevlm.model import cpu_steps
 
         fn = cpu_steps.step_decode()
-        if fn is None or plan is None or torch.is_grad_enabled() or type(lm_head) is not nn.Linear \
-                or lm_head.bias is not None or type(self.norm) is not RMSNorm:
+        if fn is None or plan is None or torch.is_grad_enabled() or not self.head_fusable(lm_head):
             return None
         cos, sin = self.rope_table(position, torch.float32, token.device)
         cfg = self.cfg

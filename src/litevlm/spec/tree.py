@@ -23,12 +23,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-import torch.nn as nn
 
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
 from litevlm.model.lm import linear, row_major
-from litevlm.model.vision import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -280,8 +278,7 @@ def verify_chain_greedy(model, tokens: torch.Tensor, start: int, root_position: 
     committing. None where the eager path runs (no `plan`, or a head or final norm it does not know)."""
     fns = cpu_steps.step_cycle()
     lm = model.language_model
-    if fns is None or plan is None or type(model.lm_head) is not nn.Linear or model.lm_head.bias is not None \
-            or type(lm.norm) is not RMSNorm:
+    if fns is None or plan is None or not lm.head_fusable(model.lm_head):
         return None
     cfg = lm.cfg
     cos, sin = lm.rope_table(root_position + tokens.numel(), torch.float32, tokens.device)
