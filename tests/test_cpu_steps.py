@@ -155,6 +155,33 @@ def test_the_cpu_step_stays_out_of_the_way():
     assert not cpu_steps.usable(x, layers)  # gradients enabled
 
 
+def test_a_frozen_scope_checks_once_and_the_next_scope_sees_changes():
+    """Inside `cpu_steps.frozen()` (one answer) the hook walk and the weight check run once and are remembered;
+    a hook or a weight changed between two scopes reaches the next one."""
+    model = tiny_vlm()
+    layers = model.language_model.layers
+    x = torch.randn(1, 32)
+    calls = []
+    with torch.no_grad():
+        with cpu_steps.frozen():
+            assert cpu_steps.remembered("k", lambda: calls.append(1) or 5) == 5
+            assert cpu_steps.remembered("k", lambda: calls.append(1) or 6) == 5
+            assert cpu_steps.usable(x, layers)
+            w = cpu_steps.layer_weights(layers[0])
+            assert cpu_steps.layer_weights(layers[0]) is w
+        assert calls == [1]
+        handle = layers[0].self_attn.q_proj.register_forward_hook(lambda *a: None)
+        with cpu_steps.frozen():
+            assert not cpu_steps.usable(x, layers)
+        handle.remove()
+        layers[0].self_attn.q_proj.bias.add_(1.0)
+        with cpu_steps.frozen():
+            assert cpu_steps.usable(x, layers)
+            changed = cpu_steps.layer_weights(layers[0])
+        assert not torch.equal(changed[2], w[2])  # the packed qkv bias follows the change
+    assert cpu_steps.remembered("k", lambda: 7) == 7  # outside any scope: computed each time
+
+
 @pytest.mark.parametrize("min_value,eos", [(0.0, None), (0.3, None), (0.0, "drafted")])
 @pytest.mark.parametrize("draft_vocab", [0, 40])
 def test_a_cpu_step_draft_chain_equals_the_eager_loop(eager, min_value, eos, draft_vocab):

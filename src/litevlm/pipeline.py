@@ -19,6 +19,7 @@ import torch
 
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
+from litevlm.model import cpu_steps
 from litevlm.model.generate import StageTimer, generate
 from litevlm.model.prompt import build_prompt
 from litevlm.model.vlm import VLM, image_to_tiles, load_image
@@ -293,6 +294,10 @@ class Pipeline:
     def answer(self, question: str, images: Mapping) -> Answer:
         self.check_question(question)
         self.check_images(images)
+        with cpu_steps.frozen():  # weights and hooks stay as they are for one answer: checked once
+            return self._answer(question, images)
+
+    def _answer(self, question: str, images: Mapping) -> Answer:
         dev = self.model.device
         timer = StageTimer(dev)
         p = self.prompt(question, images, timer)

@@ -23,7 +23,9 @@ to the eager path.
 
 from __future__ import annotations
 
+import threading
 import warnings
+from contextlib import contextmanager
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -271,7 +273,11 @@ def prompt_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoder
 
 
 def layer_weights(layer) -> List[torch.Tensor]:
-    """One `DecoderLayer`'s weights in `layers`' order (the fused, cached packing)."""
+    """One `DecoderLayer`'s weights in `layers`' order (the fused, cached packing; once per `frozen()` scope)."""
+    return remembered(("weights", id(layer)), lambda: _layer_weights(layer))
+
+
+def _layer_weights(layer) -> List[torch.Tensor]:
     qkv_w, qkv_b, gate_up, o_t, down_t = layer.fused_weights()
     if qkv_b is None:
         qkv_b = qkv_w.new_zeros(qkv_w.shape[1])
@@ -306,13 +312,48 @@ def caches(decoder_layers) -> List[List[torch.Tensor]]:
     return out
 
 
+_SCOPES = threading.local()  # .stack: the memo dicts of this thread's open `frozen()` scopes, innermost last
+
+
+@contextmanager
+def frozen():
+    """A scope (one answer of the pipeline) within which the modules' weights and hooks are taken to stay as
+    they are: the checks that run before each CPU step (`usable`'s walk for hooks, `DecoderLayer.fused_weights`'
+    weight versions) run once in it and are remembered until it closes."""
+    stack = _SCOPES.__dict__.setdefault("stack", [])
+    stack.append({})
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def remembered(key, compute):
+    """compute(), remembered under key for the innermost open `frozen()` scope (computed each time outside one)."""
+    stack = _SCOPES.__dict__.get("stack")
+    if not stack:
+        return compute()
+    memo = stack[-1]
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
+def _hooks_in(m: torch.nn.Module) -> bool:
+    """A forward (pre-)hook on m or below it (read through the module dicts: this runs at every generation, where
+    `Module.modules()` would cost about 70 us for drive-tiny's decoder)."""
+    if m._forward_hooks or m._forward_pre_hooks:
+        return True
+    return any(c is not None and _hooks_in(c) for c in m._modules.values())
+
+
 def _hooked(decoder_layers) -> bool:
     """Forward hooks would see nothing of a step run outside the modules: such layers keep the eager path."""
     from torch.nn.modules import module
 
     if module._global_forward_hooks or module._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for layer in decoder_layers for m in layer.modules())
+    return any(remembered(("hooked", id(layer)), lambda layer=layer: _hooks_in(layer)) for layer in decoder_layers)
 
 
 def usable(x: torch.Tensor, decoder_layers) -> bool:
@@ -320,7 +361,10 @@ def usable(x: torch.Tensor, decoder_layers) -> bool:
     if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() or _hooked(decoder_layers):
         return False
     for layer in decoder_layers:
-        cache = layer.self_attn.kv_cache
-        if cache is None or cache.k.shape[0] != 1 or cache.k.dtype != torch.float32 or not layer.fusable():
+        cache = layer._modules["self_attn"]._modules.get("kv_cache")
+        if cache is None:
+            return False
+        k = cache._buffers["k"]
+        if k.shape[0] != 1 or k.dtype != torch.float32 or not layer.fusable():
             return False
     return step_layers() is not None

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from litevlm.config import TextConfig
+from litevlm.model import cpu_steps
 from litevlm.model.kv_cache import KVCache
 from litevlm.model.vision import RMSNorm
 
@@ -210,13 +211,24 @@ class DecoderLayer(nn.Module):
         nn.Linear's transposed (out, in) one.
         """
         training = self.training and torch.is_grad_enabled()
-        # The cache key reads the projections' parameter dicts directly: nn.Module attribute lookups
-        # would cost more than the rest of a CPU decode step's bookkeeping (this runs every step).
+        if training or self._fused is None:
+            return self._pack_fused(None if training else self._fused_key(), training)
+        # Inside a `cpu_steps.frozen()` scope (one answer) the check runs once.
+        return cpu_steps.remembered(("fused", id(self)), self._fused_current)
+
+    def _fused_key(self) -> tuple:
+        # Reads the projections' parameter dicts directly: nn.Module attribute lookups would cost
+        # more than the rest of a CPU decode step's bookkeeping (this runs every step).
         mods = self.self_attn._modules, self.mlp._modules
-        key = tuple((p.data_ptr(), p._version) for ms, names in zip(mods, _FUSED_PROJECTIONS) for name in names
-                    for p in ms[name]._parameters.values() if p is not None)
-        if not training and self._fused is not None and self._fused[0] == key:
-            return self._fused[1]
+        return tuple((p.data_ptr(), p._version) for ms, names in zip(mods, _FUSED_PROJECTIONS) for name in names
+                     for p in ms[name]._parameters.values() if p is not None)
+
+    def _fused_current(self) -> tuple:
+        """The cached packing if no projection changed since it was made, else a new one."""
+        key = self._fused_key()
+        return self._fused[1] if self._fused[0] == key else self._pack_fused(key, False)
+
+    def _pack_fused(self, key: tuple | None, training: bool) -> tuple:
         attn, mlp = self.self_attn, self.mlp
         d = attn.cfg.head_dim
 
@@ -313,8 +325,6 @@ class TextModel(nn.Module):
         bf16 = self._bf16_prompt(embeds, layers, slots, mask, kv_len)
         if not bf16 and embeds.shape[0] == 1 and slots is not None and mask is None and kv_len == embeds.shape[1] \
                 and len(layers) > 0:  # a prompt from slot 0, one sequence: one native call where it applies
-            from litevlm.model import cpu_steps
-
             t, d = embeds.shape[1], self.cfg.head_dim
             out = cpu_steps.prompt_layers(embeds[0], cos.reshape(t, 1, d), sin.reshape(t, 1, d), layers, self.cfg)
             if out is not None:
@@ -342,8 +352,6 @@ class TextModel(nn.Module):
     def step_plan(self):
         """The CPU step's arguments for this decoder (`litevlm.model.cpu_steps.Plan`), or None
         where the eager path runs; build one per generation and pass it to every step."""
-        from litevlm.model import cpu_steps
-
         return cpu_steps.plan(self.embed_tokens.weight, self.layers)
 
     def fast_forward(self, embeds: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None = None, plan=None):
@@ -352,8 +360,6 @@ class TextModel(nn.Module):
         (`litevlm.model.cpu_steps`); None where it does not apply (the caller runs `forward`).
         mask (1, 1, n, start + n) bool, or None: every token sees slots 0..start+n-1 (n = 1).
         plan: from `step_plan()` at the start of a generation (built here when not given)."""
-        from litevlm.model import cpu_steps
-
         plan = plan or cpu_steps.plan(embeds, self.layers)
         if plan is None or embeds.dtype != torch.float32 or torch.is_grad_enabled():
             return None
@@ -373,8 +379,6 @@ class TextModel(nn.Module):
         """A plain decode step of one sequence in one CPU call (`litevlm.model.cpu_steps.decode_logits`): token (1,)
         at RoPE `position`, written at cache `slot` -> (logits (1, V), post-norm hidden (1, C)); None where it does
         not apply (no plan, a head with a bias or a norm it does not know: the caller runs the layers alone)."""
-        from litevlm.model import cpu_steps
-
         fn = cpu_steps.step_decode()
         if fn is None or plan is None or torch.is_grad_enabled() or not self.head_fusable(lm_head):
             return None

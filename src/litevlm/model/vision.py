@@ -127,8 +127,7 @@ class Block(nn.Module):
         """The block's weights in `vit_blocks`' order, projections row-major and q, k, v packed into one
         (a zero bias where the model has none); rebuilt when a weight changes."""
         a, m = self.attention, self.mlp
-        params = list(self.parameters())
-        key = tuple((p.data_ptr(), p._version) for p in params)
+        key = _weights_key(self)
         if self._packed is None or self._packed[0] != key:
             c = a.q_proj.in_features
             qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else a.q_proj.weight.new_zeros(3 * c)
@@ -193,12 +192,19 @@ def vit_blocks_bf16(x: torch.Tensor, weights: List[List[Optional[torch.Tensor]]]
     return x.float()
 
 
+def _weights_key(module: nn.Module) -> tuple:
+    """(data_ptr, version) of every parameter of module and below, read through the module dicts
+    (`Module.parameters()` costs about 20 us a block, at every vision call)."""
+    own = tuple((p.data_ptr(), p._version) for p in module._parameters.values() if p is not None)
+    return own + tuple(k for child in module._modules.values() if child is not None for k in _weights_key(child))
+
+
 def _plain_linears(block: "Block") -> bool:
     """Every projection of the block an nn.Linear as built (not, say, an FP8Linear) with no hooks
     (calibration observes them): only then may its weights be used raw."""
-    a, m = block.attention, block.mlp
+    a, m = block._modules["attention"]._modules, block._modules["mlp"]._modules  # direct dict reads: every call
     return all(type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks)
-               for lin in (a.q_proj, a.k_proj, a.v_proj, a.projection_layer, m.fc1, m.fc2))
+               for lin in (a["q_proj"], a["k_proj"], a["v_proj"], a["projection_layer"], m["fc1"], m["fc2"]))
 
 
 class Encoder(nn.Module):

@@ -331,23 +331,66 @@ class ViewSelector(nn.Module):
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, lexical: torch.Tensor) -> torch.Tensor:
         """Logits (B, N) from hashed word ids (B, T, K), their mask (B, T) and the lexical map (B, N)."""
         b, t, k = ids.shape
+        inference = not (self.training or torch.is_grad_enabled())
+        if inference and b == 1 and ids.device.type == "cpu" and bool(mask.all()):  # one question: no padding
+            native = self._native()
+            if native is not None:  # the whole inference as native loops (cpu_steps.cpp), one call
+                ops, packed, eps = native
+                cfg = self.cfg
+                return ops.view_logits(ids[0], lexical[0], packed, cfg.layers, cfg.width, cfg.ffn, cfg.heads,
+                                       cfg.buckets, cfg.max_words, eps)
         x = self.embed(ids.reshape(b * t, k)).reshape(b, t, -1) + self.pos[:t]  # (B, T, C)
-        fast = None if self.training or torch.is_grad_enabled() else self._scripted()
+        fast = self._scripted() if inference else None
         named = lexical.to(x.dtype)  # (B, N)
         other = (named.sum(-1, keepdim=True) > 0).to(x.dtype) * (1.0 - named)  # (B, N)
         q = (self.latents + named[..., None] * self.lexical_query[0]
              + other[..., None] * self.lexical_query[1])  # (B, N, C)
         if fast is not None:  # inference in one call on raw weights (a question is ~100 tiny ops)
             fn, encoder, tail, eps = fast
-            allowed = None if bool(mask.all()) else mask[:, None, None]  # one question: no padding to mask
-            ops = native_ops() if allowed is None and x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == torch.float32 else None
-            if ops is not None:  # the same ops as native loops (cpu_steps.cpp)
-                encoder_t, tail_t = self._native_weights(encoder, tail)
-                return ops.view_logits(x, q, encoder_t, tail_t, self.cfg.heads, eps)
+            allowed = None if bool(mask.all()) else mask[:, None, None]
             return fn(x, allowed, q, encoder, tail, self.cfg.heads, eps)
         x = self.norm(self.encoder(x, src_key_padding_mask=~mask))  # (B, T, C)
         z = q + self.cross(self.latent_norm(q), x, x, key_padding_mask=~mask, need_weights=False)[0]  # (B, N, C)
         return self.head(z).squeeze(-1)  # (B, N)
+
+    def _uniform_eps(self) -> float | None:
+        """The norms' one eps where every encoder layer is GELU (what `_logits_ops` and the native code
+        describe), else None (the modules run)."""
+        layers = list(self.encoder.layers)
+        norms = [m for layer in layers for m in (layer.norm1, layer.norm2)] + [self.norm, self.latent_norm, self.head[0]]
+        if len({n.eps for n in norms}) != 1 or any(layer.activation_relu_or_gelu != 2 for layer in layers):
+            return None
+        return norms[0].eps
+
+    def _native_tensors(self) -> list[torch.Tensor]:
+        """Every weight in the native `view_logits`' order, each linear weight transposed to (in, out)."""
+        tensors = [self.embed.weight, self.pos, self.latents, self.lexical_query]
+        for layer in self.encoder.layers:
+            attn = layer.self_attn
+            tensors += [layer.norm1.weight, layer.norm1.bias, attn.in_proj_weight.t(), attn.in_proj_bias,
+                        attn.out_proj.weight.t(), attn.out_proj.bias, layer.norm2.weight, layer.norm2.bias,
+                        layer.linear1.weight.t(), layer.linear1.bias, layer.linear2.weight.t(), layer.linear2.bias]
+        return tensors + [self.norm.weight, self.norm.bias, self.latent_norm.weight, self.latent_norm.bias,
+                          self.cross.in_proj_weight.t(), self.cross.in_proj_bias, self.cross.out_proj.weight.t(),
+                          self.cross.out_proj.bias, self.head[0].weight, self.head[0].bias, self.head[1].weight.t(),
+                          self.head[1].bias, self.head[3].weight.t(), self.head[3].bias]
+
+    def _native(self):
+        """(torch.ops.litevlm_cpu, every weight packed into one fp32 buffer, eps) for the native inference, the
+        buffer rebuilt when a weight changes; None where the native code is unavailable or does not describe
+        this module (mixed norm eps, a non-GELU encoder, weights not fp32)."""
+        ops = native_ops()
+        if ops is None or self.latents.dtype != torch.float32:
+            return None
+        cache = self.__dict__.get("_native_pack")
+        if cache is not None and cache[0] == tuple((p.data_ptr(), p._version) for p in cache[1]):
+            return cache[2]
+        params = list(self.parameters())
+        eps = self._uniform_eps()
+        packed = None if eps is None else torch.cat([w.detach().reshape(-1) for w in self._native_tensors()])
+        args = None if packed is None else (ops, packed, eps)
+        self.__dict__["_native_pack"] = (tuple((p.data_ptr(), p._version) for p in params), params, args)
+        return args
 
     def _scripted(self):
         """(scripted `_logits_ops`, encoder weights, tail weights, eps) for inference, rebuilt when a
@@ -363,10 +406,10 @@ class ViewSelector(nn.Module):
         cache = self.__dict__.get("_script_args")
         if cache is not None and cache[0] == tuple((p.data_ptr(), p._version) for p in cache[1]):
             return cache[2]
+        eps = self._uniform_eps()
+        if eps is None:
+            return None
         layers = list(self.encoder.layers)
-        norms = [m for layer in layers for m in (layer.norm1, layer.norm2)] + [self.norm, self.latent_norm, self.head[0]]
-        if len({n.eps for n in norms}) != 1 or any(layer.activation_relu_or_gelu != 2 for layer in layers):
-            return None  # mixed norm eps or a non-GELU encoder: keep the functional path
         encoder = [[layer.norm1.weight, layer.norm1.bias, layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias,
                     layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias, layer.norm2.weight, layer.norm2.bias,
                     layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias] for layer in layers]
@@ -374,21 +417,9 @@ class ViewSelector(nn.Module):
                 self.cross.in_proj_bias, self.cross.out_proj.weight, self.cross.out_proj.bias, self.head[0].weight,
                 self.head[0].bias, self.head[1].weight, self.head[1].bias, self.head[3].weight, self.head[3].bias]
         params = [p for group in encoder for p in group] + tail
-        args = (_SCRIPTED_LOGITS[0], [[p.detach() for p in g] for g in encoder], [p.detach() for p in tail], norms[0].eps)
+        args = (_SCRIPTED_LOGITS[0], [[p.detach() for p in g] for g in encoder], [p.detach() for p in tail], eps)
         self.__dict__["_script_args"] = (tuple((p.data_ptr(), p._version) for p in params), params, args)
         return args
-
-    def _native_weights(self, encoder: list, tail: list) -> tuple[list, list]:
-        """`_scripted`'s weight lists for the native `view_logits`: the encoder's flat, every linear weight
-        transposed to (in, out) row-major; kept until `_scripted` rebuilds its lists."""
-        cache = self.__dict__.get("_native_args")
-        if cache is not None and cache[0] is encoder:
-            return cache[1]
-        linear_enc, linear_tail = (2, 4, 8, 10), (4, 6, 10, 12)  # positions of weights in `_logits_ops`' lists
-        flat = [w.t().contiguous() if i in linear_enc else w.contiguous() for layer in encoder for i, w in enumerate(layer)]
-        tail_t = [w.t().contiguous() if i in linear_tail else w.contiguous() for i, w in enumerate(tail)]
-        self.__dict__["_native_args"] = (encoder, (flat, tail_t))
-        return flat, tail_t
 
     def lexical(self, questions: Sequence[str]) -> torch.Tensor:
         """The lexical map (B, N) of a batch of questions."""
@@ -399,6 +430,10 @@ class ViewSelector(nn.Module):
         """The module's probability (B, N) that each view is needed (call .eval() first)."""
         lexical = self.lexical(questions) if lexical is None else lexical
         dev = self.latents.device
+        if len(questions) == 1:  # the pipeline's case, kept lean: one call, no batching
+            ids, mask = self.cfg.features(questions)
+            with torch.inference_mode():
+                return torch.sigmoid(self(ids.to(dev), mask.to(dev), lexical.to(dev)).float()).cpu()
         out = []
         with torch.inference_mode():
             for i in range(0, len(questions), batch):
@@ -417,8 +452,7 @@ class ViewSelector(nn.Module):
     # -- the paper's interface ------------------------------------------------------------------------
     def score(self, question: str) -> dict[str, float]:
         """Fused per-camera score of one question: weight * lexical + (1 - weight) * module."""
-        s = self.scores([question])[0]
-        return {c: float(v) for c, v in zip(self.cameras, s)}
+        return dict(zip(self.cameras, self.scores([question])[0].tolist()))
 
     def select(self, question: str) -> tuple[list[str], dict[str, float]]:
         """(views to encode in CAMERAS order, per-camera scores); all six when none passes the threshold."""
