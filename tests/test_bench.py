@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from litevlm.eval.bench import BF16_CONFIGS, CONFIGS, HF_ROWS, format_table, plot, run_bench
+from litevlm.eval.bench import BF16_CONFIGS, CONFIGS, HF_ROWS, RowLog, format_shares, format_table, plot, run_bench
 from litevlm.model.lm import bf16_matmul_supported
 
 
@@ -35,8 +35,16 @@ def test_bench_rows_are_consistent(full_model_dir, tmp_path):
     assert rows["eagle"]["score"] == rows["baseline"]["score"]
     assert rows["transformers eager"]["score"] == rows["baseline"]["score"]
     assert rows["transformers static"]["score"] == rows["baseline"]["score"]
+    for r in rows.values():  # the stage shares of the summed end-to-end time add up to all of it
+        assert sum(r["shares"].values()) == pytest.approx(1.0, abs=1e-3)
+        assert r["mean_total_ms"] > 0
+    log = RowLog()
+    log.add(6, 2.0, 100, 3.0, 5.0, 0.0, 4)
+    log.add(6, 4.0, 100, 5.0, 1.0, 0.0, 2)
+    assert log.shares() == {"vit": 0.3, "select": 0.0, "prefill": 0.4, "decode": 0.3}  # 6 / 20, 8 / 20, 6 / 20
     json.dumps(result)
     assert "| baseline |" in format_table(result)
+    assert "| baseline |" in format_shares(result)
     plot(result, tmp_path / "bench.png", per_question)
     assert (tmp_path / "bench.png").stat().st_size > 10_000
 

@@ -196,7 +196,7 @@ def cmd_quantize(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from litevlm.eval.bench import configs_named, format_table, plot, run_bench
+    from litevlm.eval.bench import configs_named, format_shares, format_table, plot, run_bench
 
     configs = configs_named(args.configs) if args.configs else None
     result, per_question = run_bench(args.model, data=args.data, n=args.n, shape=args.shape, configs=configs, hf=not args.no_transformers,
@@ -205,6 +205,8 @@ def cmd_bench(args) -> None:
     if args.plot:
         plot(result, args.plot, per_question)
     print(format_table(result))
+    print("\nstage shares of the mean end-to-end time:")
+    print(format_shares(result))
     if args.json:
         _print_json(result)
 

@@ -107,7 +107,16 @@ class RowLog:
             "score": score,
             "tau": round(statistics.fmean(self.accept), 3) if self.accept else None,
             "precision": self.precision,
+            "mean_total_ms": round(statistics.fmean(self.total), 3),
+            "shares": self.shares(),
         }
+
+    def shares(self) -> dict[str, float]:
+        """Each stage's part of the end-to-end time summed over the questions (the paper's Table 1 gives means, whose
+        ratios these are); the medians above, taken stage by stage, need not add up to the median total."""
+        total = sum(self.total)
+        stages = {"vit": self.vit, "select": self.select, "prefill": self.prefill, "decode": self.decode}
+        return {name: round(sum(times) / total, 4) if total else 0.0 for name, times in stages.items()}
 
 
 def _samples(data, n: int, seed: int):
@@ -305,6 +314,15 @@ def format_table(result: dict) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in result["rows"]:
         lines.append("| " + " | ".join("n/a" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def format_shares(result: dict) -> str:
+    """Mean end-to-end time per configuration and each stage's share of it (`RowLog.shares`)."""
+    lines = ["| config | mean total ms | vision | selection | prefill | decode |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        sh = r["shares"]
+        lines.append(f"| {r['config']} | {r['mean_total_ms']} | " + " | ".join(f"{100 * sh[k]:.1f}%" for k in ("vit", "select", "prefill", "decode")) + " |")
     return "\n".join(lines)
 
 
