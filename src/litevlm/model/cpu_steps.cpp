@@ -2,7 +2,9 @@
 //
 // The same computations as the TorchScript functions of cpu_steps.py (`layers`, `chain`, `draft_cycle`,
 // `verify_chain`, `decode_logits`), with the same arguments except that the per-layer weight and cache lists come flat
-// (7 weights and 2 caches a layer, in cpu_steps.py's order). A one-row matmul is an own loop (`product`), larger
+// (7 weights and 2 caches a layer, in cpu_steps.py's order) and that the q|k|v projection comes without the rotated
+// copies of q and k that the TorchScript steps fold into it: RoPE's rotation is a loop here, and the copies would
+// add 37% to that product (12% of a layer's weights, read at every step). A one-row matmul is an own loop (`product`), larger
 // ones go to ATen (MKL); everything between them (RMSNorm, RoPE, the cache writes, attention over the cached
 // slots, SiLU-gating, the draft's log-softmax top-1 and the acceptance test) is one loop each over fp32 rows, with
 // no dispatch per op.
@@ -219,24 +221,30 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
       xn = at::empty_like(x);
       rms_norm_rows(x.data_ptr<float>(), in_norm.data_ptr<float>(), xn.data_ptr<float>(), n, c, eps);
     }
-    at::Tensor qkv = product(qkv_b, xn, qkv_w);  // (n, 2 nqk + hkv d): [q k | rot q rot k | v]
+    TORCH_CHECK(qkv_w.size(1) == nqk + hkv * d, "litevlm_cpu: the packed q|k|v projection must be (C, ", nqk + hkv * d,
+                ") without the rotated copies (cpu_steps.py's native wrappers cut them); got ", qkv_w.size(1), " columns");
+    at::Tensor qkv = product(qkv_b, xn, qkv_w);  // (n, nqk + hkv d): [q k | v]
     const int64_t width = qkv.size(1);
+    const int64_t half_d = d / 2;
     float* qkv_p = qkv.data_ptr<float>();
     float* kc = k_cache.data_ptr<float>();
     float* vc = v_cache.data_ptr<float>();
-    // RoPE in place over q|k (the rotated half comes pre-multiplied by the packed weights), then the cache writes.
+    // RoPE in place over q|k, x * cos + rotate_half(x) * sin per head, then the cache writes.
     for (int64_t r = 0; r < n; ++r) {
       float* row = qkv_p + r * width;
       const float* cs = cos_rows[r];
       const float* sn = sin_rows[r];
       for (int64_t h = 0; h < hq + hkv; ++h) {
         float* q = row + h * d;
-        const float* q_rot = row + nqk + h * d;
-        for (int64_t j = 0; j < d; ++j) q[j] = q[j] * cs[j] + q_rot[j] * sn[j];
+        for (int64_t j = 0; j < half_d; ++j) {
+          const float a = q[j], b = q[j + half_d];
+          q[j] = a * cs[j] - b * sn[j];
+          q[j + half_d] = b * cs[j + half_d] + a * sn[j + half_d];
+        }
       }
       for (int64_t h = 0; h < hkv; ++h) {
         std::copy_n(row + (hq + h) * d, d, kc + (h * slots + start + r) * d);
-        std::copy_n(row + 2 * nqk + h * d, d, vc + (h * slots + start + r) * d);
+        std::copy_n(row + nqk + h * d, d, vc + (h * slots + start + r) * d);
       }
     }
     const int64_t first = last_only ? n - 1 : 0;  // rows that go on past the cache writes

@@ -184,6 +184,25 @@ def _flat(groups: List[List[torch.Tensor]]) -> List[torch.Tensor]:
     return [t for group in groups for t in group]
 
 
+def _without_rotation(t: torch.Tensor, nqk: int) -> torch.Tensor:
+    """A packed q|k|v projection (C, 2 nqk + Hkv D) or its bias, [q k | rot q rot k | v], as [q k | v] for the native
+    steps (which rotate in a loop); made once per packed tensor and kept on it (packings are rebuilt, never changed)."""
+    cut = t.__dict__.get("_litevlm_unrotated")
+    if cut is None:
+        cut = torch.cat([t[..., :nqk], t[..., 2 * nqk :]], -1).contiguous()
+        t.__dict__["_litevlm_unrotated"] = cut
+    return cut
+
+
+def _native_flat(weights: List[List[torch.Tensor]], hq: int, hkv: int, d: int) -> List[torch.Tensor]:
+    """`_flat` of the layers' weights for the native ops: each q|k|v projection and bias without its rotated copies."""
+    nqk = (hq + hkv) * d
+    out = []
+    for w in weights:
+        out += [w[0], _without_rotation(w[1], nqk), _without_rotation(w[2], nqk), *w[3:]]
+    return out
+
+
 def _native_steps() -> tuple | None:
     """The five functions as the native ops of cpu_steps.cpp (`litevlm.model.native`), taking the same
     arguments, or None where they cannot be built here."""
@@ -194,26 +213,28 @@ def _native_steps() -> tuple | None:
         return None
 
     def native_layers(x, cos, sin, start, mask, weights, caches, hq, hkv, d, eps, last_only=False):
-        return ops.layers(x, cos, sin, start, mask, _flat(weights), _flat(caches), hq, hkv, d, eps, last_only)
+        return ops.layers(x, cos, sin, start, mask, _native_flat(weights, hq, hkv, d), _flat(caches), hq, hkv, d, eps,
+                          last_only)
 
     def native_chain(root_hidden, position, start, depth, log_min, eos, cos_table, sin_table, embed, fc_w, fc_b, head,
                      vocab_map, weights, caches, hq, hkv, d, eps):
         return ops.chain(root_hidden, position, start, depth, log_min, eos, cos_table, sin_table, embed, fc_w, fc_b, head,
-                         vocab_map, _flat(weights), _flat(caches), hq, hkv, d, eps)
+                         vocab_map, _native_flat(weights, hq, hkv, d), _flat(caches), hq, hkv, d, eps)
 
     def native_cycle(feats, nxt, pair_pos, done, root, root_pos, depth, log_min, eos, cos_table, sin_table, embed, fc_w,
                      fc_b, head, vocab_map, weights, caches, hq, hkv, d, eps):
         return ops.draft_cycle(feats, nxt, pair_pos, done, root, root_pos, depth, log_min, eos, cos_table, sin_table,
-                               embed, fc_w, fc_b, head, vocab_map, _flat(weights), _flat(caches), hq, hkv, d, eps)
+                               embed, fc_w, fc_b, head, vocab_map, _native_flat(weights, hq, hkv, d), _flat(caches), hq,
+                               hkv, d, eps)
 
     def native_verify(tokens, start, root_pos, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps, norm_w,
                       head):
-        return ops.verify_chain(tokens, start, root_pos, cos_table, sin_table, embed, _flat(weights), _flat(caches), hq,
-                                hkv, d, eps, norm_w, head)
+        return ops.verify_chain(tokens, start, root_pos, cos_table, sin_table, embed, _native_flat(weights, hq, hkv, d),
+                                _flat(caches), hq, hkv, d, eps, norm_w, head)
 
     def native_decode(token, position, slot, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps, norm_w, head):
-        return ops.decode_logits(token, position, slot, cos_table, sin_table, embed, _flat(weights), _flat(caches), hq, hkv,
-                                 d, eps, norm_w, head)
+        return ops.decode_logits(token, position, slot, cos_table, sin_table, embed, _native_flat(weights, hq, hkv, d),
+                                 _flat(caches), hq, hkv, d, eps, norm_w, head)
 
     return native_layers, native_chain, native_cycle, native_verify, native_decode
 
@@ -267,9 +288,9 @@ def prompt_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoder
         return None
     from litevlm.model import native
 
-    return native.ops().prompt_layers(x, cos, sin, _flat([layer_weights(layer) for layer in decoder_layers]),
-                                      _flat(caches(decoder_layers)), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                      cfg.norm_eps)
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    weights = _native_flat([layer_weights(layer) for layer in decoder_layers], hq, hkv, d)
+    return native.ops().prompt_layers(x, cos, sin, weights, _flat(caches(decoder_layers)), hq, hkv, d, cfg.norm_eps)
 
 
 def layer_weights(layer) -> List[torch.Tensor]:
