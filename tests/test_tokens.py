@@ -408,13 +408,22 @@ def test_train_token_selector_smoke(tmp_path):
     assert "fastv_k1" in sel.meta["training"]["validation"]
 
 
-@pytest.mark.parametrize("scripted", [True, False])
-def test_the_inference_head_equals_the_training_head(scripted, monkeypatch):
-    """`head_scores` at inference (one prompt, no grad: fewer, larger ops, one TorchScript call or plain
-    Python where TorchScript is missing) equals its differentiable form."""
+@pytest.mark.parametrize("path", ["native", "scripted", "python"])
+def test_the_inference_head_equals_the_training_head(path, monkeypatch):
+    """`head_scores` at inference (one prompt, no grad: one native call, one TorchScript call, or plain Python
+    where neither is available) equals its differentiable form."""
+    from litevlm.model import cpu_steps, native
     from litevlm.select import tokens
 
-    if not scripted:
+    if path == "native":
+        if cpu_steps.backend() != "native":
+            pytest.skip(f"the native CPU code is unavailable here ({native.error()})")
+        calls = []
+        real = native.ops()
+        monkeypatch.setattr(tokens.native, "ops", lambda: calls.append(1) or real)
+    else:
+        monkeypatch.setattr(tokens.cpu_steps, "backend", lambda: "torchscript")
+    if path == "python":
         monkeypatch.setattr(tokens, "_HEAD_FN", [tokens._head_ops])
     model = tiny_vlm()
     embeds, positions, spans = tiny_prompt(model)
@@ -431,3 +440,5 @@ def test_the_inference_head_equals_the_training_head(scripted, monkeypatch):
         slow = sel.head_scores(x, positions, spans, tags)
     assert slow.requires_grad and not fast.requires_grad
     torch.testing.assert_close(fast, slow.detach(), atol=1e-5, rtol=1e-5)
+    if path == "native":
+        assert calls  # the native head ran

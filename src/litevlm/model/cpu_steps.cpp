@@ -648,6 +648,119 @@ at::Tensor view_logits_op(const at::Tensor& ids_in, const at::Tensor& lexical_in
   return at::tensor(logits, at::kFloat).view({1, n});
 }
 
+// ---- the TokenSelector's scoring head (litevlm.select.tokens), one prompt --------------------------------------
+
+// `_head_ops` of litevlm/select/tokens.py: decoder layer 0's output x (T, C) -> log-scores (N,) of the visual tokens
+// at prompt indices `vis`, the question being rows first_row..T-1. cos / sin (T, D) at the prompt's positions; tags
+// (2, N) or empty; w = [norm, W_q (C, 2 Hq D + 1) = [q | rot q | gate], b_q, W_k (C, 2 Hkv D) = [k | rot k], b_k,
+// last bonus (1), head logits (Hq), W1 token half (C, hidden), b1, W1 context half (hidden, C), w2 (hidden), b2 (1),
+// tag weights (2)], all contiguous fp32.
+at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, int64_t first_row,
+                           const at::Tensor& vis_in, const at::Tensor& tags, at::TensorList w, int64_t hq, int64_t hkv,
+                           int64_t d, double eps) {
+  TORCH_CHECK(w.size() == 13, "litevlm_cpu: token_scores takes 13 weights");
+  for (const auto& t : w) check_f32_contiguous(t, "a TokenSelector weight");
+  const at::Tensor x = x_in.contiguous();
+  check_f32_contiguous(x, "x");
+  check_f32_contiguous(cos, "cos");
+  check_f32_contiguous(sin, "sin");
+  const at::Tensor vis_t = vis_in.to(at::kLong).contiguous();
+  const int64_t t = x.size(0), c = x.size(1), n = t - first_row, nv = vis_t.numel(), g = hq / hkv;
+  const int64_t hidden = w[7].size(1);
+  TORCH_CHECK(first_row >= 1 && n >= 1 && cos.size(0) == t && cos.size(1) == d, "litevlm_cpu: token_scores shapes");
+  TORCH_CHECK(w[1].size(1) == 2 * hq * d + 1 && w[3].size(1) == 2 * hkv * d, "litevlm_cpu: token_scores projections");
+  const int64_t* vis = vis_t.data_ptr<int64_t>();
+  for (int64_t j = 0; j < nv; ++j) TORCH_CHECK(vis[j] >= 0 && vis[j] < first_row, "litevlm_cpu: a visual index past the views");
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+
+  at::Tensor h = at::empty({t, c}, x.options());
+  rms_norm_rows(x.data_ptr<float>(), w[0].data_ptr<float>(), h.data_ptr<float>(), t, c, eps);
+  const float* hp = h.data_ptr<float>();
+  at::Tensor qg = at::addmm(w[2], h.slice(0, first_row, t), w[1]);  // (n, 2 Hq D + 1)
+  at::Tensor kk = at::addmm(w[4], h, w[3]);                           // (T, 2 Hkv D)
+  const int64_t qw = qg.size(1), kw = kk.size(1);
+  float* qp = qg.data_ptr<float>();
+  float* kp = kk.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i)  // RoPE: a * cos + rot(a) * sin, the rotation folded into the weights
+    for (int64_t e = 0; e < hq * d; ++e)
+      qp[i * qw + e] = qp[i * qw + e] * cs[(first_row + i) * d + e % d] + qp[i * qw + hq * d + e] * sn[(first_row + i) * d + e % d];
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t e = 0; e < hkv * d; ++e)
+      kp[r * kw + e] = kp[r * kw + e] * cs[r * d + e % d] + kp[r * kw + hkv * d + e] * sn[r * d + e % d];
+
+  // row pooling beta (softmax of the gates, the last row's with its bonus) and the head weights
+  std::vector<float> beta(n), head_w(hq);
+  for (int64_t i = 0; i < n; ++i) beta[i] = qp[i * qw + 2 * hq * d] + (i == n - 1 ? w[5].data_ptr<float>()[0] : 0.f);
+  auto softmax = [](std::vector<float>& v) {
+    const float best = *std::max_element(v.begin(), v.end());
+    float total = 0.f;
+    for (float& a : v) total += (a = std::exp(a - best));
+    for (float& a : v) a /= total;
+  };
+  softmax(beta);
+  std::copy_n(w[6].data_ptr<float>(), hq, head_w.data());
+  softmax(head_w);
+
+  // mix_j = sum over heads m and rows i of head_w[m] beta[i] softmax_keys(q_i^m . k^m / sqrt(d))[vis_j]
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  std::vector<float> mix(nv, 0.f), p(t);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t top = first_row + i + 1;  // causal: row first_row + i sees keys 0..first_row + i
+    for (int64_t m = 0; m < hq; ++m) {
+      const float* q = qp + i * qw + m * d;
+      const int64_t kv = m / g;
+      float best = -INFINITY;
+      for (int64_t r = 0; r < top; ++r) {
+        const float* k = kp + r * kw + kv * d;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t e = 0; e < d; ++e) dot += q[e] * k[e];
+        p[r] = dot * scale;
+        best = std::max(best, p[r]);
+      }
+      for (int64_t r = 0; r < top; ++r) p[r] -= best;
+      exp_inplace(p.data(), top);
+      float total = 0.f;
+      for (int64_t r = 0; r < top; ++r) total += p[r];
+      const float coef = head_w[m] * beta[i] / total;
+      for (int64_t j = 0; j < nv; ++j) mix[j] += coef * p[vis[j]];
+    }
+  }
+  // the content MLP on [norm(h_j), context], its first layer split into the token and the context halves
+  std::vector<float> ctx(c, 0.f), pre_ctx(hidden);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t e = 0; e < c; ++e) ctx[e] += beta[i] * hp[(first_row + i) * c + e];
+  const float* w1c = w[9].data_ptr<float>();  // (hidden, C)
+  for (int64_t u = 0; u < hidden; ++u) {
+    float acc = w[8].data_ptr<float>()[u];
+    for (int64_t e = 0; e < c; ++e) acc += w1c[u * c + e] * ctx[e];
+    pre_ctx[u] = acc;
+  }
+  at::Tensor hv = h.index_select(0, vis_t);  // (N, C)
+  std::vector<float> pre(nv * hidden), scratch(nv * hidden);
+  for (int64_t j = 0; j < nv; ++j) std::copy_n(pre_ctx.data(), hidden, pre.data() + j * hidden);
+  at::Tensor pre_t = at::from_blob(pre.data(), {nv, hidden}, x.options());
+  pre_t.addmm_(hv, w[7]);
+  gelu_inplace(pre.data(), nv * hidden, scratch.data());
+  const float* w2 = w[10].data_ptr<float>();
+  const float b2 = w[11].data_ptr<float>()[0];
+  const bool tagged = tags.numel() > 0;
+  at::Tensor tags_c = tagged ? tags.to(at::kFloat).contiguous() : tags;
+  TORCH_CHECK(!tagged || (tags_c.size(0) == 2 && tags_c.size(1) == nv), "litevlm_cpu: token_scores tags must be (2, N)");
+  const float* tw = w[12].data_ptr<float>();
+  at::Tensor out = at::empty({nv}, x.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t j = 0; j < nv; ++j) {
+    float s = b2;
+    for (int64_t u = 0; u < hidden; ++u) s += pre[j * hidden + u] * w2[u];
+    s += std::log(mix[j] + 1e-9f);
+    if (tagged) s += tw[0] * tags_c.data_ptr<float>()[j] + tw[1] * tags_c.data_ptr<float>()[nv + j];
+    o[j] = s;
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(litevlm_cpu, m) {
@@ -673,6 +786,9 @@ TORCH_LIBRARY(litevlm_cpu, m) {
   m.def("prompt_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, "
         "float eps) -> Tensor",
         &prompt_layers_op);
+  m.def("token_scores(Tensor x, Tensor cos, Tensor sin, int first_row, Tensor vis, Tensor tags, Tensor[] weights, "
+        "int hq, int hkv, int d, float eps) -> Tensor",
+        &token_scores_op);
   m.def("view_logits(Tensor ids, Tensor lexical, Tensor packed, int layers, int width, int ffn, int heads, "
         "int buckets, int max_words, float eps) -> Tensor",
         &view_logits_op);

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
+from litevlm.model import cpu_steps, native
 from litevlm.model.generate import Generation, Prefilled, StageTimer, generate
 from litevlm.model.lm import DecoderLayer, apply_rope, linear, rope_cos_sin, rope_table, rotate_head_rows
 from litevlm.model.vision import RMSNorm
@@ -527,16 +528,34 @@ class TokenSelector(nn.Module):
 
     def _head_scores_one(self, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], first_row: int,
                          tags: torch.Tensor | None) -> torch.Tensor:
-        """`head_scores` for one fp32 prompt x (T, C) at inference: `_head_ops` on packed weights, one
-        TorchScript call where TorchScript is available (equal to the differentiable head, a test)."""
+        """`head_scores` for one fp32 prompt x (T, C) at inference: `_head_ops` on packed weights in one call, native
+        (cpu_steps.cpp) where the native steps serve, else TorchScript (equal to the differentiable head, a test)."""
         cfg = self.text_cfg
-        wq, bq, wk, bk = self._packed()
         cos, sin = self._rope(positions[0], x.dtype)  # (T, 1, D)
-        c = x.shape[1]
-        w1, b1, w2, b2 = self.mlp[0].weight, self.mlp[0].bias, self.mlp[2].weight, self.mlp[2].bias
-        weights = [self.norm.weight, wq, bq, wk, bk, self.last_bonus, self.head_logits, w1[:, :c].t(), b1, w1[:, c:], w2[0], b2, self.tag_weight]
-        return _head_fn()(x, cos, sin, first_row, visual_index(view_spans, x.device), x.new_empty(0) if tags is None else tags.float(),
-                          weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.norm.eps)
+        vis = visual_index(view_spans, x.device)
+        tags = x.new_empty(0) if tags is None else tags.float()
+        ops = native.ops() if x.device.type == "cpu" and cpu_steps.backend() == "native" else None
+        if ops is not None:  # the same head as native loops (cpu_steps.cpp), one call
+            return ops.token_scores(x, cos[:, 0], sin[:, 0], first_row, vis, tags, self._head_weights(), cfg.num_heads,
+                                    cfg.num_kv_heads, cfg.head_dim, self.norm.eps)
+        return _head_fn()(x, cos, sin, first_row, vis, tags, self._head_weights(), cfg.num_heads, cfg.num_kv_heads,
+                          cfg.head_dim, self.norm.eps)
+
+    def _head_weights(self) -> list:
+        """`_head_ops`' weight list, contiguous (`_packed` projections, the MLP's first layer split into its token half,
+        transposed, and its context half); rebuilt when a weight of the head changes."""
+        params = [p for name, p in self.named_parameters() if not name.startswith("layer.")]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        cache = self.__dict__.get("_head_cache")
+        if cache is not None and cache[0] == key:
+            return cache[1]
+        wq, bq, wk, bk = self._packed()
+        c = self.text_cfg.hidden_size
+        w1, b1, w2, b2 = (t.detach() for t in (self.mlp[0].weight, self.mlp[0].bias, self.mlp[2].weight, self.mlp[2].bias))
+        weights = [self.norm.weight.detach(), wq, bq, wk, bk, self.last_bonus.detach().reshape(1), self.head_logits.detach(),
+                   w1[:, :c].t().contiguous(), b1, w1[:, c:].contiguous(), w2[0].contiguous(), b2, self.tag_weight.detach()]
+        self.__dict__["_head_cache"] = (key, weights)
+        return weights
 
     def _packed(self) -> tuple:
         """(W_q (C, 2 Hq D + 1), b_q, W_k (C, 2 Hkv D), b_k), row-major: [q | rot(q) | gate] and [k | rot(k)],
