@@ -508,6 +508,25 @@ void gelu_inplace(float* x, int64_t count, float* scratch) {
   }
 }
 
+// p[j] = exp(q . k_j * scale - max) over `count` keys k_j of d floats, one every `stride` floats -> the sum of p:
+// a softmax row, left for the caller to normalise.
+float exp_scores(const float* q, const float* keys, int64_t stride, int64_t count, int64_t d, float scale, float* p) {
+  float best = -INFINITY;
+  for (int64_t j = 0; j < count; ++j) {
+    const float* kj = keys + j * stride;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t e = 0; e < d; ++e) s += q[e] * kj[e];
+    p[j] = s * scale;
+    best = std::max(best, p[j]);
+  }
+  for (int64_t j = 0; j < count; ++j) p[j] -= best;
+  exp_inplace(p, count);
+  float total = 0.f;
+  for (int64_t j = 0; j < count; ++j) total += p[j];
+  return total;
+}
+
 // Multi-head attention of nq query rows q (nq, C) over t rows k, v (t, C), every key visible -> y (nq, C).
 // q, k, v may sit inside wider rows: one row every q_stride / kv_stride floats.
 void mha_into(const float* q, int64_t q_stride, const float* k, const float* v, int64_t kv_stride, int64_t nq,
@@ -518,20 +537,7 @@ void mha_into(const float* q, int64_t q_stride, const float* k, const float* v, 
   std::fill(y, y + nq * c, 0.f);
   for (int64_t i = 0; i < nq; ++i) {
     for (int64_t h = 0; h < heads; ++h) {
-      const float* qi = q + i * q_stride + h * d;
-      float best = -INFINITY;
-      for (int64_t j = 0; j < t; ++j) {
-        const float* kj = k + j * kv_stride + h * d;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t e = 0; e < d; ++e) s += qi[e] * kj[e];
-        p[j] = s * scale;
-        best = std::max(best, p[j]);
-      }
-      for (int64_t j = 0; j < t; ++j) p[j] -= best;
-      exp_inplace(p.data(), t);
-      float total = 0.f;
-      for (int64_t j = 0; j < t; ++j) total += p[j];
+      const float total = exp_scores(q + i * q_stride + h * d, k + h * d, kv_stride, t, d, scale, p.data());
       float* yi = y + i * c + h * d;
       for (int64_t j = 0; j < t; ++j) {
         const float* vj = v + j * kv_stride + h * d;
@@ -708,21 +714,7 @@ at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const 
   for (int64_t i = 0; i < n; ++i) {
     const int64_t top = first_row + i + 1;  // causal: row first_row + i sees keys 0..first_row + i
     for (int64_t m = 0; m < hq; ++m) {
-      const float* q = qp + i * qw + m * d;
-      const int64_t kv = m / g;
-      float best = -INFINITY;
-      for (int64_t r = 0; r < top; ++r) {
-        const float* k = kp + r * kw + kv * d;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t e = 0; e < d; ++e) dot += q[e] * k[e];
-        p[r] = dot * scale;
-        best = std::max(best, p[r]);
-      }
-      for (int64_t r = 0; r < top; ++r) p[r] -= best;
-      exp_inplace(p.data(), top);
-      float total = 0.f;
-      for (int64_t r = 0; r < top; ++r) total += p[r];
+      const float total = exp_scores(qp + i * qw + m * d, kp + (m / g) * d, kw, top, d, scale, p.data());
       const float coef = head_w[m] * beta[i] / total;
       for (int64_t j = 0; j < nv; ++j) mix[j] += coef * p[vis[j]];
     }
