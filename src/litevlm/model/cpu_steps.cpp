@@ -98,8 +98,14 @@ at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor
                        w.scalar_type() == at::kFloat &&
                        (!base.defined() || (base.is_contiguous() && base.scalar_type() == at::kFloat && base.numel() == out));
   if (!one_row) return base.defined() ? at::addmm(base, x, w) : at::mm(x, w);
-  at::Tensor y = base.defined() ? base.reshape({1, out}).clone() : at::zeros({1, out}, x.options());
-  row_product(x.data_ptr<float>(), x.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
+  at::Tensor y = at::empty({1, out}, x.options());  // one dispatch: the base is copied in here, not by ATen
+  float* yp = y.data_ptr<float>();
+  if (base.defined()) {
+    std::copy_n(base.data_ptr<float>(), out, yp);
+  } else {
+    std::fill_n(yp, out, 0.f);
+  }
+  row_product(x.data_ptr<float>(), x.size(1), w.data_ptr<float>(), out, yp);
   return y;
 }
 

@@ -194,12 +194,24 @@ def _without_rotation(t: torch.Tensor, nqk: int) -> torch.Tensor:
     return cut
 
 
+def _native_layer(w: List[torch.Tensor], nqk: int) -> List[torch.Tensor]:
+    """One layer's weights (`layer_weights`) for the native ops: the q|k|v projection and bias without the rotated copies."""
+    return [w[0], _without_rotation(w[1], nqk), _without_rotation(w[2], nqk), *w[3:]]
+
+
+_NATIVE_FLAT: dict = {}  # id(weights list) -> (that list, its `_native_flat`): a plan's list is passed at every step
+
+
 def _native_flat(weights: List[List[torch.Tensor]], hq: int, hkv: int, d: int) -> List[torch.Tensor]:
-    """`_flat` of the layers' weights for the native ops: each q|k|v projection and bias without its rotated copies."""
-    nqk = (hq + hkv) * d
-    out = []
-    for w in weights:
-        out += [w[0], _without_rotation(w[1], nqk), _without_rotation(w[2], nqk), *w[3:]]
+    """`_flat` of the layers' weights for the native ops: each q|k|v projection and bias without its rotated copies
+    (made once per weights list: a generation's plan passes the same list to every step)."""
+    hit = _NATIVE_FLAT.get(id(weights))
+    if hit is not None and hit[0] is weights:
+        return hit[1]
+    out = [t for w in weights for t in _native_layer(w, (hq + hkv) * d)]
+    if len(_NATIVE_FLAT) >= 4:  # lists of past generations (the target's and the draft's plans are the live ones)
+        _NATIVE_FLAT.clear()
+    _NATIVE_FLAT[id(weights)] = (weights, out)
     return out
 
 
@@ -289,7 +301,7 @@ def prompt_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoder
     from litevlm.model import native
 
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    weights = _native_flat([layer_weights(layer) for layer in decoder_layers], hq, hkv, d)
+    weights = [t for layer in decoder_layers for t in _native_layer(layer_weights(layer), (hq + hkv) * d)]
     return native.ops().prompt_layers(x, cos, sin, weights, _flat(caches(decoder_layers)), hq, hkv, d, cfg.norm_eps)
 
 

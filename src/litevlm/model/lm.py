@@ -317,7 +317,11 @@ class TextModel(nn.Module):
         slots (T,) are the cache slots to write; mask (B or 1, 1, T, S) is True where attention is
         allowed, S = kv_len or the cache length. Without slots, attention is causal over `embeds`.
         """
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
+        if embeds.device.type == "cpu":  # the kept table, gathered (the same values; reading the top position syncs a GPU)
+            table_cos, table_sin = self.rope_table(int(positions.max()), embeds.dtype, embeds.device)  # (P, 1, D)
+            cos, sin = table_cos[positions].transpose(1, 2), table_sin[positions].transpose(1, 2)  # (B, 1, T, D)
+        else:
+            cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
         layers = self.layers[start_layer:end_layer]
         x = embeds
         # bf16 mode on a prompt from slot 0: one cast in, one out, everything between in bf16 (the K/V go into
