@@ -333,12 +333,9 @@ class ViewSelector(nn.Module):
         b, t, k = ids.shape
         inference = not (self.training or torch.is_grad_enabled())
         if inference and b == 1 and ids.device.type == "cpu" and bool(mask.all()):  # one question: no padding
-            native = self._native()
-            if native is not None:  # the whole inference as native loops (cpu_steps.cpp), one call
-                ops, packed, eps = native
-                cfg = self.cfg
-                return ops.view_logits(ids[0], lexical[0], packed, cfg.layers, cfg.width, cfg.ffn, cfg.heads,
-                                       cfg.buckets, cfg.max_words, eps)
+            logits = self._native_logits(ids[0], lexical[0])
+            if logits is not None:
+                return logits
         x = self.embed(ids.reshape(b * t, k)).reshape(b, t, -1) + self.pos[:t]  # (B, T, C)
         fast = self._scripted() if inference else None
         named = lexical.to(x.dtype)  # (B, N)
@@ -352,6 +349,16 @@ class ViewSelector(nn.Module):
         x = self.norm(self.encoder(x, src_key_padding_mask=~mask))  # (B, T, C)
         z = q + self.cross(self.latent_norm(q), x, x, key_padding_mask=~mask, need_weights=False)[0]  # (B, N, C)
         return self.head(z).squeeze(-1)  # (B, N)
+
+    def _native_logits(self, ids: torch.Tensor, lexical: torch.Tensor) -> torch.Tensor | None:
+        """Logits (1, N) of one question, word ids (T, K) and lexical map (N,) on the CPU, as one native call
+        (cpu_steps.cpp); None where the native code does not serve this module."""
+        native = self._native()
+        if native is None:
+            return None
+        ops, packed, eps = native
+        cfg = self.cfg
+        return ops.view_logits(ids, lexical, packed, cfg.layers, cfg.width, cfg.ffn, cfg.heads, cfg.buckets, cfg.max_words, eps)
 
     def _uniform_eps(self) -> float | None:
         """The norms' one eps where every encoder layer is GELU (what `_logits_ops` and the native code
@@ -432,6 +439,9 @@ class ViewSelector(nn.Module):
         dev = self.latents.device
         if len(questions) == 1:  # the pipeline's case, kept lean: one call, no batching
             ids, mask = self.cfg.features(questions)
+            logits = self._native_logits(ids[0], lexical[0]) if dev.type == "cpu" and not self.training else None
+            if logits is not None:
+                return torch.sigmoid(logits)
             with torch.inference_mode():
                 return torch.sigmoid(self(ids.to(dev), mask.to(dev), lexical.to(dev)).float()).cpu()
         out = []
