@@ -650,6 +650,53 @@ def test_a_windowed_draft_is_lossless_and_sees_only_the_prompt_tail():
     torch.testing.assert_close(got, head.layer.self_attn.kv_cache.k[:, :, :5], rtol=1e-4, atol=1e-4)
 
 
+def test_the_fixed_shape_verification_equals_the_live_one():
+    """`verify_tree` with the mask over the whole static cache (what `GraphedVerify` captures) gives the live
+    verification's logits and hidden states, and writes the same K/V."""
+    from litevlm.spec.tree import Tree
+
+    model = tiny_vlm(vocab=24)
+    model.language_model.setup_cache(1, 64)
+    embeds, pos = prompt(model, 0)
+    t = embeds.shape[1]
+    parents = torch.tensor([-1, 0, 0, 1, 2])  # two branches of two
+    tree = Tree(torch.tensor([3, 5, 7, 9, 11]), parents, torch.tensor([0, 1, 1, 2, 2]), ancestor_mask(parents, 2))
+    with torch.no_grad():
+        prefill(model, embeds, pos)
+        live = verify_tree(model, tree, t, t + 2, live_prefix=True)
+        k_live = model.language_model.layers[-1].self_attn.kv_cache.k[:, :, t : t + 5].clone()
+        static = verify_tree(model, tree, t, t + 2, live_prefix=False)
+        k_static = model.language_model.layers[-1].self_attn.kv_cache.k[:, :, t : t + 5]
+    torch.testing.assert_close(static[0], live[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(static[1], live[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_static, k_live, atol=1e-6, rtol=1e-6)
+
+
+def test_a_verification_graph_refuses_a_cpu_model():
+    from litevlm.spec.tree import GraphedVerify
+
+    with pytest.raises(LiteVLMError, match="CUDA"):
+        GraphedVerify(tiny_vlm(vocab=24), 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_greedy_lossless_on_cuda_with_a_graphed_verification():
+    from litevlm.spec.tree import GraphedVerify
+
+    model = tiny_vlm(vocab=24).cuda()
+    model.language_model.setup_cache(1, 160)
+    head = random_draft(model).cuda()
+    embeds, pos = prompt(model.cpu(), 0)
+    model.cuda()
+    embeds, pos = embeds.cuda(), pos.cuda()
+    cfg = TreeConfig(4, 5, 16)
+    graphed = GraphedVerify(model, cfg.total_tokens)
+    out = speculative_generate(model, head, embeds, pos, 30, EOS, tree=cfg, verify=graphed)
+    assert out.tokens == generate(model, embeds, pos, 30, EOS).tokens
+    assert graphed.valid_for(model, cfg.total_tokens) and graphed.capture_ms > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_greedy_lossless_on_cuda_with_fixed_shape_verification():

@@ -357,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shape", default=None, help="random weights at a real model's shapes (2b, 1b, internvl3-2b, ...): latency only")
     b.add_argument("--max-new-tokens", type=int, default=160)
     b.add_argument("--cuda-graphs", action="store_true",
-                   help="with --shape on a GPU: replay plain decode steps as CUDA graphs (capture time reported apart)")
+                   help="with --shape on a GPU: replay plain decode steps and fixed-size verifications as CUDA graphs "
+                        "(capture time reported apart)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers generate rows")
     b.add_argument("--configs", default=None, metavar="NAMES",
                    help="comma-separated rows to run (e.g. 'baseline,litevlm,litevlm bf16'; default: every row)")

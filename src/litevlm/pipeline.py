@@ -85,8 +85,8 @@ class Pipeline:
         below, its scoring costs more than the tokens it prunes save (0: always).
     fastv: (K, r) for FastV pruning inside the LLM (the baseline), or None.
     draft + tree: EAGLE-2 speculative decoding with this draft head and tree envelope, or None.
-    cuda_graphs: on a CUDA device, replay plain decode steps as one captured graph each (the
-        speculative and FastV loops stay eager).
+    cuda_graphs: on a CUDA device, replay plain decode steps, and speculative verifications of the configured tree
+        size, as one captured graph each (drafting and the FastV loop stay eager).
     """
 
     def __init__(
@@ -136,6 +136,7 @@ class Pipeline:
             raise LiteVLMError(f"cuda_graphs needs the model on a CUDA device; it is on {model.device}")
         self.cuda_graphs = cuda_graphs
         self._graphed_step = None  # captured on first use, re-captured if the cache is re-allocated
+        self._graphed_verify_step = None  # the same for the speculative verification
         self.capture_ms = 0.0  # one-off CUDA-graph capture cost, kept apart from the measurements
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.tokens_per_view = self.cfg.tokens_per_tile * self.cfg.tiles_per_view
@@ -342,7 +343,8 @@ class Pipeline:
         if self.draft is not None:
             from litevlm.spec.decode import speculative_generate
 
-            return speculative_generate(self.model, self.draft, embeds, positions, *args, tree=self.tree, prefilled=prefilled)
+            return speculative_generate(self.model, self.draft, embeds, positions, *args, tree=self.tree, prefilled=prefilled,
+                                        verify=self._graphed_verify())
         return generate(self.model, embeds, positions, *args, step=self._decode_step(), prefilled=prefilled)
 
     def _decode_step(self):
@@ -355,6 +357,18 @@ class Pipeline:
             self._graphed_step = GraphedDecodeStep(self.model)
             self.capture_ms += self._graphed_step.capture_ms
         return self._graphed_step
+
+    def _graphed_verify(self):
+        """The tree verification as a replayed CUDA graph for trees of the configured size (cuda_graphs=True), else None."""
+        if not self.cuda_graphs:
+            return None
+        n = self.tree.total_tokens
+        if self._graphed_verify_step is None or not self._graphed_verify_step.valid_for(self.model, n):
+            from litevlm.spec.tree import GraphedVerify
+
+            self._graphed_verify_step = GraphedVerify(self.model, n)
+            self.capture_ms += self._graphed_verify_step.capture_ms
+        return self._graphed_verify_step
 
 
 def _part(path: Path, name: str) -> Path:

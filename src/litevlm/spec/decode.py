@@ -35,6 +35,7 @@ def speculative_generate(
     timer: StageTimer | None = None,
     tree: TreeConfig = TreeConfig(),
     prefilled: Prefilled | None = None,
+    verify=None,
 ) -> Generation:
     """`litevlm.model.generate.generate` with EAGLE-2 speculation (batch 1).
 
@@ -43,7 +44,8 @@ def speculative_generate(
     ("prefill", "decode"; plus "draft" and "verify" inside decode). `accept_lengths` holds the
     tokens emitted per target forward, bonus included (tau = their mean). prefilled: the prompt is in
     the cache already (pruned inside the decoder, timed by the caller); embeds and positions are then
-    ignored.
+    ignored. verify: a `GraphedVerify` (GPU), used for the trees of its size (fixed-size trees; chains without a
+    cut); other trees verify eagerly.
     """
     timer = timer or StageTimer(embeds.device)
     if prefilled is not None:
@@ -106,7 +108,10 @@ def speculative_generate(
                 else:
                     if chain is not None:
                         tr = chain_tree(chain)
-                    logits, hid = verify_tree(model, tr, L, root_pos, live, plan)
+                    if verify is not None and len(tr) == verify.n:  # one replayed CUDA graph
+                        logits, hid = verify(tr, L, root_pos)
+                    else:
+                        logits, hid = verify_tree(model, tr, L, root_pos, live, plan)
                     if temperature <= 0:
                         path, bonus = accept_greedy(tr, logits)
                     else:

@@ -19,6 +19,7 @@ also stop early where its value falls below `min_value` (variable shapes: an opt
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -251,22 +252,84 @@ def verify_tree(model, tree: Tree, start: int, root_position: int, live_prefix: 
     lm = model.language_model
     n = len(tree)
     dev = tree.tokens.device
-    embeds = lm.embed_tokens(tree.tokens)[None]  # (1, N, C)
     positions = (tree.depth + root_position)[None]  # (1, N)
     slots = torch.arange(start, start + n, device=dev)
     if live_prefix:
+        embeds = lm.embed_tokens(tree.tokens)[None]  # (1, N, C)
         mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=dev), tree.mask], 1)  # (N, start + N)
         kv_len = start + n
         hidden = lm.fast_forward(embeds[0], positions[0], start, mask[None, None], plan)  # the CPU step, or None
         if hidden is not None:
             return linear(hidden, model.lm_head), hidden
-    else:
-        mask = torch.zeros(n, lm.cache_len, dtype=torch.bool, device=dev)
-        mask[:, :start] = True
-        mask[:, start : start + n] = tree.mask
-        kv_len = None
-    hidden = lm(embeds, positions, slots=slots, mask=mask[None, None], kv_len=kv_len)[0]  # (N, C)
+        hidden = lm(embeds, positions, slots=slots, mask=mask[None, None], kv_len=kv_len)[0]  # (N, C)
+        return linear(hidden, model.lm_head), hidden
+    return verify_static(model, tree.tokens, positions, slots, static_mask(tree, start, lm.cache_len))
+
+
+def static_mask(tree: Tree, start: int, cache_len: int) -> torch.Tensor:
+    """(1, 1, N, cache_len) bool: node i sees the committed slots 0..start-1 and its ancestors at start.. ."""
+    mask = torch.zeros(len(tree), cache_len, dtype=torch.bool, device=tree.tokens.device)
+    mask[:, :start] = True
+    mask[:, start : start + len(tree)] = tree.mask
+    return mask[None, None]
+
+
+def verify_static(model, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """`verify_tree` with every shape fixed and no host values: tokens (N,), positions (1, N), cache slots (N,) and
+    mask (1, 1, N, cache_len) are tensors and attention spans the whole static cache, so one CUDA graph replays it
+    for every tree of N nodes (`GraphedVerify`) -> (logits (N, V), hidden (N, C))."""
+    lm = model.language_model
+    hidden = lm(lm.embed_tokens(tokens)[None], positions, slots=slots, mask=mask, kv_len=None)[0]  # (N, C)
     return linear(hidden, model.lm_head), hidden
+
+
+class GraphedVerify:
+    """`verify_static` for trees of `n` nodes captured as one CUDA graph over the model's KV cache, replayed per
+    speculative cycle (the GPU counterpart of the one-call CPU verification).
+
+    The graph reads the tree from static tensors and writes the cache in place, so it stays valid until the cache
+    is re-allocated (`valid_for`). Capturing writes scratch K/V at slots 0..n-1, which the next prefill overwrites.
+    `capture_ms` is the one-off cost, reported apart from the measurements.
+    """
+
+    def __init__(self, model, n: int, warmup: int = 3):
+        if model.device.type != "cuda":
+            raise LiteVLMError("CUDA graphs need the model on a CUDA device")
+        lm = model.language_model
+        self.model, self.n = model, n
+        self.cache = lm.layers[0].self_attn.kv_cache.k
+        dev = model.device
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(1, n, dtype=torch.long, device=dev)
+        self.slots = torch.arange(n, device=dev)
+        self.mask = torch.ones(1, 1, n, lm.cache_len, dtype=torch.bool, device=dev)
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture requires
+            for _ in range(warmup):
+                verify_static(model, self.tokens, self.positions, self.slots, self.mask)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits, self.hidden = verify_static(model, self.tokens, self.positions, self.slots, self.mask)
+        torch.cuda.synchronize(dev)
+        self.capture_ms = (time.perf_counter() - t0) * 1e3
+
+    def valid_for(self, model, n: int) -> bool:
+        return model is self.model and n == self.n and model.language_model.layers[0].self_attn.kv_cache.k is self.cache
+
+    def __call__(self, tree: Tree, start: int, root_position: int) -> tuple:
+        """`verify_tree(model, tree, start, root_position, live_prefix=False)`: (logits (N, V), hidden (N, C)), views
+        into the graph's outputs (valid until the next call)."""
+        if len(tree) != self.n:
+            raise LiteVLMError(f"this verification graph takes trees of {self.n} nodes; got {len(tree)}")
+        self.tokens.copy_(tree.tokens)
+        self.positions.copy_(tree.depth[None] + root_position)
+        self.slots.copy_(torch.arange(start, start + self.n, device=self.slots.device))
+        self.mask.copy_(static_mask(tree, start, self.mask.shape[-1]))
+        self.graph.replay()
+        return self.logits, self.hidden
 
 
 @torch.no_grad()
