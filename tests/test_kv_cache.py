@@ -234,6 +234,38 @@ def test_generate_runs_a_given_decode_step_in_place_of_the_eager_one():
     assert calls == [(9 + i, 9 + i) for i in range(11)]  # one call per token after the first, at its slot
 
 
+def test_a_bucketed_prefill_equals_the_plain_one_and_decoding_after_it():
+    """A prompt padded to its length bucket (the GPU's compiled prefill, run eagerly here) gives the plain
+    prefill's logits and hidden states, and greedy decoding after it the plain tokens: the padding's K/V past the
+    prompt are overwritten before anything attends to them."""
+    from litevlm.model.generate import BucketPrefill, Prefilled, generate, prefill
+
+    model = _tiny_vlm()
+    model.language_model.setup_cache(1, 40)
+    embeds = model.language_model.embed_tokens(torch.randint(0, 60, (1, 9)))
+    positions = torch.arange(9)[None]
+    buckets = BucketPrefill(model, buckets=(4, 16, 64), compile=False)
+    assert [buckets.bucket(t) for t in (3, 9, 16, 17)] == [4, 16, 16, 40]  # past the last fitting bucket: the cache
+    with torch.no_grad():
+        plain_logits, plain_hidden = prefill(model, embeds, positions)
+        eager = generate(model, embeds, positions, 12, eos_id=None)
+        for layer in model.language_model.layers:  # a clean cache, to see what the padding writes
+            layer.self_attn.kv_cache.k.zero_()
+            layer.self_attn.kv_cache.v.zero_()
+        logits, hidden = buckets(embeds, positions)
+        cache = model.language_model.layers[0].self_attn.kv_cache.k[0]
+        assert cache[:, 9:16].abs().sum() > 0 and cache[:, 16:].abs().sum() == 0  # the padding's K/V, up to the bucket
+        bucketed = generate(model, embeds, positions, 12, eos_id=None, prefilled=Prefilled(logits, hidden, embeds, positions))
+    torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden, plain_hidden, atol=1e-5, rtol=1e-5)
+    assert bucketed.tokens == eager.tokens
+    assert buckets.compiled == {16}
+    with pytest.raises(LiteVLMError, match="one prompt at a time"):
+        buckets(embeds.expand(2, -1, -1), positions.expand(2, -1))
+    with pytest.raises(LiteVLMError, match="KV cache"):
+        buckets.bucket(41)
+
+
 def test_cuda_graphs_refuse_a_cpu_model():
     from litevlm.model.generate import GraphedDecodeStep
 

@@ -123,6 +123,19 @@ def test_token_selection_inside_the_decoder_is_lossless_under_speculation(full_m
         assert a.timings_ms["select_tokens"] > 0 and a.timings_ms["prefill"] > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_gpu_fast_path_answers_as_the_eager_gpu_path(full_model_dir, images):
+    """cuda_graphs=True (replayed decode and verification graphs, compiled prefill buckets) emits the eager GPU
+    pipeline's tokens, plain and speculative, and keeps its capture and compile time out of the stages."""
+    for spec in ({}, {"speculative": True, "tree_top_k": 4, "tree_depth": 5, "tree_total": 16}):
+        eager = Pipeline.from_pretrained(full_model_dir, device="cuda", max_new_tokens=12, **spec)
+        fast = Pipeline.from_pretrained(full_model_dir, device="cuda", max_new_tokens=12, cuda_graphs=True, **spec)
+        for q in ("Is there a red car to the front of the ego car?", "What is the moving status of <c1,CAM_BACK,800.0,500.0>?"):
+            assert fast.answer(q, images).tokens == eager.answer(q, images).tokens
+        assert fast.capture_ms > 0
+
+
 def test_tree_options_reach_the_decoder(full_model_dir, images):
     from litevlm.cli import build_parser, _pipeline
 

@@ -85,8 +85,10 @@ class Pipeline:
         below, its scoring costs more than the tokens it prunes save (0: always).
     fastv: (K, r) for FastV pruning inside the LLM (the baseline), or None.
     draft + tree: EAGLE-2 speculative decoding with this draft head and tree envelope, or None.
-    cuda_graphs: on a CUDA device, replay plain decode steps, and speculative verifications of the configured tree
-        size, as one captured graph each (drafting and the FastV loop stay eager).
+    cuda_graphs: on a CUDA device, the GPU fast path: plain decode steps and speculative verifications of the
+        configured tree size replay as one captured graph each, and a prompt's prefill runs compiled for its length
+        bucket (drafting, FastV and the TokenSelector's pruned prefill stay eager). Capture and compile time go to
+        `capture_ms`, never into a stage.
     """
 
     def __init__(
@@ -137,6 +139,7 @@ class Pipeline:
         self.cuda_graphs = cuda_graphs
         self._graphed_step = None  # captured on first use, re-captured if the cache is re-allocated
         self._graphed_verify_step = None  # the same for the speculative verification
+        self._prefill_buckets = None  # the compiled prefill per prompt-length bucket, made on first use
         self.capture_ms = 0.0  # one-off CUDA-graph capture cost, kept apart from the measurements
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.tokens_per_view = self.cfg.tokens_per_tile * self.cfg.tiles_per_view
@@ -335,6 +338,8 @@ class Pipeline:
     def _generate(self, embeds, positions, view_spans, timer, prefilled=None):
         """prefilled: the prompt is in the cache already (the TokenSelector pruned inside the decoder)."""
         args = (self.max_new_tokens, self.stop_id, self.temperature, self.top_p, self.generator, timer)
+        if self.cuda_graphs and prefilled is None and self.fastv is None and embeds.shape[0] == 1:
+            prefilled = self._bucket_prefill(embeds, positions, timer)
         if self.fastv is not None:  # never with a TokenSelector (refused at construction)
             from litevlm.select.tokens import fastv_generate
 
@@ -357,6 +362,22 @@ class Pipeline:
             self._graphed_step = GraphedDecodeStep(self.model)
             self.capture_ms += self._graphed_step.capture_ms
         return self._graphed_step
+
+    def _bucket_prefill(self, embeds, positions, timer):
+        """The prompt through the compiled prefill of its length bucket (`BucketPrefill`), timed as "prefill"; a
+        bucket's first call compiles it and runs again, so compile time stays out of the stage (in capture_ms)."""
+        from litevlm.model.generate import BucketPrefill, Prefilled
+
+        if self._prefill_buckets is None or self._prefill_buckets.model is not self.model:
+            self._prefill_buckets = BucketPrefill(self.model)
+        buckets = self._prefill_buckets
+        if buckets.bucket(embeds.shape[1]) not in buckets.compiled:
+            before = buckets.compile_ms
+            buckets(embeds, positions)
+            self.capture_ms += buckets.compile_ms - before
+        with timer("prefill"):
+            logits, hidden = buckets(embeds, positions)
+        return Prefilled(logits, hidden, embeds, positions)
 
     def _graphed_verify(self):
         """The tree verification as a replayed CUDA graph for trees of the configured size (cuda_graphs=True), else None."""

@@ -66,6 +66,58 @@ def prefill(model, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     return linear(hidden[:, -1], model.lm_head), hidden
 
 
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _bucket_forward(model, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
+    return model.language_model(embeds, positions, slots=slots, mask=None, kv_len=length)
+
+
+class BucketPrefill:
+    """Prefill at a few fixed prompt lengths, each compiled once (`torch.compile`, the GPU fast path).
+
+    A prompt of T tokens is padded to the smallest bucket B >= T (or to the cache's length, the last bucket). The
+    padding rows come after the prompt, so causal attention keeps them out of every prompt row; their K/V land in
+    cache slots T..B-1, which decoding overwrites slot by slot and never attends to before writing them (every
+    decode and verification attends only up to its own slots). One compiled graph per bucket instead of one per
+    prompt length. `compile_ms` sums the first call of each bucket (its compilation), reported apart.
+    compile=False runs the same padded forward eagerly (what the CPU tests check).
+    """
+
+    def __init__(self, model, buckets=PREFILL_BUCKETS, compile: bool = True):
+        self.model = model
+        self.buckets = tuple(sorted(buckets))
+        self.fn = torch.compile(_bucket_forward, dynamic=False) if compile else _bucket_forward
+        self.compiled: set[int] = set()
+        self.compile_ms = 0.0
+
+    def bucket(self, t: int) -> int:
+        cap = self.model.language_model.cache_len
+        if t > cap:
+            raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {cap}; shorten the prompt or raise max_len")
+        return min(next((b for b in self.buckets if b >= t), cap), cap)
+
+    @torch.no_grad()
+    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefill(model, embeds, positions)` for one prompt (1, T, C): (last logits (1, V), hidden (1, T, C))."""
+        if embeds.shape[0] != 1:
+            raise LiteVLMError(f"bucketed prefill runs one prompt at a time; got a batch of {embeds.shape[0]}")
+        t = embeds.shape[1]
+        b = self.bucket(t)
+        pad = b - t
+        padded = torch.cat([embeds, embeds.new_zeros(1, pad, embeds.shape[2])], 1)
+        padded_pos = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)[None]], 1)
+        slots = torch.arange(b, device=embeds.device)
+        first = b not in self.compiled
+        t0 = time.perf_counter()
+        hidden = self.fn(self.model, padded, padded_pos, slots, b)[:, :t]
+        if first:
+            sync(embeds.device)
+            self.compile_ms += (time.perf_counter() - t0) * 1e3
+            self.compiled.add(b)
+        return linear(hidden[:, -1], self.model.lm_head), hidden
+
+
 class Prefilled(NamedTuple):
     """A prompt already in the cache at slots 0..T'-1, e.g. one pruned inside the decoder (FastV, the
     TokenSelector sharing decoder layer 0): what `generate` and speculative decoding continue from."""
