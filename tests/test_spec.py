@@ -681,7 +681,7 @@ def test_a_verification_graph_refuses_a_cpu_model():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_greedy_lossless_on_cuda_with_a_graphed_verification():
+def test_greedy_lossless_on_cuda_with_fixed_shape_and_graphed_verification():
     from litevlm.spec.tree import GraphedVerify
 
     model = tiny_vlm(vocab=24).cuda()
@@ -690,22 +690,10 @@ def test_greedy_lossless_on_cuda_with_a_graphed_verification():
     embeds, pos = prompt(model.cpu(), 0)
     model.cuda()
     embeds, pos = embeds.cuda(), pos.cuda()
-    cfg = TreeConfig(4, 5, 16)
-    graphed = GraphedVerify(model, cfg.total_tokens)
-    out = speculative_generate(model, head, embeds, pos, 30, EOS, tree=cfg, verify=graphed)
-    assert out.tokens == generate(model, embeds, pos, 30, EOS).tokens
-    assert graphed.valid_for(model, cfg.total_tokens) and graphed.capture_ms > 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_greedy_lossless_on_cuda_with_fixed_shape_verification():
-    model = tiny_vlm(vocab=24).cuda()
-    model.language_model.setup_cache(1, 160)
-    head = random_draft(model).cuda()
-    embeds, pos = prompt(model.cpu(), 0)
-    model.cuda()
-    embeds, pos = embeds.cuda(), pos.cuda()
+    plain = generate(model, embeds, pos, 30, EOS).tokens
     for cfg in [TreeConfig.chain(3), TreeConfig(4, 5, 16)]:
-        out = speculative_generate(model, head, embeds, pos, 30, EOS, tree=cfg)
-        assert out.tokens == generate(model, embeds, pos, 30, EOS).tokens
+        assert speculative_generate(model, head, embeds, pos, 30, EOS, tree=cfg).tokens == plain
+    cfg = TreeConfig(4, 5, 16)
+    graphed = GraphedVerify(model, cfg.total_tokens)  # one replayed graph per cycle
+    assert speculative_generate(model, head, embeds, pos, 30, EOS, tree=cfg, verify=graphed).tokens == plain
+    assert graphed.valid_for(model, cfg.total_tokens) and graphed.capture_ms > 0
