@@ -304,21 +304,23 @@ class GraphedVerify:
         self.slots = torch.arange(n, device=dev)
         self.mask = torch.ones(1, 1, n, lm.cache_len, dtype=torch.bool, device=dev)
         t0 = time.perf_counter()
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture requires
-            for _ in range(warmup):
-                verify_static(model, self.tokens, self.positions, self.slots, self.mask)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits, self.hidden = verify_static(model, self.tokens, self.positions, self.slots, self.mask)
+        with torch.no_grad():
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture requires
+                for _ in range(warmup):
+                    verify_static(model, self.tokens, self.positions, self.slots, self.mask)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits, self.hidden = verify_static(model, self.tokens, self.positions, self.slots, self.mask)
         torch.cuda.synchronize(dev)
         self.capture_ms = (time.perf_counter() - t0) * 1e3
 
     def valid_for(self, model, n: int) -> bool:
         return model is self.model and n == self.n and model.language_model.layers[0].self_attn.kv_cache.k is self.cache
 
+    @torch.no_grad()
     def __call__(self, tree: Tree, start: int, root_position: int) -> tuple:
         """`verify_tree(model, tree, start, root_position, live_prefix=False)`: (logits (N, V), hidden (N, C)), views
         into the graph's outputs (valid until the next call)."""
