@@ -122,7 +122,8 @@ def image_to_uint8_tiles(image, image_size: int, tiles_per_view: int) -> np.ndar
 
     if not isinstance(image, Image.Image):
         raise LiteVLMError(f"expected a PIL image, got {type(image).__name__}")
-    img = image.convert("RGB").resize((image_size * tiles_per_view, image_size), Image.BICUBIC)
+    rgb = image if image.mode == "RGB" else image.convert("RGB")  # convert() copies even an RGB image
+    img = rgb.resize((image_size * tiles_per_view, image_size), Image.BICUBIC)
     a = np.asarray(img).reshape(image_size, tiles_per_view, image_size, 3)  # (S, tiles, S, 3)
     return np.ascontiguousarray(a.transpose(1, 3, 0, 2))  # (tiles, 3, S, S)
 
@@ -144,7 +145,7 @@ def load_image(source) -> "Image.Image":
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(source, Image.Image):
-        return source.convert("RGB")
+        return source if source.mode == "RGB" else source.convert("RGB")  # never modified: no copy needed
     if isinstance(source, np.ndarray):
         if source.ndim != 3 or source.shape[2] not in (3, 4):
             raise LiteVLMError(f"an image array must be HxWx3 (or 4); got shape {source.shape}")
