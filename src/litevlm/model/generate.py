@@ -158,6 +158,24 @@ def decode_step_static(model, token: torch.Tensor, position: torch.Tensor, slot:
     return model.lm_head(hidden[:, -1])
 
 
+def capture_cuda_graph(fn, device, warmup: int = 3) -> tuple:
+    """fn() run `warmup` times off the default stream (as capture requires), then captured as one CUDA graph, all
+    without autograd -> (the graph, fn's outputs: the tensors each replay rewrites, capture milliseconds)."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+    torch.cuda.synchronize(device)
+    return graph, out, (time.perf_counter() - t0) * 1e3
+
+
 class GraphedDecodeStep:
     """`decode_step_static` captured as one CUDA graph over the model's KV cache, replayed per token.
 
@@ -177,19 +195,8 @@ class GraphedDecodeStep:
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.position = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture requires
-                for _ in range(warmup):
-                    decode_step_static(model, self.token, self.position, self.slot)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = decode_step_static(model, self.token, self.position, self.slot)
-        torch.cuda.synchronize(dev)
-        self.capture_ms = (time.perf_counter() - t0) * 1e3
+        self.graph, self.logits, self.capture_ms = capture_cuda_graph(
+            lambda: decode_step_static(model, self.token, self.position, self.slot), dev, warmup)
 
     def valid_for(self, model) -> bool:
         return model is self.model and model.language_model.layers[0].self_attn.kv_cache.k is self.cache

@@ -19,7 +19,6 @@ also stop early where its value falls below `min_value` (variable shapes: an opt
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -27,6 +26,7 @@ import torch
 
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
+from litevlm.model.generate import capture_cuda_graph
 from litevlm.model.lm import linear, row_major
 
 
@@ -303,19 +303,8 @@ class GraphedVerify:
         self.positions = torch.zeros(1, n, dtype=torch.long, device=dev)
         self.slots = torch.arange(n, device=dev)
         self.mask = torch.ones(1, 1, n, lm.cache_len, dtype=torch.bool, device=dev)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture requires
-                for _ in range(warmup):
-                    verify_static(model, self.tokens, self.positions, self.slots, self.mask)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits, self.hidden = verify_static(model, self.tokens, self.positions, self.slots, self.mask)
-        torch.cuda.synchronize(dev)
-        self.capture_ms = (time.perf_counter() - t0) * 1e3
+        self.graph, (self.logits, self.hidden), self.capture_ms = capture_cuda_graph(
+            lambda: verify_static(model, self.tokens, self.positions, self.slots, self.mask), dev, warmup)
 
     def valid_for(self, model, n: int) -> bool:
         return model is self.model and n == self.n and model.language_model.layers[0].self_attn.kv_cache.k is self.cache
