@@ -277,7 +277,7 @@ def test_a_native_prompt_equals_the_eager_one(monkeypatch):
     kept = torch.tensor([0, 1, 4, 5, 9, 12, 13, 17, 19])
     calls = []
     real = cpu_steps.prompt_layers
-    monkeypatch.setattr(cpu_steps, "prompt_layers", lambda *a: (lambda r: calls.append(r is not None) or r)(real(*a)))
+    monkeypatch.setattr(cpu_steps, "prompt_layers", lambda *a, **k: (lambda r: calls.append(r is not None) or r)(real(*a, **k)))
 
     def run():
         with torch.no_grad():
@@ -297,6 +297,30 @@ def test_a_native_prompt_equals_the_eager_one(monkeypatch):
         assert cpu_steps.prompt_layers(embeds[0], *lm.rope_table(t, torch.float32, "cpu"), lm.layers, lm.cfg) is None
     finally:
         hook.remove()
+
+
+def test_a_native_bf16_prompt_multiplies_in_bf16_around_an_fp32_stream(monkeypatch):
+    """In bf16 mode (`set_bf16_matmul`) a prompt still runs as one native call, its four products per layer in bf16:
+    close to fp32, and not equal to it."""
+    from litevlm.model.lm import bf16_matmul_supported
+
+    backend_steps("native")
+    if not bf16_matmul_supported():
+        pytest.skip("this CPU multiplies bf16 neither with AMX nor with AVX512-BF16")
+    model = tiny_vlm(layers=3)
+    lm = model.language_model
+    embeds, pos = prompt(model, seed=5, n=40)
+    t = embeds.shape[1]
+    modes = []
+    real = cpu_steps.prompt_layers
+    monkeypatch.setattr(cpu_steps, "prompt_layers", lambda *a, **k: (lambda r: modes.append((k.get("bf16"), r is not None)) or r)(real(*a, **k)))
+    with torch.no_grad():
+        fp32 = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t)
+        model.set_bf16_matmul(8)
+        bf16 = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t)
+    assert modes == [(False, True), (True, True)]  # both ran natively, the second with bf16 products
+    assert not torch.equal(bf16, fp32)
+    assert ((bf16 - fp32).norm() / fp32.norm()) < 6e-2  # a random decoder with large weights amplifies rounding
 
 
 def test_a_failed_native_build_falls_back_to_torchscript_and_says_why(monkeypatch, capsys):

@@ -109,6 +109,21 @@ at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor
   return y;
 }
 
+// base + x (n, in) @ w16 (in, out) with w16 a bf16 copy of the weight: x rounded to bf16 and multiplied in the CPU
+// library's bf16 GEMM (AMX / AVX512-BF16, fp32 accumulation), the product returned in fp32 and the base added there.
+// A prompt's products in bf16 mode (`prompt_layers` with bf16 weights); the residual stream stays fp32.
+// The rows are padded to a multiple of 16: the CPU library builds a kernel for each new shape (about 1.5 ms, more than
+// the product), and prompts come in every length (`VLM.set_bf16_matmul` builds the buckets' kernels up front).
+constexpr int64_t kBf16RowBucket = 16;  // litevlm.model.lm.BF16_ROW_BUCKET
+
+at::Tensor product_bf16(const at::Tensor& base, const at::Tensor& x, const at::Tensor& w16) {
+  const int64_t m = x.size(0), pad = (kBf16RowBucket - m % kBf16RowBucket) % kBf16RowBucket;
+  at::Tensor xb = x.to(at::kBFloat16);
+  if (pad) xb = at::cat({xb, at::zeros({pad, x.size(1)}, xb.options())});
+  at::Tensor y = at::mm(xb, w16).narrow(0, 0, m).to(at::kFloat);
+  return base.defined() ? y.add_(base) : y;
+}
+
 // Which cached slots row r of a step may attend to.
 struct Visible {
   const bool* mask = nullptr;  // (n, end) row-major, or null
@@ -193,8 +208,14 @@ void attend(const float* q_rows, int64_t width, int64_t n, int64_t first, const 
 // cos / sin: one (D,) row per token (its RoPE position).
 at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, const std::vector<const float*>& sin_rows,
                       int64_t start, const Visible& visible, at::TensorList weights, at::TensorList caches, int64_t hq,
-                      int64_t hkv, int64_t d, double eps, bool last_only) {
+                      int64_t hkv, int64_t d, double eps, bool last_only, at::TensorList bf16 = {}) {
   const int64_t layers = weights.size() / kWeightsPerLayer;
+  TORCH_CHECK(bf16.empty() || static_cast<int64_t>(bf16.size()) == 4 * layers,
+              "litevlm_cpu: bf16 weights must hold 4 tensors per layer (q|k|v, o, gate|up, down)");
+  // the layer's four products: in fp32 (own loop or BLAS), or in bf16 where bf16 copies of the weights are given
+  auto mul = [&bf16](int64_t layer, int64_t which, const at::Tensor& base, const at::Tensor& in, const at::Tensor& w) {
+    return bf16.empty() ? product(base, in, w) : product_bf16(base, in, bf16[layer * 4 + which]);
+  };
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer && layers > 0,
               "litevlm_cpu: weights must hold 7 tensors per layer");
   TORCH_CHECK(static_cast<int64_t>(caches.size()) == layers * kCachesPerLayer,
@@ -229,7 +250,7 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
     }
     TORCH_CHECK(qkv_w.size(1) == nqk + hkv * d, "litevlm_cpu: the packed q|k|v projection must be (C, ", nqk + hkv * d,
                 ") without the rotated copies (cpu_steps.py's native wrappers cut them); got ", qkv_w.size(1), " columns");
-    at::Tensor qkv = product(qkv_b, xn, qkv_w);  // (n, nqk + hkv d): [q k | v]
+    at::Tensor qkv = mul(i, 0, qkv_b, xn, qkv_w);  // (n, nqk + hkv d): [q k | v]
     const int64_t width = qkv.size(1);
     const int64_t half_d = d / 2;
     float* qkv_p = qkv.data_ptr<float>();
@@ -260,10 +281,10 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
     }
     at::Tensor y = at::empty({n, hq * d}, x.options());
     attend(qkv_p + first * width, width, n, first, kc, vc, slots, end, visible, hq, hkv, d, y.data_ptr<float>());
-    x = product(x, y, o_w);
+    x = mul(i, 1, x, y, o_w);
     at::Tensor xn2 = at::empty_like(x);
     rms_norm_rows(x.data_ptr<float>(), post_norm.data_ptr<float>(), xn2.data_ptr<float>(), n, c, eps);
-    at::Tensor gu = product(at::Tensor(), xn2, gate_up);  // (n, 2I)
+    at::Tensor gu = mul(i, 2, at::Tensor(), xn2, gate_up);  // (n, 2I)
     const int64_t half = gu.size(1) / 2;
     at::Tensor act = at::empty({n, half}, x.options());
     const float* gu_p = gu.data_ptr<float>();
@@ -275,7 +296,7 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
       exp_inplace(a, half);
       for (int64_t j = 0; j < half; ++j) a[j] = gate[j] / (1.f + a[j]) * gate[half + j];
     }
-    x = product(x, act, down);
+    x = mul(i, 3, x, act, down);
   }
   return x;
 }
@@ -429,11 +450,11 @@ std::tuple<at::Tensor, at::Tensor> decode_logits_op(const at::Tensor& token, int
 // A prompt of one sequence written at cache slots 0..n-1, causally (row r sees slots 0..r): a prefill, or a
 // pruned prefill's layers -> (n, C), before any final norm.
 at::Tensor prompt_layers_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
-                            at::TensorList caches, int64_t hq, int64_t hkv, int64_t d, double eps) {
+                            at::TensorList caches, int64_t hq, int64_t hkv, int64_t d, double eps, at::TensorList bf16) {
   Visible causal;
   causal.causal = true;
   return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), 0, causal, weights, caches, hq, hkv, d, eps,
-                    false);
+                    false, bf16);
 }
 
 // ---- the ViewSelector's inference (litevlm.select.views), one question --------------------------------------
@@ -782,7 +803,7 @@ TORCH_LIBRARY(litevlm_cpu, m) {
         "-> (Tensor, Tensor)",
         &decode_logits_op);
   m.def("prompt_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, "
-        "float eps) -> Tensor",
+        "float eps, Tensor[] bf16) -> Tensor",
         &prompt_layers_op);
   m.def("token_scores(Tensor x, Tensor cos, Tensor sin, int first_row, Tensor vis, Tensor tags, Tensor[] weights, "
         "int hq, int hkv, int d, float eps) -> Tensor",

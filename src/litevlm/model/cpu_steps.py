@@ -290,7 +290,17 @@ def step_decode():
     return None if _STEPS[0] is None else _STEPS[0][4]
 
 
-def prompt_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoder_layers, cfg) -> Optional[torch.Tensor]:
+def _bf16_copy(t: torch.Tensor) -> torch.Tensor:
+    """A packed weight's bf16 copy for the native bf16 prompt products, made once and kept on it."""
+    copy = t.__dict__.get("_litevlm_bf16")
+    if copy is None:
+        copy = t.to(torch.bfloat16).contiguous()
+        t.__dict__["_litevlm_bf16"] = copy
+    return copy
+
+
+def prompt_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoder_layers, cfg,
+                  bf16: bool = False) -> Optional[torch.Tensor]:
     """A prompt of one sequence, x (T, C) at cache slots 0..T-1 with cos / sin (T, 1, D) at its positions,
     causally through `decoder_layers` (of a decoder with TextConfig `cfg`) in one native call -> (T, C) before any final norm; None where that
     does not apply (the native build is missing, or `usable` says no): the caller runs the layers eagerly.
@@ -301,8 +311,25 @@ def prompt_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoder
     from litevlm.model import native
 
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    weights = [t for layer in decoder_layers for t in _native_layer(layer_weights(layer), (hq + hkv) * d)]
-    return native.ops().prompt_layers(x, cos, sin, weights, _flat(caches(decoder_layers)), hq, hkv, d, cfg.norm_eps)
+    per_layer = [_native_layer(layer_weights(layer), (hq + hkv) * d) for layer in decoder_layers]
+    products = bf16_products(per_layer) if bf16 else []
+    return native.ops().prompt_layers(x, cos, sin, [t for w in per_layer for t in w], _flat(caches(decoder_layers)), hq, hkv,
+                                      d, cfg.norm_eps, products)
+
+
+def bf16_products(per_layer: List[List[torch.Tensor]]) -> List[torch.Tensor]:
+    """The bf16 copies of each layer's four product weights (q|k|v, o, gate|up, down) from `_native_layer` lists: what
+    a native prompt multiplies in the CPU library's bf16 GEMM in bf16 mode."""
+    return [_bf16_copy(w[i]) for w in per_layer for i in (1, 3, 5, 6)]
+
+
+def native_bf16_products(decoder_layers, cfg) -> List[torch.Tensor]:
+    """`bf16_products` of these layers, for warming the CPU library's kernels (`VLM.set_bf16_matmul`); empty where the
+    native steps do not serve."""
+    if backend() != "native":
+        return []
+    nqk = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+    return bf16_products([_native_layer(layer_weights(layer), nqk) for layer in decoder_layers if layer.fusable()])
 
 
 def layer_weights(layer) -> List[torch.Tensor]:

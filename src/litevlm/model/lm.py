@@ -324,13 +324,14 @@ class TextModel(nn.Module):
             cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
         layers = self.layers[start_layer:end_layer]
         x = embeds
-        # bf16 mode on a prompt from slot 0: one cast in, one out, everything between in bf16 (the K/V go into
-        # the cache in its own dtype); casting around each product cost what the products saved
+        # bf16 mode on a prompt from slot 0: natively, the four products of each layer in bf16 around an fp32 residual
+        # stream; eagerly, one cast in, one out and everything between in bf16 (the K/V go into the cache in its own
+        # dtype), since casting around each product there cost what the products saved
         bf16 = self._bf16_prompt(embeds, layers, slots, mask, kv_len)
-        if not bf16 and embeds.shape[0] == 1 and slots is not None and mask is None and kv_len == embeds.shape[1] \
+        if embeds.shape[0] == 1 and slots is not None and mask is None and kv_len == embeds.shape[1] \
                 and len(layers) > 0:  # a prompt from slot 0, one sequence: one native call where it applies
             t, d = embeds.shape[1], self.cfg.head_dim
-            out = cpu_steps.prompt_layers(embeds[0], cos.reshape(t, 1, d), sin.reshape(t, 1, d), layers, self.cfg)
+            out = cpu_steps.prompt_layers(embeds[0], cos.reshape(t, 1, d), sin.reshape(t, 1, d), layers, self.cfg, bf16=bf16)
             if out is not None:
                 return self.norm(out[None]) if end_layer is None else out[None]
         if bf16:

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from litevlm.config import VLMConfig
 from litevlm.errors import LiteVLMError
+from litevlm.model import cpu_steps
 from litevlm.model.lm import TextModel
 from litevlm.model.vision import Projector, VisionTower, pixel_shuffle
 
@@ -65,6 +66,11 @@ class VLM(nn.Module):
             for (_, k), w in text.items():
                 for rows in range(first, warm_rows + 1, BF16_ROW_BUCKET):
                     mm(torch.zeros(rows, k, dtype=torch.bfloat16), None, None, w)
+            # the native prompt's products: plain bf16 weights, the same row buckets
+            plain = {tuple(w.shape): w for w in cpu_steps.native_bf16_products(self.language_model.layers, self.cfg.text)}
+            for (k, _), w in plain.items():
+                for rows in range(first, warm_rows + 1, BF16_ROW_BUCKET):
+                    torch.zeros(rows, k, dtype=torch.bfloat16) @ w
 
     @property
     def matmul_precision(self) -> str:
