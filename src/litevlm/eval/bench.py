@@ -1,8 +1,9 @@
 """`litevlm bench`: the paper's Table 1 (arXiv 2506.07416) re-measured on any model and machine.
 
 Every configuration answers the same questions on the same images in one run, interleaved question by
-question so that machine noise hits all rows alike; the first questions warm every row up and are not
-counted. Stage times are the pipeline's own (device synchronised at stage boundaries), medians over
+question so that machine noise hits all rows alike, in an order shuffled anew for each question so that
+no row always follows the same one (a row after a similar one finds the caches warm); the first questions
+warm every row up and are not counted. Stage times are the pipeline's own (device synchronised at stage boundaries), medians over
 questions; extend-one = decode time / tokens generated after the first. The DriveLM score of each row
 comes from the answers of this same run. The `transformers` rows run transformers' `generate` on the
 same weights, exported through `litevlm convert`, with the dynamic ("eager") and the static cache.
@@ -11,6 +12,7 @@ same weights, exported through `litevlm convert`, with the dynamic ("eager") and
 from __future__ import annotations
 
 import copy
+import random
 import statistics
 import tempfile
 import time
@@ -277,10 +279,17 @@ def run_bench(model: str = "drive-tiny", data=None, n: int = 60, shape: str | No
     hf_run = None
     if hf and shape is None:
         hf_run = _hf_runner(pipes["baseline"] if "baseline" in pipes else next(iter(pipes.values())), logs, max_new_tokens)
+    # Each question's rows run in a freshly shuffled order (seeded; the transformers pair counts as one row): a row
+    # run right after a similar one finds its weights and images warm in the caches, and a fixed order would hand
+    # that to the same rows every time (LiteVLM right after "views + eagle", say).
+    order = [*pipes.items(), *((("transformers", None),) if hf_run is not None else ())]
+    shuffler = random.Random(seed)
     for i, s in enumerate(tqdm(samples, desc="bench", disable=not progress)):
-        if hf_run is not None:  # the transformers rows answer each question beside ours: the same moment of the machine
-            hf_run(s, counted=i >= warmup)
-        for name, pipe in pipes.items():
+        shuffler.shuffle(order)
+        for name, pipe in order:
+            if pipe is None:  # the transformers rows answer each question beside ours: the same moment of the machine
+                hf_run(s, counted=i >= warmup)
+                continue
             ans = pipe.answer(s.question, s.images)
             if i < warmup:
                 continue
