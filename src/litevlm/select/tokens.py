@@ -559,11 +559,7 @@ class TokenSelector(nn.Module):
 
     def _packed(self) -> tuple:
         """(W_q (C, 2 Hq D + 1), b_q, W_k (C, 2 Hkv D), b_k), row-major: [q | rot(q) | gate] and [k | rot(k)],
-        rot = rotate_half folded into the weights; rebuilt when a weight changes."""
-        params = (self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias, self.query_gate.weight, self.query_gate.bias)
-        key = tuple((p.data_ptr(), p._version) for p in params if p is not None)
-        if self.__dict__.get("_packed_cache") is not None and self.__dict__["_packed_cache"][0] == key:
-            return self.__dict__["_packed_cache"][1]
+        rot = rotate_half folded into the weights (built by `_head_weights`, which keeps them until a weight changes)."""
         d = self.text_cfg.head_dim
 
         def bias(lin: nn.Linear, rows: int) -> torch.Tensor:
@@ -571,14 +567,12 @@ class TokenSelector(nn.Module):
 
         wq, wk = self.q_proj.weight.detach(), self.k_proj.weight.detach()
         bq, bk = bias(self.q_proj, wq.shape[0]), bias(self.k_proj, wk.shape[0])
-        packed = (
+        return (
             torch.cat([wq, rotate_head_rows(wq, d), self.query_gate.weight.detach()]).t().contiguous(),
             torch.cat([bq, rotate_head_rows(bq, d), self.query_gate.bias.detach()]),
             torch.cat([wk, rotate_head_rows(wk, d)]).t().contiguous(),
             torch.cat([bk, rotate_head_rows(bk, d)]),
         )
-        self.__dict__["_packed_cache"] = (key, packed)
-        return packed
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, 1, D) for positions (T,), from a table kept between prompts."""
