@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from litevlm.config import VisionConfig, VLMConfig
+from litevlm.model.modules import submodules
 
 
 class RMSNorm(nn.Module):
@@ -193,10 +194,9 @@ def vit_blocks_bf16(x: torch.Tensor, weights: List[List[Optional[torch.Tensor]]]
 
 
 def _weights_key(module: nn.Module) -> tuple:
-    """(data_ptr, version) of every parameter of module and below, read through the module dicts
+    """(data_ptr, version) of every parameter of module and below, read through `submodules`
     (`Module.parameters()` costs about 20 us a block, at every vision call)."""
-    own = tuple((p.data_ptr(), p._version) for p in module._parameters.values() if p is not None)
-    return own + tuple(k for child in module._modules.values() if child is not None for k in _weights_key(child))
+    return tuple((p.data_ptr(), p._version) for m in submodules(module) for p in m._parameters.values() if p is not None)
 
 
 def _plain_linears(block: "Block") -> bool:
