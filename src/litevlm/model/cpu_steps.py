@@ -186,14 +186,18 @@ def _flat(groups: List[List[torch.Tensor]]) -> List[torch.Tensor]:
     return [t for group in groups for t in group]
 
 
+def _kept(t: torch.Tensor, name: str, make) -> torch.Tensor:
+    """make(t), made once per packed weight and kept on it under `name` (packings are rebuilt, never changed in place)."""
+    derived = t.__dict__.get(name)
+    if derived is None:
+        derived = t.__dict__[name] = make(t)
+    return derived
+
+
 def _without_rotation(t: torch.Tensor, nqk: int) -> torch.Tensor:
     """A packed q|k|v projection (C, 2 nqk + Hkv D) or its bias, [q k | rot q rot k | v], as [q k | v] for the native
-    steps (which rotate in a loop); made once per packed tensor and kept on it (packings are rebuilt, never changed)."""
-    cut = t.__dict__.get("_litevlm_unrotated")
-    if cut is None:
-        cut = torch.cat([t[..., :nqk], t[..., 2 * nqk :]], -1).contiguous()
-        t.__dict__["_litevlm_unrotated"] = cut
-    return cut
+    steps (which rotate in a loop)."""
+    return _kept(t, "_litevlm_unrotated", lambda w: torch.cat([w[..., :nqk], w[..., 2 * nqk :]], -1).contiguous())
 
 
 def _native_layer(w: List[torch.Tensor], nqk: int) -> List[torch.Tensor]:
@@ -292,13 +296,10 @@ def step_decode():
     return None if _STEPS[0] is None else _STEPS[0][4]
 
 
-def _bf16_copy(t: torch.Tensor) -> torch.Tensor:
-    """A packed weight's bf16 copy for the native bf16 prompt products, made once and kept on it."""
-    copy = t.__dict__.get("_litevlm_bf16")
-    if copy is None:
-        copy = t.to(torch.bfloat16).contiguous()
-        t.__dict__["_litevlm_bf16"] = copy
-    return copy
+def _native_layers(decoder_layers, cfg) -> List[List[torch.Tensor]]:
+    """`_native_layer` of each layer's weights, for a decoder with TextConfig `cfg`."""
+    nqk = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+    return [_native_layer(layer_weights(layer), nqk) for layer in decoder_layers]
 
 
 def prompt_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoder_layers, cfg,
@@ -312,17 +313,16 @@ def prompt_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoder
         return None
     from litevlm.model import native
 
-    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_layer = [_native_layer(layer_weights(layer), (hq + hkv) * d) for layer in decoder_layers]
+    per_layer = _native_layers(decoder_layers, cfg)
     products = bf16_products(per_layer) if bf16 else []
-    return native.ops().prompt_layers(x, cos, sin, [t for w in per_layer for t in w], _flat(caches(decoder_layers)), hq, hkv,
-                                      d, cfg.norm_eps, products)
+    return native.ops().prompt_layers(x, cos, sin, _flat(per_layer), _flat(caches(decoder_layers)), cfg.num_heads,
+                                      cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, products)
 
 
 def bf16_products(per_layer: List[List[torch.Tensor]]) -> List[torch.Tensor]:
     """The bf16 copies of each layer's four product weights (q|k|v, o, gate|up, down) from `_native_layer` lists: what
     a native prompt multiplies in the CPU library's bf16 GEMM in bf16 mode."""
-    return [_bf16_copy(w[i]) for w in per_layer for i in (1, 3, 5, 6)]
+    return [_kept(w[i], "_litevlm_bf16", lambda t: t.to(torch.bfloat16).contiguous()) for w in per_layer for i in (1, 3, 5, 6)]
 
 
 def native_bf16_products(decoder_layers, cfg) -> List[torch.Tensor]:
@@ -330,8 +330,7 @@ def native_bf16_products(decoder_layers, cfg) -> List[torch.Tensor]:
     native steps do not serve."""
     if backend() != "native":
         return []
-    nqk = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
-    return bf16_products([_native_layer(layer_weights(layer), nqk) for layer in decoder_layers if layer.fusable()])
+    return bf16_products(_native_layers([layer for layer in decoder_layers if layer.fusable()], cfg))
 
 
 def layer_weights(layer) -> List[torch.Tensor]:
