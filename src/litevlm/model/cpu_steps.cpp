@@ -460,7 +460,7 @@ at::Tensor prompt_layers_op(const at::Tensor& x, const at::Tensor& cos, const at
 // ---- the ViewSelector's inference (litevlm.select.views), one question --------------------------------------
 // Its layers are tiny (width 64, a question of ~10-40 words): as ATen ops each costs more in dispatch than in
 // arithmetic, so everything here, from the hashed word ids to the logits, is plain loops over fp32 rows, with the
-// weights packed into one buffer (`ViewSelector._native_pack`) so that a call passes three tensors.
+// weights packed into one buffer (`ViewSelector._native`) so that a call passes three tensors.
 
 // y (rows, out) = x (rows, in) Wt + b, Wt (in, out) row-major (nn.Linear's weight.t()). Blocks of 4 rows by 32
 // columns are summed in registers, so each weight row loaded serves four input rows.
@@ -492,14 +492,8 @@ void linear_into(const float* x, int64_t rows, int64_t in, const float* wt, int6
       }
   }
   for (; r0 < rows; ++r0) {  // rows past the last full block
-    float* yr = y + r0 * out;
-    std::copy(b, b + out, yr);
-    for (int64_t k = 0; k < in; ++k) {
-      const float xv = x[r0 * in + k];
-      const float* w = wt + k * out;
-#pragma omp simd
-      for (int64_t j = 0; j < out; ++j) yr[j] += xv * w[j];
-    }
+    std::copy(b, b + out, y + r0 * out);
+    row_product(x + r0 * in, in, wt, out, y + r0 * out);
   }
 }
 
@@ -581,7 +575,8 @@ void mha_into(const float* q, int64_t q_stride, const float* k, const float* v, 
 //   packed: the weights, in `ViewSelector._native_pack`'s order, every linear weight transposed to (in, out):
 //     embed (buckets, C), pos (max_words, C), latents (N, C), lexical_query (2, C),
 //     per layer: norm1 w b, in_proj (C, 3C) b, out_proj (C, C) b, norm2 w b, linear1 (C, F) b, linear2 (F, C) b,
-//     norm w b, latent_norm w b, cross in_proj (C, 3C) b, cross out_proj (C, C) b, head norm w b,
+//     norm w b, latent_norm w b, cross in_proj q rows (C, C), its k|v rows (C, 2C), in_proj b, cross out_proj (C, C) b,
+//     head norm w b,
 //     head linear (C, C) b, head linear (C, 1) b
 // -> logits (1, N).
 at::Tensor view_logits_op(const at::Tensor& ids_in, const at::Tensor& lexical_in, const at::Tensor& packed,
@@ -656,20 +651,15 @@ at::Tensor view_logits_op(const at::Tensor& ids_in, const at::Tensor& lexical_in
     linear_into(ff.data(), t, f, l2w, c, l2b, o.data());
     for (int64_t i = 0; i < t * c; ++i) x[i] += o[i];
   }
-  const float *nw = take(c), *nb = take(c), *lnw = take(c), *lnb = take(c), *cin_w = take(c * 3 * c),
+  const float *nw = take(c), *nb = take(c), *lnw = take(c), *lnb = take(c), *wq = take(c * c), *wkv = take(c * 2 * c),
               *cin_b = take(3 * c), *cout_w = take(c * c), *cout_b = take(c), *hnw = take(c), *hnb = take(c),
               *h1w = take(c * c), *h1b = take(c), *h2w = take(c), *h2b = take(1);
   layer_norm_into(x.data(), t, c, nw, nb, eps, h.data());  // the encoder's output norm: the keys' rows
   std::vector<float> ql(n * c), qp(n * c), kv(t * 2 * c);
   layer_norm_into(q.data(), n, c, lnw, lnb, eps, ql.data());
-  // the cross-attention's in-projection, (C, 3C) = [q | k | v] columns: q from the latents, k and v from the words
-  std::vector<float> wq(c * c), wkv(c * 2 * c);
-  for (int64_t r = 0; r < c; ++r) {
-    std::copy(cin_w + r * 3 * c, cin_w + r * 3 * c + c, wq.data() + r * c);
-    std::copy(cin_w + r * 3 * c + c, cin_w + r * 3 * c + 3 * c, wkv.data() + r * 2 * c);
-  }
-  linear_into(ql.data(), n, c, wq.data(), c, cin_b, qp.data());
-  linear_into(h.data(), t, c, wkv.data(), 2 * c, cin_b + c, kv.data());
+  // the cross-attention's in-projection: q from the latents, k and v from the words
+  linear_into(ql.data(), n, c, wq, c, cin_b, qp.data());
+  linear_into(h.data(), t, c, wkv, 2 * c, cin_b + c, kv.data());
   mha_into(qp.data(), c, kv.data(), kv.data() + c, 2 * c, n, t, c, heads, y.data());
   linear_into(y.data(), n, c, cout_w, c, cout_b, o.data());
   for (int64_t i = 0; i < n * c; ++i) q[i] += o[i];

@@ -370,15 +370,18 @@ class ViewSelector(nn.Module):
         return norms[0].eps
 
     def _native_tensors(self) -> list[torch.Tensor]:
-        """Every weight in the native `view_logits`' order, each linear weight transposed to (in, out)."""
+        """Every weight in the native `view_logits`' order, each linear weight transposed to (in, out) (the cross
+        in-projection as its q part and its k|v part)."""
         tensors = [self.embed.weight, self.pos, self.latents, self.lexical_query]
         for layer in self.encoder.layers:
             attn = layer.self_attn
             tensors += [layer.norm1.weight, layer.norm1.bias, attn.in_proj_weight.t(), attn.in_proj_bias,
                         attn.out_proj.weight.t(), attn.out_proj.bias, layer.norm2.weight, layer.norm2.bias,
                         layer.linear1.weight.t(), layer.linear1.bias, layer.linear2.weight.t(), layer.linear2.bias]
+        c = self.cfg.width
+        cross_in = self.cross.in_proj_weight  # (3C, C): the q rows, then the k|v rows
         return tensors + [self.norm.weight, self.norm.bias, self.latent_norm.weight, self.latent_norm.bias,
-                          self.cross.in_proj_weight.t(), self.cross.in_proj_bias, self.cross.out_proj.weight.t(),
+                          cross_in[:c].t(), cross_in[c:].t(), self.cross.in_proj_bias, self.cross.out_proj.weight.t(),
                           self.cross.out_proj.bias, self.head[0].weight, self.head[0].bias, self.head[1].weight.t(),
                           self.head[1].bias, self.head[3].weight.t(), self.head[3].bias]
 
