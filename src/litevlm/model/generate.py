@@ -55,12 +55,17 @@ def causal_mask(kv_len: int, start: int, n: int, device) -> torch.Tensor:
 
 
 @torch.no_grad()
+def check_prompt_fits(lm, t: int) -> None:
+    """A clear error where a prompt of t tokens does not fit the decoder's KV cache."""
+    if t > lm.cache_len:
+        raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {lm.cache_len}; shorten the prompt or raise max_len")
+
+
 def prefill(model, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the prompt (B, T, C) into cache slots 0..T-1; return (last logits (B, V), hidden (B, T, C))."""
     lm = model.language_model
     t = embeds.shape[1]
-    if t > lm.cache_len:
-        raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {lm.cache_len}; shorten the prompt or raise max_len")
+    check_prompt_fits(lm, t)
     slots = torch.arange(t, device=embeds.device)
     hidden = lm(embeds, positions, slots=slots, mask=None, kv_len=t)  # causal over slots 0..t-1
     return linear(hidden[:, -1], model.lm_head), hidden
@@ -92,10 +97,9 @@ class BucketPrefill:
         self.compile_ms = 0.0
 
     def bucket(self, t: int) -> int:
-        cap = self.model.language_model.cache_len
-        if t > cap:
-            raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {cap}; shorten the prompt or raise max_len")
-        return min(next((b for b in self.buckets if b >= t), cap), cap)
+        lm = self.model.language_model
+        check_prompt_fits(lm, t)
+        return min(next((b for b in self.buckets if b >= t), lm.cache_len), lm.cache_len)
 
     @torch.no_grad()
     def __call__(self, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,7 +47,7 @@ from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps, native
-from litevlm.model.generate import Generation, Prefilled, StageTimer, generate
+from litevlm.model.generate import Generation, Prefilled, StageTimer, check_prompt_fits, generate
 from litevlm.model.lm import DecoderLayer, apply_rope, linear, rope_cos_sin, rope_table, rotate_head_rows
 from litevlm.model.vision import RMSNorm
 
@@ -342,8 +342,7 @@ def pruned_prefill(
     if embeds.shape[0] != 1:
         raise LiteVLMError("pruned prefill runs one prompt at a time (batch 1)")
     t = embeds.shape[1]
-    if t > lm.cache_len:
-        raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {lm.cache_len}; shorten the prompt or raise max_len")
+    check_prompt_fits(lm, t)
     timer = timer or StageTimer(embeds.device)
     dev = embeds.device
     with timer("prefill"):
