@@ -143,6 +143,12 @@ def cmd_train_draft(args) -> None:
     print(f"saved to {train_draft(args.model_dir, recipe=recipe)}")
 
 
+def cmd_train_openings(args) -> None:
+    from litevlm.spec.openings import build_openings
+
+    print(f"saved to {build_openings(args.model_dir, frames=args.frames, seed=args.seed, depth=args.depth, max_nodes=args.max_nodes, min_share=args.min_share)}")
+
+
 def cmd_eval(args) -> None:
     from litevlm.eval.run import evaluate
 
@@ -329,6 +335,14 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--intermediate", type=int, default=None, metavar="N",
                     help="the draft layer's MLP width (default 128; 0 = the target's)")
     td.set_defaults(func=cmd_train_draft)
+    to = train.add_parser("openings", help="the answer openings a draft head verifies with the prompt (MODEL_DIR/draft/openings.json)")
+    to.add_argument("model_dir", help="the model's folder (or a built-in name), with a draft head")
+    to.add_argument("--frames", type=int, default=3000, help="synthetic training frames whose questions and answers are counted")
+    to.add_argument("--seed", type=int, default=0, help="frames (seed, 0..frames-1); the held-out split is seed 1")
+    to.add_argument("--depth", type=int, default=3, help="tokens per opening, EOS included")
+    to.add_argument("--max-nodes", type=int, default=8, help="nodes of one question's trie (extra prompt rows)")
+    to.add_argument("--min-share", type=float, default=0.05, help="an opening's least share of its question kind's answers")
+    to.set_defaults(func=cmd_train_openings)
 
     e = sub.add_parser("eval", help="DriveLM scores of a pipeline configuration")
     e.add_argument("--data", required=True, help="a folder written by `litevlm data synth`, or a DriveLM JSON file")

@@ -85,6 +85,8 @@ class Pipeline:
         below, its scoring costs more than the tokens it prunes save (0: always).
     fastv: (K, r) for FastV pruning inside the LLM (the baseline), or None.
     draft + tree: EAGLE-2 speculative decoding with this draft head and tree envelope, or None.
+    openings: with a draft head that has answer openings (`litevlm.spec.openings`, built by `litevlm train openings`),
+        greedy decoding verifies the question's likely answer openings inside the prefill's pass.
     cuda_graphs: on a CUDA device, the GPU fast path: plain decode steps and speculative verifications of the
         configured tree size replay as one captured graph each, and a prompt's prefill runs compiled for its length
         bucket (drafting, FastV and the TokenSelector's pruned prefill stay eager). Capture and compile time go to
@@ -110,6 +112,7 @@ class Pipeline:
         max_question_tokens: int = 256,
         name: str = "custom",
         cuda_graphs: bool = False,
+        openings: bool = True,
     ):
         if token_selector is not None and fastv is not None:
             raise LiteVLMError("choose TokenSelector or FastV, not both")
@@ -128,6 +131,7 @@ class Pipeline:
         self.fastv = fastv
         self.draft = draft
         self.tree = tree
+        self.openings = openings
         self.max_new_tokens = max_new_tokens
         self.stop_id = tokenizer.eos_id  # generation ends after this token; None: always max_new_tokens (latency runs)
         self.temperature = temperature
@@ -318,7 +322,7 @@ class Pipeline:
         if inside:  # selection inside the decoder: layer 0 once on the whole prompt, the rest on the kept tokens
             pre = self.token_selector.prefill(self.model, embeds, positions, p.view_spans, self.keep_ratio, question=question, timer=timer)
             prefilled = pre.prefilled(embeds, positions)
-        gen = self._generate(embeds, positions, p.view_spans, timer, prefilled)
+        gen = self._generate(embeds, positions, p.view_spans, timer, prefilled, question)
         if self.fastv is not None or prefilled is not None:
             n_visual -= ids.shape[1] - gen.prompt_len
         tokens = [t for t in gen.tokens if t != self.tokenizer.eos_id]
@@ -335,7 +339,7 @@ class Pipeline:
             precision=precision_of(self.model),
         )
 
-    def _generate(self, embeds, positions, view_spans, timer, prefilled=None):
+    def _generate(self, embeds, positions, view_spans, timer, prefilled=None, question: str = ""):
         """prefilled: the prompt is in the cache already (the TokenSelector pruned inside the decoder)."""
         args = (self.max_new_tokens, self.stop_id, self.temperature, self.top_p, self.generator, timer)
         if self.cuda_graphs and prefilled is None and self.fastv is None and embeds.shape[0] == 1:
@@ -348,8 +352,9 @@ class Pipeline:
         if self.draft is not None:
             from litevlm.spec.decode import speculative_generate
 
+            table = getattr(self.draft, "openings", None) if self.openings else None
             return speculative_generate(self.model, self.draft, embeds, positions, *args, tree=self.tree, prefilled=prefilled,
-                                        verify=self._graphed_verify())
+                                        verify=self._graphed_verify(), opening=table.for_question(question) if table else None)
         return generate(self.model, embeds, positions, *args, step=self._decode_step(), prefilled=prefilled)
 
     def _decode_step(self):

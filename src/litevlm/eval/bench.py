@@ -53,11 +53,14 @@ BF16_CONFIGS: dict[str, dict] = {
     "litevlm bf16": {**LITEVLM, "matmul": "bf16"},
 }
 HF_ROWS = ("transformers eager", "transformers static")
+# Rows outside the default table, for ablations by name (`--configs`): LiteVLM without the answer openings its draft head
+# verifies inside the prefill (`litevlm.spec.openings`).
+ABLATION_CONFIGS: dict[str, dict] = {"litevlm w/o openings": {**LITEVLM, "openings": False}}
 
 
 def configs_named(names: str) -> dict[str, dict]:
     """The rows named in a comma-separated list (the transformers rows are `hf`'s), in the table's order."""
-    known = {**CONFIGS, **BF16_CONFIGS}
+    known = {**CONFIGS, **BF16_CONFIGS, **ABLATION_CONFIGS}
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in known and n not in HF_ROWS]
     if unknown or not wanted:
@@ -152,11 +155,12 @@ def _pipelines(model: str, configs: dict[str, dict], max_new_tokens: int, shape:
 
 def random_pipeline(shape: str, tokenizer_model: str, max_new_tokens: int, *, select_views=False, select_tokens=None,
                     min_select_tokens: int = 0, fastv_k=None, fastv_r=None, speculative=False, fp8=None, seed: int = 0,
-                    cuda_graphs: bool = False):
+                    cuda_graphs: bool = False, openings: bool = True):
     """A pipeline at a real model's shapes with random weights (latency only): `--shape 2b` etc.
 
     The text side borrows drive-tiny's tokenizer (its ids fit every real vocabulary); each camera is cut
-    into two tiles as in the paper's 12-tile layout. Selectors and the draft head are random too.
+    into two tiles as in the paper's 12-tile layout. Selectors and the draft head are random too, and the draft head has
+    no answer openings (`openings` is accepted for the ablation rows and changes nothing here).
     """
     from litevlm.config import preset
     from litevlm.data.tokenizer import Tokenizer

@@ -129,6 +129,9 @@ struct Visible {
   const bool* mask = nullptr;  // (n, end) row-major, or null
   int64_t start = 0;
   bool causal = false;  // row r sees slots 0..start+r (a chain's tree mask)
+  // A tree after a causal prompt: rows from tail_first on see the slots where their (tail rows, end) mask row allows
+  const bool* tail_mask = nullptr;
+  int64_t tail_first = 0;
 };
 
 // The masked softmax of one row of scores in place over slots 0..top-1 (zero beyond it and where masked).
@@ -156,8 +159,12 @@ void attend(const float* q_rows, int64_t width, int64_t n, int64_t first, const 
             int64_t slots, int64_t end, const Visible& visible, int64_t hq, int64_t hkv, int64_t d, float* y) {
   const int64_t group = hq / hkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  auto top_of = [&](int64_t row_index) { return visible.causal ? visible.start + row_index + 1 : end; };
-  auto mask_of = [&](int64_t row_index) { return visible.mask ? visible.mask + row_index * end : nullptr; };
+  auto in_tail = [&](int64_t row_index) { return visible.tail_mask && row_index >= visible.tail_first; };
+  auto top_of = [&](int64_t row_index) { return visible.causal && !in_tail(row_index) ? visible.start + row_index + 1 : end; };
+  auto mask_of = [&](int64_t row_index) -> const bool* {
+    if (in_tail(row_index)) return visible.tail_mask + (row_index - visible.tail_first) * end;
+    return visible.mask ? visible.mask + row_index * end : nullptr;
+  };
   if (n == 1) {
     std::vector<float> scores(end);
     const int64_t top = top_of(first);
@@ -448,11 +455,22 @@ std::tuple<at::Tensor, at::Tensor> decode_logits_op(const at::Tensor& token, int
 }
 
 // A prompt of one sequence written at cache slots 0..n-1, causally (row r sees slots 0..r): a prefill, or a
-// pruned prefill's layers -> (n, C), before any final norm.
+// pruned prefill's layers -> (n, C), before any final norm. tail_mask (m, n): the last m rows are a tree after the
+// prompt instead (answer openings), row i of them seeing the slots where tail_mask[i] is true.
 at::Tensor prompt_layers_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
-                            at::TensorList caches, int64_t hq, int64_t hkv, int64_t d, double eps, at::TensorList bf16) {
+                            at::TensorList caches, int64_t hq, int64_t hkv, int64_t d, double eps, at::TensorList bf16,
+                            const std::optional<at::Tensor>& tail_mask) {
   Visible causal;
   causal.causal = true;
+  at::Tensor tail;
+  if (tail_mask.has_value()) {
+    tail = tail_mask->to(at::kBool).contiguous();
+    const int64_t n = x.size(0);
+    TORCH_CHECK(tail.dim() == 2 && tail.size(1) == n && tail.size(0) <= n,
+                "litevlm_cpu: the tree mask after a prompt must be (tree rows, prompt + tree rows)");
+    causal.tail_mask = tail.data_ptr<bool>();
+    causal.tail_first = n - tail.size(0);
+  }
   return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), 0, causal, weights, caches, hq, hkv, d, eps,
                     false, bf16);
 }
@@ -793,7 +811,7 @@ TORCH_LIBRARY(litevlm_cpu, m) {
         "-> (Tensor, Tensor)",
         &decode_logits_op);
   m.def("prompt_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, "
-        "float eps, Tensor[] bf16) -> Tensor",
+        "float eps, Tensor[] bf16, Tensor? tail_mask=None) -> Tensor",
         &prompt_layers_op);
   m.def("token_scores(Tensor x, Tensor cos, Tensor sin, int first_row, Tensor vis, Tensor tags, Tensor[] weights, "
         "int hq, int hkv, int d, float eps) -> Tensor",

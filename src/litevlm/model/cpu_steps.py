@@ -303,10 +303,11 @@ def _native_layers(decoder_layers, cfg) -> List[List[torch.Tensor]]:
 
 
 def prompt_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoder_layers, cfg,
-                  bf16: bool = False) -> Optional[torch.Tensor]:
+                  bf16: bool = False, tail_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """A prompt of one sequence, x (T, C) at cache slots 0..T-1 with cos / sin (T, 1, D) at its positions,
     causally through `decoder_layers` (of a decoder with TextConfig `cfg`) in one native call -> (T, C) before any final norm; None where that
     does not apply (the native build is missing, or `usable` says no): the caller runs the layers eagerly.
+    tail_mask (m, T): the last m rows are a tree after the prompt (answer openings), each seeing where its row allows.
     The eager prompt path costs about 0.4 ms a layer more on drive-tiny (its norms, RoPE, cache writes and
     attention dispatched op by op)."""
     if backend() != "native" or not usable(x, decoder_layers):
@@ -316,7 +317,7 @@ def prompt_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoder
     per_layer = _native_layers(decoder_layers, cfg)
     products = bf16_products(per_layer) if bf16 else []
     return native.ops().prompt_layers(x, cos, sin, _flat(per_layer), _flat(caches(decoder_layers)), cfg.num_heads,
-                                      cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, products)
+                                      cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, products, tail_mask)
 
 
 def bf16_products(per_layer: List[List[torch.Tensor]]) -> List[torch.Tensor]:

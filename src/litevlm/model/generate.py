@@ -233,7 +233,8 @@ class Generation:
     tokens: list[int]
     prompt_len: int
     timings_ms: dict[str, float] = field(default_factory=dict)
-    accept_lengths: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)  # tokens per decode-stage target pass (speculative)
+    opened: int = 0  # tokens accepted from an answer opening inside the prefill (speculative), before any cycle
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from litevlm.config import TextConfig
+from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
 from litevlm.model.kv_cache import KVCache
 from litevlm.model.vision import RMSNorm
@@ -311,11 +312,14 @@ class TextModel(nn.Module):
         cache = self.layers[0].self_attn.kv_cache
         return 0 if cache is None else cache.max_len
 
-    def forward(self, embeds, positions, slots=None, mask=None, kv_len=None, start_layer: int = 0, end_layer: int | None = None):
+    def forward(self, embeds, positions, slots=None, mask=None, kv_len=None, start_layer: int = 0, end_layer: int | None = None,
+                tree_tail: torch.Tensor | None = None):
         """embeds (B, T, C), positions (B, T) -> hidden (B, T, C) after the final norm.
 
         slots (T,) are the cache slots to write; mask (B or 1, 1, T, S) is True where attention is
         allowed, S = kv_len or the cache length. Without slots, attention is causal over `embeds`.
+        tree_tail (m, T) bool, for a prompt from slot 0 without a mask: its last m rows are a tree after the prompt
+        (answer openings), row i seeing the slots where tree_tail[i] is True; the other rows stay causal.
         """
         if embeds.device.type == "cpu":  # the kept table, gathered (the same values; reading the top position syncs a GPU)
             table_cos, table_sin = self.rope_table(int(positions.max()), embeds.dtype, embeds.device)  # (P, 1, D)
@@ -331,9 +335,17 @@ class TextModel(nn.Module):
         if embeds.shape[0] == 1 and slots is not None and mask is None and kv_len == embeds.shape[1] \
                 and len(layers) > 0:  # a prompt from slot 0, one sequence: one native call where it applies
             t, d = embeds.shape[1], self.cfg.head_dim
-            out = cpu_steps.prompt_layers(embeds[0], cos.reshape(t, 1, d), sin.reshape(t, 1, d), layers, self.cfg, bf16=bf16)
+            out = cpu_steps.prompt_layers(embeds[0], cos.reshape(t, 1, d), sin.reshape(t, 1, d), layers, self.cfg, bf16=bf16,
+                                          tail_mask=tree_tail)
             if out is not None:
                 return self.norm(out[None]) if end_layer is None else out[None]
+        if tree_tail is not None:
+            if mask is not None or slots is None:
+                raise LiteVLMError("tree_tail applies to a prompt written from slot 0 without a mask")
+            t = embeds.shape[1]
+            mask = torch.ones(t, t, dtype=torch.bool, device=embeds.device).tril()
+            mask[t - tree_tail.shape[0] :] = tree_tail.to(mask.device)
+            mask = mask[None, None]
         if bf16:
             x, cos, sin = x.to(torch.bfloat16), cos.to(torch.bfloat16), sin.to(torch.bfloat16)
         for layer in layers:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 
 from litevlm.errors import LiteVLMError
-from litevlm.model.generate import Generation, Prefilled, StageTimer, decode_step, prefill, sample_token
+from litevlm.model.generate import Generation, Prefilled, StageTimer, check_prompt_fits, decode_step, prefill, sample_token
+from litevlm.model.lm import linear
+from litevlm.spec.openings import Opening, accept_opening, opening_inputs
 from litevlm.spec.tree import (
     TreeConfig, accept_greedy, accept_sampled, chain_tree, commit_path, draft_tree, verify_chain_greedy, verify_tree,
 )
@@ -36,6 +38,7 @@ def speculative_generate(
     tree: TreeConfig = TreeConfig(),
     prefilled: Prefilled | None = None,
     verify=None,
+    opening: Opening | None = None,
 ) -> Generation:
     """`litevlm.model.generate.generate` with EAGLE-2 speculation (batch 1).
 
@@ -45,7 +48,9 @@ def speculative_generate(
     tokens emitted per target forward, bonus included (tau = their mean). prefilled: the prompt is in
     the cache already (pruned inside the decoder, timed by the caller); embeds and positions are then
     ignored. verify: a `GraphedVerify` (GPU), used for the trees of its size (fixed-size trees; chains without a
-    cut); other trees verify eagerly.
+    cut); other trees verify eagerly. opening: a trie of likely answer openings (`litevlm.spec.openings`) verified
+    inside the prefill's forward pass (greedy decoding of an unpruned prompt only; otherwise ignored): the tokens it
+    accepts are emitted before the first cycle, and the prefill is timed with them.
     """
     timer = timer or StageTimer(embeds.device)
     if prefilled is not None:
@@ -61,25 +66,33 @@ def speculative_generate(
     live = embeds.device.type != "cuda"  # eager CPU: attend over the live prefix; GPU: fixed shapes
     next_pos = int(positions[0, -1]) + 1  # RoPE position of the first generated token (slot t)
 
+    opening = opening if prefilled is None and temperature <= 0 and opening is not None and len(opening) else None
+    context = getattr(getattr(draft, "cfg", None), "context", 0)
+    c0 = max(0, t - context) if context else 0
     with timer("prefill"):
-        logits, hidden = prefill(model, embeds, positions) if prefilled is None else prefilled[:2]
-        root = sample_token(logits, temperature, top_p, generator)  # (1,)
-    out = [int(root)]
+        if opening is None:
+            logits, hidden = prefill(model, embeds, positions) if prefilled is None else prefilled[:2]
+            root = sample_token(logits, temperature, top_p, generator)  # (1,)
+            out, nodes, opened = [int(root)], [], hidden[0, c0:0]
+        else:
+            nodes, out, hidden, opened = _prefill_with_opening(model, embeds, positions, opening, next_pos, eos_id, max_new_tokens)
+            root = torch.tensor(out[-1:], device=embeds.device)
     accept: list[int] = []
 
     def finished() -> bool:
         return len(out) >= max_new_tokens or (eos_id is not None and out[-1] == eos_id)
 
     with timer("decode"):
+        if finished():  # the whole answer came with the prompt's pass
+            return Generation(out, t, dict(timer.ms), accept, len(nodes))
         draft.prepare(cap + (tree.depth - 1) * tree.top_k, next_pos + max_new_tokens + tree.depth + 1)  # per generation: timed
-        # The first extend covers the prompt (its last `context` pairs when the draft is windowed):
-        # pair j = (f_j, what the target consumed at j+1), at the position of token j.
-        context = getattr(getattr(draft, "cfg", None), "context", 0)
-        c0 = max(0, t - context) if context else 0
-        feats = hidden[0, c0:]  # (t - c0, C)
-        nxt = torch.cat([embeds[0, c0 + 1 :], lm.embed_tokens(root)])  # (t - c0, C)
-        pair_pos = positions[0, c0:]
-        done, L = 0, t  # pairs in the draft cache (its slots 0..done-1), tokens in the target cache
+        # The first extend covers the prompt (its last `context` pairs when the draft is windowed) and the opening
+        # tokens accepted with it: pair j = (f_j, what the target consumed at j+1), at the position of token j.
+        a = len(nodes)
+        feats = torch.cat([hidden[0, c0:], opened])  # (t - c0 + a, C)
+        nxt = torch.cat([embeds[0, c0 + 1 :], lm.embed_tokens(torch.tensor(out, device=embeds.device))])  # (t - c0 + a, C)
+        pair_pos = torch.cat([positions[0, c0:], torch.arange(next_pos, next_pos + a, device=embeds.device)])
+        done, L = 0, t + a  # pairs in the draft cache (its slots 0..done-1), tokens in the target cache
         plan = lm.step_plan() if live else None  # the CPU steps' arguments, gathered once
         # A greedy chain on the CPU runs each side of a cycle as one CPU call (draft_cycle, verify_chain_greedy).
         fused = plan is not None and temperature <= 0 and tree.top_k == 1 and tree.total_tokens == tree.depth + 1 \
@@ -134,4 +147,24 @@ def speculative_generate(
                 if finished():
                     break
             L, root = L + a + 1, new[-1:]
-    return Generation(out, t, dict(timer.ms), accept)
+    return Generation(out, t, dict(timer.ms), accept, len(nodes))
+
+
+def _prefill_with_opening(model, embeds: torch.Tensor, positions: torch.Tensor, opening: Opening, next_pos: int,
+                          eos_id: int | None, max_new_tokens: int) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """The prompt (1, T, C) and the opening trie's N nodes in one target pass (prompt at cache slots 0..T-1, nodes
+    at T..T+N-1 under the trie mask), greedy acceptance, and the accepted nodes' K/V moved to slots T, T+1, ...
+    -> (accepted nodes, emitted tokens: the prompt's next token, then one after each accepted node; the prompt's
+    post-norm hidden states (1, T, C); the accepted nodes' (a, C))."""
+    lm = model.language_model
+    t, n, dev = embeds.shape[1], len(opening), embeds.device
+    check_prompt_fits(lm, t + n)
+    node_pos, tail = opening_inputs(opening, t, next_pos, dev)
+    x = torch.cat([embeds, lm.embed_tokens(opening.tokens.to(dev))[None]], 1)
+    pos = torch.cat([positions[0], node_pos])[None]
+    h = lm(x, pos, slots=torch.arange(t + n, device=dev), kv_len=t + n, tree_tail=tail)[0]  # (T + N, C)
+    logits = linear(h[t - 1 :], model.lm_head)  # (1 + N, V): the prompt's last row, then the nodes'
+    path, emitted = accept_opening(opening, int(logits[0].argmax()), logits[1:], eos_id, max_new_tokens)
+    if path != list(range(len(path))):
+        lm.commit(torch.tensor(path, device=dev) + t, t)
+    return path, emitted, h[None, :t], h[t + torch.tensor(path, dtype=torch.long, device=dev)]

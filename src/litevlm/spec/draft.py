@@ -31,6 +31,7 @@ from litevlm.errors import LiteVLMError
 from litevlm.model.kv_cache import KVCache
 from litevlm.model import cpu_steps
 from litevlm.model.lm import DecoderLayer, linear, rope_cos_sin, rope_table, row_major
+from litevlm.spec.openings import Openings
 
 DRAFT_FORMAT = "litevlm-draft"
 DRAFT_SUBDIR = "draft"  # a model directory keeps its draft head here
@@ -102,6 +103,7 @@ class DraftHead(nn.Module):
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, 1, D) cos / sin tables
         self._plan: cpu_steps.Plan | None = None  # the CPU step's arguments, made by `prepare`
         self._chain_args: tuple | None = None  # and the one-call chain's: embedding, fc, head, vocabulary map
+        self.openings: Openings | None = None  # answer openings verified with the prompt (openings.json beside the head)
         if target is not None:
             self.attach(target)
 
@@ -382,6 +384,7 @@ class DraftHead(nn.Module):
             raise LiteVLMError(f"draft checkpoint {path} does not match its config: " + "; ".join(problems))
         head.load_state_dict(state)
         head.attach(target)  # checks hidden / vocab sizes against the target
+        head.openings = Openings.load(path, cfg.vocab_size)
         w = target.lm_head.weight
         return head.to(device=w.device, dtype=w.dtype).eval()
 

@@ -1,0 +1,199 @@
+"""Answer openings: the first tokens of an answer, drafted from the question alone and verified inside the prefill.
+
+A speculative cycle needs the draft head, and the draft head needs the target's features, so the first cycle can
+only start once the prefill is done: a short answer ("Yes." + EOS) then pays a whole target pass over the weights
+for its last two tokens. But many questions of a kind open their answers the same way ("Is there ...?" -> "Yes." /
+"No."; "What will <c> do next?" -> "Keep ..."). `Openings` is a table, built from training questions and answers,
+from a question's first two words to a small trie of the answer openings seen most often after them (a
+retrieval-style draft, as in REST, arXiv 2311.08252). The trie's nodes ride along with the prompt in the prefill's
+one forward pass: every node sees the whole prompt and its own ancestors (the tree mask), at position
+prompt end + depth. Greedy acceptance then walks the trie from the prompt's own next token exactly as a
+verification does (`accept_opening`), so the output is unchanged token for token; an answer the trie covers to its
+EOS needs no decode step at all, and a miss costs the prefill a few rows.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from litevlm.errors import LiteVLMError
+
+OPENINGS_FILE = "openings.json"
+OPENINGS_FORMAT = "litevlm-openings"
+_WORD = re.compile(r"[a-z]+")
+
+
+def question_key(question: str) -> str:
+    """The first two words of a question, lower-case letters only: the table's key."""
+    return " ".join(_WORD.findall(question.lower())[:2])
+
+
+@dataclass
+class Opening:
+    """A trie of answer openings, parents before children: node i holds tokens[i] at depth[i] (0: the answer's first
+    token) under parents[i] (-1: none); mask[i, j] is True where j is i or one of its ancestors."""
+
+    tokens: torch.Tensor  # (N,) long
+    parents: torch.Tensor  # (N,) long
+    depth: torch.Tensor  # (N,) long
+    mask: torch.Tensor  # (N, N) bool
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @classmethod
+    def from_sequences(cls, sequences: list[list[int]]) -> "Opening":
+        tokens, parents, depth, index = [], [], [], {}
+        for seq in sequences:
+            for d in range(len(seq)):
+                prefix = tuple(seq[: d + 1])
+                if prefix not in index:
+                    index[prefix] = len(tokens)
+                    tokens.append(seq[d])
+                    parents.append(index[prefix[:-1]] if d else -1)
+                    depth.append(d)
+        n = len(tokens)
+        mask = torch.eye(n, dtype=torch.bool)
+        for i in range(n):
+            if parents[i] >= 0:
+                mask[i] |= mask[parents[i]]
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                   torch.tensor(depth, dtype=torch.long), mask)
+
+
+class Openings:
+    """Question key -> the answer openings seen most often after it (token id sequences, each at most `depth` long,
+    ending early at EOS), as a trie of at most `max_nodes` nodes per key."""
+
+    def __init__(self, table: dict[str, list[list[int]]], *, depth: int, max_nodes: int, vocab_size: int,
+                 recipe: dict | None = None):
+        self.table, self.depth, self.max_nodes, self.vocab_size = table, depth, max_nodes, vocab_size
+        self.recipe = recipe or {}
+        self._tries: dict[str, Opening] = {}
+
+    @classmethod
+    def build(cls, pairs, *, eos_id: int, vocab_size: int, depth: int = 3, max_nodes: int = 8, min_share: float = 0.05,
+              recipe: dict | None = None) -> "Openings":
+        """From (question, answer token ids) pairs: per question key, the most frequent openings (the first `depth`
+        tokens of the answer followed by EOS, cut at `depth`) that make up at least `min_share` of its answers, most
+        frequent first, while their trie stays within `max_nodes` nodes."""
+        if depth < 1 or max_nodes < 1:
+            raise LiteVLMError(f"openings need depth >= 1 and max_nodes >= 1; got {depth} and {max_nodes}")
+        counts: dict[str, Counter] = defaultdict(Counter)
+        for question, ids in pairs:
+            counts[question_key(question)][tuple((list(ids) + [eos_id])[:depth])] += 1
+        table = {}
+        for key, seen in counts.items():
+            total, chosen, prefixes = sum(seen.values()), [], set()
+            for seq, n in seen.most_common():
+                if n < min_share * total:
+                    break
+                grown = prefixes | {seq[: d + 1] for d in range(len(seq))}
+                if len(grown) > max_nodes:
+                    continue
+                chosen.append(list(seq))
+                prefixes = grown
+            if chosen:
+                table[key] = chosen
+        return cls(table, depth=depth, max_nodes=max_nodes, vocab_size=vocab_size, recipe=recipe)
+
+    def for_question(self, question: str) -> Opening | None:
+        """The trie to verify with this question's prompt, or None where its key has no openings."""
+        key = question_key(question)
+        if key not in self.table:
+            return None
+        if key not in self._tries:
+            self._tries[key] = Opening.from_sequences(self.table[key])
+        return self._tries[key]
+
+    # -- files ----------------------------------------------------------------------------------
+    def save(self, folder: str | Path) -> Path:
+        out = Path(folder) / OPENINGS_FILE
+        meta = {"format": OPENINGS_FORMAT, "version": 1, "depth": self.depth, "max_nodes": self.max_nodes,
+                "vocab_size": self.vocab_size, "recipe": self.recipe, "table": self.table}
+        out.write_text(json.dumps(meta, indent=1))
+        return out
+
+    @classmethod
+    def load(cls, folder: str | Path, vocab_size: int) -> "Openings | None":
+        """The table in `folder` (a draft head's folder), None where it has none; an error names a file that is not
+        one or that was built for another vocabulary."""
+        path = Path(folder) / OPENINGS_FILE
+        if not path.is_file():
+            return None
+        try:
+            meta = json.loads(path.read_text())
+            if meta.get("format") != OPENINGS_FORMAT:
+                raise ValueError("not a litevlm openings table")
+            table = {str(k): [[int(t) for t in seq] for seq in v] for k, v in meta["table"].items()}
+            depth, max_nodes, vocab = int(meta["depth"]), int(meta["max_nodes"]), int(meta["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise LiteVLMError(f"cannot read the answer openings {path}: {e}") from None
+        if vocab != vocab_size:
+            raise LiteVLMError(f"the answer openings {path} were built for a vocabulary of {vocab}; the model has {vocab_size}")
+        bad = [t for seqs in table.values() for seq in seqs for t in seq if not 0 <= t < vocab_size]
+        if bad or any(not seq or len(seq) > depth for seqs in table.values() for seq in seqs):
+            raise LiteVLMError(f"the answer openings {path} hold sequences outside the vocabulary or longer than {depth}")
+        return cls(table, depth=depth, max_nodes=max_nodes, vocab_size=vocab, recipe=meta.get("recipe", {}))
+
+
+def opening_inputs(opening: Opening, prompt_len: int, next_position: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trie appended to a prompt of `prompt_len` tokens (cache slots 0..T-1, the nodes at T..T+N-1): the node
+    positions (N,) and their rows of the attention mask (N, T + N): each node sees the prompt, itself and its
+    ancestors (the prompt's own rows stay causal)."""
+    t, n = prompt_len, len(opening)
+    tail = torch.ones(n, t + n, dtype=torch.bool, device=device)
+    tail[:, t:] = opening.mask.to(device)
+    return next_position + opening.depth.to(device), tail
+
+
+def accept_opening(opening: Opening, first: int, node_logits: torch.Tensor, eos_id: int | None, limit: int) -> tuple[list[int], list[int]]:
+    """Greedy acceptance of a trie verified with the prompt: first = the prompt's own next token (its argmax),
+    node_logits (N, V) the target's logits at the nodes -> (the accepted nodes in order, the emitted tokens: `first`,
+    then the argmax after each accepted node; at most `limit` tokens, stopping at EOS). A node is accepted when its
+    token is the token emitted before it and its parent was accepted (the roots: its first token)."""
+    emitted, path = [first], []
+    children = [i for i in range(len(opening)) if int(opening.parents[i]) < 0]
+    predicted = node_logits.argmax(-1).tolist()
+    tokens = opening.tokens.tolist()
+    parents = opening.parents.tolist()
+    while len(emitted) < limit and (eos_id is None or emitted[-1] != eos_id):
+        match = next((i for i in children if tokens[i] == emitted[-1]), None)
+        if match is None:
+            break
+        path.append(match)
+        emitted.append(predicted[match])
+        children = [i for i in range(len(opening)) if parents[i] == match]
+    return path, emitted
+
+
+def build_openings(model_dir: str | Path, *, frames: int = 3000, seed: int = 0, depth: int = 3, max_nodes: int = 8,
+                   min_share: float = 0.05, progress: bool = True) -> Path:
+    """The answer openings of a model, from the questions and reference answers of synthetic training frames (seed, 0..frames-1;
+    the held-out split is seed 1), saved beside its draft head (MODEL_DIR/draft/openings.json)."""
+    from tqdm import tqdm
+
+    from litevlm.data.synthetic import make_frame
+    from litevlm.data.tokenizer import Tokenizer
+    from litevlm.pipeline import resolve_model_dir
+    from litevlm.spec.draft import draft_dir
+
+    path = resolve_model_dir(model_dir)
+    folder = draft_dir(path)
+    if not (folder / "config.json").is_file():
+        raise LiteVLMError(f"{path} has no draft head: answer openings are kept beside it (train one with `litevlm train draft`)")
+    if frames < 1:
+        raise LiteVLMError(f"--frames must be >= 1; got {frames}")
+    tok = Tokenizer.from_dir(path)
+    pairs = [(qa.question, tok.encode(qa.answer)) for i in tqdm(range(frames), desc="frames", disable=not progress)
+             for qa in make_frame(seed, i).qas]
+    table = Openings.build(pairs, eos_id=tok.eos_id, vocab_size=tok.vocab_size, depth=depth, max_nodes=max_nodes,
+                           min_share=min_share, recipe={"frames": frames, "seed": seed, "depth": depth, "max_nodes": max_nodes,
+                                                        "min_share": min_share, "answers": "reference", "questions": len(pairs)})
+    return table.save(folder)

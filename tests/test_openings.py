@@ -1,0 +1,109 @@
+"""Answer openings (`litevlm.spec.openings`): the table, its trie, its file, and the one thing that matters most: an
+opening verified inside the prefill leaves greedy output unchanged token for token, whether it is right, partly
+right or wrong, natively and eagerly."""
+
+import json
+
+import pytest
+import torch
+
+from litevlm.errors import LiteVLMError
+from litevlm.model import cpu_steps
+from litevlm.model.generate import generate
+from litevlm.spec import speculative_generate
+from litevlm.spec.openings import Opening, Openings, accept_opening, question_key
+
+from test_spec import prompt, random_draft, tiny_vlm
+
+EOS = 2
+
+
+def test_the_key_is_the_first_two_words():
+    assert question_key("Is <c1,CAM_FRONT,1.0,2.0> a car?") == "is c"
+    assert question_key("  What will the car do next?") == "what will"
+    assert question_key("?") == ""
+
+
+def test_the_table_keeps_the_frequent_openings_within_the_node_budget():
+    pairs = [("Is there a car?", [10, 11])] * 6 + [("Is there a bus?", [12, 11])] * 3 + [("Is there x?", [13, 14, 15, 16])]
+    pairs += [("What will it do?", [20, 21, 22, 23])] * 2
+    table = Openings.build(pairs, eos_id=EOS, vocab_size=64, depth=3, max_nodes=6, min_share=0.15)
+    assert table.table["is there"] == [[10, 11, EOS], [12, 11, EOS]]  # the rare opening (10%) is under min_share
+    assert table.table["what will"] == [[20, 21, 22]]  # cut at depth
+    small = Openings.build(pairs, eos_id=EOS, vocab_size=64, depth=3, max_nodes=4)
+    assert small.table["is there"] == [[10, 11, EOS]]  # a second branch would need 6 nodes
+    assert small.for_question("Where is it?") is None
+
+
+def test_a_trie_lists_parents_first_and_masks_ancestors():
+    trie = Opening.from_sequences([[10, 11, EOS], [10, 12], [13, 11, EOS]])
+    assert trie.tokens.tolist() == [10, 11, EOS, 12, 13, 11, EOS]
+    assert trie.parents.tolist() == [-1, 0, 1, 0, -1, 4, 5]
+    assert trie.depth.tolist() == [0, 1, 2, 1, 0, 1, 2]
+    for i, p in enumerate(trie.parents.tolist()):
+        assert p < i
+        expect = {i}
+        while p >= 0:
+            expect.add(p)
+            p = trie.parents[p].item()
+        assert set(trie.mask[i].nonzero().flatten().tolist()) == expect
+
+
+def test_greedy_acceptance_walks_the_trie():
+    trie = Opening.from_sequences([[10, 11, EOS], [12, 13, 14]])
+    logits = torch.zeros(len(trie), 64)
+    for node, nxt in enumerate([11, EOS, 9, 13, 30, 7]):  # what the target predicts after each node
+        logits[node, nxt] = 1.0
+    assert accept_opening(trie, 10, logits, EOS, 100) == ([0, 1], [10, 11, EOS])  # the whole answer
+    assert accept_opening(trie, 12, logits, EOS, 100) == ([3, 4], [12, 13, 30])  # 12, 13 accepted; then 30, not 14
+    assert accept_opening(trie, 40, logits, EOS, 100) == ([], [40])  # no root matches
+    assert accept_opening(trie, 10, logits, EOS, 2) == ([0], [10, 11])  # max_new_tokens
+    assert accept_opening(trie, EOS, logits, EOS, 100) == ([], [EOS])
+
+
+def test_openings_save_and_load_and_refuse_what_does_not_fit(tmp_path):
+    table = Openings.build([("Is it?", [10, 11])], eos_id=EOS, vocab_size=64, recipe={"frames": 1})
+    table.save(tmp_path)
+    back = Openings.load(tmp_path, 64)
+    assert back.table == table.table and back.recipe == {"frames": 1}
+    assert Openings.load(tmp_path / "elsewhere", 64) is None
+    with pytest.raises(LiteVLMError, match="vocabulary of 64"):
+        Openings.load(tmp_path, 128)
+    meta = json.loads((tmp_path / "openings.json").read_text())
+    meta["table"]["is it"] = [[10, 99]]
+    (tmp_path / "openings.json").write_text(json.dumps(meta))
+    with pytest.raises(LiteVLMError, match="outside the vocabulary"):
+        Openings.load(tmp_path, 64)
+    (tmp_path / "openings.json").write_text("{not json")
+    with pytest.raises(LiteVLMError, match="cannot read the answer openings"):
+        Openings.load(tmp_path, 64)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_opening_verified_in_the_prefill_is_lossless(native, monkeypatch):
+    """Against plain greedy decoding of the same prompt: an opening that is the answer to its EOS (no decode step
+    follows), one right for two tokens then wrong, and one wrong from the first token."""
+    if not native:
+        monkeypatch.setattr(cpu_steps, "prompt_layers", lambda *args, **kwargs: None)  # the eager layers under a mask
+    model = tiny_vlm(vocab=48)
+    head = random_draft(model)
+    for seed in range(4):
+        embeds, pos = prompt(model, seed=seed)
+        ref = generate(model, embeds, pos, 12, None).tokens
+        eos = ref[3]  # ends the answer at its fourth token (a token the model does emit)
+        ref = ref[: ref.index(eos) + 1]
+        cases = {
+            "whole answer": ([ref[:4]], len(ref) - 1, 0),
+            "two right, then wrong": ([[ref[0], ref[1], (ref[2] + 1) % 48]], 2, None),
+            "a second branch": ([[(ref[0] + 1) % 48, 9, 9], ref[:3]], 3, None),
+            "wrong": ([[(ref[0] + 1) % 48]], 0, None),
+        }
+        for name, (sequences, opened, cycles) in cases.items():
+            trie = Opening.from_sequences(sequences)
+            out = speculative_generate(model, head, embeds, pos, 12, eos, opening=trie)
+            assert out.tokens == ref, (seed, name)
+            assert out.opened == min(opened, len(ref) - 1), (seed, name)
+            if cycles is not None:
+                assert len(out.accept_lengths) == cycles, (seed, name)
+            # the cache holds the prompt and the answer as a plain prefill of both would
+            assert sum(out.accept_lengths) + out.opened == len(out.tokens) - 1
