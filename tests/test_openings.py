@@ -35,6 +35,14 @@ def test_the_table_keeps_the_frequent_openings_within_the_node_budget():
     assert small.for_question("Where is it?") is None
 
 
+def test_a_question_takes_its_longest_known_key():
+    pairs = [("What will the car do?", [10, 11])] * 4 + [("What will it do?", [12])] * 4 + [("What will the bus do?", [13])]
+    table = Openings.build(pairs, eos_id=EOS, vocab_size=64, depth=3, max_nodes=8, min_share=0.3, key_words=(3, 2))
+    assert table.for_question("What will the truck do?").tokens.tolist() == [10, 11, EOS]  # "what will the"
+    assert table.for_question("What will we do?").tokens.tolist() == [10, 11, EOS, 12, EOS]  # only "what will" is known
+    assert table.for_question("Why?") is None
+
+
 def test_a_trie_lists_parents_first_and_masks_ancestors():
     trie = Opening.from_sequences([[10, 11, EOS], [10, 12], [13, 11, EOS]])
     assert trie.tokens.tolist() == [10, 11, EOS, 12, 13, 11, EOS]
@@ -62,10 +70,10 @@ def test_greedy_acceptance_walks_the_trie():
 
 
 def test_openings_save_and_load_and_refuse_what_does_not_fit(tmp_path):
-    table = Openings.build([("Is it?", [10, 11])], eos_id=EOS, vocab_size=64, recipe={"frames": 1})
+    table = Openings.build([("Is it?", [10, 11])], eos_id=EOS, vocab_size=64, key_words=(3, 1), recipe={"frames": 1})
     table.save(tmp_path)
     back = Openings.load(tmp_path, 64)
-    assert back.table == table.table and back.recipe == {"frames": 1}
+    assert back.table == table.table and back.recipe == {"frames": 1} and back.key_words == (3, 1)
     assert Openings.load(tmp_path / "elsewhere", 64) is None
     with pytest.raises(LiteVLMError, match="vocabulary of 64"):
         Openings.load(tmp_path, 128)

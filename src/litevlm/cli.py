@@ -146,7 +146,13 @@ def cmd_train_draft(args) -> None:
 def cmd_train_openings(args) -> None:
     from litevlm.spec.openings import build_openings
 
-    print(f"saved to {build_openings(args.model_dir, frames=args.frames, seed=args.seed, depth=args.depth, max_nodes=args.max_nodes, min_share=args.min_share)}")
+    try:
+        key_words = tuple(int(w) for w in args.key_words.split(","))
+    except ValueError:
+        raise LiteVLMError(f"--key-words takes comma-separated word counts, e.g. 4,2; got {args.key_words!r}") from None
+    path = build_openings(args.model_dir, frames=args.frames, seed=args.seed, depth=args.depth, max_nodes=args.max_nodes,
+                          min_share=args.min_share, key_words=key_words)
+    print(f"saved to {path}")
 
 
 def cmd_eval(args) -> None:
@@ -339,9 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     to.add_argument("model_dir", help="the model's folder (or a built-in name), with a draft head")
     to.add_argument("--frames", type=int, default=3000, help="synthetic training frames whose questions and answers are counted")
     to.add_argument("--seed", type=int, default=0, help="frames (seed, 0..frames-1); the held-out split is seed 1")
-    to.add_argument("--depth", type=int, default=3, help="tokens per opening, EOS included")
-    to.add_argument("--max-nodes", type=int, default=8, help="nodes of one question's trie (extra prompt rows)")
-    to.add_argument("--min-share", type=float, default=0.05, help="an opening's least share of its question kind's answers")
+    to.add_argument("--depth", type=int, default=4, help="tokens per opening, EOS included")
+    to.add_argument("--max-nodes", type=int, default=12, help="nodes of one question's trie (extra prompt rows)")
+    to.add_argument("--min-share", type=float, default=0.03, help="an opening's least share of its question kind's answers")
+    to.add_argument("--key-words", default="4,2",
+                    help="question words a key holds, longest first: a question takes the longest key seen in training")
     to.set_defaults(func=cmd_train_openings)
 
     e = sub.add_parser("eval", help="DriveLM scores of a pipeline configuration")

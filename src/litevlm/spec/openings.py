@@ -29,9 +29,9 @@ OPENINGS_FORMAT = "litevlm-openings"
 _WORD = re.compile(r"[a-z]+")
 
 
-def question_key(question: str) -> str:
-    """The first two words of a question, lower-case letters only: the table's key."""
-    return " ".join(_WORD.findall(question.lower())[:2])
+def question_key(question: str, words: int = 2) -> str:
+    """The first `words` words of a question, lower-case letters only: a key of the table."""
+    return " ".join(_WORD.findall(question.lower())[:words])
 
 
 @dataclass
@@ -69,25 +69,28 @@ class Opening:
 
 class Openings:
     """Question key -> the answer openings seen most often after it (token id sequences, each at most `depth` long,
-    ending early at EOS), as a trie of at most `max_nodes` nodes per key."""
+    ending early at EOS), as a trie of at most `max_nodes` nodes per key. Keys are a question's first `key_words[0]`
+    words, then (for questions whose longer key was not seen in training) its first `key_words[1]`, and so on."""
 
     def __init__(self, table: dict[str, list[list[int]]], *, depth: int, max_nodes: int, vocab_size: int,
-                 recipe: dict | None = None):
+                 key_words: tuple[int, ...] = (2,), recipe: dict | None = None):
         self.table, self.depth, self.max_nodes, self.vocab_size = table, depth, max_nodes, vocab_size
+        self.key_words = tuple(key_words)
         self.recipe = recipe or {}
         self._tries: dict[str, Opening] = {}
 
     @classmethod
     def build(cls, pairs, *, eos_id: int, vocab_size: int, depth: int = 3, max_nodes: int = 8, min_share: float = 0.05,
-              recipe: dict | None = None) -> "Openings":
-        """From (question, answer token ids) pairs: per question key, the most frequent openings (the first `depth`
-        tokens of the answer followed by EOS, cut at `depth`) that make up at least `min_share` of its answers, most
+              key_words: tuple[int, ...] = (2,), recipe: dict | None = None) -> "Openings":
+        """From (question, answer token ids) pairs: per question key (of each length in `key_words`), the most frequent
+        openings (the answer's tokens and EOS, cut at `depth`) that make up at least `min_share` of its answers, most
         frequent first, while their trie stays within `max_nodes` nodes."""
-        if depth < 1 or max_nodes < 1:
-            raise LiteVLMError(f"openings need depth >= 1 and max_nodes >= 1; got {depth} and {max_nodes}")
+        if depth < 1 or max_nodes < 1 or not key_words or min(key_words) < 1:
+            raise LiteVLMError(f"openings need depth, max_nodes and key words >= 1; got {depth}, {max_nodes}, {key_words}")
         counts: dict[str, Counter] = defaultdict(Counter)
         for question, ids in pairs:
-            counts[question_key(question)][tuple((list(ids) + [eos_id])[:depth])] += 1
+            for words in key_words:
+                counts[question_key(question, words)][tuple((list(ids) + [eos_id])[:depth])] += 1
         table = {}
         for key, seen in counts.items():
             total, chosen, prefixes = sum(seen.values()), [], set()
@@ -101,12 +104,13 @@ class Openings:
                 prefixes = grown
             if chosen:
                 table[key] = chosen
-        return cls(table, depth=depth, max_nodes=max_nodes, vocab_size=vocab_size, recipe=recipe)
+        return cls(table, depth=depth, max_nodes=max_nodes, vocab_size=vocab_size, key_words=key_words, recipe=recipe)
 
     def for_question(self, question: str) -> Opening | None:
-        """The trie to verify with this question's prompt, or None where its key has no openings."""
-        key = question_key(question)
-        if key not in self.table:
+        """The trie to verify with this question's prompt (its longest key the table knows), or None where no key has
+        openings."""
+        key = next((k for k in (question_key(question, w) for w in self.key_words) if k in self.table), None)
+        if key is None:
             return None
         if key not in self._tries:
             self._tries[key] = Opening.from_sequences(self.table[key])
@@ -116,7 +120,7 @@ class Openings:
     def save(self, folder: str | Path) -> Path:
         out = Path(folder) / OPENINGS_FILE
         meta = {"format": OPENINGS_FORMAT, "version": 1, "depth": self.depth, "max_nodes": self.max_nodes,
-                "vocab_size": self.vocab_size, "recipe": self.recipe, "table": self.table}
+                "key_words": list(self.key_words), "vocab_size": self.vocab_size, "recipe": self.recipe, "table": self.table}
         out.write_text(json.dumps(meta, indent=1))
         return out
 
@@ -133,6 +137,7 @@ class Openings:
                 raise ValueError("not a litevlm openings table")
             table = {str(k): [[int(t) for t in seq] for seq in v] for k, v in meta["table"].items()}
             depth, max_nodes, vocab = int(meta["depth"]), int(meta["max_nodes"]), int(meta["vocab_size"])
+            key_words = tuple(int(w) for w in meta.get("key_words", [2]))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise LiteVLMError(f"cannot read the answer openings {path}: {e}") from None
         if vocab != vocab_size:
@@ -140,7 +145,7 @@ class Openings:
         bad = [t for seqs in table.values() for seq in seqs for t in seq if not 0 <= t < vocab_size]
         if bad or any(not seq or len(seq) > depth for seqs in table.values() for seq in seqs):
             raise LiteVLMError(f"the answer openings {path} hold sequences outside the vocabulary or longer than {depth}")
-        return cls(table, depth=depth, max_nodes=max_nodes, vocab_size=vocab, recipe=meta.get("recipe", {}))
+        return cls(table, depth=depth, max_nodes=max_nodes, vocab_size=vocab, key_words=key_words, recipe=meta.get("recipe", {}))
 
 
 def opening_inputs(opening: Opening, prompt_len: int, next_position: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,8 +178,8 @@ def accept_opening(opening: Opening, first: int, node_logits: torch.Tensor, eos_
     return path, emitted
 
 
-def build_openings(model_dir: str | Path, *, frames: int = 3000, seed: int = 0, depth: int = 3, max_nodes: int = 8,
-                   min_share: float = 0.05, progress: bool = True) -> Path:
+def build_openings(model_dir: str | Path, *, frames: int = 3000, seed: int = 0, depth: int = 4, max_nodes: int = 12,
+                   min_share: float = 0.03, key_words: tuple[int, ...] = (4, 2), progress: bool = True) -> Path:
     """The answer openings of a model, from the questions and reference answers of synthetic training frames (seed, 0..frames-1;
     the held-out split is seed 1), saved beside its draft head (MODEL_DIR/draft/openings.json)."""
     from tqdm import tqdm
@@ -194,6 +199,7 @@ def build_openings(model_dir: str | Path, *, frames: int = 3000, seed: int = 0, 
     pairs = [(qa.question, tok.encode(qa.answer)) for i in tqdm(range(frames), desc="frames", disable=not progress)
              for qa in make_frame(seed, i).qas]
     table = Openings.build(pairs, eos_id=tok.eos_id, vocab_size=tok.vocab_size, depth=depth, max_nodes=max_nodes,
-                           min_share=min_share, recipe={"frames": frames, "seed": seed, "depth": depth, "max_nodes": max_nodes,
-                                                        "min_share": min_share, "answers": "reference", "questions": len(pairs)})
+                           min_share=min_share, key_words=key_words,
+                           recipe={"frames": frames, "seed": seed, "depth": depth, "max_nodes": max_nodes, "min_share": min_share,
+                                   "key_words": list(key_words), "answers": "reference", "questions": len(pairs)})
     return table.save(folder)
