@@ -39,6 +39,7 @@ class Answer:
     tokens: list[int] = field(default_factory=list)
     input_tokens: int = 0
     precision: str = "fp32"
+    opened_tokens: int = 0  # answer tokens accepted from an opening inside the prefill (speculative decoding)
 
     def to_dict(self) -> dict:
         return {
@@ -49,6 +50,7 @@ class Answer:
             "generated_tokens": len(self.tokens),
             "timings_ms": {k: round(v, 3) for k, v in self.timings_ms.items()},
             "accept_lengths": self.accept_lengths,
+            "opened_tokens": self.opened_tokens,
             "precision": self.precision,
         }
 
@@ -336,6 +338,7 @@ class Pipeline:
             accept_lengths=list(gen.accept_lengths),
             tokens=gen.tokens,
             input_tokens=gen.prompt_len,
+            opened_tokens=gen.opened,
             precision=precision_of(self.model),
         )
 

@@ -81,11 +81,13 @@ class RowLog:
     select: list[float] = field(default_factory=list)
     total: list[float] = field(default_factory=list)
     new_tokens: list[int] = field(default_factory=list)
+    decoded: list[int] = field(default_factory=list)
+    opened: list[int] = field(default_factory=list)  # answer tokens accepted with the prompt (answer openings)
     records: list[dict] = field(default_factory=list)
     accept: list[int] = field(default_factory=list)
     precision: str = ""
 
-    def add(self, views, vit, input_tokens, prefill, decode, select, new_tokens):
+    def add(self, views, vit, input_tokens, prefill, decode, select, new_tokens, opened=0):
         self.views.append(views)
         self.vit.append(vit)
         self.input_tokens.append(input_tokens)
@@ -94,10 +96,12 @@ class RowLog:
         self.select.append(select)
         self.total.append(vit + prefill + decode + select)
         self.new_tokens.append(new_tokens)
+        self.decoded.append(max(0, new_tokens - 1 - opened))  # the tokens the decode stage made
+        self.opened.append(opened)
 
     def row(self, name: str, baseline_total: float | None, score) -> dict:
         med = statistics.median
-        steps = sum(max(0, n - 1) for n in self.new_tokens)
+        steps = sum(self.decoded)
         return {
             "config": name,
             "views": round(statistics.fmean(self.views), 2),
@@ -111,6 +115,7 @@ class RowLog:
             "speedup": round(baseline_total / med(self.total), 2) if baseline_total else None,
             "score": score,
             "tau": round(statistics.fmean(self.accept), 3) if self.accept else None,
+            "opened_tokens": round(statistics.fmean(self.opened), 3) if self.opened else 0.0,
             "precision": self.precision,
             "mean_total_ms": round(statistics.fmean(self.total), 3),
             "shares": self.shares(),
@@ -299,7 +304,8 @@ def run_bench(model: str = "drive-tiny", data=None, n: int = 60, shape: str | No
                 continue
             t = ans.timings_ms
             log = logs[name]
-            log.add(len(ans.views), t["vit"], ans.input_tokens, t["prefill"], t["decode"], t["select_views"] + t["select_tokens"], len(ans.tokens))
+            log.add(len(ans.views), t["vit"], ans.input_tokens, t["prefill"], t["decode"], t["select_views"] + t["select_tokens"], len(ans.tokens),
+                    ans.opened_tokens)
             log.accept += ans.accept_lengths
             log.records.append(_record(s, ans.text, len(ans.views)))
             log.precision = ans.precision
