@@ -185,7 +185,9 @@ def test_a_frozen_scope_checks_once_and_the_next_scope_sees_changes():
 @pytest.mark.parametrize("min_value,eos", [(0.0, None), (0.3, None), (0.0, "drafted")])
 @pytest.mark.parametrize("draft_vocab", [0, 40])
 def test_a_cpu_step_draft_chain_equals_the_eager_loop(eager, min_value, eos, draft_vocab):
-    """One CPU call drafts the chain the Python loop drafts: same tokens, same draft cache."""
+    """One CPU call drafts the chain the Python loop drafts: same tokens, same draft cache. (The native chain's
+    one-row products read the draft's weights rounded to bf16, `cpu_steps.panels`; weights that bf16 holds exactly
+    make the two paths comparable, the target's embedding and head included.)"""
     from litevlm.spec.draft import DraftConfig, DraftHead
     from litevlm.spec.tree import TreeConfig, draft_tree
 
@@ -196,6 +198,8 @@ def test_a_cpu_step_draft_chain_equals_the_eager_loop(eager, min_value, eos, dra
         for p in head.parameters():
             if p.ndim >= 2:
                 p.normal_(0, 0.3)
+        for p in [*head.parameters(), *model.parameters()]:  # values bf16 holds exactly
+            p.copy_(p.bfloat16().float())
         if draft_vocab:
             head.set_draft_vocab(torch.randperm(model.cfg.text.vocab_size)[:draft_vocab])
     g = torch.Generator().manual_seed(3)
@@ -359,3 +363,29 @@ def test_litevlm_native_0_turns_the_native_steps_off(monkeypatch):
     monkeypatch.setattr(native, "_ERROR", [])
     assert native.ops() is None
     assert native.error() == "disabled by LITEVLM_NATIVE"
+
+
+def test_a_draft_steps_bf16_panels_multiply_like_its_fp32_weights_rounded():
+    """The native draft's one-row products run on bf16 panels of its weights (`cpu_steps.panels`): the same products
+    as fp32 weights rounded to bf16, any width (the last panel padded), and the target's own steps never use them."""
+    if cpu_steps.backend() != "native" or not cpu_steps.panels_built():
+        pytest.skip("the native build here has no panel products (they need AVX-512)")
+    from litevlm.spec.draft import DraftConfig, DraftHead
+
+    model = tiny_vlm()
+    head = DraftHead(DraftConfig.for_target(model.cfg.text), model).eval()
+    gen = torch.Generator().manual_seed(0)
+    for out in (32, 64, 100, 854):
+        w = torch.randn(48, out, generator=gen)
+        packed = cpu_steps.panels(w)
+        assert packed.dtype == torch.bfloat16 and packed.shape == ((out + 63) // 64, 48, 64)
+        assert cpu_steps.panels(w) is packed  # made once per weight
+        rounded = w.bfloat16().float()
+        unpacked = packed.float().permute(1, 0, 2).reshape(48, -1)[:, :out]
+        assert torch.equal(unpacked, rounded)
+    with torch.no_grad():
+        head.prepare(32, 64)
+    weights = head._plan.weights
+    listed = cpu_steps._draft_panels(head._chain_args[1], head._chain_args[3], weights, 4, 2, 8)
+    assert len(listed) == 2 + 4 * len(weights)
+    assert cpu_steps._draft_panels(head._chain_args[1], head._chain_args[3], weights, 4, 2, 8) is listed

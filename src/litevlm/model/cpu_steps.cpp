@@ -12,6 +12,7 @@
 // more than the arithmetic between its weight reads.
 
 #include <ATen/ATen.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -90,9 +91,84 @@ void row_product(const float* x, int64_t in, const float* w, int64_t out, float*
   }
 }
 
+// ---- a draft step's one-row products on bf16 weight panels -----------------------------------------------------
+// A draft step is a few one-row products over the draft head's weights (about 1.9 MB on drive-tiny, fc, its layer
+// and its head), which sit just past the core's own cache: the step waits on them. The draft only proposes (the
+// target's verification decides every token), so its weights may be rounded: here they are kept in bf16 as panels
+// of 64 columns, each (in, 64) contiguous (`pack_panels`), half the bytes, read in storage order and widened to fp32
+// in registers, where one input row (fp32) sums a panel's columns over two interleaved halves of the input. The
+// target's own steps keep fp32 `row_product`: their products stay exactly as they were.
+constexpr int64_t kPanelWidth = 64;
+
+// w (in, out) row-major fp32 -> (ceil(out / 64), in, 64) bf16, the columns past `out` zero.
+at::Tensor pack_panels_op(const at::Tensor& w) {
+  check_f32_contiguous(w, "a weight to pack");
+  TORCH_CHECK(w.dim() == 2, "litevlm_cpu: pack_panels takes an (in, out) weight");
+  const int64_t in = w.size(0), out = w.size(1), count = (out + kPanelWidth - 1) / kPanelWidth;
+  at::Tensor packed = at::zeros({count, in, kPanelWidth}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  for (int64_t p = 0; p < count; ++p) {
+    const int64_t cols = std::min(kPanelWidth, out - p * kPanelWidth);
+    for (int64_t k = 0; k < in; ++k) std::copy_n(src + k * out + p * kPanelWidth, cols, dst + (p * in + k) * kPanelWidth);
+  }
+  return packed.to(at::kBFloat16);
+}
+
+#if defined(__AVX512F__)
+constexpr bool kPanelsBuilt = true;
+
+// 16 bf16 values -> fp32 (exact: a bf16 is the top half of an fp32).
+inline __m512 widen(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// y (out,) += x (in,) @ the weight packed as bf16 `panels`.
+void panel_row(const float* x, int64_t in, const uint16_t* panels, int64_t out, float* y) {
+  for (int64_t p = 0; p * kPanelWidth < out; ++p) {
+    const uint16_t* panel = panels + p * in * kPanelWidth;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    int64_t k = 0;
+    for (; k + 2 <= in; k += 2) {
+      const uint16_t* w0 = panel + k * kPanelWidth;
+      const uint16_t* w1 = w0 + kPanelWidth;
+      const __m512 x0 = _mm512_set1_ps(x[k]), x1 = _mm512_set1_ps(x[k + 1]);
+      a0 = _mm512_fmadd_ps(x0, widen(w0), a0);
+      a1 = _mm512_fmadd_ps(x0, widen(w0 + 16), a1);
+      a2 = _mm512_fmadd_ps(x0, widen(w0 + 32), a2);
+      a3 = _mm512_fmadd_ps(x0, widen(w0 + 48), a3);
+      b0 = _mm512_fmadd_ps(x1, widen(w1), b0);
+      b1 = _mm512_fmadd_ps(x1, widen(w1 + 16), b1);
+      b2 = _mm512_fmadd_ps(x1, widen(w1 + 32), b2);
+      b3 = _mm512_fmadd_ps(x1, widen(w1 + 48), b3);
+    }
+    if (k < in) {
+      const uint16_t* w0 = panel + k * kPanelWidth;
+      const __m512 x0 = _mm512_set1_ps(x[k]);
+      a0 = _mm512_fmadd_ps(x0, widen(w0), a0);
+      a1 = _mm512_fmadd_ps(x0, widen(w0 + 16), a1);
+      a2 = _mm512_fmadd_ps(x0, widen(w0 + 32), a2);
+      a3 = _mm512_fmadd_ps(x0, widen(w0 + 48), a3);
+    }
+    alignas(64) float sums[kPanelWidth];
+    _mm512_store_ps(sums, _mm512_add_ps(a0, b0));
+    _mm512_store_ps(sums + 16, _mm512_add_ps(a1, b1));
+    _mm512_store_ps(sums + 32, _mm512_add_ps(a2, b2));
+    _mm512_store_ps(sums + 48, _mm512_add_ps(a3, b3));
+    const int64_t col = p * kPanelWidth, cols = std::min(kPanelWidth, out - col);
+    for (int64_t j = 0; j < cols; ++j) y[col + j] += sums[j];
+  }
+}
+#else
+constexpr bool kPanelsBuilt = false;
+#endif
+
+bool panels_built_op() { return kPanelsBuilt; }
+
 // base + x (n, in) @ w (in, out) -> (n, out): base a bias (out,) added to every row, an (n, out) tensor, or undefined
-// (nothing added).
-at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor& w) {
+// (nothing added). panels: w packed by `pack_panels` (a draft head's weights, bf16), or undefined: a one-row product
+// then runs on the panels.
+at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor& w, const at::Tensor& panels = at::Tensor()) {
   const int64_t n = x.size(0), out = w.size(1);
   const bool one_row = n == 1 && x.is_contiguous() && w.is_contiguous() && x.scalar_type() == at::kFloat &&
                        w.scalar_type() == at::kFloat &&
@@ -105,6 +181,15 @@ at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor
   } else {
     std::fill_n(yp, out, 0.f);
   }
+#if defined(__AVX512F__)
+  if (panels.defined()) {
+    TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (out + kPanelWidth - 1) / kPanelWidth && panels.size(1) == w.size(0) &&
+                    panels.size(2) == kPanelWidth && panels.is_contiguous() && panels.scalar_type() == at::kBFloat16,
+                "litevlm_cpu: the weight panels do not match their (", w.size(0), ", ", out, ") weight");
+    panel_row(x.data_ptr<float>(), x.size(1), reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), out, yp);
+    return y;
+  }
+#endif
   row_product(x.data_ptr<float>(), x.size(1), w.data_ptr<float>(), out, yp);
   return y;
 }
@@ -215,13 +300,17 @@ void attend(const float* q_rows, int64_t width, int64_t n, int64_t first, const 
 // cos / sin: one (D,) row per token (its RoPE position).
 at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, const std::vector<const float*>& sin_rows,
                       int64_t start, const Visible& visible, at::TensorList weights, at::TensorList caches, int64_t hq,
-                      int64_t hkv, int64_t d, double eps, bool last_only, at::TensorList bf16 = {}) {
+                      int64_t hkv, int64_t d, double eps, bool last_only, at::TensorList bf16 = {},
+                      at::TensorList panels = {}) {
   const int64_t layers = weights.size() / kWeightsPerLayer;
   TORCH_CHECK(bf16.empty() || static_cast<int64_t>(bf16.size()) == 4 * layers,
               "litevlm_cpu: bf16 weights must hold 4 tensors per layer (q|k|v, o, gate|up, down)");
-  // the layer's four products: in fp32 (own loop or BLAS), or in bf16 where bf16 copies of the weights are given
-  auto mul = [&bf16](int64_t layer, int64_t which, const at::Tensor& base, const at::Tensor& in, const at::Tensor& w) {
-    return bf16.empty() ? product(base, in, w) : product_bf16(base, in, bf16[layer * 4 + which]);
+  // the layer's four products: in fp32 (own loop, panels or BLAS), or in bf16 where bf16 copies of the weights are given
+  TORCH_CHECK(panels.empty() || static_cast<int64_t>(panels.size()) == 4 * layers,
+              "litevlm_cpu: weight panels must hold 4 tensors per layer (q|k|v, o, gate|up, down)");
+  auto mul = [&bf16, &panels](int64_t layer, int64_t which, const at::Tensor& base, const at::Tensor& in, const at::Tensor& w) {
+    if (!bf16.empty()) return product_bf16(base, in, bf16[layer * 4 + which]);
+    return product(base, in, w, panels.empty() ? at::Tensor() : panels[layer * 4 + which]);
   };
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer && layers > 0,
               "litevlm_cpu: weights must hold 7 tensors per layer");
@@ -345,8 +434,8 @@ at::Tensor layers_op(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
 }
 
 // The most likely draft token after a feature and its log-probability: (log p, index into the draft vocabulary).
-std::pair<float, int64_t> top1(const at::Tensor& hidden, const at::Tensor& head) {
-  at::Tensor logits = product(at::Tensor(), hidden, head);  // (1, V')
+std::pair<float, int64_t> top1(const at::Tensor& hidden, const at::Tensor& head, const at::Tensor& head_panels) {
+  at::Tensor logits = product(at::Tensor(), hidden, head, head_panels);  // (1, V')
   const float* l = logits.data_ptr<float>();
   const int64_t v = logits.size(1);
   int64_t arg = 0;
@@ -360,13 +449,20 @@ std::pair<float, int64_t> top1(const at::Tensor& hidden, const at::Tensor& head)
 at::Tensor chain_op(const at::Tensor& root_hidden, int64_t position, int64_t start, int64_t depth, double log_min,
                     int64_t eos, const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& embed,
                     const at::Tensor& fc_w, const at::Tensor& fc_b, const at::Tensor& head, const at::Tensor& vocab_map,
-                    at::TensorList weights, at::TensorList caches, int64_t hq, int64_t hkv, int64_t d, double eps) {
+                    at::TensorList weights, at::TensorList caches, int64_t hq, int64_t hkv, int64_t d, double eps,
+                    at::TensorList panels) {
+  // panels: empty, or [fc, head, then q|k|v, o, gate|up, down of each layer] packed by `pack_panels`
+  TORCH_CHECK(panels.empty() || static_cast<int64_t>(panels.size()) == 2 + 4 * static_cast<int64_t>(weights.size()) / kWeightsPerLayer,
+              "litevlm_cpu: a draft's panels must hold fc, the head and 4 tensors per layer");
+  const at::Tensor fc_panels = panels.empty() ? at::Tensor() : panels[0];
+  const at::Tensor head_panels = panels.empty() ? at::Tensor() : panels[1];
+  const at::TensorList layer_panels = panels.empty() ? at::TensorList() : panels.slice(2);
   check_f32_contiguous(embed, "the embedding");
   const int64_t c = embed.size(1);
   const bool mapped = vocab_map.numel() > 0;
   at::Tensor map = mapped ? vocab_map.to(at::kLong).contiguous() : vocab_map;
   auto target_id = [&](int64_t idx) { return mapped ? map.data_ptr<int64_t>()[idx] : idx; };
-  auto [value, idx] = top1(root_hidden.contiguous(), head);
+  auto [value, idx] = top1(root_hidden.contiguous(), head, head_panels);
   int64_t tok = target_id(idx);
   std::vector<int64_t> drafted{tok};
   at::Tensor hidden = root_hidden.contiguous();
@@ -377,11 +473,11 @@ at::Tensor chain_op(const at::Tensor& root_hidden, int64_t position, int64_t sta
     float* p = pair.data_ptr<float>();
     std::copy_n(embed.data_ptr<float>() + tok * c, c, p);
     std::copy_n(hidden.data_ptr<float>(), c, p + c);
-    at::Tensor x = product(fc_b, pair, fc_w);
+    at::Tensor x = product(fc_b, pair, fc_w, fc_panels);
     const int64_t pos = position + i;
     hidden = run_layers(x, rows_at(cos_table, &pos, 1), rows_at(sin_table, &pos, 1), start + i, Visible{}, weights,
-                        caches, hq, hkv, d, eps, false);
-    auto [step_value, step_idx] = top1(hidden, head);
+                        caches, hq, hkv, d, eps, false, {}, layer_panels);
+    auto [step_value, step_idx] = top1(hidden, head, head_panels);
     value += step_value;
     tok = target_id(step_idx);
     drafted.push_back(tok);
@@ -394,15 +490,15 @@ at::Tensor draft_cycle_op(const at::Tensor& feats, const at::Tensor& nxt, const 
                           const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& embed,
                           const at::Tensor& fc_w, const at::Tensor& fc_b, const at::Tensor& head,
                           const at::Tensor& vocab_map, at::TensorList weights, at::TensorList caches, int64_t hq,
-                          int64_t hkv, int64_t d, double eps) {
-  at::Tensor x = product(fc_b, at::cat({nxt, feats}, -1), fc_w);
+                          int64_t hkv, int64_t d, double eps, at::TensorList panels) {
+  at::Tensor x = product(fc_b, at::cat({nxt, feats}, -1), fc_w, panels.empty() ? at::Tensor() : panels[0]);
   at::Tensor pos = pair_pos.to(at::kLong).contiguous();
   const int64_t m = pos.numel();
   at::Tensor h_root = run_layers(x, rows_at(cos_table, pos.data_ptr<int64_t>(), m),
                                  rows_at(sin_table, pos.data_ptr<int64_t>(), m), done, Visible{}, weights, caches, hq,
-                                 hkv, d, eps, true);
+                                 hkv, d, eps, true, {}, panels.empty() ? at::TensorList() : panels.slice(2));
   at::Tensor drafted = chain_op(h_root, root_pos, done + feats.size(0), depth, log_min, eos, cos_table, sin_table,
-                                embed, fc_w, fc_b, head, vocab_map, weights, caches, hq, hkv, d, eps);
+                                embed, fc_w, fc_b, head, vocab_map, weights, caches, hq, hkv, d, eps, panels);
   return at::cat({root.to(at::kLong).view({1}), drafted});
 }
 
@@ -796,11 +892,12 @@ TORCH_LIBRARY(litevlm_cpu, m) {
         &layers_op);
   m.def("chain(Tensor root_hidden, int position, int start, int depth, float log_min, int eos, Tensor cos_table, "
         "Tensor sin_table, Tensor embed, Tensor fc_w, Tensor fc_b, Tensor head, Tensor vocab_map, Tensor[] weights, "
-        "Tensor[] caches, int hq, int hkv, int d, float eps) -> Tensor",
+        "Tensor[] caches, int hq, int hkv, int d, float eps, Tensor[] panels) -> Tensor",
         &chain_op);
   m.def("draft_cycle(Tensor feats, Tensor nxt, Tensor pair_pos, int done, Tensor root, int root_pos, int depth, "
         "float log_min, int eos, Tensor cos_table, Tensor sin_table, Tensor embed, Tensor fc_w, Tensor fc_b, "
-        "Tensor head, Tensor vocab_map, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps) -> Tensor",
+        "Tensor head, Tensor vocab_map, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps, "
+        "Tensor[] panels) -> Tensor",
         &draft_cycle_op);
   m.def("verify_chain(Tensor tokens, int start, int root_pos, Tensor cos_table, Tensor sin_table, Tensor embed, "
         "Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps, Tensor norm_w, Tensor head) "
@@ -813,6 +910,8 @@ TORCH_LIBRARY(litevlm_cpu, m) {
   m.def("prompt_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, "
         "float eps, Tensor[] bf16, Tensor? tail_mask=None) -> Tensor",
         &prompt_layers_op);
+  m.def("pack_panels(Tensor w) -> Tensor", &pack_panels_op);
+  m.def("panels_built() -> bool", &panels_built_op);
   m.def("token_scores(Tensor x, Tensor cos, Tensor sin, int first_row, Tensor vis, Tensor tags, Tensor[] weights, "
         "int hq, int hkv, int d, float eps) -> Tensor",
         &token_scores_op);

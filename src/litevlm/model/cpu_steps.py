@@ -23,6 +23,7 @@ to the eager path.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from contextlib import contextmanager
@@ -221,6 +222,43 @@ def _native_flat(weights: List[List[torch.Tensor]], hq: int, hkv: int, d: int) -
     return out
 
 
+@functools.cache
+def panels_built() -> bool:
+    """The native build has the panel products (an AVX-512 machine)."""
+    from litevlm.model import native
+
+    return native.ops() is not None and bool(native.ops().panels_built())
+
+
+def panels(w: torch.Tensor) -> torch.Tensor:
+    """A row-major (in, out) product weight as the native ops' panels (`pack_panels` in cpu_steps.cpp), made once per
+    weight."""
+    from litevlm.model import native
+
+    return _kept(w, "_litevlm_panels", native.ops().pack_panels)
+
+
+_DRAFT_PANELS: dict = {}  # id(weights list) -> (that list, fc, head, its `_draft_panels`)
+
+
+def _draft_panels(fc_w: torch.Tensor, head: torch.Tensor, weights: List[List[torch.Tensor]], hq: int, hkv: int,
+                  d: int) -> List[torch.Tensor]:
+    """A draft head's one-row products on panels (cpu_steps.cpp: its weights stay in the core's cache, where the panel
+    loop is faster than `row_product`): [fc, head, then each layer's q|k|v, o, gate|up, down]; empty where the build
+    has none. Made once per weights list."""
+    if not panels_built():
+        return []
+    hit = _DRAFT_PANELS.get(id(weights))
+    if hit is not None and hit[0] is weights and hit[1] is fc_w and hit[2] is head:
+        return hit[3]
+    layers = [_native_layer(w, (hq + hkv) * d) for w in weights]
+    out = [panels(fc_w), panels(head), *[panels(w[i]) for w in layers for i in (1, 3, 5, 6)]]
+    if len(_DRAFT_PANELS) >= 4:
+        _DRAFT_PANELS.clear()
+    _DRAFT_PANELS[id(weights)] = (weights, fc_w, head, out)
+    return out
+
+
 def _native_steps() -> tuple | None:
     """The five functions as the native ops of cpu_steps.cpp (`litevlm.model.native`), taking the same
     arguments, or None where they cannot be built here."""
@@ -237,13 +275,14 @@ def _native_steps() -> tuple | None:
     def native_chain(root_hidden, position, start, depth, log_min, eos, cos_table, sin_table, embed, fc_w, fc_b, head,
                      vocab_map, weights, caches, hq, hkv, d, eps):
         return ops.chain(root_hidden, position, start, depth, log_min, eos, cos_table, sin_table, embed, fc_w, fc_b, head,
-                         vocab_map, _native_flat(weights, hq, hkv, d), _flat(caches), hq, hkv, d, eps)
+                         vocab_map, _native_flat(weights, hq, hkv, d), _flat(caches), hq, hkv, d, eps,
+                         _draft_panels(fc_w, head, weights, hq, hkv, d))
 
     def native_cycle(feats, nxt, pair_pos, done, root, root_pos, depth, log_min, eos, cos_table, sin_table, embed, fc_w,
                      fc_b, head, vocab_map, weights, caches, hq, hkv, d, eps):
         return ops.draft_cycle(feats, nxt, pair_pos, done, root, root_pos, depth, log_min, eos, cos_table, sin_table,
                                embed, fc_w, fc_b, head, vocab_map, _native_flat(weights, hq, hkv, d), _flat(caches), hq,
-                               hkv, d, eps)
+                               hkv, d, eps, _draft_panels(fc_w, head, weights, hq, hkv, d))
 
     def native_verify(tokens, start, root_pos, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps, norm_w,
                       head):
