@@ -31,6 +31,8 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-depth", type=int, default=None)
     g.add_argument("--tree-total", type=int, default=None, help="draft tree size verified per step (root included)")
     g.add_argument("--tree-min-value", type=float, default=None, help="a chain ends where its draft probability falls below this")
+    g.add_argument("--no-openings", action="store_true",
+                   help="speculative decoding without the answer openings verified inside the prefill (draft/openings.json)")
     g.add_argument("--fp8", default=None, metavar="RECIPE", help="fp8-dynamic-per-row: quantise decoder linears at load")
     g.add_argument("--matmul", default="fp32", choices=("fp32", "bf16"),
                    help="bf16: the vision tower and the prefill in bf16 on CPUs with AMX or AVX512-BF16 (decode stays fp32)")
@@ -53,6 +55,7 @@ def _pipeline(args):
         select_views=args.select_views, select_tokens=args.select_tokens, fastv_k=args.fastv_k, fastv_r=args.fastv_r,
         speculative=args.speculative, tree_top_k=args.tree_top_k, tree_depth=args.tree_depth, tree_total=args.tree_total,
         tree_min_value=args.tree_min_value, fp8=args.fp8, matmul=args.matmul, min_select_tokens=args.select_min_tokens or 0,
+        openings=not args.no_openings,
     )
 
 
