@@ -637,6 +637,7 @@ def test_a_windowed_draft_is_lossless_and_sees_only_the_prompt_tail():
         for p in head.parameters():
             if p.ndim >= 2:
                 p.normal_(0, 0.5)
+            p.copy_(p.bfloat16().float())  # values bf16 holds: the native draft steps read them as bf16 panels
     for seed, cfg in [(0, TreeConfig(4, 4, 12)), (2, TreeConfig.chain(3))]:
         embeds, pos = prompt(model, seed, pruned=seed == 2)
         out = speculative_generate(model, head, embeds, pos, 30, EOS, tree=cfg)

@@ -159,6 +159,52 @@ void panel_row(const float* x, int64_t in, const uint16_t* panels, int64_t out, 
     for (int64_t j = 0; j < cols; ++j) y[col + j] += sums[j];
   }
 }
+// R rows of x (row stride in) times one bf16 panel (in, 64) -> their 64 columns of y (row stride out; the `cols`
+// that exist), added to y. Not inlined: inside a larger function the compiler keeps the accumulators' home on the
+// stack and stores all of them at every step.
+template <int R>
+__attribute__((noinline)) void panel_block(const float* x, int64_t in, const uint16_t* panel, int64_t cols, float* y,
+                                           int64_t out) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; ++k) {
+    const uint16_t* wk = panel + k * kPanelWidth;
+    const __m512 w0 = widen(wk), w1 = widen(wk + 16), w2 = widen(wk + 32), w3 = widen(wk + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * in + k]);
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+    }
+  }
+  alignas(64) float sums[kPanelWidth];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 4; ++v) _mm512_store_ps(sums + 16 * v, acc[r][v]);
+    for (int64_t j = 0; j < cols; ++j) y[r * out + j] += sums[j];
+  }
+}
+
+// y (n, out) += x (n, in) @ the weight packed as bf16 `panels`, six rows at a time.
+void panel_rows(const float* x, int64_t n, int64_t in, const uint16_t* panels, int64_t out, float* y) {
+  for (int64_t p = 0; p * kPanelWidth < out; ++p) {
+    const uint16_t* panel = panels + p * in * kPanelWidth;
+    const int64_t col = p * kPanelWidth, cols = std::min(kPanelWidth, out - col);
+    for (int64_t r = 0; r < n; r += 6) {
+      const float* xr = x + r * in;
+      float* yr = y + r * out + col;
+      switch (std::min<int64_t>(6, n - r)) {
+        case 6: panel_block<6>(xr, in, panel, cols, yr, out); break;
+        case 5: panel_block<5>(xr, in, panel, cols, yr, out); break;
+        case 4: panel_block<4>(xr, in, panel, cols, yr, out); break;
+        case 3: panel_block<3>(xr, in, panel, cols, yr, out); break;
+        case 2: panel_block<2>(xr, in, panel, cols, yr, out); break;
+        default: panel_block<1>(xr, in, panel, cols, yr, out); break;
+      }
+    }
+  }
+}
 #else
 constexpr bool kPanelsBuilt = false;
 #endif
@@ -166,10 +212,36 @@ constexpr bool kPanelsBuilt = false;
 bool panels_built_op() { return kPanelsBuilt; }
 
 // base + x (n, in) @ w (in, out) -> (n, out): base a bias (out,) added to every row, an (n, out) tensor, or undefined
-// (nothing added). panels: w packed by `pack_panels` (a draft head's weights, bf16), or undefined: a one-row product
-// then runs on the panels.
+// (nothing added). panels: w packed by `pack_panels` (a draft head's weights, bf16), or undefined: the product then
+// runs on the panels.
 at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor& w, const at::Tensor& panels = at::Tensor()) {
   const int64_t n = x.size(0), out = w.size(1);
+#if defined(__AVX512F__)
+  if (panels.defined()) {
+    TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (out + kPanelWidth - 1) / kPanelWidth && panels.size(1) == w.size(0) &&
+                    panels.size(2) == kPanelWidth && panels.is_contiguous() && panels.scalar_type() == at::kBFloat16,
+                "litevlm_cpu: the weight panels do not match their (", w.size(0), ", ", out, ") weight");
+    const at::Tensor xc = x.contiguous();
+    check_f32_contiguous(xc, "a product's input");
+    at::Tensor y = at::empty({n, out}, x.options());
+    float* yp = y.data_ptr<float>();
+    if (!base.defined()) {
+      std::fill_n(yp, n * out, 0.f);
+    } else {
+      const at::Tensor b = base.contiguous();
+      check_f32_contiguous(b, "a product's base");
+      TORCH_CHECK(b.numel() == out || b.numel() == n * out, "litevlm_cpu: a product's base does not match it");
+      for (int64_t r = 0; r < n; ++r) std::copy_n(b.data_ptr<float>() + (b.numel() == out ? 0 : r * out), out, yp + r * out);
+    }
+    const uint16_t* packed = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+    if (n == 1) {
+      panel_row(xc.data_ptr<float>(), xc.size(1), packed, out, yp);
+    } else {
+      panel_rows(xc.data_ptr<float>(), n, xc.size(1), packed, out, yp);
+    }
+    return y;
+  }
+#endif
   const bool one_row = n == 1 && x.is_contiguous() && w.is_contiguous() && x.scalar_type() == at::kFloat &&
                        w.scalar_type() == at::kFloat &&
                        (!base.defined() || (base.is_contiguous() && base.scalar_type() == at::kFloat && base.numel() == out));
@@ -181,15 +253,6 @@ at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor
   } else {
     std::fill_n(yp, out, 0.f);
   }
-#if defined(__AVX512F__)
-  if (panels.defined()) {
-    TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (out + kPanelWidth - 1) / kPanelWidth && panels.size(1) == w.size(0) &&
-                    panels.size(2) == kPanelWidth && panels.is_contiguous() && panels.scalar_type() == at::kBFloat16,
-                "litevlm_cpu: the weight panels do not match their (", w.size(0), ", ", out, ") weight");
-    panel_row(x.data_ptr<float>(), x.size(1), reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), out, yp);
-    return y;
-  }
-#endif
   row_product(x.data_ptr<float>(), x.size(1), w.data_ptr<float>(), out, yp);
   return y;
 }
