@@ -59,6 +59,17 @@ def _pipeline(args):
     )
 
 
+def _module_of(parser, where: str, frames: int, frames_help: str, minutes: tuple[float, str] | None = None) -> None:
+    """The arguments of a recipe that builds one module of a model from synthetic frames: the model, the frames, their
+    seed, and for a trained one (minutes = (default, help)) its budget and threads."""
+    parser.add_argument("model_dir", help=f"the model's folder (or a built-in name); {where}")
+    parser.add_argument("--frames", type=int, default=frames, help=frames_help)
+    parser.add_argument("--seed", type=int, default=0, help="frames (seed, 0..frames-1); the held-out split is seed 1")
+    if minutes is not None:
+        parser.add_argument("--minutes", type=float, default=minutes[0], help=minutes[1])
+        parser.add_argument("--threads", type=int, default=2, help="torch threads")
+
+
 def _print_json(obj) -> None:
     print(json.dumps(obj, separators=(",", ":")))
 
@@ -319,11 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     tv.set_defaults(func=cmd_train_vlm)
 
     tt = train.add_parser("tokens", help="train the TokenSelector of a model (saved in MODEL_DIR/token_selector)")
-    tt.add_argument("model_dir", help="the model's folder (or a built-in name); the selector is saved inside it")
-    tt.add_argument("--frames", type=int, default=1200, help="synthetic frames whose prompts are labelled and trained on")
-    tt.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget (labelling takes at most 40%%)")
-    tt.add_argument("--threads", type=int, default=2, help="torch threads")
-    tt.add_argument("--seed", type=int, default=0, help="frames (seed, 0..frames-1); the held-out split is seed 1")
+    _module_of(tt, "the selector is saved inside it", 1200, "synthetic frames whose prompts are labelled and trained on",
+               minutes=(10.0, "wall-clock budget (labelling takes at most 40%%)"))
     tt.add_argument("--epochs", type=int, default=4, help="passes over the labelled prompts (the budget may stop it sooner)")
     tt.add_argument("--own-layer", action="store_true",
                     help="train a copy of decoder layer 0 with the head and prune before the decoder (default: the head reads "
@@ -334,20 +342,15 @@ def build_parser() -> argparse.ArgumentParser:
     ta.add_argument("--out", required=True, help="where the averaged checkpoint is written")
     ta.set_defaults(func=cmd_train_average)
     td = train.add_parser("draft", help="train the EAGLE-2 draft head of a model (saved in MODEL_DIR/draft)")
-    td.add_argument("model_dir", help="the model's folder (or a built-in name); the draft head is saved inside it")
-    td.add_argument("--frames", type=int, default=150, help="synthetic frames whose questions the model answers to make the training data")
-    td.add_argument("--minutes", type=float, default=12.0, help="wall-clock budget")
-    td.add_argument("--threads", type=int, default=2, help="torch threads")
-    td.add_argument("--seed", type=int, default=0, help="frames (seed, 0..frames-1); the held-out split is seed 1")
+    _module_of(td, "the draft head is saved inside it", 150, "synthetic frames whose questions the model answers to make the training data",
+               minutes=(12.0, "wall-clock budget"))
     td.add_argument("--passes", type=int, default=1,
                     help="training-time test: 1 = teacher forcing only; s > 1 also trains on the head's own s-1 predictions")
     td.add_argument("--intermediate", type=int, default=None, metavar="N",
                     help="the draft layer's MLP width (default 128; 0 = the target's)")
     td.set_defaults(func=cmd_train_draft)
     to = train.add_parser("openings", help="the answer openings a draft head verifies with the prompt (MODEL_DIR/draft/openings.json)")
-    to.add_argument("model_dir", help="the model's folder (or a built-in name), with a draft head")
-    to.add_argument("--frames", type=int, default=3000, help="synthetic training frames whose questions and answers are counted")
-    to.add_argument("--seed", type=int, default=0, help="frames (seed, 0..frames-1); the held-out split is seed 1")
+    _module_of(to, "with a draft head", 3000, "synthetic training frames whose questions and answers are counted")
     to.add_argument("--depth", type=int, default=4, help="tokens per opening, EOS included")
     to.add_argument("--max-nodes", type=int, default=12, help="nodes of one question's trie (extra prompt rows)")
     to.add_argument("--min-share", type=float, default=0.03, help="an opening's least share of its question kind's answers")
