@@ -18,6 +18,16 @@ from test_spec import prompt, random_draft, tiny_vlm
 EOS = 2
 
 
+def cache_upto(model, slots: int) -> list[torch.Tensor]:
+    return [t[:, :, :slots].clone() for layer in model.language_model.layers
+            for t in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v)]
+
+
+def assert_same_cache(a, b):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
 def test_the_key_is_the_first_two_words():
     assert question_key("Is <c1,CAM_FRONT,1.0,2.0> a car?") == "is c"
     assert question_key("  What will the car do next?") == "what will"
@@ -100,6 +110,9 @@ def test_an_opening_verified_in_the_prefill_is_lossless(native, monkeypatch):
         ref = generate(model, embeds, pos, 12, None).tokens
         eos = ref[3]  # ends the answer at its fourth token (a token the model does emit)
         ref = ref[: ref.index(eos) + 1]
+        consumed = embeds.shape[1] + len(ref) - 1  # cache slots of the prompt and the answer's tokens but the last
+        generate(model, embeds, pos, 12, eos)
+        want_cache = cache_upto(model, consumed)
         cases = {
             "whole answer": ([ref[:4]], len(ref) - 1, 0),
             "two right, then wrong": ([[ref[0], ref[1], (ref[2] + 1) % 48]], 2, None),
@@ -113,5 +126,30 @@ def test_an_opening_verified_in_the_prefill_is_lossless(native, monkeypatch):
             assert out.opened == min(opened, len(ref) - 1), (seed, name)
             if cycles is not None:
                 assert len(out.accept_lengths) == cycles, (seed, name)
-            # the cache holds the prompt and the answer as a plain prefill of both would
             assert sum(out.accept_lengths) + out.opened == len(out.tokens) - 1
+            assert_same_cache(cache_upto(model, consumed), want_cache)  # accepted nodes' K/V where plain decoding puts them
+
+
+def test_an_opening_verified_with_a_prompt_pruned_inside_the_decoder_is_lossless():
+    """The TokenSelector sharing decoder layer 0: the nodes run layer 0 over the kept prompt tokens once the cache is
+    compacted, then the other layers with them; greedy output equals plain greedy decoding of the same pruning."""
+    from test_tokens import tiny_prompt, tiny_vlm as selector_vlm, trained_looking_selector
+
+    model = selector_vlm(seed=1)
+    embeds, positions, spans = tiny_prompt(model, seed=1)
+    sel = trained_looking_selector(model)
+    head = random_draft(model)
+    vocab = model.cfg.text.vocab_size
+    plain = generate(model, embeds, positions, 10, None,
+                     prefilled=sel.prefill(model, embeds, positions, spans, 0.3).prefilled(embeds, positions)).tokens
+    eos = plain[3]
+    ref = plain[: plain.index(eos) + 1]
+    consumed = sel.prefill(model, embeds, positions, spans, 0.3).kept_count + len(ref) - 1
+    generate(model, embeds, positions, 10, eos, prefilled=sel.prefill(model, embeds, positions, spans, 0.3).prefilled(embeds, positions))
+    want_cache = cache_upto(model, consumed)
+    for sequences, opened in [([ref[:4]], len(ref) - 1), ([[(ref[0] + 1) % vocab, 9], ref[:3]], min(3, len(ref) - 1)),
+                              ([[(ref[0] + 1) % vocab]], 0)]:
+        pre = sel.prefill(model, embeds, positions, spans, 0.3, opening=Opening.from_sequences(sequences), eos_id=eos, limit=10)
+        out = speculative_generate(model, head, embeds, positions, 10, eos, prefilled=pre.prefilled(embeds, positions))
+        assert out.tokens == ref and out.opened == opened, sequences
+        assert_same_cache(cache_upto(model, consumed), want_cache)

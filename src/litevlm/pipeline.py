@@ -322,7 +322,8 @@ class Pipeline:
                 )
                 n_visual -= ids.shape[1] - kept.numel()
         if inside:  # selection inside the decoder: layer 0 once on the whole prompt, the rest on the kept tokens
-            pre = self.token_selector.prefill(self.model, embeds, positions, p.view_spans, self.keep_ratio, question=question, timer=timer)
+            pre = self.token_selector.prefill(self.model, embeds, positions, p.view_spans, self.keep_ratio, question=question, timer=timer,
+                                              opening=self._opening(question), eos_id=self.stop_id, limit=self.max_new_tokens)
             prefilled = pre.prefilled(embeds, positions)
         gen = self._generate(embeds, positions, p.view_spans, timer, prefilled, question)
         if self.fastv is not None or prefilled is not None:
@@ -355,10 +356,17 @@ class Pipeline:
         if self.draft is not None:
             from litevlm.spec.decode import speculative_generate
 
-            table = getattr(self.draft, "openings", None) if self.openings else None
             return speculative_generate(self.model, self.draft, embeds, positions, *args, tree=self.tree, prefilled=prefilled,
-                                        verify=self._graphed_verify(), opening=table.for_question(question) if table else None)
+                                        verify=self._graphed_verify(), opening=self._opening(question))
         return generate(self.model, embeds, positions, *args, step=self._decode_step(), prefilled=prefilled)
+
+    def _opening(self, question: str):
+        """The answer openings to verify with this question's prompt (`litevlm.spec.openings`): speculative greedy
+        decoding with a draft head that has them, unless turned off; else None."""
+        table = getattr(self.draft, "openings", None)
+        if not self.openings or table is None or self.temperature > 0:
+            return None
+        return table.for_question(question)
 
     def _decode_step(self):
         """The plain decode step as a replayed CUDA graph (cuda_graphs=True), else None (eager)."""

@@ -130,6 +130,7 @@ class Prefilled(NamedTuple):
     hidden: torch.Tensor  # (B, T', C) final hidden states of the cached prompt tokens
     embeds: torch.Tensor  # (B, T', C) their input embeddings
     positions: torch.Tensor  # (B, T') their RoPE positions (the last + 1 is the first generated token's)
+    opened: object = None  # `litevlm.spec.openings.Opened`: an answer opening verified with the prompt (greedy speculative)
 
 
 @torch.no_grad()

@@ -308,10 +308,11 @@ class FastVPrefill(NamedTuple):
     kept_index: torch.Tensor  # (T',) prompt indices kept
     next_position: int  # RoPE position of the first generated token: the unpruned prompt length
     hidden: torch.Tensor  # (B, T', C) final hidden states of the kept tokens
+    opened: object = None  # `litevlm.spec.openings.Opened` where an answer opening was verified with the prompt
 
     def prefilled(self, embeds: torch.Tensor, positions: torch.Tensor) -> Prefilled:
         """What `generate` / speculative decoding continue from, given the unpruned embeds and positions."""
-        return Prefilled(self.logits, self.hidden, embeds[:, self.kept_index], positions[:, self.kept_index])
+        return Prefilled(self.logits, self.hidden, embeds[:, self.kept_index], positions[:, self.kept_index], self.opened)
 
 
 @torch.no_grad()
@@ -325,7 +326,7 @@ def fastv_scores(model, x: torch.Tensor, positions: torch.Tensor, view_spans: Se
 @torch.no_grad()
 def pruned_prefill(
     model, embeds, positions, view_spans: Sequence[Span], k: int, score, keep_ratio: float, min_per_view: int = 0,
-    timer: StageTimer | None = None, score_stage: str = "prefill",
+    timer: StageTimer | None = None, score_stage: str = "prefill", opening=None, eos_id: int | None = None, limit: int = 0,
 ) -> FastVPrefill:
     """Prefill that prunes visual tokens inside the decoder (batch 1): layers [0, k) on the whole prompt,
     `score(x)` -> (N,) ranks the visual tokens from layer k's input x, layers [k, L) run on the kept tokens.
@@ -334,6 +335,9 @@ def pruned_prefill(
     its scoring head. The cache is left compacted (see the module docstring): continue with
     `decode_step(model, tok, result.next_position + i, result.kept_count + i)`. keep_ratio=1 keeps every
     token. With a timer the decoder layers count as "prefill" and the ranking as `score_stage`.
+    opening: an answer-opening trie (`litevlm.spec.openings`) verified with the kept prompt, greedily, emitting at
+    most `limit` tokens (until `eos_id`): its nodes run layers [0, k) over the kept tokens once the cache is compacted,
+    then join the kept tokens in layers [k, L) under the trie mask; `opened` holds the outcome.
     """
     lm = model.language_model
     n_layers = len(lm.layers)
@@ -355,9 +359,21 @@ def pruned_prefill(
         n = kept.numel()
         for layer in lm.layers[:k]:  # compact layers < k to the kept tokens, slots 0..n-1
             layer.self_attn.kv_cache.commit(kept, 0)
-        hidden = lm(x[:, kept], positions[:, kept], slots=torch.arange(n, device=dev), mask=None, kv_len=n, start_layer=k)
-        logits = linear(hidden[:, -1], model.lm_head)
-    return FastVPrefill(logits, n, kept, int(positions[0, -1]) + 1, hidden)
+        if opening is None:
+            hidden = lm(x[:, kept], positions[:, kept], slots=torch.arange(n, device=dev), mask=None, kv_len=n, start_layer=k)
+            return FastVPrefill(linear(hidden[:, -1], model.lm_head), n, kept, int(positions[0, -1]) + 1, hidden)
+        from litevlm.spec.openings import opening_inputs, verify_opening
+
+        m = len(opening)
+        check_prompt_fits(lm, n + m)
+        node_pos, tail = opening_inputs(opening, n, int(positions[0, -1]) + 1, dev)
+        slots = torch.arange(n + m, device=dev)
+        nodes = lm(lm.embed_tokens(opening.tokens.to(dev))[None], node_pos[None], slots=slots[n:], mask=tail[None, None],
+                   kv_len=n + m, end_layer=k)  # layers [0, k) for the nodes, over the compacted prompt
+        hidden = lm(torch.cat([x[:, kept], nodes], 1), torch.cat([positions[:, kept], node_pos[None]], 1), slots=slots,
+                    kv_len=n + m, start_layer=k, tree_tail=tail)
+        opened = verify_opening(model, opening, hidden[0, n - 1 :], n, eos_id, limit)
+        return FastVPrefill(linear(hidden[:, n - 1], model.lm_head), n, kept, int(positions[0, -1]) + 1, hidden[:, :n], opened)
 
 
 def fastv_prefill(model, embeds, positions, view_spans: Sequence[Span], k: int, keep_ratio: float, min_per_view: int = 0,
@@ -607,14 +623,16 @@ class TokenSelector(nn.Module):
     @torch.no_grad()
     def prefill(
         self, model, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], keep_ratio: float | None = None,
-        min_per_view: int | None = None, question: str | None = None, timer: StageTimer | None = None,
+        min_per_view: int | None = None, question: str | None = None, timer: StageTimer | None = None, opening=None,
+        eos_id: int | None = None, limit: int = 0,
     ) -> FastVPrefill:
         """Select inside the decoder (shared_layer, batch 1): decoder layer 0 runs once on the whole
         prompt, the head ranks from its output, layers 1.. run on the kept tokens (`pruned_prefill`).
 
         Kept are the tokens `select` keeps; layer 0's cache is compacted to them like FastV's, so
         generated tokens see only the kept prompt tokens in every layer. The ranking is timed as
-        "select_tokens", the decoder layers as "prefill".
+        "select_tokens", the decoder layers as "prefill". opening, eos_id, limit: an answer opening verified with the
+        kept prompt (`pruned_prefill`).
         """
         if not self.cfg.shared_layer:
             raise LiteVLMError("this TokenSelector owns a copy of layer 0 and prunes before the decoder: use select()")
@@ -626,7 +644,8 @@ class TokenSelector(nn.Module):
         def score(x: torch.Tensor) -> torch.Tensor:  # timed as select_tokens, the c-tags read included
             return self.head_scores(x, positions, view_spans, self.tag_features(model, question, view_spans))[0]
 
-        return pruned_prefill(model, embeds, positions, view_spans, 1, score, r, quota, timer, score_stage="select_tokens")
+        return pruned_prefill(model, embeds, positions, view_spans, 1, score, r, quota, timer, score_stage="select_tokens",
+                              opening=opening, eos_id=eos_id, limit=limit)
 
     # -- checkpoint -----------------------------------------------------------------------------
     def save(self, model_dir: str | Path, recipe: dict | None = None, extra: dict | None = None) -> Path:

@@ -16,8 +16,7 @@ import torch
 
 from litevlm.errors import LiteVLMError
 from litevlm.model.generate import Generation, Prefilled, StageTimer, check_prompt_fits, decode_step, prefill, sample_token
-from litevlm.model.lm import linear
-from litevlm.spec.openings import Opening, accept_opening, opening_inputs
+from litevlm.spec.openings import Opened, Opening, opening_inputs, verify_opening
 from litevlm.spec.tree import (
     TreeConfig, accept_greedy, accept_sampled, chain_tree, commit_path, draft_tree, verify_chain_greedy, verify_tree,
 )
@@ -49,8 +48,8 @@ def speculative_generate(
     the cache already (pruned inside the decoder, timed by the caller); embeds and positions are then
     ignored. verify: a `GraphedVerify` (GPU), used for the trees of its size (fixed-size trees; chains without a
     cut); other trees verify eagerly. opening: a trie of likely answer openings (`litevlm.spec.openings`) verified
-    inside the prefill's forward pass (greedy decoding of an unpruned prompt only; otherwise ignored): the tokens it
-    accepts are emitted before the first cycle, and the prefill is timed with them.
+    inside the prefill's forward pass (greedy decoding only; otherwise ignored): the tokens it accepts are emitted
+    before the first cycle, and the prefill is timed with them. A `prefilled` prompt brings its own (`opened`).
     """
     timer = timer or StageTimer(embeds.device)
     if prefilled is not None:
@@ -69,14 +68,18 @@ def speculative_generate(
     opening = opening if prefilled is None and temperature <= 0 and opening is not None and len(opening) else None
     context = getattr(getattr(draft, "cfg", None), "context", 0)
     c0 = max(0, t - context) if context else 0
+    opened = prefilled.opened if prefilled is not None and temperature <= 0 else None
     with timer("prefill"):
-        if opening is None:
-            logits, hidden = prefill(model, embeds, positions) if prefilled is None else prefilled[:2]
-            root = sample_token(logits, temperature, top_p, generator)  # (1,)
-            out, nodes, opened = [int(root)], [], hidden[0, c0:0]
+        if opening is not None:
+            hidden, opened = _prefill_with_opening(model, embeds, positions, opening, next_pos, eos_id, max_new_tokens)
+        elif prefilled is None:
+            logits, hidden = prefill(model, embeds, positions)
         else:
-            nodes, out, hidden, opened = _prefill_with_opening(model, embeds, positions, opening, next_pos, eos_id, max_new_tokens)
-            root = torch.tensor(out[-1:], device=embeds.device)
+            logits, hidden = prefilled[:2]
+        if opened is None:
+            opened = Opened([int(sample_token(logits, temperature, top_p, generator))], hidden[0, :0])
+        out = list(opened.emitted)
+        root = torch.tensor(out[-1:], device=embeds.device)
     accept: list[int] = []
 
     def finished() -> bool:
@@ -84,12 +87,12 @@ def speculative_generate(
 
     with timer("decode"):
         if finished():  # the whole answer came with the prompt's pass
-            return Generation(out, t, dict(timer.ms), accept, len(nodes))
+            return Generation(out, t, dict(timer.ms), accept, opened.accepted)
         draft.prepare(cap + (tree.depth - 1) * tree.top_k, next_pos + max_new_tokens + tree.depth + 1)  # per generation: timed
         # The first extend covers the prompt (its last `context` pairs when the draft is windowed) and the opening
         # tokens accepted with it: pair j = (f_j, what the target consumed at j+1), at the position of token j.
-        a = len(nodes)
-        feats = torch.cat([hidden[0, c0:], opened])  # (t - c0 + a, C)
+        a = opened.accepted
+        feats = torch.cat([hidden[0, c0:], opened.hidden])  # (t - c0 + a, C)
         nxt = torch.cat([embeds[0, c0 + 1 :], lm.embed_tokens(torch.tensor(out, device=embeds.device))])  # (t - c0 + a, C)
         pair_pos = torch.cat([positions[0, c0:], torch.arange(next_pos, next_pos + a, device=embeds.device)])
         done, L = 0, t + a  # pairs in the draft cache (its slots 0..done-1), tokens in the target cache
@@ -147,15 +150,14 @@ def speculative_generate(
                 if finished():
                     break
             L, root = L + a + 1, new[-1:]
-    return Generation(out, t, dict(timer.ms), accept, len(nodes))
+    return Generation(out, t, dict(timer.ms), accept, opened.accepted)
 
 
 def _prefill_with_opening(model, embeds: torch.Tensor, positions: torch.Tensor, opening: Opening, next_pos: int,
-                          eos_id: int | None, max_new_tokens: int) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+                          eos_id: int | None, max_new_tokens: int) -> tuple[torch.Tensor, Opened]:
     """The prompt (1, T, C) and the opening trie's N nodes in one target pass (prompt at cache slots 0..T-1, nodes
-    at T..T+N-1 under the trie mask), greedy acceptance, and the accepted nodes' K/V moved to slots T, T+1, ...
-    -> (accepted nodes, emitted tokens: the prompt's next token, then one after each accepted node; the prompt's
-    post-norm hidden states (1, T, C); the accepted nodes' (a, C))."""
+    at T..T+N-1 under the trie mask), then greedy acceptance (`verify_opening`) -> (the prompt's post-norm hidden
+    states (1, T, C), what the opening gave)."""
     lm = model.language_model
     t, n, dev = embeds.shape[1], len(opening), embeds.device
     check_prompt_fits(lm, t + n)
@@ -163,8 +165,4 @@ def _prefill_with_opening(model, embeds: torch.Tensor, positions: torch.Tensor, 
     x = torch.cat([embeds, lm.embed_tokens(opening.tokens.to(dev))[None]], 1)
     pos = torch.cat([positions[0], node_pos])[None]
     h = lm(x, pos, slots=torch.arange(t + n, device=dev), kv_len=t + n, tree_tail=tail)[0]  # (T + N, C)
-    logits = linear(h[t - 1 :], model.lm_head)  # (1 + N, V): the prompt's last row, then the nodes'
-    path, emitted = accept_opening(opening, int(logits[0].argmax()), logits[1:], eos_id, max_new_tokens)
-    if path != list(range(len(path))):
-        lm.commit(torch.tensor(path, device=dev) + t, t)
-    return path, emitted, h[None, :t], h[t + torch.tensor(path, dtype=torch.long, device=dev)]
+    return h[None, :t], verify_opening(model, opening, h[t - 1 :], t, eos_id, max_new_tokens)

@@ -158,6 +158,33 @@ def opening_inputs(opening: Opening, prompt_len: int, next_position: int, device
     return next_position + opening.depth.to(device), tail
 
 
+@dataclass
+class Opened:
+    """An opening verified with its prompt: the tokens emitted (the prompt's next token, then one after each accepted
+    node) and the accepted nodes' post-norm hidden states (a, C), their K/V already moved to the slots after the
+    prompt's."""
+
+    emitted: list[int]
+    hidden: torch.Tensor
+
+    @property
+    def accepted(self) -> int:
+        return self.hidden.shape[0]
+
+
+def verify_opening(model, opening: Opening, rows: torch.Tensor, prompt_len: int, eos_id: int | None, limit: int) -> Opened:
+    """Greedy acceptance of a trie run with a prompt of `prompt_len` cached tokens: rows (1 + N, C) = the prompt's last
+    post-norm hidden state, then the N nodes' (cache slots prompt_len..); the accepted nodes' K/V are moved to slots
+    prompt_len, prompt_len + 1, ..."""
+    from litevlm.model.lm import linear
+
+    logits = linear(rows, model.lm_head)  # (1 + N, V)
+    path, emitted = accept_opening(opening, int(logits[0].argmax()), logits[1:], eos_id, limit)
+    if path != list(range(len(path))):
+        model.language_model.commit(torch.tensor(path, device=rows.device) + prompt_len, prompt_len)
+    return Opened(emitted, rows[1 + torch.tensor(path, dtype=torch.long, device=rows.device)])
+
+
 def accept_opening(opening: Opening, first: int, node_logits: torch.Tensor, eos_id: int | None, limit: int) -> tuple[list[int], list[int]]:
     """Greedy acceptance of a trie verified with the prompt: first = the prompt's own next token (its argmax),
     node_logits (N, V) the target's logits at the nodes -> (the accepted nodes in order, the emitted tokens: `first`,
