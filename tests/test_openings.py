@@ -153,3 +153,13 @@ def test_an_opening_verified_with_a_prompt_pruned_inside_the_decoder_is_lossless
         out = speculative_generate(model, head, embeds, positions, 10, eos, prefilled=pre.prefilled(embeds, positions))
         assert out.tokens == ref and out.opened == opened, sequences
         assert_same_cache(cache_upto(model, consumed), want_cache)
+
+
+def test_an_opening_without_room_in_the_cache_is_left_out():
+    """A prompt that fills the cache but for the answer: the opening is skipped, not an error."""
+    model = tiny_vlm(vocab=48, cache=20)
+    head = random_draft(model)
+    embeds, pos = prompt(model, seed=1, n=12)
+    ref = generate(model, embeds, pos, 6, None).tokens
+    out = speculative_generate(model, head, embeds, pos, 6, None, opening=Opening.from_sequences([ref[:3], [9, 9, 9, 9, 9, 9]]))
+    assert out.tokens == ref and out.opened == 0

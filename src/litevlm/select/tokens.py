@@ -359,13 +359,12 @@ def pruned_prefill(
         n = kept.numel()
         for layer in lm.layers[:k]:  # compact layers < k to the kept tokens, slots 0..n-1
             layer.self_attn.kv_cache.commit(kept, 0)
-        if opening is None:
+        if opening is None or n + len(opening) > lm.cache_len:  # an opening is verified only where the cache has room
             hidden = lm(x[:, kept], positions[:, kept], slots=torch.arange(n, device=dev), mask=None, kv_len=n, start_layer=k)
             return FastVPrefill(linear(hidden[:, -1], model.lm_head), n, kept, int(positions[0, -1]) + 1, hidden)
         from litevlm.spec.openings import opening_inputs, verify_opening
 
         m = len(opening)
-        check_prompt_fits(lm, n + m)
         node_pos, tail = opening_inputs(opening, n, int(positions[0, -1]) + 1, dev)
         slots = torch.arange(n + m, device=dev)
         nodes = lm(lm.embed_tokens(opening.tokens.to(dev))[None], node_pos[None], slots=slots[n:], mask=tail[None, None],

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from litevlm.errors import LiteVLMError
-from litevlm.model.generate import Generation, Prefilled, StageTimer, check_prompt_fits, decode_step, prefill, sample_token
+from litevlm.model.generate import Generation, Prefilled, StageTimer, decode_step, prefill, sample_token
 from litevlm.spec.openings import Opened, Opening, opening_inputs, verify_opening
 from litevlm.spec.tree import (
     TreeConfig, accept_greedy, accept_sampled, chain_tree, commit_path, draft_tree, verify_chain_greedy, verify_tree,
@@ -65,7 +65,7 @@ def speculative_generate(
     live = embeds.device.type != "cuda"  # eager CPU: attend over the live prefix; GPU: fixed shapes
     next_pos = int(positions[0, -1]) + 1  # RoPE position of the first generated token (slot t)
 
-    opening = opening if prefilled is None and temperature <= 0 and opening is not None and len(opening) else None
+    opening = opening if prefilled is None and temperature <= 0 and opening is not None and 0 < len(opening) <= cap - t else None
     context = getattr(getattr(draft, "cfg", None), "context", 0)
     c0 = max(0, t - context) if context else 0
     opened = prefilled.opened if prefilled is not None and temperature <= 0 else None
@@ -160,7 +160,6 @@ def _prefill_with_opening(model, embeds: torch.Tensor, positions: torch.Tensor, 
     states (1, T, C), what the opening gave)."""
     lm = model.language_model
     t, n, dev = embeds.shape[1], len(opening), embeds.device
-    check_prompt_fits(lm, t + n)
     node_pos, tail = opening_inputs(opening, t, next_pos, dev)
     x = torch.cat([embeds, lm.embed_tokens(opening.tokens.to(dev))[None]], 1)
     pos = torch.cat([positions[0], node_pos])[None]
