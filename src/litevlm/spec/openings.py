@@ -4,7 +4,7 @@ A speculative cycle needs the draft head, and the draft head needs the target's 
 only start once the prefill is done: a short answer ("Yes." + EOS) then pays a whole target pass over the weights
 for its last two tokens. But many questions of a kind open their answers the same way ("Is there ...?" -> "Yes." /
 "No."; "What will <c> do next?" -> "Keep ..."). `Openings` is a table, built from training questions and answers,
-from a question's first two words to a small trie of the answer openings seen most often after them (a
+from a question's first words to a small trie of the answer openings seen most often after them (a
 retrieval-style draft, as in REST, arXiv 2311.08252). The trie's nodes ride along with the prompt in the prefill's
 one forward pass: every node sees the whole prompt and its own ancestors (the tree mask), at position
 prompt end + depth. Greedy acceptance then walks the trie from the prompt's own next token exactly as a
@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 from litevlm.errors import LiteVLMError
+from litevlm.model.lm import linear
+from litevlm.spec.tree import ancestor_mask
 
 OPENINGS_FILE = "openings.json"
 OPENINGS_FORMAT = "litevlm-openings"
@@ -58,13 +60,9 @@ class Opening:
                     tokens.append(seq[d])
                     parents.append(index[prefix[:-1]] if d else -1)
                     depth.append(d)
-        n = len(tokens)
-        mask = torch.eye(n, dtype=torch.bool)
-        for i in range(n):
-            if parents[i] >= 0:
-                mask[i] |= mask[parents[i]]
-        return cls(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                   torch.tensor(depth, dtype=torch.long), mask)
+        parents_t = torch.tensor(parents, dtype=torch.long)
+        return cls(torch.tensor(tokens, dtype=torch.long), parents_t, torch.tensor(depth, dtype=torch.long),
+                   ancestor_mask(parents_t, max(depth, default=0)))
 
 
 class Openings:
@@ -176,8 +174,6 @@ def verify_opening(model, opening: Opening, rows: torch.Tensor, prompt_len: int,
     """Greedy acceptance of a trie run with a prompt of `prompt_len` cached tokens: rows (1 + N, C) = the prompt's last
     post-norm hidden state, then the N nodes' (cache slots prompt_len..); the accepted nodes' K/V are moved to slots
     prompt_len, prompt_len + 1, ..."""
-    from litevlm.model.lm import linear
-
     logits = linear(rows, model.lm_head)  # (1 + N, V)
     path, emitted = accept_opening(opening, int(logits[0].argmax()), logits[1:], eos_id, limit)
     if path != list(range(len(path))):

@@ -131,13 +131,15 @@ def chain_tree(tokens: torch.Tensor) -> Tree:
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """(N,) parent indices (root -1, parents before children) -> (N, N) ancestor-or-self mask.
+    """(N,) parent indices (a root -1, parents before children) -> (N, N) ancestor-or-self mask. A forest (several
+    roots, as answer openings) works alike.
 
     Walks every node up `max_depth` times at once (one gather per level, no loop over nodes).
     """
     n = parents.numel()
-    up = parents.clamp(min=0)  # the root is its own parent: walking past it stays on it
-    hops = [torch.arange(n, device=parents.device)]
+    idx = torch.arange(n, device=parents.device)
+    up = torch.where(parents >= 0, parents, idx)  # a root is its own parent: walking past it stays on it
+    hops = [idx]
     for _ in range(max_depth):
         hops.append(up[hops[-1]])
     cols = torch.stack(hops, 1)  # (N, max_depth + 1): self, parent, grandparent, ...
