@@ -5,7 +5,7 @@
 // (7 weights and 2 caches a layer, in cpu_steps.py's order) and that the q|k|v projection comes without the rotated
 // copies of q and k that the TorchScript steps fold into it: RoPE's rotation is a loop here, and the copies would
 // add 37% to that product (12% of a layer's weights, read at every step). A one-row matmul is an own loop (`product`), larger
-// ones go to ATen (MKL); everything between them (RMSNorm, RoPE, the cache writes, attention over the cached
+// ones go to ATen (MKL), and a draft head's run on bf16 panels of its weights (`pack_panels`); everything between them (RMSNorm, RoPE, the cache writes, attention over the cached
 // slots, SiLU-gating, the draft's log-softmax top-1 and the acceptance test) is one loop each over fp32 rows, with
 // no dispatch per op.
 // A decode step of a small decoder is otherwise about a hundred dispatched ops, which on a CPU cost

@@ -206,20 +206,26 @@ def _native_layer(w: List[torch.Tensor], nqk: int) -> List[torch.Tensor]:
     return [w[0], _without_rotation(w[1], nqk), _without_rotation(w[2], nqk), *w[3:]]
 
 
-_NATIVE_FLAT: dict = {}  # id(weights list) -> (that list, its `_native_flat`): a plan's list is passed at every step
+def _per_list(cache: dict, owners: tuple, make):
+    """make(), kept in `cache` for these exact objects (the first a generation's weights list, passed at every step);
+    only the lists of the live generations are worth keeping (the target's and the draft's plans)."""
+    hit = cache.get(id(owners[0]))
+    if hit is not None and all(a is b for a, b in zip(hit[0], owners)):
+        return hit[1]
+    out = make()
+    if len(cache) >= 4:  # lists of past generations
+        cache.clear()
+    cache[id(owners[0])] = (owners, out)
+    return out
+
+
+_NATIVE_FLAT: dict = {}  # id(weights list) -> ((that list,), its `_native_flat`)
 
 
 def _native_flat(weights: List[List[torch.Tensor]], hq: int, hkv: int, d: int) -> List[torch.Tensor]:
     """`_flat` of the layers' weights for the native ops: each q|k|v projection and bias without its rotated copies
     (made once per weights list: a generation's plan passes the same list to every step)."""
-    hit = _NATIVE_FLAT.get(id(weights))
-    if hit is not None and hit[0] is weights:
-        return hit[1]
-    out = [t for w in weights for t in _native_layer(w, (hq + hkv) * d)]
-    if len(_NATIVE_FLAT) >= 4:  # lists of past generations (the target's and the draft's plans are the live ones)
-        _NATIVE_FLAT.clear()
-    _NATIVE_FLAT[id(weights)] = (weights, out)
-    return out
+    return _per_list(_NATIVE_FLAT, (weights,), lambda: [t for w in weights for t in _native_layer(w, (hq + hkv) * d)])
 
 
 @functools.cache
@@ -231,32 +237,29 @@ def panels_built() -> bool:
 
 
 def panels(w: torch.Tensor) -> torch.Tensor:
-    """A row-major (in, out) product weight as the native ops' panels (`pack_panels` in cpu_steps.cpp), made once per
-    weight."""
+    """A row-major (in, out) product weight as the native ops' bf16 panels (`pack_panels` in cpu_steps.cpp), made once
+    per weight."""
     from litevlm.model import native
 
     return _kept(w, "_litevlm_panels", native.ops().pack_panels)
 
 
-_DRAFT_PANELS: dict = {}  # id(weights list) -> (that list, fc, head, its `_draft_panels`)
+_DRAFT_PANELS: dict = {}  # id(weights list) -> ((that list, fc, head), its `_draft_panels`)
 
 
 def _draft_panels(fc_w: torch.Tensor, head: torch.Tensor, weights: List[List[torch.Tensor]], hq: int, hkv: int,
                   d: int) -> List[torch.Tensor]:
-    """A draft head's one-row products on panels (cpu_steps.cpp: its weights stay in the core's cache, where the panel
-    loop is faster than `row_product`): [fc, head, then each layer's q|k|v, o, gate|up, down]; empty where the build
-    has none. Made once per weights list."""
+    """A draft head's products in its native steps, on bf16 panels (cpu_steps.cpp: the draft only proposes, and its
+    weights read in half the bytes): [fc, head, then each layer's q|k|v, o, gate|up, down]; empty where the build has
+    none. Made once per weights list."""
     if not panels_built():
         return []
-    hit = _DRAFT_PANELS.get(id(weights))
-    if hit is not None and hit[0] is weights and hit[1] is fc_w and hit[2] is head:
-        return hit[3]
-    layers = [_native_layer(w, (hq + hkv) * d) for w in weights]
-    out = [panels(fc_w), panels(head), *[panels(w[i]) for w in layers for i in (1, 3, 5, 6)]]
-    if len(_DRAFT_PANELS) >= 4:
-        _DRAFT_PANELS.clear()
-    _DRAFT_PANELS[id(weights)] = (weights, fc_w, head, out)
-    return out
+
+    def make() -> List[torch.Tensor]:
+        layers = [_native_layer(w, (hq + hkv) * d) for w in weights]
+        return [panels(fc_w), panels(head), *[panels(w[i]) for w in layers for i in (1, 3, 5, 6)]]
+
+    return _per_list(_DRAFT_PANELS, (weights, fc_w, head), make)
 
 
 def _native_steps() -> tuple | None:
