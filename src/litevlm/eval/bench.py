@@ -81,7 +81,6 @@ class RowLog:
     select: list[float] = field(default_factory=list)
     total: list[float] = field(default_factory=list)
     new_tokens: list[int] = field(default_factory=list)
-    decoded: list[int] = field(default_factory=list)
     opened: list[int] = field(default_factory=list)  # answer tokens accepted with the prompt (answer openings)
     records: list[dict] = field(default_factory=list)
     accept: list[int] = field(default_factory=list)
@@ -96,12 +95,11 @@ class RowLog:
         self.select.append(select)
         self.total.append(vit + prefill + decode + select)
         self.new_tokens.append(new_tokens)
-        self.decoded.append(max(0, new_tokens - 1 - opened))  # the tokens the decode stage made
         self.opened.append(opened)
 
     def row(self, name: str, baseline_total: float | None, score) -> dict:
         med = statistics.median
-        steps = sum(self.decoded)
+        steps = sum(max(0, n - 1 - o) for n, o in zip(self.new_tokens, self.opened))  # the tokens the decode stage made
         return {
             "config": name,
             "views": round(statistics.fmean(self.views), 2),
