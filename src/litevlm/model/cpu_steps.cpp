@@ -211,6 +211,21 @@ constexpr bool kPanelsBuilt = false;
 
 bool panels_built_op() { return kPanelsBuilt; }
 
+// An (n, out) fp32 tensor holding a product's base, for the product to add into: the bias (out,) in every row, the
+// (n, out) base itself, or zeros where base is undefined.
+at::Tensor based(const at::Tensor& base, int64_t n, int64_t out, const at::TensorOptions& options) {
+  at::Tensor y = at::empty({n, out}, options);
+  float* yp = y.data_ptr<float>();
+  if (!base.defined()) {
+    std::fill_n(yp, n * out, 0.f);
+    return y;
+  }
+  check_f32_contiguous(base, "a product's base");
+  TORCH_CHECK(base.numel() == out || base.numel() == n * out, "litevlm_cpu: a product's base does not match it");
+  for (int64_t r = 0; r < n; ++r) std::copy_n(base.data_ptr<float>() + (base.numel() == out ? 0 : r * out), out, yp + r * out);
+  return y;
+}
+
 // base + x (n, in) @ w (in, out) -> (n, out): base a bias (out,) added to every row, an (n, out) tensor, or undefined
 // (nothing added). panels: w packed by `pack_panels` (a draft head's weights, bf16), or undefined: the product then
 // runs on the panels.
@@ -223,16 +238,8 @@ at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor
                 "litevlm_cpu: the weight panels do not match their (", w.size(0), ", ", out, ") weight");
     const at::Tensor xc = x.contiguous();
     check_f32_contiguous(xc, "a product's input");
-    at::Tensor y = at::empty({n, out}, x.options());
+    at::Tensor y = based(base.defined() ? base.contiguous() : base, n, out, x.options());
     float* yp = y.data_ptr<float>();
-    if (!base.defined()) {
-      std::fill_n(yp, n * out, 0.f);
-    } else {
-      const at::Tensor b = base.contiguous();
-      check_f32_contiguous(b, "a product's base");
-      TORCH_CHECK(b.numel() == out || b.numel() == n * out, "litevlm_cpu: a product's base does not match it");
-      for (int64_t r = 0; r < n; ++r) std::copy_n(b.data_ptr<float>() + (b.numel() == out ? 0 : r * out), out, yp + r * out);
-    }
     const uint16_t* packed = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
     if (n == 1) {
       panel_row(xc.data_ptr<float>(), xc.size(1), packed, out, yp);
@@ -246,14 +253,8 @@ at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor
                        w.scalar_type() == at::kFloat &&
                        (!base.defined() || (base.is_contiguous() && base.scalar_type() == at::kFloat && base.numel() == out));
   if (!one_row) return base.defined() ? at::addmm(base, x, w) : at::mm(x, w);
-  at::Tensor y = at::empty({1, out}, x.options());  // one dispatch: the base is copied in here, not by ATen
-  float* yp = y.data_ptr<float>();
-  if (base.defined()) {
-    std::copy_n(base.data_ptr<float>(), out, yp);
-  } else {
-    std::fill_n(yp, out, 0.f);
-  }
-  row_product(x.data_ptr<float>(), x.size(1), w.data_ptr<float>(), out, yp);
+  at::Tensor y = based(base, 1, out, x.options());  // one dispatch: the base is copied in here, not by ATen
+  row_product(x.data_ptr<float>(), x.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
   return y;
 }
 
