@@ -90,14 +90,18 @@ def main() -> None:
         if len(items) < 20:
             print(f"{family}: only {len(items)} questions, skipped")
             continue
-        feats = torch.stack([layer_rows(pipe, s.question, load_images(s), prefix) for s, prefix, _ in items])  # (N, L+1, C)
+        feats = torch.stack(
+            [layer_rows(pipe, s.question, load_images(s), prefix) for s, prefix, _ in items]
+        )  # (N, L+1, C)
         n_train = int(len(items) * args.train_share)
         out = {"questions": len(items)}
         for label in items[0][2]:
             y = torch.tensor([lab[label] for *_, lab in items])
             classes = int(y.max()) + 1
             majority = float(torch.bincount(y[n_train:], minlength=classes).max()) / (len(y) - n_train)
-            per_layer = [round(ridge_accuracy(feats[:, i], y, n_train, classes, args.lam), 3) for i in range(feats.shape[1])]
+            per_layer = [
+                round(ridge_accuracy(feats[:, i], y, n_train, classes, args.lam), 3) for i in range(feats.shape[1])
+            ]
             out[label] = {"majority": round(majority, 3), "by_layer": per_layer}
             print(f"{family:12s} {label:7s} majority {majority:.3f}  after embeddings, layers 1..: {per_layer}")
         result["families"][family] = out

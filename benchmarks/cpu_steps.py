@@ -31,7 +31,9 @@ def median_ms(fn, k: int) -> float:
 
 def use(backend: str | None) -> None:
     """Route the CPU steps through one backend (None: the eager path)."""
-    steps = {"native": cpu_steps._native_steps, "torchscript": cpu_steps._scripted_steps}[backend]() if backend else None
+    steps = (
+        {"native": cpu_steps._native_steps, "torchscript": cpu_steps._scripted_steps}[backend]() if backend else None
+    )
     if backend and steps is None:
         raise SystemExit(f"the {backend} CPU steps are unavailable here")
     cpu_steps._STEPS[:] = [steps]
@@ -60,20 +62,34 @@ def main() -> None:
     token = torch.tensor([[7]])
     chains = {n: torch.randint(10, vocab, (n,), generator=gen) for n in (6, 17)}
     prompts = {t: (torch.randn(1, t, width, generator=gen), torch.arange(t)[None]) for t in (84, 186)}
-    feats, nxt = torch.randn(5, width, generator=gen), lm.embed_tokens.weight[torch.randint(10, vocab, (5,), generator=gen)]
+    feats, nxt = (
+        torch.randn(5, width, generator=gen),
+        lm.embed_tokens.weight[torch.randint(10, vocab, (5,), generator=gen)],
+    )
     draft.prepare(512, 600)
 
     rows = []
     for backend in ("native", "torchscript", None):
         use(backend)
         plan = lm.step_plan()
-        row = {"backend": backend or "eager",
-               "decode_step_ms": median_ms(lambda: decode_step(model, token, at, at, plan), args.k)}
+        row = {
+            "backend": backend or "eager",
+            "decode_step_ms": median_ms(lambda: decode_step(model, token, at, at, plan), args.k),
+        }
         for n, chain in chains.items():
-            row[f"verify_{n}_ms"] = (median_ms(lambda: verify_chain_greedy(model, chain, at, at, plan), args.k)
-                                     if backend else None)
-        row["draft_cycle_6_ms"] = (median_ms(lambda: draft.draft_cycle(feats, nxt, torch.arange(at, at + 5), 40, torch.tensor([7]),
-                                                                       at + 5, 6, 0.0, None), args.k) if backend else None)
+            row[f"verify_{n}_ms"] = (
+                median_ms(lambda: verify_chain_greedy(model, chain, at, at, plan), args.k) if backend else None
+            )
+        row["draft_cycle_6_ms"] = (
+            median_ms(
+                lambda: draft.draft_cycle(
+                    feats, nxt, torch.arange(at, at + 5), 40, torch.tensor([7]), at + 5, 6, 0.0, None
+                ),
+                args.k,
+            )
+            if backend
+            else None
+        )
         for t, (embeds, pos) in prompts.items():
             row[f"prefill_{t}_ms"] = median_ms(lambda: prefill(model, embeds, pos), max(20, args.k // 10))
         rows.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
@@ -85,8 +101,19 @@ def main() -> None:
     print(f"{'':>20}" + "".join(f"{r['backend']:>13}" for r in rows))
     for k in keys:
         print(f"{k:>20}" + "".join(f"{'-' if r[k] is None else format(r[k], '.3f'):>13}" for r in rows))
-    print(json.dumps({"benchmark": "cpu_steps", "model": args.model, "context": at, "threads": args.threads,
-                      "cpu": platform.machine(), "torch": torch.__version__, "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "cpu_steps",
+                "model": args.model,
+                "context": at,
+                "threads": args.threads,
+                "cpu": platform.machine(),
+                "torch": torch.__version__,
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-
 CUES = ("moving", "light", "colour")
 CROP = (16, 48)  # (h, w) of an object's crop for the CNN, resized from
 CROP_MARGIN = 1.2  # the object and this many object widths either side (where a motion trail is drawn)
@@ -34,9 +33,16 @@ CROP_MARGIN = 1.2  # the object and this many object widths either side (where a
 def crop_reader_score(xtr, ytr, xte, yte, classes: int, epochs: int = 12) -> float:
     """Test accuracy of a small CNN trained on the crops (N, 3, h, w)."""
     net = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2), torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveMaxPool2d(1),
-        torch.nn.Flatten(), torch.nn.Linear(64, classes),
+        torch.nn.Conv2d(3, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(32, 64, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveMaxPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(64, classes),
     )
     opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-4)
     for _ in range(epochs):
@@ -87,9 +93,13 @@ def features(pipe, seed: int, frames: int, size=(400, 225), margin: float = 0.0)
                 x0 = max(0, int((u0 - CROP_MARGIN * w) / IMAGE_WIDTH * s * tpv))
                 x1 = min(s * tpv, int((u1 + CROP_MARGIN * w) / IMAGE_WIDTH * s * tpv) + 1)
                 y0, y1 = max(0, int(v0 / IMAGE_HEIGHT * s)), min(s, int(v1 / IMAGE_HEIGHT * s) + 1)
-                view = pixels[v * tpv:(v + 1) * tpv].permute(1, 2, 0, 3).reshape(3, s, s * tpv)  # tiles side by side
-                crop = F.interpolate(view[None, :, y0:max(y1, y0 + 1), x0:max(x1, x0 + 1)], size=CROP, mode="bilinear",
-                                     align_corners=False)[0]
+                view = pixels[v * tpv : (v + 1) * tpv].permute(1, 2, 0, 3).reshape(3, s, s * tpv)  # tiles side by side
+                crop = F.interpolate(
+                    view[None, :, y0 : max(y1, y0 + 1), x0 : max(x1, x0 + 1)],
+                    size=CROP,
+                    mode="bilinear",
+                    align_corners=False,
+                )[0]
                 labels = []
                 if o.cls in MOVERS:
                     labels.append(("moving", int(o.moving)))
@@ -127,8 +137,12 @@ def main() -> None:
     ap.add_argument("--train-frames", type=int, default=800)
     ap.add_argument("--test-frames", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--margin", type=float, default=0.0,
-                    help="the linear probes pool over the object's box widened by this many object widths either side")
+    ap.add_argument(
+        "--margin",
+        type=float,
+        default=0.0,
+        help="the linear probes pool over the object's box widened by this many object widths either side",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -153,11 +167,24 @@ def main() -> None:
         crops_tr, crops_te = torch.stack(train[cue][3]), torch.stack([test[cue][3][j] for j in keep])
         row["crop_cnn"] = round(crop_reader_score(crops_tr, ytr, crops_te, yte, classes), 3)
         rows[cue] = row
-        print(f"{cue:8s} n={row['train']}/{row['test']}  majority {row['majority']:.3f}  "
-              f"probe on visual tokens {row['tokens']:.3f}  on vision patches {row['patches']:.3f}  on pixels {row['pixels']:.3f}  "
-              f"CNN on crops {row['crop_cnn']:.3f}")
-    print(json.dumps({"benchmark": "cue_probe", "model": args.model, "train_frames": args.train_frames,
-                      "test_frames": args.test_frames, "margin": args.margin, "cues": rows, "wall_s": round(time.time() - t0, 1)}))
+        print(
+            f"{cue:8s} n={row['train']}/{row['test']}  majority {row['majority']:.3f}  "
+            f"probe on visual tokens {row['tokens']:.3f}  on vision patches {row['patches']:.3f}  on pixels {row['pixels']:.3f}  "
+            f"CNN on crops {row['crop_cnn']:.3f}"
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "cue_probe",
+                "model": args.model,
+                "train_frames": args.train_frames,
+                "test_frames": args.test_frames,
+                "margin": args.margin,
+                "cues": rows,
+                "wall_s": round(time.time() - t0, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

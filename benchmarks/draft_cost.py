@@ -38,7 +38,9 @@ def main() -> None:
     pipe = Pipeline.from_pretrained(args.model, speculative=True)
     model, draft = pipe.model, pipe.draft
     if cpu_steps.step_cycle() is None:
-        raise SystemExit("neither the native nor the TorchScript CPU steps are available: the one-call draft cycle cannot be timed")
+        raise SystemExit(
+            "neither the native nor the TorchScript CPU steps are available: the one-call draft cycle cannot be timed"
+        )
     width = model.cfg.text.hidden_size
     draft.prepare(512, 600)
     embed = model.language_model.embed_tokens.weight
@@ -69,8 +71,22 @@ def main() -> None:
     x = torch.randn(1, width, generator=gen)
     cos, sin = draft._rope
     weights, caches = draft._plan.weights, cpu_steps.caches((draft.layer,))
-    layer_ms = median_ms(lambda: layer(x, cos[50:51], sin[50:51], 50, None, weights, caches, cfg.num_heads,
-                                       cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps), args.k)
+    layer_ms = median_ms(
+        lambda: layer(
+            x,
+            cos[50:51],
+            sin[50:51],
+            50,
+            None,
+            weights,
+            caches,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.norm_eps,
+        ),
+        args.k,
+    )
     head = draft._chain_args[3]
     head_ms = median_ms(lambda: torch.log_softmax(x @ head, -1).topk(1, -1), args.k)
 
@@ -80,10 +96,21 @@ def main() -> None:
     for pairs, f in fits.items():
         print(f"extend {pairs}: {f['fixed_ms']:.3f} ms fixed + {f['per_step_ms']:.3f} ms per chain step")
     print(f"one draft layer call, one token: {layer_ms:.3f} ms; head + log-softmax + top-1: {head_ms:.3f} ms")
-    print(json.dumps({"benchmark": "draft_cost", "model": args.model, "threads": args.threads, "cpu": platform.machine(),
-                      "cpu_steps": cpu_steps.backend(),
-                      "rows": rows, "fits": {str(k): v for k, v in fits.items()}, "layer_ms": round(layer_ms, 4),
-                      "head_ms": round(head_ms, 4)}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "draft_cost",
+                "model": args.model,
+                "threads": args.threads,
+                "cpu": platform.machine(),
+                "cpu_steps": cpu_steps.backend(),
+                "rows": rows,
+                "fits": {str(k): v for k, v in fits.items()},
+                "layer_ms": round(layer_ms, 4),
+                "head_ms": round(head_ms, 4),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

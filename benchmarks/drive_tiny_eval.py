@@ -30,7 +30,9 @@ def per_family(records, samples_by_id) -> dict:
     hits = defaultdict(list)
     for r in records:
         if r["closed"]:
-            hits[samples_by_id[r["id"]].family or "?"].append(normalize_answer(r["answer"]) == normalize_answer(r["gt"]))
+            hits[samples_by_id[r["id"]].family or "?"].append(
+                normalize_answer(r["answer"]) == normalize_answer(r["gt"])
+            )
     return {k: round(sum(v) / len(v), 3) for k, v in sorted(hits.items())}
 
 
@@ -46,8 +48,11 @@ def main() -> None:
     ap.add_argument("--data", required=True)
     ap.add_argument("--n", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--select-views", action="store_true",
-                    help="answer through the model's ViewSelector (only the views each question needs are encoded)")
+    ap.add_argument(
+        "--select-views",
+        action="store_true",
+        help="answer through the model's ViewSelector (only the views each question needs are encoded)",
+    )
     ap.add_argument("--no-card", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -66,7 +71,17 @@ def main() -> None:
     for s in list(samples.values())[:60]:
         timings.append(pipe.answer(s.question, load_images(s)).timings_ms)
     table = stage_table(timings[5:])
-    keys = ("n", "final", "accuracy", "language", "match", "judge", "closed_accuracy", "views_per_question", "visual_tokens")
+    keys = (
+        "n",
+        "final",
+        "accuracy",
+        "language",
+        "match",
+        "judge",
+        "closed_accuracy",
+        "views_per_question",
+        "visual_tokens",
+    )
     result = {
         "model": args.model,
         "data": str(args.data),
@@ -81,7 +96,9 @@ def main() -> None:
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
         "eval_seconds": round(time.time() - t0, 1),
     }
-    print(f"closed-question accuracy: {full['closed_accuracy']:.3f} with images, {blank['closed_accuracy']:.3f} with empty roads")
+    print(
+        f"closed-question accuracy: {full['closed_accuracy']:.3f} with images, {blank['closed_accuracy']:.3f} with empty roads"
+    )
     print(f"DriveLM final (no judge): {full['final']:.4f}   blank: {blank['final']:.4f}")
     print("stage medians (ms): " + ", ".join(f"{s} {table[s]:.1f} ({100 * table['share'][s]:.0f}%)" for s in STAGES))
     if not args.no_card:
@@ -90,11 +107,40 @@ def main() -> None:
 
 
 # VLMRecipe fields that `litevlm train vlm` takes as flags (the rest are in the full recipe JSON).
-FLAGS = ("frames", "seed", "first_frame", "minutes", "batch_frames", "threads", "lr", "warmup", "closed_weight", "init",
-         "reinit_vision", "reinit_language", "aux_weight", "aux_scale", "patch_aux_weight", "token_probe_weight", "vision_warmup",
-         "view_subset_prob", "token_drop_prob", "visual_norm", "probe_frames", "grow_after", "store_dtype", "light_contrast", *(f"{n}_{k}" for n in HEAD_OBJECTIVES for k in ("weight", "layer")))
+FLAGS = (
+    "frames",
+    "seed",
+    "first_frame",
+    "minutes",
+    "batch_frames",
+    "threads",
+    "lr",
+    "warmup",
+    "closed_weight",
+    "init",
+    "reinit_vision",
+    "reinit_language",
+    "aux_weight",
+    "aux_scale",
+    "patch_aux_weight",
+    "token_probe_weight",
+    "vision_warmup",
+    "view_subset_prob",
+    "token_drop_prob",
+    "visual_norm",
+    "probe_frames",
+    "grow_after",
+    "store_dtype",
+    "light_contrast",
+    *(f"{n}_{k}" for n in HEAD_OBJECTIVES for k in ("weight", "layer")),
+)
 # What the model card calls each head objective.
-OBJECTIVE_LABELS = {"attn": "tag attention", "option": "option attention", "letter": "letter attention", "readout": "answer readout"}
+OBJECTIVE_LABELS = {
+    "attn": "tag attention",
+    "option": "option attention",
+    "letter": "letter attention",
+    "readout": "answer readout",
+}
 
 
 def train_command(recipe: dict) -> str:
@@ -110,7 +156,9 @@ def train_command(recipe: dict) -> str:
         if value == unset or (name.endswith("_layer") and not recipe.get(name.replace("layer", "weight"))):
             continue
         flag = "--" + name.replace("_", "-")
-        parts.append(flag if value is True else f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}")
+        parts.append(
+            flag if value is True else f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+        )
     parts += [f"--family-weight {k}={v:g}" for k, v in (recipe.get("family_weights") or {}).items()]
     return " ".join(parts)
 
@@ -118,30 +166,59 @@ def train_command(recipe: dict) -> str:
 def stages(meta: dict) -> list[str]:
     """The `--init` chain behind the weights (oldest first), with what each stage re-initialised; the stages of an
     averaged checkpoint (`litevlm train average`) follow the lineage they share, marked "mean of"."""
-    last = {"checkpoint": "(these weights)", "steps": meta.get("steps"), "train_seconds": meta.get("train_seconds"),
-            "recipe": meta.get("recipe", {}), "looks_probe": meta.get("looks_probe"), "averaged": meta.get("averaged")}
-    chain = [part for st in [*meta.get("lineage", []), last]  # an averaged stage (these weights or one before): a row per part
-             for part in ([{**a, "mean": True} for a in st["averaged"]] if st.get("averaged") else [st])]
+    last = {
+        "checkpoint": "(these weights)",
+        "steps": meta.get("steps"),
+        "train_seconds": meta.get("train_seconds"),
+        "recipe": meta.get("recipe", {}),
+        "looks_probe": meta.get("looks_probe"),
+        "averaged": meta.get("averaged"),
+    }
+    chain = [
+        part
+        for st in [*meta.get("lineage", []), last]  # an averaged stage (these weights or one before): a row per part
+        for part in ([{**a, "mean": True} for a in st["averaged"]] if st.get("averaged") else [st])
+    ]
     if len(chain) == 1:
         return []
-    lines = ["## Training stages", "", "Each stage continued from the one before (`--init`); a re-initialised part starts afresh there.",
-             *(['Adjacent rows marked "mean of" each continued from the stage before them; their element-wise mean is these weights, or the checkpoint the next stage continued from.']
-               if any(st.get("mean") for st in chain) else []), "",
-             "| stage | steps | minutes | re-initialised | lr | closed weight | view-subset share | other | looks-probe at the end, six views (images / empty) | needed views (images / empty) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Training stages",
+        "",
+        "Each stage continued from the one before (`--init`); a re-initialised part starts afresh there.",
+        *(
+            [
+                'Adjacent rows marked "mean of" each continued from the stage before them; their element-wise mean is these weights, or the checkpoint the next stage continued from.'
+            ]
+            if any(st.get("mean") for st in chain)
+            else []
+        ),
+        "",
+        "| stage | steps | minutes | re-initialised | lr | closed weight | view-subset share | other | looks-probe at the end, six views (images / empty) | needed views (images / empty) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for i, st in enumerate(chain, start=1):
         r = st.get("recipe") or {}
-        fresh = "everything" if not r.get("init") else ", ".join(
-            [x for x, k in (("vision", "reinit_vision"), ("decoder", "reinit_language")) if r.get(k)]) or "-"
+        fresh = (
+            "everything"
+            if not r.get("init")
+            else ", ".join([x for x, k in (("vision", "reinit_vision"), ("decoder", "reinit_language")) if r.get(k)])
+            or "-"
+        )
         probe = (st.get("looks_probe") or [{}])[-1]
         other = [f"decoder grown after layers {', '.join(map(str, r['grow_after']))}"] if r.get("grow_after") else []
         other += [f"{k} x{v:g}" for k, v in (r.get("family_weights") or {}).items()]
-        other += [f"{OBJECTIVE_LABELS[n]} {r[n + '_weight']:g} (layer {r.get(n + '_layer')})" for n in HEAD_OBJECTIVES if r.get(n + "_weight")]
+        other += [
+            f"{OBJECTIVE_LABELS[n]} {r[n + '_weight']:g} (layer {r.get(n + '_layer')})"
+            for n in HEAD_OBJECTIVES
+            if r.get(n + "_weight")
+        ]
         other += ["light-colour contrast questions"] if r.get("light_contrast") else []
         label = f"{i} (mean of)" if st.get("mean") else i
-        lines.append(f"| {label} | {st.get('steps')} | {(st.get('train_seconds') or 0) / 60:.1f} | {fresh} | {r.get('lr')} | "
-                     f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {', '.join(other) or '-'} | {probe.get('images', '-')} / {probe.get('empty', '-')} | "
-                     f"{probe.get('images_needed', '-')} / {probe.get('empty_needed', '-')} |")
+        lines.append(
+            f"| {label} | {st.get('steps')} | {(st.get('train_seconds') or 0) / 60:.1f} | {fresh} | {r.get('lr')} | "
+            f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {', '.join(other) or '-'} | {probe.get('images', '-')} / {probe.get('empty', '-')} | "
+            f"{probe.get('images_needed', '-')} / {probe.get('empty_needed', '-')} |"
+        )
     total = sum((st.get("train_seconds") or 0) for st in chain) / 60
     lines += ["", f"Total training time over all stages: {total:.0f} min.", ""]
     return lines
@@ -168,13 +245,17 @@ def write_card(model_dir: Path, result: dict) -> None:
         "",
     ]
     if meta.get("averaged"):
-        lines.append(f"- the element-wise mean of {len(parts)} stages, each continued from the same checkpoint: "
-                     f"`litevlm train average {' '.join(f'STAGE{i}' for i in range(1, len(parts) + 1))} --out DIR`")
+        lines.append(
+            f"- the element-wise mean of {len(parts)} stages, each continued from the same checkpoint: "
+            f"`litevlm train average {' '.join(f'STAGE{i}' for i in range(1, len(parts) + 1))} --out DIR`"
+        )
     for i, part in enumerate(parts, start=1):
         r = part.get("recipe", {})
         name = f"stage {i} of the mean" if meta.get("averaged") else "last stage"
-        lines.append(f"- command ({name}): `{train_command(r)}`; {part.get('steps')} steps, "
-                     f"{(part.get('train_seconds') or 0) / 60:.1f} min on one core of the 2-core CPU machine")
+        lines.append(
+            f"- command ({name}): `{train_command(r)}`; {part.get('steps')} steps, "
+            f"{(part.get('train_seconds') or 0) / 60:.1f} min on one core of the 2-core CPU machine"
+        )
     lines += [
         f"- data: {recipe.get('frames')} synthetic frames of seed {recipe.get('seed')} (indices {recipe.get('first_frame', 0)}..{recipe.get('first_frame', 0) + recipe.get('frames', 1) - 1}), every QA family, rendered at {recipe.get('render_size')} then resized like inference input",
         f"- full recipe: `{json.dumps(recipe)}`",
@@ -200,7 +281,8 @@ def write_card(model_dir: Path, result: dict) -> None:
     lines += [
         "",
         f"Stage latency, pipeline `{result['pipeline']}` ({result['machine']}): "
-        + ", ".join(f"{s} {t[s]:.1f} ms ({100 * t['share'][s]:.0f}%)" for s in STAGES) + f", total {t['total']:.1f} ms.",
+        + ", ".join(f"{s} {t[s]:.1f} ms ({100 * t['share'][s]:.0f}%)" for s in STAGES)
+        + f", total {t['total']:.1f} ms.",
         "",
         "Produced by `python benchmarks/drive_tiny_eval.py`.",
     ]

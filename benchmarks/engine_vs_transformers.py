@@ -25,7 +25,9 @@ from litevlm.eval.timing import median_ms as median_wall_ms
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--vision-width", type=int, default=256)
     p.add_argument("--vision-layers", type=int, default=6)
     p.add_argument("--vision-heads", type=int, default=4)
@@ -57,17 +59,41 @@ def build_hf(a: argparse.Namespace):
 
     image_token = a.vocab - 1
     grid = a.image_size // 14
-    text = dict(model_type=a.arch, vocab_size=a.vocab, hidden_size=a.text_width, intermediate_size=a.text_intermediate,
-                num_hidden_layers=a.text_layers, num_attention_heads=a.text_heads, num_key_value_heads=a.kv_heads,
-                max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    text = dict(
+        model_type=a.arch,
+        vocab_size=a.vocab,
+        hidden_size=a.text_width,
+        intermediate_size=a.text_intermediate,
+        num_hidden_layers=a.text_layers,
+        num_attention_heads=a.text_heads,
+        num_key_value_heads=a.kv_heads,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     if a.arch == "llama":
         text["attention_bias"] = False
     cfg = InternVLConfig(
-        vision_config=dict(hidden_size=a.vision_width, num_hidden_layers=a.vision_layers, num_attention_heads=a.vision_heads,
-                           intermediate_size=4 * a.vision_width, image_size=a.image_size, patch_size=14, attention_bias=True,
-                           layer_norm_eps=1e-6, layer_scale_init_value=0.1, use_mean_pooling=True),
-        text_config=text, image_token_id=image_token, image_seq_length=(grid // 2) ** 2, downsample_ratio=0.5,
-        vision_feature_layer=-1, vision_feature_select_strategy="default", projector_hidden_act="gelu",
+        vision_config=dict(
+            hidden_size=a.vision_width,
+            num_hidden_layers=a.vision_layers,
+            num_attention_heads=a.vision_heads,
+            intermediate_size=4 * a.vision_width,
+            image_size=a.image_size,
+            patch_size=14,
+            attention_bias=True,
+            layer_norm_eps=1e-6,
+            layer_scale_init_value=0.1,
+            use_mean_pooling=True,
+        ),
+        text_config=text,
+        image_token_id=image_token,
+        image_seq_length=(grid // 2) ** 2,
+        downsample_ratio=0.5,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
         tie_word_embeddings=False,
     )
     hf = InternVLForConditionalGeneration._from_config(copy.deepcopy(cfg), attn_implementation=a.hf_attn)
@@ -116,7 +142,8 @@ def main(argv=None) -> dict:
         ours.language_model.setup_cache(1, L + N)
         r["prefill_ours_ms"] = median_ms(lambda: prefill(ours, embeds, positions), a.repeats)
         r["prefill_hf_ms"] = median_ms(
-            lambda: hf(inputs_embeds=embeds, cache=DynamicCache(config=hf.config), use_cache=True, logits_to_keep=1), a.repeats
+            lambda: hf(inputs_embeds=embeds, cache=DynamicCache(config=hf.config), use_cache=True, logits_to_keep=1),
+            a.repeats,
         )
 
         # -- extend by one token: N-1 single-token steps after a prefill, per token --------------------------
@@ -134,7 +161,13 @@ def main(argv=None) -> dict:
         def hf_steps():
             cache = state["cache"]
             for i in range(N - 1):
-                hf(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[L + i]]), cache=cache, use_cache=True, logits_to_keep=1)
+                hf(
+                    input_ids=torch.tensor([[7]]),
+                    position_ids=torch.tensor([[L + i]]),
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
 
         r["extend_ours_ms"] = median_ms(ours_steps, a.repeats, setup=lambda: prefill(ours, embeds, positions)) / (N - 1)
         r["extend_hf_ms"] = median_ms(hf_steps, a.repeats, setup=hf_setup) / (N - 1)
@@ -158,9 +191,16 @@ def main(argv=None) -> dict:
 
         def hf_e2e():
             stamps.clear()
-            seq = hf.generate(input_ids=ids, pixel_values=pix, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=N, min_new_tokens=N, pad_token_id=0,
-                              logits_processor=LogitsProcessorList([stamp]))
+            seq = hf.generate(
+                input_ids=ids,
+                pixel_values=pix,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=N,
+                min_new_tokens=N,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([stamp]),
+            )
             out["hf"] = seq[0, L:].tolist()
             per_token["hf"].append((stamps[-1] - stamps[0]) * 1e3 / (N - 1))
 
@@ -168,16 +208,26 @@ def main(argv=None) -> dict:
         r["generate_hf_ms"] = median_ms(hf_e2e, a.repeats)
     for who in ("ours", "hf"):
         r[f"generate_{who}_per_token_ms"] = statistics.median(per_token[who][1:])  # the warm-up run dropped
-    rows = [("vision", "vision"), ("prefill", "prefill"), ("extend-one (per token)", "extend"),
-            ("generate end-to-end", "generate"), ("generate, per new token", "generate_per_token")]
+    rows = [
+        ("vision", "vision"),
+        ("prefill", "prefill"),
+        ("extend-one (per token)", "extend"),
+        ("generate end-to-end", "generate"),
+        ("generate, per new token", "generate_per_token"),
+    ]
     ratios = {}
     for _, key in rows:
-        o, h = (r[f"{key}_ours_ms"], r[f"{key}_hf_ms"]) if key != "generate_per_token" else (
-            r["generate_ours_per_token_ms"], r["generate_hf_per_token_ms"])
+        o, h = (
+            (r[f"{key}_ours_ms"], r[f"{key}_hf_ms"])
+            if key != "generate_per_token"
+            else (r["generate_ours_per_token_ms"], r["generate_hf_per_token_ms"])
+        )
         ratios[f"{key}_hf_over_ours"] = h / o
 
-    print(f"engine vs transformers {__import__('transformers').__version__} (attn={a.hf_attn}), fp32 CPU, "
-          f"{a.threads} threads, {a.tiles} tiles x {per_tile} tokens + {a.text_tokens} text = {L} prompt tokens, {N} new")
+    print(
+        f"engine vs transformers {__import__('transformers').__version__} (attn={a.hf_attn}), fp32 CPU, "
+        f"{a.threads} threads, {a.tiles} tiles x {per_tile} tokens + {a.text_tokens} text = {L} prompt tokens, {N} new"
+    )
     print(f"{'stage':<26}{'ours ms':>10}{'HF ms':>10}{'HF/ours':>9}")
     for label, key in rows:
         o = r["generate_ours_per_token_ms"] if key == "generate_per_token" else r[f"{key}_ours_ms"]
@@ -186,10 +236,19 @@ def main(argv=None) -> dict:
     match = out["ours"] == out["hf"]
     print(f"greedy tokens identical: {match}")
     result = {
-        "benchmark": "engine_vs_transformers", "device": "cpu", "dtype": "float32", "threads": a.threads,
-        "hf_attn": a.hf_attn, "prompt_tokens": L, "image_tokens": a.tiles * per_tile, "tiles": a.tiles, "new_tokens": N,
-        "repeats": a.repeats, "tokens_identical": match,
-        **{k: round(v, 3) for k, v in r.items()}, **{k: round(v, 3) for k, v in ratios.items()},
+        "benchmark": "engine_vs_transformers",
+        "device": "cpu",
+        "dtype": "float32",
+        "threads": a.threads,
+        "hf_attn": a.hf_attn,
+        "prompt_tokens": L,
+        "image_tokens": a.tiles * per_tile,
+        "tiles": a.tiles,
+        "new_tokens": N,
+        "repeats": a.repeats,
+        "tokens_identical": match,
+        **{k: round(v, 3) for k, v in r.items()},
+        **{k: round(v, 3) for k, v in ratios.items()},
     }
     print(json.dumps(result))
     return result

@@ -49,9 +49,18 @@ def skip_reason() -> str | None:
 
 def tiny_config() -> VLMConfig:
     return VLMConfig(
-        vision=VisionConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, image_size=56, patch_size=14),
-        text=TextConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
-        image_token_id=500, img_start_id=501, img_end_id=502, eos_token_id=503, pad_token_id=0, name="tiny",
+        vision=VisionConfig(
+            hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, image_size=56, patch_size=14
+        ),
+        text=TextConfig(
+            vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+        ),
+        image_token_id=500,
+        img_start_id=501,
+        img_end_id=502,
+        eos_token_id=503,
+        pad_token_id=0,
+        name="tiny",
     )
 
 
@@ -62,6 +71,7 @@ def sync(device: torch.device) -> None:
 
 def time_ms(fn, device, warmup: int, iters: int, graphs: bool = False) -> tuple[float, float]:
     """(first call incl. compile ms, median ms of `iters` calls after `warmup` more)."""
+
     def call():
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
@@ -145,7 +155,12 @@ def measure(name: str, model: VLM, st: Stages, args, compile_kw, decode_kw, refs
         for stage in order:
             if stage.split("_")[0] not in args.stages:
                 continue
-            graphs = mode == "compiled" and stage == "decode" and decode_kw is not None and decode_kw.get("mode") == "reduce-overhead"
+            graphs = (
+                mode == "compiled"
+                and stage == "decode"
+                and decode_kw is not None
+                and decode_kw.get("mode") == "reduce-overhead"
+            )
             first, ms = time_ms(fns[stage], st.device, args.warmup, args.iters, graphs)
             row = rows.setdefault(stage, {})
             row[f"{mode}_ms"] = round(ms, 4)
@@ -228,8 +243,10 @@ def main(argv=None) -> int:
         line = f"{stage:<13} {b.get('eager_ms', float('nan')):>11.3f} {b['compiled_ms']:>11.3f}"
         for name in recipes:
             r = results[name][stage]
-            line += (f" | {r.get('eager_ms', float('nan')):>28.3f} {r['compiled_ms']:>9.3f} "
-                     f"{b['compiled_ms'] / r['compiled_ms']:>7.2f} {r.get('sqnr_db_vs_bf16', float('nan')):>8.1f}")
+            line += (
+                f" | {r.get('eager_ms', float('nan')):>28.3f} {r['compiled_ms']:>9.3f} "
+                f"{b['compiled_ms'] / r['compiled_ms']:>7.2f} {r.get('sqnr_db_vs_bf16', float('nan')):>8.1f}"
+            )
         print(line)
     record = {
         "benchmark": "fp8_gpu",

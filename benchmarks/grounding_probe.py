@@ -41,12 +41,14 @@ def build_items(tok, seed: int, start: int, frames: int, max_views: int, all_vie
         for q in frame.qas:
             if q.closed and len(q.views) <= max_views:
                 vs = list(CAMERAS) if all_views else list(q.views)
-                items.append({
-                    "pixels": torch.cat([image_to_tiles(views[c], 112, 1) for c in vs]),
-                    "cells": torch.cat([cells[CAMERAS.index(c)] for c in vs]),
-                    "prompt": build_prompt(tok, q.question, vs, 16).ids,
-                    "answer": tok.encode(q.answer) + [tok.eos_id],
-                })
+                items.append(
+                    {
+                        "pixels": torch.cat([image_to_tiles(views[c], 112, 1) for c in vs]),
+                        "cells": torch.cat([cells[CAMERAS.index(c)] for c in vs]),
+                        "prompt": build_prompt(tok, q.question, vs, 16).ids,
+                        "answer": tok.encode(q.answer) + [tok.eos_id],
+                    }
+                )
     return items
 
 
@@ -110,7 +112,9 @@ def main(argv=None) -> int:
         for i in range(0, len(val), 16):
             logits, labels = forward(val[i : i + 16], blank)
             pred = logits.argmax(-1)
-            hits += sum(bool((pred[j][labels[j] != -100] == labels[j][labels[j] != -100]).all()) for j in range(len(labels)))
+            hits += sum(
+                bool((pred[j][labels[j] != -100] == labels[j][labels[j] != -100]).all()) for j in range(len(labels))
+            )
         model.train()
         return round(hits / len(val), 4)
 
@@ -127,12 +131,28 @@ def main(argv=None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % args.every == 0 or step == args.steps:
-            curve.append({"step": step, "loss": round(loss.item(), 4), "images": accuracy(False), "empty": accuracy(True)})
+            curve.append(
+                {"step": step, "loss": round(loss.item(), 4), "images": accuracy(False), "empty": accuracy(True)}
+            )
             print(f"step {step}: {curve[-1]} ({time.time() - t0:.0f} s)", flush=True)
     last = curve[-1]
-    print(json.dumps({"benchmark": "grounding_probe", "model": str(args.model), "tokens": args.tokens,
-                      "fresh_decoder": args.fresh_decoder, "all_views": args.all_views, "lr": args.lr, "train_questions": len(train), "val_questions": len(val),
-                      "gap": round(last["images"] - last["empty"], 4), "curve": curve}, separators=(",", ":")))
+    print(
+        json.dumps(
+            {
+                "benchmark": "grounding_probe",
+                "model": str(args.model),
+                "tokens": args.tokens,
+                "fresh_decoder": args.fresh_decoder,
+                "all_views": args.all_views,
+                "lr": args.lr,
+                "train_questions": len(train),
+                "val_questions": len(val),
+                "gap": round(last["images"] - last["empty"], 4),
+                "curve": curve,
+            },
+            separators=(",", ":"),
+        )
+    )
     return 0
 
 

@@ -45,8 +45,9 @@ def main() -> None:
         others = rng.sample([x for x in colours if x != c], 3)
         slot = rng.randrange(4)
         opts = others[:slot] + [c] + others[slot:]
-        q = (f"The vehicle is {c}. What colour is the vehicle?{MC_SUFFIX} "
-             + " ".join(f"{'ABCD'[i]}. {o.capitalize()}." for i, o in enumerate(opts)))
+        q = f"The vehicle is {c}. What colour is the vehicle?{MC_SUFFIX} " + " ".join(
+            f"{'ABCD'[i]}. {o.capitalize()}." for i, o in enumerate(opts)
+        )
         return question_suffix(tok, tok.encode(q)), tok.encode("ABCD"[slot])[0]
 
     def batch(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -54,7 +55,7 @@ def main() -> None:
         t = max(len(x) for x, _ in rows)
         ids = torch.full((n, t), tok.pad_id)
         for i, (x, _) in enumerate(rows):
-            ids[i, t - len(x):] = torch.tensor(x)  # left-padded: every answer row is the last one
+            ids[i, t - len(x) :] = torch.tensor(x)  # left-padded: every answer row is the last one
         pos = torch.arange(t)[None].expand(n, t)
         return ids, pos, torch.tensor([y for _, y in rows])
 
@@ -74,11 +75,32 @@ def main() -> None:
             with torch.no_grad():
                 ids, pos, y = batch(256)
                 acc = (letter_logits(ids, pos).argmax(-1) == y).float().mean().item()
-            curve.append({"step": step, "seconds": round(time.time() - t0, 1), "loss": round(loss.item(), 4), "accuracy": round(acc, 3)})
-            print(f"step {step:5d}  {curve[-1]['seconds']:6.1f} s  loss {loss.item():.3f}  held-out letter accuracy {acc:.3f}", flush=True)
+            curve.append(
+                {
+                    "step": step,
+                    "seconds": round(time.time() - t0, 1),
+                    "loss": round(loss.item(), 4),
+                    "accuracy": round(acc, 3),
+                }
+            )
+            print(
+                f"step {step:5d}  {curve[-1]['seconds']:6.1f} s  loss {loss.item():.3f}  held-out letter accuracy {acc:.3f}",
+                flush=True,
+            )
     first = next((c["step"] for c in curve if c["accuracy"] >= 0.95), None)
-    print(json.dumps({"benchmark": "mc_letter_probe", "model": args.model, "steps": step, "minutes": args.minutes,
-                      "steps_to_95": first, "final_accuracy": curve[-1]["accuracy"] if curve else None, "curve": curve}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "mc_letter_probe",
+                "model": args.model,
+                "steps": step,
+                "minutes": args.minutes,
+                "steps_to_95": first,
+                "final_accuracy": curve[-1]["accuracy"] if curve else None,
+                "curve": curve,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -56,21 +56,41 @@ def main() -> None:
     rows, threshold = [], None
     for n_visual in sorted(cost["whole"]):
         p, w = statistics.median(cost["pruned"][n_visual]), statistics.median(cost["whole"][n_visual])
-        rows.append({"visual_tokens": n_visual, "questions": len(cost["whole"][n_visual]), "pruned_ms": round(p, 3),
-                     "whole_ms": round(w, 3), "saved_ms": round(w - p, 3)})
+        rows.append(
+            {
+                "visual_tokens": n_visual,
+                "questions": len(cost["whole"][n_visual]),
+                "pruned_ms": round(p, 3),
+                "whole_ms": round(w, 3),
+                "saved_ms": round(w - p, 3),
+            }
+        )
         if p < w and threshold is None:
             threshold = n_visual
         elif p >= w:
             threshold = None  # pruning must pay at every size from the threshold up
     print(f"{'visual tokens':>14}{'questions':>11}{'select+prefill pruned':>23}{'unpruned':>10}{'saved':>8}")
     for r in rows:
-        print(f"{r['visual_tokens']:>14}{r['questions']:>11}{r['pruned_ms']:>23.2f}{r['whole_ms']:>10.2f}{r['saved_ms']:>8.2f}")
-    print(json.dumps({
-        "benchmark": "select_threshold", "model": args.model, "data": args.data, "questions": len(totals["whole"]),
-        "keep_ratio": LITEVLM_KEEP_RATIO, "threads": args.threads, "cpu": platform.processor() or platform.machine(),
-        "rows": rows, "pays_from_visual_tokens": threshold,
-        "median_total_ms": {k: round(statistics.median(v), 3) for k, v in totals.items()},
-    }, separators=(",", ":")))
+        print(
+            f"{r['visual_tokens']:>14}{r['questions']:>11}{r['pruned_ms']:>23.2f}{r['whole_ms']:>10.2f}{r['saved_ms']:>8.2f}"
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "select_threshold",
+                "model": args.model,
+                "data": args.data,
+                "questions": len(totals["whole"]),
+                "keep_ratio": LITEVLM_KEEP_RATIO,
+                "threads": args.threads,
+                "cpu": platform.processor() or platform.machine(),
+                "rows": rows,
+                "pays_from_visual_tokens": threshold,
+                "median_total_ms": {k: round(statistics.median(v), 3) for k, v in totals.items()},
+            },
+            separators=(",", ":"),
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ from collections import Counter
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default="drive-tiny", help="bundled model name or checkpoint directory")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--clients", type=int, default=16)
@@ -37,7 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=120.0, help="the server's per-request --timeout (s)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--frames", type=int, default=5, help="distinct synthetic frames")
-    p.add_argument("--questions", type=int, default=4, help="questions per frame (frames x questions distinct requests)")
+    p.add_argument(
+        "--questions", type=int, default=4, help="questions per frame (frames x questions distinct requests)"
+    )
     p.add_argument("--width", type=int, default=1600)
     p.add_argument("--height", type=int, default=900)
     p.add_argument("--seed", type=int, default=11, help="synthetic stream seed")
@@ -67,9 +71,27 @@ def free_port() -> int:
 
 
 def start_server(a, port: int, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "litevlm.serve", "--model", a.model, "--model-name", "bench", "--host", "127.0.0.1",
-           "--port", str(port), "--max-queue", str(a.max_queue), "--timeout", str(a.timeout),
-           "--max-new-tokens", str(a.max_new_tokens), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "litevlm.serve",
+        "--model",
+        a.model,
+        "--model-name",
+        "bench",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-queue",
+        str(a.max_queue),
+        "--timeout",
+        str(a.timeout),
+        "--max-new-tokens",
+        str(a.max_new_tokens),
+        "--log-level",
+        "warning",
+    ]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -148,7 +170,13 @@ def run_load(a, url: str, bodies: list[bytes]) -> dict:
     t0 = time.perf_counter()
     for t in threads:
         t.join()
-    return dict(wall_s=time.perf_counter() - t0, statuses=statuses, attempt_ms=attempt_ms, request_ms=request_ms, answers=answers)
+    return dict(
+        wall_s=time.perf_counter() - t0,
+        statuses=statuses,
+        attempt_ms=attempt_ms,
+        request_ms=request_ms,
+        answers=answers,
+    )
 
 
 def main(argv=None) -> int:
@@ -165,7 +193,9 @@ def main(argv=None) -> int:
         proc = start_server(a, port, log)
         try:
             wait_healthy(http, url, proc, a.startup_timeout)
-            http.post(url + "/v1/chat/completions", content=bodies[0], headers={"content-type": "application/json"})  # warm-up
+            http.post(
+                url + "/v1/chat/completions", content=bodies[0], headers={"content-type": "application/json"}
+            )  # warm-up
             alone_ms, reference = [], []
             for body in bodies:  # one at a time: the reference answers and the unloaded latency
                 t = time.perf_counter()
@@ -198,27 +228,48 @@ def main(argv=None) -> int:
             stage_ms[stage] = round(statistics.median(vals), 2)
     gen_tokens = [e["generated_tokens"] for e in exts]
     result = {
-        "model": str(model_dir), "requests": a.requests, "clients": a.clients, "max_queue": a.max_queue,
-        "image_size": [a.width, a.height], "distinct_requests": len(bodies), "max_new_tokens": a.max_new_tokens,
-        "host": f"{platform.machine()} {os.cpu_count()} cpus", "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "model": str(model_dir),
+        "requests": a.requests,
+        "clients": a.clients,
+        "max_queue": a.max_queue,
+        "image_size": [a.width, a.height],
+        "distinct_requests": len(bodies),
+        "max_new_tokens": a.max_new_tokens,
+        "host": f"{platform.machine()} {os.cpu_count()} cpus",
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "statuses": {str(k): v for k, v in sorted(load["statuses"].items(), key=lambda kv: str(kv[0]))},
-        "answered": answered, "five_xx": five_xx, "mismatches_vs_one_at_a_time": mismatches,
-        "wall_s": round(load["wall_s"], 3), "throughput_rps": round(answered / load["wall_s"], 3),
-        "latency_ms": {"p50": round(percentile(load["attempt_ms"], 50), 1), "p99": round(percentile(load["attempt_ms"], 99), 1)},
-        "request_latency_ms": {"p50": round(percentile(load["request_ms"], 50), 1), "p99": round(percentile(load["request_ms"], 99), 1)},
+        "answered": answered,
+        "five_xx": five_xx,
+        "mismatches_vs_one_at_a_time": mismatches,
+        "wall_s": round(load["wall_s"], 3),
+        "throughput_rps": round(answered / load["wall_s"], 3),
+        "latency_ms": {
+            "p50": round(percentile(load["attempt_ms"], 50), 1),
+            "p99": round(percentile(load["attempt_ms"], 99), 1),
+        },
+        "request_latency_ms": {
+            "p50": round(percentile(load["request_ms"], 50), 1),
+            "p99": round(percentile(load["request_ms"], 99), 1),
+        },
         "alone_latency_ms": {"p50": round(percentile(alone_ms, 50), 1), "p99": round(percentile(alone_ms, 99), 1)},
         "server_stage_median_ms": stage_ms,
         "queue_wait_median_ms": round(statistics.median([e["queue_ms"] for e in exts]), 1) if exts else None,
         "generated_tokens_median": statistics.median(gen_tokens) if gen_tokens else None,
         "metrics_lines": len(metrics.splitlines()),
     }
-    print(f"litevlm serve under load: {a.requests} requests, {a.clients} clients, queue {a.max_queue}, "
-          f"{a.width}x{a.height} images, model {model_dir.name}, {result['host']}")
+    print(
+        f"litevlm serve under load: {a.requests} requests, {a.clients} clients, queue {a.max_queue}, "
+        f"{a.width}x{a.height} images, model {model_dir.name}, {result['host']}"
+    )
     print(f"  statuses          {result['statuses']}   (5xx: {five_xx}, answered {answered}/{a.requests})")
     print(f"  throughput        {result['throughput_rps']:.2f} answers/s over {result['wall_s']:.1f} s")
     print(f"  latency (200s)    p50 {result['latency_ms']['p50']:.1f} ms   p99 {result['latency_ms']['p99']:.1f} ms")
-    print(f"  per request       p50 {result['request_latency_ms']['p50']:.1f} ms   p99 {result['request_latency_ms']['p99']:.1f} ms (429 retries included)")
-    print(f"  one at a time     p50 {result['alone_latency_ms']['p50']:.1f} ms   p99 {result['alone_latency_ms']['p99']:.1f} ms")
+    print(
+        f"  per request       p50 {result['request_latency_ms']['p50']:.1f} ms   p99 {result['request_latency_ms']['p99']:.1f} ms (429 retries included)"
+    )
+    print(
+        f"  one at a time     p50 {result['alone_latency_ms']['p50']:.1f} ms   p99 {result['alone_latency_ms']['p99']:.1f} ms"
+    )
     print(f"  server stages     {stage_ms} (median ms), queue wait median {result['queue_wait_median_ms']} ms")
     print(f"  answers identical to one-at-a-time: {mismatches == 0} ({mismatches} differ)")
     print(json.dumps(result))

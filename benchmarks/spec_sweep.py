@@ -44,7 +44,7 @@ SWEEP = [
 
 
 def parse_tree(s: str) -> TreeConfig:
-    """"k4d6n16", "chain5" or "chain8v0.2" (a chain cut where its draft probability < 0.2)."""
+    """ "k4d6n16", "chain5" or "chain8v0.2" (a chain cut where its draft probability < 0.2)."""
     if s.startswith("chain"):
         depth, _, value = s[5:].partition("v")
         return TreeConfig.chain(int(depth), float(value or 0))
@@ -110,7 +110,10 @@ def main() -> None:
         for cfg in [None, *trees]:
             run(cfg, e, p)
     configs = [None, *trees]
-    stats = {i: {"decode_ms": [], "draft_ms": 0.0, "verify_ms": 0.0, "cycles": 0, "emitted": 0, "tokens": 0, "mismatch": 0} for i in range(len(configs))}
+    stats = {
+        i: {"decode_ms": [], "draft_ms": 0.0, "verify_ms": 0.0, "cycles": 0, "emitted": 0, "tokens": 0, "mismatch": 0}
+        for i in range(len(configs))
+    }
     t0 = time.time()
     for qi, (_, e, p) in enumerate(qs):
         ref = None
@@ -155,16 +158,34 @@ def main() -> None:
     print("-" * len(hdr))
     for r in rows:
         f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-        print(f"{r['config']:<18}{r['tau']:>7.2f}{f(r['draft_ms'], '.2f'):>10}{f(r['verify_ms'], '.2f'):>11}"
-              f"{f(r['tokens_per_s'], '.1f'):>9}{f(r['speedup'], '.2f'):>10}{r['mismatches']:>10}")
+        print(
+            f"{r['config']:<18}{r['tau']:>7.2f}{f(r['draft_ms'], '.2f'):>10}{f(r['verify_ms'], '.2f'):>11}"
+            f"{f(r['tokens_per_s'], '.1f'):>9}{f(r['speedup'], '.2f'):>10}{r['mismatches']:>10}"
+        )
     best = max(rows[1:], key=lambda r: r["speedup"] or 0)
-    print(json.dumps({
-        "benchmark": "spec_sweep", "model": args.model, "data": args.data, "questions": len(qs),
-        "max_new_tokens": args.max_new_tokens, "threads": args.threads, "dtype": "float32", "cpu_steps": cpu_steps.backend(),
-        "cpu": platform.processor() or platform.machine(), "wall_s": round(wall, 1),
-        "plain_tokens_per_s": rows[0]["tokens_per_s"], "best": best["config"], "best_speedup": best["speedup"],
-        "best_tau": best["tau"], "lossless": all(r["mismatches"] == 0 for r in rows), "rows": rows,
-    }, separators=(",", ":")))
+    print(
+        json.dumps(
+            {
+                "benchmark": "spec_sweep",
+                "model": args.model,
+                "data": args.data,
+                "questions": len(qs),
+                "max_new_tokens": args.max_new_tokens,
+                "threads": args.threads,
+                "dtype": "float32",
+                "cpu_steps": cpu_steps.backend(),
+                "cpu": platform.processor() or platform.machine(),
+                "wall_s": round(wall, 1),
+                "plain_tokens_per_s": rows[0]["tokens_per_s"],
+                "best": best["config"],
+                "best_speedup": best["speedup"],
+                "best_tau": best["tau"],
+                "lossless": all(r["mismatches"] == 0 for r in rows),
+                "rows": rows,
+            },
+            separators=(",", ":"),
+        )
+    )
 
 
 if __name__ == "__main__":

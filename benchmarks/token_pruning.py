@@ -27,18 +27,28 @@ import torch
 from litevlm.eval.timing import median_ms as median_wall_ms
 
 METHODS = ("selector", "fastv_k1", "fastv_k2", "random", "uniform")
-LABELS = {"selector": "TokenSelector", "fastv_k1": "FastV K=1", "fastv_k2": "FastV K=2", "random": "random", "uniform": "uniform"}
+LABELS = {
+    "selector": "TokenSelector",
+    "fastv_k1": "FastV K=1",
+    "fastv_k2": "FastV K=2",
+    "random": "random",
+    "uniform": "uniform",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default="drive-tiny", help="model directory (with token_selector/) or bundled name")
     p.add_argument("--selector", default=None, help="TokenSelector directory if not MODEL/token_selector")
     p.add_argument("--data", required=True, help="folder from `litevlm data synth` or a DriveLM JSON file")
     p.add_argument("--n", type=int, default=300, help="questions, spread evenly over the file (every len/N-th)")
     p.add_argument("--ratios", default="0.2,0.3,0.5,0.7,0.9")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--views", choices=("needed", "all"), default="needed", help="the views each question needs, or all six")
+    p.add_argument(
+        "--views", choices=("needed", "all"), default="needed", help="the views each question needs, or all six"
+    )
     p.add_argument("--min-per-view", type=int, default=None, help="selector quota per view (default: the checkpoint's)")
     p.add_argument("--max-new-tokens", type=int, default=160, help="as the pipeline and `litevlm eval`")
     p.add_argument("--timing-n", type=int, default=24, help="prompts timed (0: no timing)")
@@ -77,7 +87,9 @@ class Prompts:
         if missing:
             imgs = load_images(sample, missing)
             pixels = torch.cat([image_to_tiles(imgs[c], cfg.vision.image_size, cfg.tiles_per_view) for c in missing])
-            visual = self.model.encode_tiles(pixels.to(self.model.device)).reshape(len(missing), -1, cfg.text.hidden_size)
+            visual = self.model.encode_tiles(pixels.to(self.model.device)).reshape(
+                len(missing), -1, cfg.text.hidden_size
+            )
             cache.update({c: visual[i] for i, c in enumerate(missing)})
         if len(self.visual) > 64:  # samples come frame by frame: keep the cache small
             self.visual.pop(next(iter(self.visual)))
@@ -90,23 +102,39 @@ def answer_text(tokenizer, tokens: list[int]) -> str:
 
 
 @torch.no_grad()
-def run_accuracy(model, tokenizer, selector, samples, prompts: Prompts, ratios, methods, max_new, min_per_view, progress=True):
+def run_accuracy(
+    model, tokenizer, selector, samples, prompts: Prompts, ratios, methods, max_new, min_per_view, progress=True
+):
     """records[(method, r)] -> list of DriveLM records; ('unpruned', 1.0) included. Also kept visual-token counts."""
     from tqdm import tqdm
 
     from litevlm.model.generate import generate
-    from litevlm.select.tokens import (fastv_generate, prune_prompt, random_select, select_by_scores, uniform_select,
-                                       view_sizes)
+    from litevlm.select.tokens import (
+        fastv_generate,
+        prune_prompt,
+        random_select,
+        select_by_scores,
+        uniform_select,
+        view_sizes,
+    )
 
     eos = tokenizer.eos_id
     records: dict[tuple[str, float], list[dict]] = {}
     kept_tokens: dict[tuple[str, float], list[int]] = {}
 
     def add(key, sample, tokens, n_visual):
-        records.setdefault(key, []).append({
-            "id": sample.id, "question": sample.question, "answer": answer_text(tokenizer, tokens), "gt": sample.answer,
-            "tag": sample.tag, "closed": sample.closed, "category": sample.category, "frame": sample.frame_id,
-        })
+        records.setdefault(key, []).append(
+            {
+                "id": sample.id,
+                "question": sample.question,
+                "answer": answer_text(tokenizer, tokens),
+                "gt": sample.answer,
+                "tag": sample.tag,
+                "closed": sample.closed,
+                "category": sample.category,
+                "frame": sample.frame_id,
+            }
+        )
         kept_tokens.setdefault(key, []).append(n_visual)
 
     for sample in tqdm(samples, desc="answering", disable=not progress):
@@ -115,10 +143,14 @@ def run_accuracy(model, tokenizer, selector, samples, prompts: Prompts, ratios, 
         add(("unpruned", 1.0), sample, generate(model, embeds, positions, max_new, eos).tokens, n_vis)
         sel_scores = None
         if "selector" in methods and not selector.cfg.shared_layer:
-            sel_scores = selector.scores(embeds, positions, spans, selector.tag_features(model, sample.question, spans))[0]
+            sel_scores = selector.scores(
+                embeds, positions, spans, selector.tag_features(model, sample.question, spans)
+            )[0]
         for r in ratios:
             for m in methods:
-                if m == "selector" and selector.cfg.shared_layer:  # selection inside the decoder, as the pipeline runs it
+                if (
+                    m == "selector" and selector.cfg.shared_layer
+                ):  # selection inside the decoder, as the pipeline runs it
                     pre = selector.prefill(model, embeds, positions, spans, r, min_per_view, sample.question)
                     gen = generate(model, embeds, positions, max_new, eos, prefilled=pre.prefilled(embeds, positions))
                 elif m == "selector":
@@ -181,7 +213,10 @@ def run_timing(model, selector, samples, prompts: Prompts, ratios, repeats: int,
                 rec(f"selector@{r}", statistics.median(split["select_tokens"]))
                 rec(f"prefill_pruned@{r}", statistics.median(split["prefill"]))
                 for k in (1, 2):
-                    rec(f"fastv_k{k}@{r}", _median_ms(lambda: fastv_prefill(model, embeds, positions, spans, k, r), repeats, dev))
+                    rec(
+                        f"fastv_k{k}@{r}",
+                        _median_ms(lambda: fastv_prefill(model, embeds, positions, spans, k, r), repeats, dev),
+                    )
                 continue
 
             def select():
@@ -192,7 +227,10 @@ def run_timing(model, selector, samples, prompts: Prompts, ratios, repeats: int,
             e, p, _ = select()
             rec(f"prefill_pruned@{r}", _median_ms(lambda: prefill(model, e, p), repeats, dev))
             for k in (1, 2):
-                rec(f"fastv_k{k}@{r}", _median_ms(lambda: fastv_prefill(model, embeds, positions, spans, k, r), repeats, dev))
+                rec(
+                    f"fastv_k{k}@{r}",
+                    _median_ms(lambda: fastv_prefill(model, embeds, positions, spans, k, r), repeats, dev),
+                )
     return {name: statistics.median(v) for name, v in rows.items()}
 
 
@@ -203,11 +241,18 @@ def plot(path, table: dict, unpruned: float, ratios, methods, subtitle: str = ""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    styles = {"selector": ("C3", "o", 2.4), "fastv_k1": ("C0", "s", 1.5), "fastv_k2": ("C2", "^", 1.5),
-              "random": ("0.55", "x", 1.2), "uniform": ("0.35", "d", 1.2)}
+    styles = {
+        "selector": ("C3", "o", 2.4),
+        "fastv_k1": ("C0", "s", 1.5),
+        "fastv_k2": ("C2", "^", 1.5),
+        "random": ("0.55", "x", 1.2),
+        "uniform": ("0.35", "d", 1.2),
+    }
     for m in methods:
         colour, marker, lw = styles.get(m, ("C4", ".", 1.2))
-        ax.plot(ratios, [table[(m, r)]["final"] for r in ratios], marker=marker, color=colour, lw=lw, label=LABELS.get(m, m))
+        ax.plot(
+            ratios, [table[(m, r)]["final"] for r in ratios], marker=marker, color=colour, lw=lw, label=LABELS.get(m, m)
+        )
     ax.axhline(unpruned, color="k", ls="--", lw=1, label="unpruned")
     ax.set_xlabel("keep ratio r (fraction of visual tokens kept)")
     ax.set_ylabel("DriveLM final score (no judge)")
@@ -244,23 +289,39 @@ def main(argv=None) -> dict:
     prompts = Prompts(model, tokenizer, args.views)
 
     t0 = time.time()
-    records, kept = run_accuracy(model, tokenizer, selector, samples, prompts, ratios, methods, args.max_new_tokens, quota)
+    records, kept = run_accuracy(
+        model, tokenizer, selector, samples, prompts, ratios, methods, args.max_new_tokens, quota
+    )
     answer_s = time.time() - t0
     table = {}
     for key, recs in records.items():
         s = score(recs)
-        table[key] = {"final": s["final"], "closed_accuracy": closed_accuracy(recs), "accuracy": s["accuracy"],
-                      "language": s["language"], "match": s["match"], "visual_tokens": statistics.fmean(kept[key])}
+        table[key] = {
+            "final": s["final"],
+            "closed_accuracy": closed_accuracy(recs),
+            "accuracy": s["accuracy"],
+            "language": s["language"],
+            "match": s["match"],
+            "visual_tokens": statistics.fmean(kept[key]),
+        }
     unpruned = table[("unpruned", 1.0)]
     base_answers = [r["answer"] for r in records[("unpruned", 1.0)]]
     for key, recs in records.items():  # how much pruning perturbs the model: answers that differ from unpruned
         table[key]["changed"] = sum(r["answer"] != a for r, a in zip(recs, base_answers)) / len(recs)
-    timing = run_timing(model, selector, samples[: args.timing_n], prompts, ratios, args.repeats, quota) if args.timing_n else {}
+    timing = (
+        run_timing(model, selector, samples[: args.timing_n], prompts, ratios, args.repeats, quota)
+        if args.timing_n
+        else {}
+    )
 
     # -- report ---------------------------------------------------------------------------------
-    print(f"\n{len(samples)} questions, views={args.views}, selector quota {quota}/view, greedy, max {args.max_new_tokens} new tokens")
-    print(f"unpruned: final {unpruned['final']:.4f}  closed acc {unpruned['closed_accuracy']:.4f}  "
-          f"visual tokens {unpruned['visual_tokens']:.1f}\n")
+    print(
+        f"\n{len(samples)} questions, views={args.views}, selector quota {quota}/view, greedy, max {args.max_new_tokens} new tokens"
+    )
+    print(
+        f"unpruned: final {unpruned['final']:.4f}  closed acc {unpruned['closed_accuracy']:.4f}  "
+        f"visual tokens {unpruned['visual_tokens']:.1f}\n"
+    )
     head = "| method | " + " | ".join(f"r={r}" for r in ratios) + " |"
     print("DriveLM final score (closed-question accuracy)\n")
     print(head)
@@ -275,28 +336,55 @@ def main(argv=None) -> dict:
     for m in methods:
         print(f"| {LABELS.get(m, m)} | " + " | ".join(f"{table[(m, r)]['changed']:.3f}" for r in ratios) + " |")
     if timing:
-        print(f"\nprefill ms (median of {min(args.timing_n, len(samples))} prompts, {args.repeats} repeats each, {model.device}, "
-              f"{torch.get_num_threads()} threads); unpruned prefill {timing['prefill_unpruned']:.2f} ms\n")
-        print("| r | visual tokens | selector ms | pruned prefill ms | selector + prefill ms | speed-up | FastV K=1 ms | FastV K=2 ms |")
+        print(
+            f"\nprefill ms (median of {min(args.timing_n, len(samples))} prompts, {args.repeats} repeats each, {model.device}, "
+            f"{torch.get_num_threads()} threads); unpruned prefill {timing['prefill_unpruned']:.2f} ms\n"
+        )
+        print(
+            "| r | visual tokens | selector ms | pruned prefill ms | selector + prefill ms | speed-up | FastV K=1 ms | FastV K=2 ms |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for r in ratios:
             tot = timing[f"selector@{r}"] + timing[f"prefill_pruned@{r}"]
             vt = table[("selector", r)]["visual_tokens"] if ("selector", r) in table else float("nan")
-            print(f"| {r} | {vt:.1f} | {timing[f'selector@{r}']:.2f} | {timing[f'prefill_pruned@{r}']:.2f} | {tot:.2f} | "
-                  f"{timing['prefill_unpruned'] / tot:.2f}x | {timing[f'fastv_k1@{r}']:.2f} | {timing[f'fastv_k2@{r}']:.2f} |")
+            print(
+                f"| {r} | {vt:.1f} | {timing[f'selector@{r}']:.2f} | {timing[f'prefill_pruned@{r}']:.2f} | {tot:.2f} | "
+                f"{timing['prefill_unpruned'] / tot:.2f}x | {timing[f'fastv_k1@{r}']:.2f} | {timing[f'fastv_k2@{r}']:.2f} |"
+            )
     if args.plot:
-        plot(args.plot, table, unpruned["final"], ratios, methods, f"{path.name}, {len(samples)} held-out questions, views: {args.views}")
+        plot(
+            args.plot,
+            table,
+            unpruned["final"],
+            ratios,
+            methods,
+            f"{path.name}, {len(samples)} held-out questions, views: {args.views}",
+        )
         print(f"\nplot saved to {args.plot}")
     if args.predictions:
         Path(args.predictions).write_text(json.dumps({f"{m}@{r}": v for (m, r), v in records.items()}, indent=1))
-    sel_vs_fastv = {r: round(table[("selector", r)]["final"] - max(table[(f, r)]["final"] for f in ("fastv_k1", "fastv_k2") if (f, r) in table), 4)
-                    for r in ratios if ("selector", r) in table and any((f, r) in table for f in ("fastv_k1", "fastv_k2"))}
+    sel_vs_fastv = {
+        r: round(
+            table[("selector", r)]["final"]
+            - max(table[(f, r)]["final"] for f in ("fastv_k1", "fastv_k2") if (f, r) in table),
+            4,
+        )
+        for r in ratios
+        if ("selector", r) in table and any((f, r) in table for f in ("fastv_k1", "fastv_k2"))
+    }
     result = {
-        "model": str(path), "data": str(args.data), "n": len(samples), "views": args.views, "min_per_view": quota,
-        "ratios": ratios, "unpruned": unpruned,
+        "model": str(path),
+        "data": str(args.data),
+        "n": len(samples),
+        "views": args.views,
+        "min_per_view": quota,
+        "ratios": ratios,
+        "unpruned": unpruned,
         "scores": {f"{m}@{r}": v for (m, r), v in table.items() if m != "unpruned"},
-        "selector_minus_best_fastv": sel_vs_fastv, "timing_ms": {k: round(v, 3) for k, v in timing.items()},
-        "answer_seconds": round(answer_s, 1), "plot": args.plot,
+        "selector_minus_best_fastv": sel_vs_fastv,
+        "timing_ms": {k: round(v, 3) for k, v in timing.items()},
+        "answer_seconds": round(answer_s, 1),
+        "plot": args.plot,
     }
     print(json.dumps(result, separators=(",", ":")))
     return result

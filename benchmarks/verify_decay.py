@@ -49,10 +49,18 @@ def main() -> None:
             t = time.perf_counter()
             while time.perf_counter() - t < ms / 1e3:
                 tiny.sum()
+
         return f
 
-    before = {"back to back": lambda: None, "busy 0.5 ms": spin(0.5), "busy 1.5 ms": spin(1.5), "busy 5 ms": spin(5.0),
-              "sleep 1.5 ms": lambda: time.sleep(0.0015), "read 2 MB": lambda: mid.sum(), "read 16 MB": lambda: big.sum()}
+    before = {
+        "back to back": lambda: None,
+        "busy 0.5 ms": spin(0.5),
+        "busy 1.5 ms": spin(1.5),
+        "busy 5 ms": spin(5.0),
+        "sleep 1.5 ms": lambda: time.sleep(0.0015),
+        "read 2 MB": lambda: mid.sum(),
+        "read 16 MB": lambda: big.sum(),
+    }
     slot = 100
     result = {}
     for name, f in before.items():
@@ -65,8 +73,17 @@ def main() -> None:
         times.sort()
         result[name] = round(times[len(times) // 2] * 1e3, 3)
         print(f"{name:14s} {result[name]:6.2f} ms")
-    print(json.dumps({"verify_ms_after": result, "chain": int(chain.numel()), "k": args.k,
-                      "machine": f"{platform.machine()} {args.threads} threads", "torch": torch.__version__}))
+    print(
+        json.dumps(
+            {
+                "verify_ms_after": result,
+                "chain": int(chain.numel()),
+                "k": args.k,
+                "machine": f"{platform.machine()} {args.threads} threads",
+                "torch": torch.__version__,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -24,10 +24,14 @@ import torch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default="drive-tiny", help="model directory (with view_selector/) or bundled name")
     p.add_argument("--selector", default=None, help="ViewSelector directory if not MODEL/view_selector")
-    p.add_argument("--data", required=True, help="folder from `litevlm data synth` (held-out: seed 1) or a DriveLM JSON file")
+    p.add_argument(
+        "--data", required=True, help="folder from `litevlm data synth` (held-out: seed 1) or a DriveLM JSON file"
+    )
     p.add_argument("--n", type=int, default=None, help="questions (the first N; default all)")
     p.add_argument("--timing-n", type=int, default=40, help="questions timed through the vision encoder (0: no timing)")
     p.add_argument("--repeats", type=int, default=3)
@@ -42,10 +46,15 @@ def metrics(kept: list[list[str]], needed: list[tuple[str, ...]]) -> dict:
     hit = sum(len(set(k) & set(v)) for k, v in zip(kept, needed))
     views = sum(len(k) for k in kept) / max(1, len(kept))
     per_q_needed = n_needed / max(1, len(needed))
-    return {"questions": len(kept), "recall": hit / max(1, n_needed), "views_per_question": views,
-            "needed_per_question": per_q_needed, "ratio_to_needed": views / per_q_needed if per_q_needed else None,
-            "exact": sum(set(k) == set(v) for k, v in zip(kept, needed)) / max(1, len(kept)),
-            "questions_missing_a_view": sum(not set(v) <= set(k) for k, v in zip(kept, needed))}
+    return {
+        "questions": len(kept),
+        "recall": hit / max(1, n_needed),
+        "views_per_question": views,
+        "needed_per_question": per_q_needed,
+        "ratio_to_needed": views / per_q_needed if per_q_needed else None,
+        "exact": sum(set(k) == set(v) for k, v in zip(kept, needed)) / max(1, len(kept)),
+        "questions_missing_a_view": sum(not set(v) <= set(k) for k, v in zip(kept, needed)),
+    }
 
 
 def _sync(device: str) -> None:
@@ -96,10 +105,16 @@ def time_vision(model_name: str, samples, kept: list[list[str]], args) -> dict:
             sel_ms.append(statistics.median(s))
             n_tiles.append(part.shape[0])
     return {
-        "questions": len(rows), "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "tiles_all": len(CAMERAS) * cfg.tiles_per_view, "tiles_selected_mean": statistics.mean(n_tiles),
-        "vit_ms_all_median": statistics.median(all_ms), "vit_ms_selected_median": statistics.median(sel_ms),
-        "vit_ms_all_mean": statistics.mean(all_ms), "vit_ms_selected_mean": statistics.mean(sel_ms),
+        "questions": len(rows),
+        "device": args.device,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "tiles_all": len(CAMERAS) * cfg.tiles_per_view,
+        "tiles_selected_mean": statistics.mean(n_tiles),
+        "vit_ms_all_median": statistics.median(all_ms),
+        "vit_ms_selected_median": statistics.median(sel_ms),
+        "vit_ms_all_mean": statistics.mean(all_ms),
+        "vit_ms_selected_mean": statistics.mean(sel_ms),
         "speedup": sum(all_ms) / sum(sel_ms),
     }
 
@@ -137,28 +152,48 @@ def main(argv=None) -> dict:
     lexical = ViewSelector.lexical_only()
     kept_lexical = [lexical.select(s.question)[0] for s in samples]
 
-    result = {"model": str(args.model), "selector": str(args.selector or "MODEL/view_selector"), "data": str(args.data),
-              "weight": selector.weight, "threshold": selector.threshold, "target_recall": selector.target_recall,
-              **metrics(kept, needed), "lexical_only": metrics(kept_lexical, needed),
-              "select_ms_median": statistics.median(select_ms), "select_ms_p90": sorted(select_ms)[int(0.9 * (len(select_ms) - 1))]}
+    result = {
+        "model": str(args.model),
+        "selector": str(args.selector or "MODEL/view_selector"),
+        "data": str(args.data),
+        "weight": selector.weight,
+        "threshold": selector.threshold,
+        "target_recall": selector.target_recall,
+        **metrics(kept, needed),
+        "lexical_only": metrics(kept_lexical, needed),
+        "select_ms_median": statistics.median(select_ms),
+        "select_ms_p90": sorted(select_ms)[int(0.9 * (len(select_ms) - 1))],
+    }
     by_family = defaultdict(list)
     for i, s in enumerate(samples):
         by_family[s.family or s.category or "?"].append(i)
-    result["per_family"] = {f: {k: v for k, v in metrics([kept[i] for i in idx], [needed[i] for i in idx]).items()
-                                if k in ("questions", "recall", "views_per_question", "needed_per_question")}
-                            for f, idx in sorted(by_family.items())}
-    result["misses"] = [{"question": s.question, "needed": list(v), "kept": k}
-                        for s, k, v in zip(samples, kept, needed) if not set(v) <= set(k)][:10]
+    result["per_family"] = {
+        f: {
+            k: v
+            for k, v in metrics([kept[i] for i in idx], [needed[i] for i in idx]).items()
+            if k in ("questions", "recall", "views_per_question", "needed_per_question")
+        }
+        for f, idx in sorted(by_family.items())
+    }
+    result["misses"] = [
+        {"question": s.question, "needed": list(v), "kept": k}
+        for s, k, v in zip(samples, kept, needed)
+        if not set(v) <= set(k)
+    ][:10]
 
     print(f"{len(samples)} questions from {args.data}; weight {selector.weight}, threshold {selector.threshold}")
     print(f"{'':22}{'recall':>8}{'views/q':>9}{'needed/q':>10}{'ratio':>7}{'exact':>7}")
     for name, m in (("ViewSelector", result), ("lexical map alone", result["lexical_only"])):
-        print(f"{name:22}{m['recall']:8.4f}{m['views_per_question']:9.3f}{m['needed_per_question']:10.3f}"
-              f"{m['ratio_to_needed']:7.3f}{m['exact']:7.3f}")
+        print(
+            f"{name:22}{m['recall']:8.4f}{m['views_per_question']:9.3f}{m['needed_per_question']:10.3f}"
+            f"{m['ratio_to_needed']:7.3f}{m['exact']:7.3f}"
+        )
     print(f"select: median {result['select_ms_median']:.2f} ms, p90 {result['select_ms_p90']:.2f} ms per question")
     print(f"{'family':22}{'n':>6}{'recall':>8}{'views/q':>9}{'needed/q':>10}")
     for f, m in result["per_family"].items():
-        print(f"{f:22}{m['questions']:6d}{m['recall']:8.4f}{m['views_per_question']:9.3f}{m['needed_per_question']:10.3f}")
+        print(
+            f"{f:22}{m['questions']:6d}{m['recall']:8.4f}{m['views_per_question']:9.3f}{m['needed_per_question']:10.3f}"
+        )
 
     if args.timing_n > 0:
         reason = no_vlm_reason(args.model)
@@ -168,9 +203,11 @@ def main(argv=None) -> dict:
         else:
             v = time_vision(args.model, samples, kept, args)
             result["vision"] = v
-            print(f"vision ({v['questions']} questions, {v['device']} {v['dtype']}): all six views "
-                  f"{v['vit_ms_all_median']:.2f} ms ({v['tiles_all']} tiles), selected {v['vit_ms_selected_median']:.2f} ms "
-                  f"({v['tiles_selected_mean']:.2f} tiles on average): {v['speedup']:.2f}x")
+            print(
+                f"vision ({v['questions']} questions, {v['device']} {v['dtype']}): all six views "
+                f"{v['vit_ms_all_median']:.2f} ms ({v['tiles_all']} tiles), selected {v['vit_ms_selected_median']:.2f} ms "
+                f"({v['tiles_selected_mean']:.2f} tiles on average): {v['speedup']:.2f}x"
+            )
     print(json.dumps(result, separators=(",", ":")))
     return result
 

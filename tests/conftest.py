@@ -7,11 +7,26 @@ from litevlm.config import TextConfig, VisionConfig, VLMConfig
 def tiny_config(tokenizer, **overrides) -> VLMConfig:
     """A few-thousand-parameter drive-tiny lookalike: 56 px tiles -> 4 visual tokens per view."""
     kw = dict(
-        vision=VisionConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=56, patch_size=14),
-        text=TextConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                        intermediate_size=64, rope_theta=10000.0, tie_embeddings=True, max_position_embeddings=4096),
-        image_token_id=tokenizer.image_id, img_start_id=tokenizer.img_start_id, img_end_id=tokenizer.img_end_id,
-        eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, name="tiny",
+        vision=VisionConfig(
+            hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=56, patch_size=14
+        ),
+        text=TextConfig(
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=32,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            rope_theta=10000.0,
+            tie_embeddings=True,
+            max_position_embeddings=4096,
+        ),
+        image_token_id=tokenizer.image_id,
+        img_start_id=tokenizer.img_start_id,
+        img_end_id=tokenizer.img_end_id,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+        name="tiny",
     )
     kw.update(overrides)
     return VLMConfig(**kw)

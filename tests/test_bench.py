@@ -62,10 +62,24 @@ def test_the_shape_path_runs_every_row_on_random_weights(full_model_dir, monkeyp
     from litevlm import config
     from litevlm.config import TextConfig, VisionConfig, VLMConfig
 
-    monkeypatch.setitem(config.PRESETS, "tiny-test", lambda: VLMConfig(
-        vision=VisionConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=28, patch_size=7),
-        text=TextConfig(vocab_size=4096, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
-        image_token_id=5, img_start_id=3, img_end_id=4, eos_token_id=2, pad_token_id=0, name="tiny-test"))
+    monkeypatch.setitem(
+        config.PRESETS,
+        "tiny-test",
+        lambda: VLMConfig(
+            vision=VisionConfig(
+                hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=28, patch_size=7
+            ),
+            text=TextConfig(
+                vocab_size=4096, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+            ),
+            image_token_id=5,
+            img_start_id=3,
+            img_end_id=4,
+            eos_token_id=2,
+            pad_token_id=0,
+            name="tiny-test",
+        ),
+    )
     result, _ = run_bench(str(full_model_dir), n=2, warmup=1, max_new_tokens=5, shape="tiny-test", progress=False)
     rows = {r["config"]: r for r in result["rows"]}
     assert list(rows) == list(CONFIGS)  # no bf16 or transformers rows at a preset's shapes
@@ -85,5 +99,7 @@ def test_rows_can_be_chosen_by_name(full_model_dir):
     assert chosen["litevlm"] == CONFIGS["litevlm"]
     with pytest.raises(LiteVLMError, match="unknown bench rows"):
         configs_named("baseline,turbo")
-    result, _ = run_bench(str(full_model_dir), n=2, warmup=1, max_new_tokens=4, configs=chosen, hf=False, progress=False)
+    result, _ = run_bench(
+        str(full_model_dir), n=2, warmup=1, max_new_tokens=4, configs=chosen, hf=False, progress=False
+    )
     assert [r["config"] for r in result["rows"]] == ["baseline", "litevlm"]

@@ -3,13 +3,12 @@ off for the few-row steps (decode, verification), refused where the CPU lacks th
 
 import pytest
 import torch
+from test_spec import prompt, tiny_vlm
 
 from litevlm.errors import LiteVLMError
 from litevlm.model import lm as lm_module
 from litevlm.model.generate import decode_step, prefill
 from litevlm.model.lm import bf16_matmul_supported, mm, pack_bf16
-
-from test_spec import prompt, tiny_vlm
 
 needs_bf16 = pytest.mark.skipif(not bf16_matmul_supported(), reason="this CPU has no AMX / AVX512-BF16")
 
@@ -65,9 +64,13 @@ def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32(scripted, monkey
         model.set_bf16_matmul(8)
         verify16 = verify_tree(model, chain, 40, 40)
     assert not torch.equal(vis16, vis32) and not torch.equal(hidden16, hidden32)  # the bf16 path ran
-    assert all(block._packed16 is not None for block in model.vision_tower.encoder.layer)  # the tower ran in bf16 blocks
+    assert all(
+        block._packed16 is not None for block in model.vision_tower.encoder.layer
+    )  # the tower ran in bf16 blocks
     assert ((vis16 - vis32).norm() / vis32.norm()) < 2e-2
-    assert ((hidden16 - hidden32).norm() / hidden32.norm()) < 6e-2  # a random decoder with large weights amplifies rounding
+    assert (
+        (hidden16 - hidden32).norm() / hidden32.norm()
+    ) < 6e-2  # a random decoder with large weights amplifies rounding
     torch.testing.assert_close(step16, step32, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(verify16, verify32, atol=1e-5, rtol=1e-5)
 
@@ -88,7 +91,9 @@ def test_speculative_decoding_stays_lossless_with_bf16_prefill(full_model_dir):
 
     images = render_views(make_frame(1, 0), size=(160, 90))
     plain = Pipeline.from_pretrained(full_model_dir, select_tokens=0.5, max_new_tokens=10, matmul="bf16")
-    spec = Pipeline.from_pretrained(full_model_dir, select_tokens=0.5, speculative=True, max_new_tokens=10, matmul="bf16")
+    spec = Pipeline.from_pretrained(
+        full_model_dir, select_tokens=0.5, speculative=True, max_new_tokens=10, matmul="bf16"
+    )
     for pipe in (plain, spec):  # the tiny model's prompts are short: lower the row threshold so the prefill runs bf16
         pipe.model.set_bf16_matmul(16)
     for q in ("Is there a red car to the front of the ego car?", "What is behind us on the left?"):

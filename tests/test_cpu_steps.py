@@ -6,12 +6,11 @@ import shutil
 
 import pytest
 import torch
+from test_spec import prompt, random_draft, tiny_vlm
 
 from litevlm.model import cpu_steps, native
 from litevlm.model.generate import decode_step, prefill
 from litevlm.spec.tree import Tree, ancestor_mask, verify_tree
-
-from test_spec import prompt, random_draft, tiny_vlm
 
 pytestmark = pytest.mark.skipif(cpu_steps.step_layers() is None, reason="this torch build has no TorchScript")
 
@@ -56,7 +55,10 @@ def eager(request, monkeypatch):
 
 
 def caches(model):
-    return [(layer.self_attn.kv_cache.k.clone(), layer.self_attn.kv_cache.v.clone()) for layer in model.language_model.layers]
+    return [
+        (layer.self_attn.kv_cache.k.clone(), layer.self_attn.kv_cache.v.clone())
+        for layer in model.language_model.layers
+    ]
 
 
 def both_paths(eager, run):
@@ -93,7 +95,9 @@ def test_a_cpu_step_decode_step_equals_the_eager_one(eager, with_plan):
     def run():
         prefill(model, embeds, pos)
         plan = model.language_model.step_plan() if with_plan else None
-        out = [decode_step(model, tok.view(1, 1), t + 2 + i, t + i, plan) for i, tok in enumerate(tokens)]  # positions may skip
+        out = [
+            decode_step(model, tok.view(1, 1), t + 2 + i, t + i, plan) for i, tok in enumerate(tokens)
+        ]  # positions may skip
         return out, caches(model)
 
     assert_all_close(*both_paths(eager, run))
@@ -267,7 +271,9 @@ def test_a_cpu_step_greedy_chain_cycle_equals_the_eager_one(eager):
     assert tok_a == tok_b and acc_a == acc_b
     assert max(acc_a) >= 2  # drafts were accepted
     n = embeds.shape[1] + 30
-    assert_all_close([[k[:, :, :n], v[:, :, :n]] for k, v in rest_a[0]], [[k[:, :, :n], v[:, :, :n]] for k, v in rest_b[0]])
+    assert_all_close(
+        [[k[:, :, :n], v[:, :, :n]] for k, v in rest_a[0]], [[k[:, :, :n], v[:, :, :n]] for k, v in rest_b[0]]
+    )
 
 
 def test_a_native_prompt_equals_the_eager_one(monkeypatch):
@@ -281,14 +287,22 @@ def test_a_native_prompt_equals_the_eager_one(monkeypatch):
     kept = torch.tensor([0, 1, 4, 5, 9, 12, 13, 17, 19])
     calls = []
     real = cpu_steps.prompt_layers
-    monkeypatch.setattr(cpu_steps, "prompt_layers", lambda *a, **k: (lambda r: calls.append(r is not None) or r)(real(*a, **k)))
+    monkeypatch.setattr(
+        cpu_steps, "prompt_layers", lambda *a, **k: (lambda r: calls.append(r is not None) or r)(real(*a, **k))
+    )
 
     def run():
         with torch.no_grad():
             full = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t)
             first = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t, end_layer=1)
-            rest = lm(first[:, kept], pos[:, kept], slots=torch.arange(kept.numel()), mask=None, kv_len=kept.numel(),
-                      start_layer=1)
+            rest = lm(
+                first[:, kept],
+                pos[:, kept],
+                slots=torch.arange(kept.numel()),
+                mask=None,
+                kv_len=kept.numel(),
+                start_layer=1,
+            )
             return full, first, rest, caches(model)
 
     fast = run()
@@ -317,7 +331,11 @@ def test_a_native_bf16_prompt_multiplies_in_bf16_around_an_fp32_stream(monkeypat
     t = embeds.shape[1]
     modes = []
     real = cpu_steps.prompt_layers
-    monkeypatch.setattr(cpu_steps, "prompt_layers", lambda *a, **k: (lambda r: modes.append((k.get("bf16"), r is not None)) or r)(real(*a, **k)))
+    monkeypatch.setattr(
+        cpu_steps,
+        "prompt_layers",
+        lambda *a, **k: (lambda r: modes.append((k.get("bf16"), r is not None)) or r)(real(*a, **k)),
+    )
     with torch.no_grad():
         fp32 = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t)
         model.set_bf16_matmul(8)
@@ -330,6 +348,7 @@ def test_a_native_bf16_prompt_multiplies_in_bf16_around_an_fp32_stream(monkeypat
 def test_a_failed_native_build_falls_back_to_torchscript_and_says_why(monkeypatch, capsys):
     """No compiler (or a broken build): `native.ops()` is None with the reason on stderr and in `error()`, and
     the CPU steps run in TorchScript, still equal to the eager path."""
+
     def broken(verbose=False):
         raise RuntimeError("ninja: build stopped\nfoo.cpp:1:1: error: no compiler here")
 

@@ -22,7 +22,9 @@ def test_cli_reports_user_errors_with_exit_code_2(tmp_path, capsys):
 def test_demo_with_view_selection_reports_the_views_it_used(full_model_dir, tmp_path):
     from litevlm.cameras import CAMERAS
 
-    result = run_demo(str(full_model_dir), out=str(tmp_path / "grid.png"), n_questions=4, as_json=True, select_views=True)
+    result = run_demo(
+        str(full_model_dir), out=str(tmp_path / "grid.png"), n_questions=4, as_json=True, select_views=True
+    )
     assert len(result["questions"]) == 4
     for q in result["questions"]:
         assert q["views"] and set(q["views"]) <= set(CAMERAS)

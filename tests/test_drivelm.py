@@ -7,7 +7,14 @@ from PIL import Image
 
 from litevlm.cameras import CAMERAS
 from litevlm.data.drivelm import (
-    Sample, infer_closed, infer_tag, infer_views, load_images, load_samples, resolve_image_path, samples_from_frame,
+    Sample,
+    infer_closed,
+    infer_tag,
+    infer_views,
+    load_images,
+    load_samples,
+    resolve_image_path,
+    samples_from_frame,
 )
 from litevlm.data.synthetic import make_frame, render_views, write_dataset
 from litevlm.errors import LiteVLMError
@@ -21,28 +28,73 @@ def _qa(q, a, **extra):
 
 
 def _real_paths():
-    return {cam: f"../nuscenes/samples/{cam}/n015-2018-07-01-10-00-00+0800__{cam}__15304104000{i}.jpg"
-            for i, cam in enumerate(CAMERAS)}
+    return {
+        cam: f"../nuscenes/samples/{cam}/n015-2018-07-01-10-00-00+0800__{cam}__15304104000{i}.jpg"
+        for i, cam in enumerate(CAMERAS)
+    }
 
 
 def _real_train_json():
-    return {SCENE: {"scene_description": "The ego vehicle waits at a red light.", "key_frames": {FRAME: {
-        "key_object_infos": {
-            T1: {"Category": "Vehicle", "Status": "Stationary", "Visual_description": "Blue hatchback.", "2d_bbox": [752.0, 430.5, 876.6, 509.5]},
-            T2: {"Category": "Pedestrian", "Status": "Moving", "Visual_description": "Person.", "2d_bbox": [380.2, 390.0, 425.6, 521.0]}},
-        "QA": {
-            "perception": [
-                _qa("What are the important objects in the current scene? Those objects will be considered for the future reasoning and driving decision.",
-                    f"There is a blue hatchback to the front of the ego vehicle and a person to the back left of the ego vehicle. The IDs of these objects are {T1} and {T2}."),
-                _qa(f"What is the moving status of object {T1}? Please select the correct answer from the following options: A. Turn left. B. Stopped. C. Going ahead. D. Back up.", "B"),
-                _qa("Is there any traffic element in the front view?", "No."),
-                _qa("What are objects to the back left of the ego car?", "There is one pedestrian to the back left of the ego car.")],
-            "prediction": [
-                _qa(f"What object should the ego vehicle notice first?", f"Firstly, notice {T1}. Secondly, notice {T2}."),
-                _qa(f"Is {T2} a traffic sign or a road barrier?", "No.")],
-            "planning": [_qa("In this scenario, what are safe actions to take for the ego vehicle?", "Remain stationary.")],
-            "behavior": [_qa("Predict the behavior of the ego vehicle.", "The ego vehicle is going straight. The ego vehicle is not moving.")]},
-        "image_paths": _real_paths()}}}}
+    return {
+        SCENE: {
+            "scene_description": "The ego vehicle waits at a red light.",
+            "key_frames": {
+                FRAME: {
+                    "key_object_infos": {
+                        T1: {
+                            "Category": "Vehicle",
+                            "Status": "Stationary",
+                            "Visual_description": "Blue hatchback.",
+                            "2d_bbox": [752.0, 430.5, 876.6, 509.5],
+                        },
+                        T2: {
+                            "Category": "Pedestrian",
+                            "Status": "Moving",
+                            "Visual_description": "Person.",
+                            "2d_bbox": [380.2, 390.0, 425.6, 521.0],
+                        },
+                    },
+                    "QA": {
+                        "perception": [
+                            _qa(
+                                "What are the important objects in the current scene? Those objects will be considered for the future reasoning and driving decision.",
+                                f"There is a blue hatchback to the front of the ego vehicle and a person to the back left of the ego vehicle. The IDs of these objects are {T1} and {T2}.",
+                            ),
+                            _qa(
+                                f"What is the moving status of object {T1}? Please select the correct answer from the following options: A. Turn left. B. Stopped. C. Going ahead. D. Back up.",
+                                "B",
+                            ),
+                            _qa("Is there any traffic element in the front view?", "No."),
+                            _qa(
+                                "What are objects to the back left of the ego car?",
+                                "There is one pedestrian to the back left of the ego car.",
+                            ),
+                        ],
+                        "prediction": [
+                            _qa(
+                                "What object should the ego vehicle notice first?",
+                                f"Firstly, notice {T1}. Secondly, notice {T2}.",
+                            ),
+                            _qa(f"Is {T2} a traffic sign or a road barrier?", "No."),
+                        ],
+                        "planning": [
+                            _qa(
+                                "In this scenario, what are safe actions to take for the ego vehicle?",
+                                "Remain stationary.",
+                            )
+                        ],
+                        "behavior": [
+                            _qa(
+                                "Predict the behavior of the ego vehicle.",
+                                "The ego vehicle is going straight. The ego vehicle is not moving.",
+                            )
+                        ],
+                    },
+                    "image_paths": _real_paths(),
+                }
+            },
+        }
+    }
 
 
 @pytest.fixture
@@ -50,7 +102,7 @@ def real(tmp_path):
     """A DriveLM training file in challenge/, nuScenes images under a separate root."""
     root = tmp_path / "data"
     for cam, p in _real_paths().items():
-        dst = root / "nuscenes" / p[len("../nuscenes/"):]
+        dst = root / "nuscenes" / p[len("../nuscenes/") :]
         dst.parent.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (32, 18), (10, 20, 30)).save(dst)
     path = tmp_path / "challenge" / "train.json"
@@ -68,8 +120,15 @@ def test_write_dataset_round_trip(tmp_path):
     by_frame = [s for s in samples if s.frame_id == frames[1].frame_id]
     for i, (s, qa) in enumerate(zip(by_frame, frames[1].qas)):
         assert s.id == f"{frames[1].scene_id}_{frames[1].frame_id}_{i}"
-        assert (s.question, s.answer, s.category, s.tag, s.closed, s.views, s.family) == \
-            (qa.question, qa.answer, qa.category, qa.tag, qa.closed, qa.views, qa.family)
+        assert (s.question, s.answer, s.category, s.tag, s.closed, s.views, s.family) == (
+            qa.question,
+            qa.answer,
+            qa.category,
+            qa.tag,
+            qa.closed,
+            qa.views,
+            qa.family,
+        )
     s = by_frame[0]
     assert set(s.images) == set(CAMERAS) and s.key_objects == frames[1].key_object_infos()
     imgs = load_images(s)
@@ -78,7 +137,9 @@ def test_write_dataset_round_trip(tmp_path):
     data = json.loads(out.read_text())
     fr = data[frames[0].scene_id]["key_frames"][frames[0].frame_id]
     assert set(fr["QA"]) == {"perception", "prediction", "planning", "behavior"}
-    assert all(set(q) >= {"Q", "A", "C", "con_up", "con_down", "cluster", "layer", "tag"} for q in fr["QA"]["perception"])
+    assert all(
+        set(q) >= {"Q", "A", "C", "con_up", "con_down", "cluster", "layer", "tag"} for q in fr["QA"]["perception"]
+    )
     assert fr["image_paths"]["CAM_FRONT"] == f"images/CAM_FRONT/{frames[0].frame_id}.png"
     assert "scene_description" in data[frames[0].scene_id]
 
@@ -109,20 +170,42 @@ def test_test_eval_and_llama_formats(tmp_path, real):
     data = _real_train_json()
     fr = data[SCENE]["key_frames"][FRAME]
     del fr["key_object_infos"]
-    fr["QA"] = {"perception": [_qa("What are objects to the front of the ego car?", "", tag=[2])],
-                "prediction": [], "planning": [_qa("What actions could the ego vehicle take?", "", tag=[1])],
-                "behavior": [_qa("Predict the behavior of the ego vehicle. Please select the correct answer from the following options: A. x B. y C. z D. w", "", tag=[0])]}
+    fr["QA"] = {
+        "perception": [_qa("What are objects to the front of the ego car?", "", tag=[2])],
+        "prediction": [],
+        "planning": [_qa("What actions could the ego vehicle take?", "", tag=[1])],
+        "behavior": [
+            _qa(
+                "Predict the behavior of the ego vehicle. Please select the correct answer from the following options: A. x B. y C. z D. w",
+                "",
+                tag=[0],
+            )
+        ],
+    }
     p = tmp_path / "test_eval.json"
     p.write_text(json.dumps(data))
     s = load_samples(p, images_root=root)
     assert [x.tag for x in s] == [2, 1, 0] and [x.id[-1] for x in s] == ["0", "1", "2"] and s[2].closed
-    llama = [{"id": f"{SCENE}_{FRAME}_3", "image": ["data/" + v[3:] for v in _real_paths().values()],
-              "conversations": [{"from": "human", "value": "<image>\nIs there any traffic element in the front view?"},
-                                {"from": "gpt", "value": "No."}]}]
+    llama = [
+        {
+            "id": f"{SCENE}_{FRAME}_3",
+            "image": ["data/" + v[3:] for v in _real_paths().values()],
+            "conversations": [
+                {"from": "human", "value": "<image>\nIs there any traffic element in the front view?"},
+                {"from": "gpt", "value": "No."},
+            ],
+        }
+    ]
     p2 = tmp_path / "test_llama.json"
     p2.write_text(json.dumps(llama))
     (s2,) = load_samples(p2, images_root=root)
-    assert (s2.id, s2.frame_id, s2.question, s2.tag, s2.views) == (f"{SCENE}_{FRAME}_3", FRAME, "Is there any traffic element in the front view?", 0, ("CAM_FRONT",))
+    assert (s2.id, s2.frame_id, s2.question, s2.tag, s2.views) == (
+        f"{SCENE}_{FRAME}_3",
+        FRAME,
+        "Is there any traffic element in the front view?",
+        0,
+        ("CAM_FRONT",),
+    )
     assert load_images(s2)["CAM_BACK"].size == (32, 18)
 
 
@@ -133,7 +216,9 @@ def test_resolve_image_path_tries_common_roots(tmp_path):
     assert got == tmp_path / "samples" / "CAM_FRONT" / "a.jpg"
     (tmp_path / "CAM_BACK").mkdir()
     (tmp_path / "CAM_BACK" / "b.jpg").write_bytes(b"")
-    assert resolve_image_path("../nuscenes/samples/CAM_BACK/b.jpg", tmp_path, tmp_path) == tmp_path / "CAM_BACK" / "b.jpg"
+    assert (
+        resolve_image_path("../nuscenes/samples/CAM_BACK/b.jpg", tmp_path, tmp_path) == tmp_path / "CAM_BACK" / "b.jpg"
+    )
 
 
 def test_errors_are_clear(tmp_path, real):

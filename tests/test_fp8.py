@@ -16,7 +16,6 @@ from litevlm.model.lm import DecoderLayer
 from litevlm.model.vlm import VLM
 from litevlm.quant.fp8 import (
     E4M3,
-    E4M3_MAX,
     FP8Linear,
     FP8Recipe,
     QuantReport,
@@ -38,17 +37,45 @@ from litevlm.quant.fp8 import (
 # room for heavy-tailed inputs; a wrong scale or a missing clamp lands far below it.
 SQNR_BOUND_DB = 25.0
 STATIC, DYNAMIC = FP8Recipe("fp8-static-per-tensor"), FP8Recipe("fp8-dynamic-per-row")
-LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-VISION_LINEARS = ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.projection_layer", "mlp.fc1", "mlp.fc2")
+LAYER_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+VISION_LINEARS = (
+    "attention.q_proj",
+    "attention.k_proj",
+    "attention.v_proj",
+    "attention.projection_layer",
+    "mlp.fc1",
+    "mlp.fc2",
+)
 
 
 def tiny_cfg(intermediate: int = 128, tie: bool = False) -> VLMConfig:
     return VLMConfig(
-        vision=VisionConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, image_size=56, patch_size=14),
-        text=TextConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                        intermediate_size=intermediate, tie_embeddings=tie),
-        image_token_id=500, img_start_id=501, img_end_id=502, eos_token_id=503, pad_token_id=0, name="tiny-fp8",
+        vision=VisionConfig(
+            hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, image_size=56, patch_size=14
+        ),
+        text=TextConfig(
+            vocab_size=512,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=intermediate,
+            tie_embeddings=tie,
+        ),
+        image_token_id=500,
+        img_start_id=501,
+        img_end_id=502,
+        eos_token_id=503,
+        pad_token_id=0,
+        name="tiny-fp8",
     )
 
 
@@ -110,8 +137,10 @@ def test_sqnr_per_layer_on_activations_of_a_vlm_forward(recipe):
     assert len(report.quantized) == 2 * 7 + 2 * 6 + 2
 
     seen: dict[str, torch.Tensor] = {}
-    hooks = [ref.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: seen.setdefault(n, a[0]))
-             for n in report.quantized]
+    hooks = [
+        ref.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: seen.setdefault(n, a[0]))
+        for n in report.quantized
+    ]
     ids, px = tiny_inputs(seed=2)
     with torch.no_grad():
         ref_logits = ref(ids, px)
@@ -166,7 +195,9 @@ def test_reference_matches_torch_scaled_mm_semantics_on_cpu():
             expected = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
         except (RuntimeError, NotImplementedError) as e:
             pytest.skip(f"no CPU _scaled_mm in this build: {e}")
-        torch.testing.assert_close(fp8_mm_reference(a, b, sa, sb, out_dtype=torch.float32), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            fp8_mm_reference(a, b, sa, sb, out_dtype=torch.float32), expected, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_cuda_gemm_rules_are_checked_on_every_device():
@@ -222,9 +253,15 @@ def test_default_filter_quantises_decoder_linears_only():
     assert sorted(report.quantized) == sorted(expected) and sorted(amax) == sorted(expected)
     assert all(isinstance(model.get_submodule(n), FP8Linear) for n in expected)
     assert report.unsupported == {}
-    for name in ("lm_head", "language_model.embed_tokens", "language_model.norm", "language_model.layers.0.input_layernorm",
-                 "vision_tower.encoder.layer.0.attention.q_proj", "multi_modal_projector.linear_1",
-                 "vision_tower.embeddings.patch_embeddings.projection"):
+    for name in (
+        "lm_head",
+        "language_model.embed_tokens",
+        "language_model.norm",
+        "language_model.layers.0.input_layernorm",
+        "vision_tower.encoder.layer.0.attention.q_proj",
+        "multi_modal_projector.linear_1",
+        "vision_tower.embeddings.patch_embeddings.projection",
+    ):
         assert name in report.kept, name
         assert type(model.get_submodule(name)) is not FP8Linear
     assert "include_vision" in report.kept["vision_tower.encoder.layer.0.mlp.fc1"]
@@ -261,7 +298,9 @@ def test_selectors_draft_head_and_exclusions_are_kept():
 def test_unsupported_shapes_are_reported_not_skipped_silently():
     model = tiny_vlm(intermediate=120)  # 120 is not a multiple of 16
     report = quantize_model(model, DYNAMIC)
-    assert sorted(report.unsupported) == sorted(f"language_model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj"))
+    assert sorted(report.unsupported) == sorted(
+        f"language_model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")
+    )
     assert "out_features=120 is not a multiple of 16" in report.unsupported["language_model.layers.0.mlp.up_proj"]
     assert "in_features=120 is not a multiple of 16" in report.unsupported["language_model.layers.0.mlp.down_proj"]
     assert type(model.get_submodule("language_model.layers.0.mlp.up_proj")) is nn.Linear

@@ -41,41 +41,89 @@ IMG = 319  # image_token_id in every tiny config: the last id of a 320-token voc
 NEW_TOKENS = 32
 REL_TOL = 1e-4
 
-VISION = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-              image_size=56, patch_size=14, layer_norm_eps=1e-6, layer_scale_init_value=0.1, use_mean_pooling=True)
-TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=256)
+VISION = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    image_size=56,
+    patch_size=14,
+    layer_norm_eps=1e-6,
+    layer_scale_init_value=0.1,
+    use_mean_pooling=True,
+)
+TEXT = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+)
 
 # Three configs that differ the way real checkpoints do (research/internvl_hf.md sections 1.4 and 2).
 CONFIGS = {
     # InternVL3-like: Qwen2 with qkv bias and GQA, untied head; InternViT-300M-like vision.
     "qwen2_gqa": dict(
         vision=dict(VISION, attention_bias=True, use_qk_norm=False, norm_type="layer_norm", hidden_act="gelu"),
-        text=dict(TEXT, model_type="qwen2", num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False),
-        tie=False, projector_act="gelu", tiles=2,
+        text=dict(
+            TEXT,
+            model_type="qwen2",
+            num_key_value_heads=2,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+        tie=False,
+        projector_act="gelu",
+        tiles=2,
     ),
     # InternVL2.5-2B-like: InternLM2 converted to Llama (no bias, eps 1e-5), tied head; 6B-ViT-like qk-norm + RMSNorm.
     "llama_tied": dict(
         vision=dict(VISION, attention_bias=False, use_qk_norm=True, norm_type="rms_norm", hidden_act="gelu"),
-        text=dict(TEXT, model_type="llama", num_key_value_heads=4, rope_theta=1e4, rms_norm_eps=1e-5,
-                  attention_bias=False, tie_word_embeddings=True),
-        tie=True, projector_act="gelu", tiles=2,
+        text=dict(
+            TEXT,
+            model_type="llama",
+            num_key_value_heads=4,
+            rope_theta=1e4,
+            rms_norm_eps=1e-5,
+            attention_bias=False,
+            tie_word_embeddings=True,
+        ),
+        tie=True,
+        projector_act="gelu",
+        tiles=2,
     ),
     # Qwen2 with head_dim != hidden/heads, other activations, dynamic RoPE (as real InternVL3 configs), 3 tiles.
     "qwen2_headdim": dict(
         vision=dict(VISION, attention_bias=True, use_qk_norm=False, norm_type="layer_norm", hidden_act="quick_gelu"),
-        text=dict(TEXT, model_type="qwen2", num_key_value_heads=1, head_dim=24, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}),
-        tie=False, projector_act="gelu_pytorch_tanh", tiles=3,
+        text=dict(
+            TEXT,
+            model_type="qwen2",
+            num_key_value_heads=1,
+            head_dim=24,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+        ),
+        tie=False,
+        projector_act="gelu_pytorch_tanh",
+        tiles=3,
     ),
 }
 
 
 def hf_config(spec: dict):
     return transformers.InternVLConfig(
-        vision_config=spec["vision"], text_config=spec["text"], image_token_id=IMG, image_seq_length=4,
-        downsample_ratio=0.5, vision_feature_layer=-1, vision_feature_select_strategy="default",
-        projector_hidden_act=spec["projector_act"], tie_word_embeddings=spec["tie"],
+        vision_config=spec["vision"],
+        text_config=spec["text"],
+        image_token_id=IMG,
+        image_seq_length=4,
+        downsample_ratio=0.5,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        projector_hidden_act=spec["projector_act"],
+        tie_word_embeddings=spec["tie"],
     )
 
 
@@ -111,7 +159,9 @@ def pair(request, tmp_path_factory):
     """(spec, HF model, our model, HF checkpoint dir) for one config."""
     spec = CONFIGS[request.param]
     torch.manual_seed(0)
-    hf = transformers.InternVLForConditionalGeneration._from_config(copy.deepcopy(hf_config(spec)), attn_implementation="eager")
+    hf = transformers.InternVLForConditionalGeneration._from_config(
+        copy.deepcopy(hf_config(spec)), attn_implementation="eager"
+    )
     randomise(hf, seed=list(CONFIGS).index(request.param))
     hf.eval()
     ckpt = tmp_path_factory.mktemp(f"hf_{request.param}")
@@ -124,7 +174,11 @@ def pair(request, tmp_path_factory):
 
 def _logits_cases(spec):
     per_tile = 4
-    return [(prompt(per_tile, 1), pixels(1, 1)), (prompt(per_tile * spec["tiles"], 2), pixels(spec["tiles"], 2)), (prompt(0, 3), None)]
+    return [
+        (prompt(per_tile, 1), pixels(1, 1)),
+        (prompt(per_tile * spec["tiles"], 2), pixels(spec["tiles"], 2)),
+        (prompt(0, 3), None),
+    ]
 
 
 @torch.no_grad()
@@ -151,9 +205,17 @@ def test_greedy_generation_matches(pair, cache):
     spec, hf, ours, _ = pair
     ids, pix = prompt(4 * spec["tiles"], 5), pixels(spec["tiles"], 5)
     kw = {"cache_implementation": "static"} if cache == "static" else {}
-    out = hf.generate(input_ids=ids, pixel_values=pix, attention_mask=torch.ones_like(ids), do_sample=False,
-                      max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0, **kw)
-    ref = out[0, ids.shape[1]:].tolist()
+    out = hf.generate(
+        input_ids=ids,
+        pixel_values=pix,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        pad_token_id=0,
+        **kw,
+    )
+    ref = out[0, ids.shape[1] :].tolist()
 
     ours.language_model.setup_cache(1, ids.shape[1] + NEW_TOKENS)
     embeds = ours.embed(ids, ours.encode_tiles(pix))  # (1, L, C)
@@ -195,7 +257,7 @@ def _copy_config(src, dst, **changes) -> None:
 
 def _new_prefix(k: str) -> str:
     if k.startswith("language_model.model."):
-        return "model.language_model." + k[len("language_model.model."):]
+        return "model.language_model." + k[len("language_model.model.") :]
     if k == "language_model.lm_head.weight":
         return "lm_head.weight"
     return "model." + k
@@ -205,7 +267,10 @@ def _new_prefix(k: str) -> str:
 def test_new_prefix_family_loads(pair, tmp_path):
     spec, _, ours, ckpt = pair
     _copy_config(ckpt, tmp_path)
-    save_file({_new_prefix(k): v for k, v in _tensors(ckpt / "model.safetensors").items()}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {_new_prefix(k): v for k, v in _tensors(ckpt / "model.safetensors").items()},
+        str(tmp_path / "model.safetensors"),
+    )
     model, _ = load_hf(tmp_path)
     ids, pix = _logits_cases(spec)[1]
     assert torch.equal(model(ids, pix), ours(ids, pix))
@@ -217,7 +282,10 @@ def test_sharded_checkpoint_loads(pair, tmp_path):
     _copy_config(ckpt, tmp_path)
     tensors = _tensors(ckpt / "model.safetensors")
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2], "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for fname, keys in shards.items():
         save_file({k: tensors[k] for k in keys}, str(tmp_path / fname))
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
@@ -249,8 +317,11 @@ def test_missing_and_unexpected_tensors_are_listed(pair, tmp_path):
     del tensors["vision_tower.encoder.layer.1.mlp.fc2.bias"]
     tensors["language_model.model.layers.9.mlp.up_proj.weight"] = torch.zeros(2, 2)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(LiteVLMError, match=r"missing tensors \(1\): vision_tower.encoder.layer.1.mlp.fc2.bias.*"
-                       r"unexpected tensors \(1\): language_model.model.layers.9.mlp.up_proj.weight"):
+    with pytest.raises(
+        LiteVLMError,
+        match=r"missing tensors \(1\): vision_tower.encoder.layer.1.mlp.fc2.bias.*"
+        r"unexpected tensors \(1\): language_model.model.layers.9.mlp.up_proj.weight",
+    ):
         load_hf(tmp_path)
 
 
@@ -265,8 +336,13 @@ def test_tokenizer_files_give_special_ids(pair, tmp_path):
     _, _, _, ckpt = pair
     _copy_config(ckpt, tmp_path)
     (tmp_path / "model.safetensors").symlink_to(ckpt / "model.safetensors")
-    added = [{"id": 300, "content": "<img>"}, {"id": 301, "content": "</img>"}, {"id": 302, "content": "<|im_end|>"},
-             {"id": 303, "content": "<|endoftext|>"}, {"id": IMG, "content": "<IMG_CONTEXT>"}]
+    added = [
+        {"id": 300, "content": "<img>"},
+        {"id": 301, "content": "</img>"},
+        {"id": 302, "content": "<|im_end|>"},
+        {"id": 303, "content": "<|endoftext|>"},
+        {"id": IMG, "content": "<IMG_CONTEXT>"},
+    ]
     (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": added, "model": {"vocab": {}}}))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<|endoftext|>"}))
     model, tok_dir = load_hf(tmp_path)
@@ -279,29 +355,49 @@ def test_tokenizer_files_give_special_ids(pair, tmp_path):
 def _to_original(tensors: dict, spec: dict) -> dict:
     """Rename a transformers checkpoint into the original layout: fused ViT qkv, mlp1, InternLM2 names for llama."""
     out, text = {}, spec["text"]
-    vit_renames = [("vision_tower.embeddings.cls_token", "vision_model.embeddings.class_embedding"),
-                   ("vision_tower.embeddings.position_embeddings", "vision_model.embeddings.position_embedding"),
-                   ("vision_tower.embeddings.patch_embeddings.projection.", "vision_model.embeddings.patch_embedding."),
-                   ("vision_tower.encoder.layer.", "vision_model.encoder.layers."),
-                   ("multi_modal_projector.layer_norm.", "mlp1.0."), ("multi_modal_projector.linear_1.", "mlp1.1."),
-                   ("multi_modal_projector.linear_2.", "mlp1.3.")]
-    layer_renames = [(".attention.projection_layer.", ".attn.proj."), (".attention.q_norm.", ".attn.q_norm."),
-                     (".attention.k_norm.", ".attn.k_norm."), (".layernorm_before.", ".norm1."), (".layernorm_after.", ".norm2."),
-                     (".lambda_1", ".ls1"), (".lambda_2", ".ls2")]
-    lm_renames = [(".self_attn.o_proj.", ".attention.wo."), (".mlp.gate_proj.", ".feed_forward.w1."),
-                  (".mlp.up_proj.", ".feed_forward.w3."), (".mlp.down_proj.", ".feed_forward.w2."),
-                  (".input_layernorm.", ".attention_norm."), (".post_attention_layernorm.", ".ffn_norm."),
-                  ("model.embed_tokens.", "model.tok_embeddings.")]
+    vit_renames = [
+        ("vision_tower.embeddings.cls_token", "vision_model.embeddings.class_embedding"),
+        ("vision_tower.embeddings.position_embeddings", "vision_model.embeddings.position_embedding"),
+        ("vision_tower.embeddings.patch_embeddings.projection.", "vision_model.embeddings.patch_embedding."),
+        ("vision_tower.encoder.layer.", "vision_model.encoder.layers."),
+        ("multi_modal_projector.layer_norm.", "mlp1.0."),
+        ("multi_modal_projector.linear_1.", "mlp1.1."),
+        ("multi_modal_projector.linear_2.", "mlp1.3."),
+    ]
+    layer_renames = [
+        (".attention.projection_layer.", ".attn.proj."),
+        (".attention.q_norm.", ".attn.q_norm."),
+        (".attention.k_norm.", ".attn.k_norm."),
+        (".layernorm_before.", ".norm1."),
+        (".layernorm_after.", ".norm2."),
+        (".lambda_1", ".ls1"),
+        (".lambda_2", ".ls2"),
+    ]
+    lm_renames = [
+        (".self_attn.o_proj.", ".attention.wo."),
+        (".mlp.gate_proj.", ".feed_forward.w1."),
+        (".mlp.up_proj.", ".feed_forward.w3."),
+        (".mlp.down_proj.", ".feed_forward.w2."),
+        (".input_layernorm.", ".attention_norm."),
+        (".post_attention_layernorm.", ".ffn_norm."),
+        ("model.embed_tokens.", "model.tok_embeddings."),
+    ]
     internlm2 = text["model_type"] == "llama"
     for k, v in tensors.items():
-        if ".attention.k_proj." in k or ".attention.v_proj." in k or ".self_attn.k_proj." in k or ".self_attn.v_proj." in k:
+        if (
+            ".attention.k_proj." in k
+            or ".attention.v_proj." in k
+            or ".self_attn.k_proj." in k
+            or ".self_attn.v_proj." in k
+        ):
             continue  # fused below together with q
         n = k
         for a, b in vit_renames:
             n = n.replace(a, b) if n.startswith(a) else n
         if ".attention.q_proj." in k:  # ViT: rows [q; k; v]
             out[n.replace(".attention.q_proj.", ".attn.qkv.")] = torch.cat(
-                [v, tensors[k.replace("q_proj", "k_proj")], tensors[k.replace("q_proj", "v_proj")]])
+                [v, tensors[k.replace("q_proj", "k_proj")], tensors[k.replace("q_proj", "v_proj")]]
+            )
             continue
         for a, b in layer_renames:
             n = n.replace(a, b) if n.startswith("vision_model.") else n
@@ -311,7 +407,9 @@ def _to_original(tensors: dict, spec: dict) -> dict:
                 q = v.view(hkv, -1, d, v.shape[-1])  # (Hkv, g, D, C)
                 kk = tensors[k.replace("q_proj", "k_proj")].view(hkv, 1, d, -1)
                 vv = tensors[k.replace("q_proj", "v_proj")].view(hkv, 1, d, -1)
-                out[n.replace(".self_attn.q_proj.", ".attention.wqkv.")] = torch.cat([q, kk, vv], 1).reshape(-1, v.shape[-1])
+                out[n.replace(".self_attn.q_proj.", ".attention.wqkv.")] = torch.cat([q, kk, vv], 1).reshape(
+                    -1, v.shape[-1]
+                )
                 continue
             for a, b in lm_renames:
                 n = n.replace(a, b)
@@ -332,19 +430,39 @@ def test_original_remote_code_layout_loads(pair, tmp_path):
         pytest.skip("original checkpoints always have head_dim = hidden / heads")
     v, t = spec["vision"], spec["text"]
     original_cfg = {
-        "model_type": "internvl_chat", "downsample_ratio": 0.5, "select_layer": -1, "ps_version": "v2",
-        "force_image_size": v["image_size"], "tie_word_embeddings": spec["tie"],
-        "vision_config": {"hidden_size": v["hidden_size"], "num_hidden_layers": v["num_hidden_layers"],
-                          "num_attention_heads": v["num_attention_heads"], "intermediate_size": v["intermediate_size"],
-                          "image_size": v["image_size"], "patch_size": v["patch_size"], "qkv_bias": v["attention_bias"],
-                          "qk_normalization": v["use_qk_norm"], "norm_type": v["norm_type"],
-                          "layer_norm_eps": v["layer_norm_eps"], "hidden_act": v["hidden_act"]},
-        "llm_config": {"architectures": ["InternLM2ForCausalLM" if t["model_type"] == "llama" else "Qwen2ForCausalLM"],
-                       "vocab_size": t["vocab_size"], "hidden_size": t["hidden_size"], "intermediate_size": t["intermediate_size"],
-                       "num_hidden_layers": t["num_hidden_layers"], "num_attention_heads": t["num_attention_heads"],
-                       "num_key_value_heads": t["num_key_value_heads"], "rms_norm_eps": t["rms_norm_eps"],
-                       "rope_theta": t["rope_theta"], "max_position_embeddings": t["max_position_embeddings"],
-                       "rope_scaling": {"type": "dynamic", "factor": 2.0}, "bias": False},
+        "model_type": "internvl_chat",
+        "downsample_ratio": 0.5,
+        "select_layer": -1,
+        "ps_version": "v2",
+        "force_image_size": v["image_size"],
+        "tie_word_embeddings": spec["tie"],
+        "vision_config": {
+            "hidden_size": v["hidden_size"],
+            "num_hidden_layers": v["num_hidden_layers"],
+            "num_attention_heads": v["num_attention_heads"],
+            "intermediate_size": v["intermediate_size"],
+            "image_size": v["image_size"],
+            "patch_size": v["patch_size"],
+            "qkv_bias": v["attention_bias"],
+            "qk_normalization": v["use_qk_norm"],
+            "norm_type": v["norm_type"],
+            "layer_norm_eps": v["layer_norm_eps"],
+            "hidden_act": v["hidden_act"],
+        },
+        "llm_config": {
+            "architectures": ["InternLM2ForCausalLM" if t["model_type"] == "llama" else "Qwen2ForCausalLM"],
+            "vocab_size": t["vocab_size"],
+            "hidden_size": t["hidden_size"],
+            "intermediate_size": t["intermediate_size"],
+            "num_hidden_layers": t["num_hidden_layers"],
+            "num_attention_heads": t["num_attention_heads"],
+            "num_key_value_heads": t["num_key_value_heads"],
+            "rms_norm_eps": t["rms_norm_eps"],
+            "rope_theta": t["rope_theta"],
+            "max_position_embeddings": t["max_position_embeddings"],
+            "rope_scaling": {"type": "dynamic", "factor": 2.0},
+            "bias": False,
+        },
     }
     (tmp_path / "config.json").write_text(json.dumps(original_cfg))
     save_file(_to_original(_tensors(ckpt / "model.safetensors"), spec), str(tmp_path / "model.safetensors"))
@@ -364,8 +482,16 @@ def test_preset_config_round_trip(name):
     assert hf_cfg.tie_word_embeddings is False and hf_cfg.text_config.model_type == cfg.text.arch
 
 
-@pytest.mark.parametrize("field, value", [("vision_feature_layer", -2), ("vision_feature_select_strategy", "full"),
-                                          ("downsample_ratio", 0.25), ("projector_hidden_act", "relu"), ("model_type", "llava")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("vision_feature_layer", -2),
+        ("vision_feature_select_strategy", "full"),
+        ("downsample_ratio", 0.25),
+        ("projector_hidden_act", "relu"),
+        ("model_type", "llava"),
+    ],
+)
 def test_unsupported_config_names_field(field, value):
     d = config_to_hf(PRESETS["internvl3-1b"]())
     d[field] = value
@@ -405,7 +531,9 @@ def test_native_strict_errors(pair, tmp_path):
     _, _, ours, ckpt = pair
     save_native(ours, tmp_path / "n")
     tensors = _tensors(tmp_path / "n" / "model.safetensors")
-    tensors["multi_modal_projector.linear_1.weight"] = tensors["multi_modal_projector.linear_1.weight"][:, :8].contiguous()
+    tensors["multi_modal_projector.linear_1.weight"] = tensors["multi_modal_projector.linear_1.weight"][
+        :, :8
+    ].contiguous()
     save_file(tensors, str(tmp_path / "n" / "model.safetensors"))
     with pytest.raises(LiteVLMError, match=r"multi_modal_projector.linear_1.weight has shape \(64, 8\)"):
         load_native(tmp_path / "n")

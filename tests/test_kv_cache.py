@@ -27,10 +27,24 @@ CACHE = 24
 
 def tiny_cfg() -> VLMConfig:
     return VLMConfig(
-        vision=VisionConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=28, patch_size=14),
-        text=TextConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
-                        rope_theta=1e4, max_position_embeddings=256),
-        image_token_id=127, img_start_id=125, img_end_id=126, eos_token_id=124, pad_token_id=0,
+        vision=VisionConfig(
+            hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=28, patch_size=14
+        ),
+        text=TextConfig(
+            vocab_size=128,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=96,
+            rope_theta=1e4,
+            max_position_embeddings=256,
+        ),
+        image_token_id=127,
+        img_start_id=125,
+        img_end_id=126,
+        eos_token_id=124,
+        pad_token_id=0,
     )
 
 
@@ -126,7 +140,10 @@ def test_commit_path_equals_sequential_cache(model, prompt, leaf):
     tree_forward(model, tokens, PARENTS)
     lm.commit(PREFIX + torch.tensor(path), PREFIX)
     keep = PREFIX + len(path)
-    committed = [(layer.self_attn.kv_cache.k[:, :, :keep].clone(), layer.self_attn.kv_cache.v[:, :, :keep].clone()) for layer in lm.layers]
+    committed = [
+        (layer.self_attn.kv_cache.k[:, :, :keep].clone(), layer.self_attn.kv_cache.v[:, :, :keep].clone())
+        for layer in lm.layers
+    ]
     after_commit, _ = decode_step(model, torch.tensor([[5]]), keep, keep)  # continue decoding from the committed cache
 
     expected = sequential(model, prompt, path_tokens + [5])  # also leaves the sequential cache behind
@@ -151,7 +168,9 @@ def test_full_cache_mask_equals_sliced_path(model, prompt):
     run_prefix(model, prompt)
     with torch.no_grad():
         mask = causal_mask(lm.cache_len, PREFIX, 1, "cpu")  # (1, 1, 1, S) over the whole cache
-        hidden = lm(lm.embed_tokens(torch.tensor([[9]])), torch.tensor([[PREFIX]]), slots=torch.tensor([PREFIX]), mask=mask)
+        hidden = lm(
+            lm.embed_tokens(torch.tensor([[9]])), torch.tensor([[PREFIX]]), slots=torch.tensor([PREFIX]), mask=mask
+        )
     torch.testing.assert_close(model.lm_head(hidden[:, -1]), ref, atol=ATOL, rtol=0)
 
 
@@ -189,8 +208,15 @@ def test_wrong_image_size_raises(model):
 
 def _tiny_vlm():
     torch.manual_seed(0)
-    cfg = VLMConfig(vision=VisionConfig(32, 1, 2, 64, 28, 14), text=TextConfig(64, 32, 2, 2, 1, 64, rope_theta=1e4),
-                    image_token_id=60, img_start_id=61, img_end_id=62, eos_token_id=63, pad_token_id=0)
+    cfg = VLMConfig(
+        vision=VisionConfig(32, 1, 2, 64, 28, 14),
+        text=TextConfig(64, 32, 2, 2, 1, 64, rope_theta=1e4),
+        image_token_id=60,
+        img_start_id=61,
+        img_end_id=62,
+        eos_token_id=63,
+        pad_token_id=0,
+    )
     return VLM(cfg).eval()
 
 
@@ -255,7 +281,9 @@ def test_a_bucketed_prefill_equals_the_plain_one_and_decoding_after_it():
         logits, hidden = buckets(embeds, positions)
         cache = model.language_model.layers[0].self_attn.kv_cache.k[0]
         assert cache[:, 9:16].abs().sum() > 0 and cache[:, 16:].abs().sum() == 0  # the padding's K/V, up to the bucket
-        bucketed = generate(model, embeds, positions, 12, eos_id=None, prefilled=Prefilled(logits, hidden, embeds, positions))
+        bucketed = generate(
+            model, embeds, positions, 12, eos_id=None, prefilled=Prefilled(logits, hidden, embeds, positions)
+        )
     torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(hidden, plain_hidden, atol=1e-5, rtol=1e-5)
     assert bucketed.tokens == eager.tokens

@@ -61,9 +61,16 @@ class Stub:
                     reply = "Let me think." if not retry else '["CAM_BACK"]'
                 else:
                     reply = IMPLICIT.get(question, "[]")
-                data = json.dumps({"id": "x", "object": "chat.completion", "model": body["model"],
-                                   "choices": [{"index": 0, "message": {"role": "assistant", "content": reply},
-                                                "finish_reason": "stop"}]}).encode()
+                data = json.dumps(
+                    {
+                        "id": "x",
+                        "object": "chat.completion",
+                        "model": body["model"],
+                        "choices": [
+                            {"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}
+                        ],
+                    }
+                ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -117,7 +124,11 @@ def test_good_replies_and_lexical_questions(stub, tmp_path):
     assert out["Is it safe to change lanes to the left?"]["views"] == ["CAM_FRONT_LEFT", "CAM_BACK_LEFT"]
     assert out["What is the traffic signal that the ego vehicle should pay attention to?"]["views"] == ["CAM_FRONT"]
     assert out["In this scenario, what are safe actions to take for the ego vehicle?"]["views"] == list(CAMERAS)
-    assert out["What is the target action of the ego vehicle?"]["views"] == ["CAM_FRONT", "CAM_FRONT_LEFT", "CAM_FRONT_RIGHT"]
+    assert out["What is the target action of the ego vehicle?"]["views"] == [
+        "CAM_FRONT",
+        "CAM_FRONT_LEFT",
+        "CAM_FRONT_RIGHT",
+    ]
     assert counts == {"total": 6, "skipped": 0, "lexical": 1, "llm": 5, "cached": 0, "unparsed": 0, "calls": 5}
     assert not any(item.get("unparsed") for item in out.values())
 
@@ -164,13 +175,29 @@ def test_cache_serves_a_new_output_and_cli(stub, tmp_path, capsys):
     import argparse
 
     write_questions(tmp_path / "q.jsonl", list(IMPLICIT))
-    label_views(stub.url, "stub-llm", tmp_path / "q.jsonl", tmp_path / "a.jsonl", cache_path=tmp_path / "c.jsonl", retry_delay=0)
+    label_views(
+        stub.url, "stub-llm", tmp_path / "q.jsonl", tmp_path / "a.jsonl", cache_path=tmp_path / "c.jsonl", retry_delay=0
+    )
     asked = len(stub.asked)
 
     parser = argparse.ArgumentParser()
     add_label_views_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["label-views", "--endpoint", stub.url, "--model", "stub-llm", "--in", str(tmp_path / "q.jsonl"),
-                              "--out", str(tmp_path / "b.jsonl"), "--cache", str(tmp_path / "c.jsonl"), "--json"])
+    args = parser.parse_args(
+        [
+            "label-views",
+            "--endpoint",
+            stub.url,
+            "--model",
+            "stub-llm",
+            "--in",
+            str(tmp_path / "q.jsonl"),
+            "--out",
+            str(tmp_path / "b.jsonl"),
+            "--cache",
+            str(tmp_path / "c.jsonl"),
+            "--json",
+        ]
+    )
     args.func(args)
     counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert counts["cached"] == len(IMPLICIT) and counts["calls"] == 0 and len(stub.asked) == asked

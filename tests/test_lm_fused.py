@@ -8,8 +8,16 @@ import torch.nn as nn
 from litevlm.config import TextConfig
 from litevlm.model.lm import DecoderLayer, linear, rope_cos_sin
 
-CFG = TextConfig(vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=96,
-                 rope_theta=1e4, qkv_bias=True)
+CFG = TextConfig(
+    vocab_size=64,
+    hidden_size=64,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=96,
+    rope_theta=1e4,
+    qkv_bias=True,
+)
 
 
 @pytest.fixture

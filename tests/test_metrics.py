@@ -28,26 +28,47 @@ from litevlm.eval.metrics import (
 PUBLISHED = [
     # README demo (challenge/README.md)
     dict(
-        accuracy=0.0, chatgpt=65.11111111111111, match=28.25,
-        language={"Bleu_1": 0.0495223110147729, "Bleu_2": 0.00021977465683011536,
-                  "Bleu_3": 3.6312541763196866e-05, "Bleu_4": 1.4776149283286042e-05,
-                  "ROUGE_L": 0.08383567940883102, "CIDEr": 0.09901486412073952},
+        accuracy=0.0,
+        chatgpt=65.11111111111111,
+        match=28.25,
+        language={
+            "Bleu_1": 0.0495223110147729,
+            "Bleu_2": 0.00021977465683011536,
+            "Bleu_3": 3.6312541763196866e-05,
+            "Bleu_4": 1.4776149283286042e-05,
+            "ROUGE_L": 0.08383567940883102,
+            "CIDEr": 0.09901486412073952,
+        },
         final=0.3240234750718823,
     ),
     # server baseline, DriveLM issue #88
     dict(
-        accuracy=0.6563218390804598, chatgpt=52.304035874439464, match=33.8955710955711,
-        language={"Bleu_1": 0.7290411998613902, "Bleu_2": 0.6639121354657584,
-                  "Bleu_3": 0.6015739286561763, "Bleu_4": 0.540482940279753,
-                  "ROUGE_L": 0.7144301423026727, "CIDEr": 0.10061532435610071},
+        accuracy=0.6563218390804598,
+        chatgpt=52.304035874439464,
+        match=33.8955710955711,
+        language={
+            "Bleu_1": 0.7290411998613902,
+            "Bleu_2": 0.6639121354657584,
+            "Bleu_3": 0.6015739286561763,
+            "Bleu_4": 0.540482940279753,
+            "ROUGE_L": 0.7144301423026727,
+            "CIDEr": 0.10061532435610071,
+        },
         final=0.4988212685585955,
     ),
     # server submission, DriveLM issue #176
     dict(
-        accuracy=0.7274247491638796, chatgpt=61.961195188203334, match=40.18540427325772,
-        language={"Bleu_1": 0.7386886382254595, "Bleu_2": 0.6785149262510286,
-                  "Bleu_3": 0.6224188327995392, "Bleu_4": 0.5682660593560364,
-                  "ROUGE_L": 0.7408382267370595, "CIDEr": 0.16644789860984704},
+        accuracy=0.7274247491638796,
+        chatgpt=61.961195188203334,
+        match=40.18540427325772,
+        language={
+            "Bleu_1": 0.7386886382254595,
+            "Bleu_2": 0.6785149262510286,
+            "Bleu_3": 0.6224188327995392,
+            "Bleu_4": 0.5682660593560364,
+            "ROUGE_L": 0.7408382267370595,
+            "CIDEr": 0.16644789860984704,
+        },
         final=0.567664,
     ),
 ]
@@ -143,7 +164,10 @@ REFS = [
 
 def test_ptb_tokenize_matches_stanford_conventions():
     assert ptb_tokenize("Yes.") == "yes"
-    assert ptb_tokenize("Don't stop; it's the car's turn (probably).") == "do n't stop it 's the car 's turn -lrb- probably -rrb-"
+    assert (
+        ptb_tokenize("Don't stop; it's the car's turn (probably).")
+        == "do n't stop it 's the car 's turn -lrb- probably -rrb-"
+    )
     assert ptb_tokenize("notice <c1,CAM_FRONT,1088.3,497.5>.") == "notice < c1 cam_front ,1088.3,497.5 >"
     # a one-letter acronym keeps its period unless a sentence-start word follows
     assert ptb_tokenize("The answer is A.") == "the answer is a."

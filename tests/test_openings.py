@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from test_spec import prompt, random_draft, tiny_vlm
 
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
@@ -13,14 +14,15 @@ from litevlm.model.generate import generate
 from litevlm.spec import speculative_generate
 from litevlm.spec.openings import Opening, Openings, accept_opening, question_key
 
-from test_spec import prompt, random_draft, tiny_vlm
-
 EOS = 2
 
 
 def cache_upto(model, slots: int) -> list[torch.Tensor]:
-    return [t[:, :, :slots].clone() for layer in model.language_model.layers
-            for t in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v)]
+    return [
+        t[:, :, :slots].clone()
+        for layer in model.language_model.layers
+        for t in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v)
+    ]
 
 
 def assert_same_cache(a, b):
@@ -35,7 +37,9 @@ def test_the_key_is_the_first_two_words():
 
 
 def test_the_table_keeps_the_frequent_openings_within_the_node_budget():
-    pairs = [("Is there a car?", [10, 11])] * 6 + [("Is there a bus?", [12, 11])] * 3 + [("Is there x?", [13, 14, 15, 16])]
+    pairs = (
+        [("Is there a car?", [10, 11])] * 6 + [("Is there a bus?", [12, 11])] * 3 + [("Is there x?", [13, 14, 15, 16])]
+    )
     pairs += [("What will it do?", [20, 21, 22, 23])] * 2
     table = Openings.build(pairs, eos_id=EOS, vocab_size=64, depth=3, max_nodes=6, min_share=0.15)
     assert table.table["is there"] == [[10, 11, EOS], [12, 11, EOS]]  # the rare opening (10%) is under min_share
@@ -46,7 +50,9 @@ def test_the_table_keeps_the_frequent_openings_within_the_node_budget():
 
 
 def test_a_question_takes_its_longest_known_key():
-    pairs = [("What will the car do?", [10, 11])] * 4 + [("What will it do?", [12])] * 4 + [("What will the bus do?", [13])]
+    pairs = (
+        [("What will the car do?", [10, 11])] * 4 + [("What will it do?", [12])] * 4 + [("What will the bus do?", [13])]
+    )
     table = Openings.build(pairs, eos_id=EOS, vocab_size=64, depth=3, max_nodes=8, min_share=0.3, key_words=(3, 2))
     assert table.for_question("What will the truck do?").tokens.tolist() == [10, 11, EOS]  # "what will the"
     assert table.for_question("What will we do?").tokens.tolist() == [10, 11, EOS, 12, EOS]  # only "what will" is known
@@ -127,29 +133,50 @@ def test_an_opening_verified_in_the_prefill_is_lossless(native, monkeypatch):
             if cycles is not None:
                 assert len(out.accept_lengths) == cycles, (seed, name)
             assert sum(out.accept_lengths) + out.opened == len(out.tokens) - 1
-            assert_same_cache(cache_upto(model, consumed), want_cache)  # accepted nodes' K/V where plain decoding puts them
+            assert_same_cache(
+                cache_upto(model, consumed), want_cache
+            )  # accepted nodes' K/V where plain decoding puts them
 
 
 def test_an_opening_verified_with_a_prompt_pruned_inside_the_decoder_is_lossless():
     """The TokenSelector sharing decoder layer 0: the nodes run layer 0 over the kept prompt tokens once the cache is
     compacted, then the other layers with them; greedy output equals plain greedy decoding of the same pruning."""
-    from test_tokens import tiny_prompt, tiny_vlm as selector_vlm, trained_looking_selector
+    from test_tokens import tiny_prompt, trained_looking_selector
+    from test_tokens import tiny_vlm as selector_vlm
 
     model = selector_vlm(seed=1)
     embeds, positions, spans = tiny_prompt(model, seed=1)
     sel = trained_looking_selector(model)
     head = random_draft(model)
     vocab = model.cfg.text.vocab_size
-    plain = generate(model, embeds, positions, 10, None,
-                     prefilled=sel.prefill(model, embeds, positions, spans, 0.3).prefilled(embeds, positions)).tokens
+    plain = generate(
+        model,
+        embeds,
+        positions,
+        10,
+        None,
+        prefilled=sel.prefill(model, embeds, positions, spans, 0.3).prefilled(embeds, positions),
+    ).tokens
     eos = plain[3]
     ref = plain[: plain.index(eos) + 1]
     consumed = sel.prefill(model, embeds, positions, spans, 0.3).kept_count + len(ref) - 1
-    generate(model, embeds, positions, 10, eos, prefilled=sel.prefill(model, embeds, positions, spans, 0.3).prefilled(embeds, positions))
+    generate(
+        model,
+        embeds,
+        positions,
+        10,
+        eos,
+        prefilled=sel.prefill(model, embeds, positions, spans, 0.3).prefilled(embeds, positions),
+    )
     want_cache = cache_upto(model, consumed)
-    for sequences, opened in [([ref[:4]], len(ref) - 1), ([[(ref[0] + 1) % vocab, 9], ref[:3]], min(3, len(ref) - 1)),
-                              ([[(ref[0] + 1) % vocab]], 0)]:
-        pre = sel.prefill(model, embeds, positions, spans, 0.3, opening=Opening.from_sequences(sequences), eos_id=eos, limit=10)
+    for sequences, opened in [
+        ([ref[:4]], len(ref) - 1),
+        ([[(ref[0] + 1) % vocab, 9], ref[:3]], min(3, len(ref) - 1)),
+        ([[(ref[0] + 1) % vocab]], 0),
+    ]:
+        pre = sel.prefill(
+            model, embeds, positions, spans, 0.3, opening=Opening.from_sequences(sequences), eos_id=eos, limit=10
+        )
         out = speculative_generate(model, head, embeds, positions, 10, eos, prefilled=pre.prefilled(embeds, positions))
         assert out.tokens == ref and out.opened == opened, sequences
         assert_same_cache(cache_upto(model, consumed), want_cache)
@@ -161,5 +188,7 @@ def test_an_opening_without_room_in_the_cache_is_left_out():
     head = random_draft(model)
     embeds, pos = prompt(model, seed=1, n=12)
     ref = generate(model, embeds, pos, 6, None).tokens
-    out = speculative_generate(model, head, embeds, pos, 6, None, opening=Opening.from_sequences([ref[:3], [9, 9, 9, 9, 9, 9]]))
+    out = speculative_generate(
+        model, head, embeds, pos, 6, None, opening=Opening.from_sequences([ref[:3], [9, 9, 9, 9, 9, 9]])
+    )
     assert out.tokens == ref and out.opened == 0

@@ -60,7 +60,9 @@ def test_images_accept_paths_arrays_and_pil(pipe, images, tmp_path):
     path = tmp_path / "back.png"
     images["CAM_BACK"].save(path)
     mixed["CAM_BACK"] = str(path)
-    assert pipe.answer("Is it safe to turn left?", mixed).tokens == pipe.answer("Is it safe to turn left?", images).tokens
+    assert (
+        pipe.answer("Is it safe to turn left?", mixed).tokens == pipe.answer("Is it safe to turn left?", images).tokens
+    )
 
 
 @pytest.mark.parametrize("question, message", [("", "empty"), ("   ", "empty"), ("word " * 400, "limit")])
@@ -114,7 +116,10 @@ def test_token_selection_inside_the_decoder_is_lossless_under_speculation(full_m
     full = Pipeline.from_pretrained(full_model_dir, max_new_tokens=10)
     assert plain.token_selector.cfg.shared_layer
     n_visual = 6 * plain.cfg.tokens_per_tile
-    for q in ("Is there a red car to the front of the ego car?", "What is the moving status of <c1,CAM_BACK,800.0,500.0>?"):
+    for q in (
+        "Is there a red car to the front of the ego car?",
+        "What is the moving status of <c1,CAM_BACK,800.0,500.0>?",
+    ):
         a, b, c = plain.answer(q, images), spec.answer(q, images), full.answer(q, images)
         assert a.tokens == b.tokens
         kept = n_visual - n_visual // 2
@@ -131,20 +136,39 @@ def test_the_gpu_fast_path_answers_as_the_eager_gpu_path(full_model_dir, images)
     for spec in ({}, {"speculative": True, "tree_top_k": 4, "tree_depth": 5, "tree_total": 16}):
         eager = Pipeline.from_pretrained(full_model_dir, device="cuda", max_new_tokens=12, **spec)
         fast = Pipeline.from_pretrained(full_model_dir, device="cuda", max_new_tokens=12, cuda_graphs=True, **spec)
-        for q in ("Is there a red car to the front of the ego car?", "What is the moving status of <c1,CAM_BACK,800.0,500.0>?"):
+        for q in (
+            "Is there a red car to the front of the ego car?",
+            "What is the moving status of <c1,CAM_BACK,800.0,500.0>?",
+        ):
             assert fast.answer(q, images).tokens == eager.answer(q, images).tokens
         assert fast.capture_ms > 0
 
 
 def test_tree_options_reach_the_decoder(full_model_dir, images):
-    from litevlm.cli import build_parser, _pipeline
+    from litevlm.cli import _pipeline, build_parser
 
-    args = build_parser().parse_args(["ask", "--model", str(full_model_dir), "--images", "x", "--question", "q", "--speculative",
-                                      "--tree-depth", "5", "--tree-min-value", "0.2"])
+    args = build_parser().parse_args(
+        [
+            "ask",
+            "--model",
+            str(full_model_dir),
+            "--images",
+            "x",
+            "--question",
+            "q",
+            "--speculative",
+            "--tree-depth",
+            "5",
+            "--tree-min-value",
+            "0.2",
+        ]
+    )
     pipe = _pipeline(args)
     assert (pipe.tree.depth, pipe.tree.min_value, pipe.tree.total_tokens) == (5, 0.2, 6)
     ans = pipe.answer("Is there a red car to the front of the ego car?", images)
-    plain = Pipeline.from_pretrained(full_model_dir, max_new_tokens=pipe.max_new_tokens).answer("Is there a red car to the front of the ego car?", images)
+    plain = Pipeline.from_pretrained(full_model_dir, max_new_tokens=pipe.max_new_tokens).answer(
+        "Is there a red car to the front of the ego car?", images
+    )
     assert ans.tokens == plain.tokens
 
 
@@ -170,7 +194,9 @@ def test_the_token_selector_skips_prompts_below_its_threshold(full_model_dir, im
     n_visual = 6 * Pipeline.from_pretrained(full_model_dir).cfg.tokens_per_tile
     q = "Is there a red car to the front of the ego car?"
     full = Pipeline.from_pretrained(full_model_dir, max_new_tokens=10).answer(q, images)
-    above = Pipeline.from_pretrained(full_model_dir, select_tokens=0.5, min_select_tokens=n_visual + 1, max_new_tokens=10)
+    above = Pipeline.from_pretrained(
+        full_model_dir, select_tokens=0.5, min_select_tokens=n_visual + 1, max_new_tokens=10
+    )
     at = Pipeline.from_pretrained(full_model_dir, select_tokens=0.5, min_select_tokens=n_visual, max_new_tokens=10)
     a, b = above.answer(q, images), at.answer(q, images)
     assert a.tokens == full.tokens and a.num_visual_tokens == n_visual and a.input_tokens == full.input_tokens
@@ -179,8 +205,22 @@ def test_the_token_selector_skips_prompts_below_its_threshold(full_model_dir, im
     assert "from" in at.config_name
     with pytest.raises(LiteVLMError, match="min_select_tokens"):
         Pipeline.from_pretrained(full_model_dir, select_tokens=0.5, min_select_tokens=-1)
-    args = build_parser().parse_args(["ask", "--model", str(full_model_dir), "--images", "x", "--question", "q", "--litevlm"])
+    args = build_parser().parse_args(
+        ["ask", "--model", str(full_model_dir), "--images", "x", "--question", "q", "--litevlm"]
+    )
     assert _pipeline(args).min_select_tokens == LITEVLM_MIN_SELECT_TOKENS
-    args = build_parser().parse_args(["ask", "--model", str(full_model_dir), "--images", "x", "--question", "q", "--litevlm",
-                                      "--select-min-tokens", "0"])
+    args = build_parser().parse_args(
+        [
+            "ask",
+            "--model",
+            str(full_model_dir),
+            "--images",
+            "x",
+            "--question",
+            "q",
+            "--litevlm",
+            "--select-min-tokens",
+            "0",
+        ]
+    )
     assert _pipeline(args).min_select_tokens == 0

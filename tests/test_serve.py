@@ -11,8 +11,16 @@ import pytest
 from litevlm import Pipeline
 from litevlm.cameras import CAMERAS
 from litevlm.pipeline import STAGES, Answer
-from litevlm.serve import (APIError, Limits, ServerThread, build_app, image_data_url, parse_chat_request,
-                           stream_pieces, user_message)
+from litevlm.serve import (
+    APIError,
+    Limits,
+    ServerThread,
+    build_app,
+    image_data_url,
+    parse_chat_request,
+    stream_pieces,
+    user_message,
+)
 
 openai = pytest.importorskip("openai")
 
@@ -73,8 +81,9 @@ def test_views_and_timings_extension(client, images):
 
 def test_streamed_answer_equals_the_plain_one(client, reference, images):
     plain = client.chat.completions.create(model="tiny", messages=[user_message(QUESTION, images)])
-    stream = client.chat.completions.create(model="tiny", messages=[user_message(QUESTION, images)], stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny", messages=[user_message(QUESTION, images)], stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content
@@ -95,7 +104,7 @@ def test_stream_without_include_usage_puts_usage_on_the_final_chunk(server, imag
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
-    final = json.loads(lines[-2][len("data: "):])
+    final = json.loads(lines[-2][len("data: ") :])
     assert final["choices"][0]["finish_reason"] and final["usage"]["completion_tokens"] >= 1
 
 
@@ -110,13 +119,16 @@ def test_stream_pieces_join_to_the_text_with_multibyte_characters(reference):
 
 def test_named_cameras_in_any_order_map_to_the_right_views(client, reference, images):
     order = list(reversed(CAMERAS))
-    resp = client.chat.completions.create(model="tiny", messages=[user_message(QUESTION, {c: images[c] for c in order})])
+    resp = client.chat.completions.create(
+        model="tiny", messages=[user_message(QUESTION, {c: images[c] for c in order})]
+    )
     assert resp.choices[0].message.content == reference.answer(QUESTION, images).text
     # Unnamed images take the cameras left, in nuScenes order: here swapping two of them changes the input.
     swapped = dict(images)
     swapped["CAM_FRONT"], swapped["CAM_BACK"] = images["CAM_BACK"], images["CAM_FRONT"]
     content = [{"type": "text", "text": QUESTION}] + [
-        {"type": "image_url", "image_url": {"url": image_data_url(swapped[c])}} for c in CAMERAS]
+        {"type": "image_url", "image_url": {"url": image_data_url(swapped[c])}} for c in CAMERAS
+    ]
     resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}])
     assert resp.choices[0].message.content == reference.answer(QUESTION, swapped).text
 
@@ -124,10 +136,12 @@ def test_named_cameras_in_any_order_map_to_the_right_views(client, reference, im
 def test_per_request_settings_do_not_leak_into_later_requests(client, reference, images):
     short = client.chat.completions.create(model="tiny", messages=[user_message(QUESTION, images)], max_tokens=2)
     assert short.usage.completion_tokens <= 2
-    sampled = client.chat.completions.create(model="tiny", messages=[user_message(QUESTION, images)],
-                                             temperature=1.0, top_p=0.9, seed=5)
-    again = client.chat.completions.create(model="tiny", messages=[user_message(QUESTION, images)],
-                                           temperature=1.0, top_p=0.9, seed=5)
+    sampled = client.chat.completions.create(
+        model="tiny", messages=[user_message(QUESTION, images)], temperature=1.0, top_p=0.9, seed=5
+    )
+    again = client.chat.completions.create(
+        model="tiny", messages=[user_message(QUESTION, images)], temperature=1.0, top_p=0.9, seed=5
+    )
     assert sampled.choices[0].message.content == again.choices[0].message.content  # seeded per request
     plain = client.chat.completions.create(model="tiny", messages=[user_message(QUESTION, images)])
     assert plain.choices[0].message.content == reference.answer(QUESTION, images).text
@@ -195,8 +209,13 @@ class StubPipe:
             time.sleep(self.delay_s)
         else:
             assert self.gate.wait(10)
-        return Answer(text=f"ok: {question}", views=list(CAMERAS), num_visual_tokens=0,
-                      timings_ms={s: 0.0 for s in (*STAGES, "total")}, tokens=[1, 2])
+        return Answer(
+            text=f"ok: {question}",
+            views=list(CAMERAS),
+            num_visual_tokens=0,
+            timings_ms={s: 0.0 for s in (*STAGES, "total")},
+            tokens=[1, 2],
+        )
 
 
 def _post(url, body, out, i):

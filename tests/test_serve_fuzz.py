@@ -11,7 +11,6 @@ import zlib
 
 import httpx
 import pytest
-from PIL import Image
 
 from litevlm import Pipeline
 from litevlm.cameras import CAMERAS
@@ -24,6 +23,7 @@ MAX_PIXELS = 400_000
 
 def png_header(width: int, height: int) -> bytes:
     """A PNG claiming width x height whose data is one tiny IDAT: a decompression-bomb shape."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
@@ -50,8 +50,15 @@ def world(tiny_model_dir, tmp_path_factory):
     trap.bind(("127.0.0.1", 0))
     trap.listen(8)
     trap.setblocking(False)
-    app = build_app(pipe, model_name="tiny", max_queue=4, timeout_s=30, max_body_bytes=MAX_BODY,
-                    max_image_pixels=MAX_PIXELS, max_prompt_chars=2000)
+    app = build_app(
+        pipe,
+        model_name="tiny",
+        max_queue=4,
+        timeout_s=30,
+        max_body_bytes=MAX_BODY,
+        max_image_pixels=MAX_PIXELS,
+        max_prompt_chars=2000,
+    )
     with ServerThread(app) as server:
         yield dict(server=server, urls=urls, expected=expected, path=path, trap=trap, png=images["CAM_BACK"])
     trap.close()
@@ -109,22 +116,46 @@ def hostile_requests(w) -> list[tuple[str, dict, str | None]]:
         ("messages are numbers", chat(messages=[1, 2, 3]), "invalid_type"),
         ("message without role", chat(messages=[{"content": "hi"}]), "invalid_value"),
         ("unknown role", chat(messages=[{"role": "robot", "content": "hi"}]), "invalid_value"),
-        ("last message is the assistant's", chat(messages=[user_message(QUESTION, urls), {"role": "assistant", "content": "x"}]), "invalid_value"),
+        (
+            "last message is the assistant's",
+            chat(messages=[user_message(QUESTION, urls), {"role": "assistant", "content": "x"}]),
+            "invalid_value",
+        ),
         ("content is a number", chat(messages=[{"role": "user", "content": 5}]), "invalid_type"),
         ("content is an object", chat(messages=[{"role": "user", "content": {"text": "hi"}}]), "invalid_type"),
         ("content is null", chat(messages=[{"role": "user", "content": None}]), "invalid_type"),
         ("content parts are strings", chat(messages=[{"role": "user", "content": ["hi", "there"]}]), "invalid_type"),
         ("part without type", parts({"text": "hi"}), "invalid_type"),
-        ("audio part", parts(text(QUESTION), {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}), "unsupported_content"),
+        (
+            "audio part",
+            parts(text(QUESTION), {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}),
+            "unsupported_content",
+        ),
         ("type is a number", parts({"type": 123}), "invalid_type"),
         ("text is a number", parts({"type": "text", "text": 5}), "invalid_type"),
         ("image_url is null", parts(text(QUESTION), {"type": "image_url", "image_url": None}), "invalid_type"),
         ("url is a number", parts(text(QUESTION), {"type": "image_url", "image_url": {"url": 123}}), "invalid_type"),
-        ("nested garbage url", parts(text(QUESTION), {"type": "image_url", "image_url": {"url": {"a": [[[{"b": None}]]]}}}), "invalid_type"),
-        ("deeply nested content", chat(messages=[{"role": "user", "content": json.loads("[" * 500 + "]" * 500)}]), "invalid_type"),
-        ("image in an earlier message", chat(messages=[user_message("x", urls), user_message(QUESTION, urls)]), "invalid_value"),
+        (
+            "nested garbage url",
+            parts(text(QUESTION), {"type": "image_url", "image_url": {"url": {"a": [[[{"b": None}]]]}}}),
+            "invalid_type",
+        ),
+        (
+            "deeply nested content",
+            chat(messages=[{"role": "user", "content": json.loads("[" * 500 + "]" * 500)}]),
+            "invalid_type",
+        ),
+        (
+            "image in an earlier message",
+            chat(messages=[user_message("x", urls), user_message(QUESTION, urls)]),
+            "invalid_value",
+        ),
         ("too many parts", parts(*[text("a")] * 100), "invalid_value"),
-        ("too many messages", chat(messages=[{"role": "system", "content": "x"}] * 100 + [user_message(QUESTION, urls)]), "invalid_value"),
+        (
+            "too many messages",
+            chat(messages=[{"role": "system", "content": "x"}] * 100 + [user_message(QUESTION, urls)]),
+            "invalid_value",
+        ),
         # -- images that are not data URLs: never fetched, never read
         ("http url", with_image("CAM_FRONT", f"http://127.0.0.1:{trap_port}/front.png"), "image_url_not_allowed"),
         ("https url", with_image("CAM_FRONT", "https://example.com/front.jpg"), "image_url_not_allowed"),
@@ -134,7 +165,11 @@ def hostile_requests(w) -> list[tuple[str, dict, str | None]]:
         ("etc passwd", with_image("CAM_FRONT", "/etc/passwd"), "image_url_not_allowed"),
         ("relative path", with_image("CAM_FRONT", "images/../CAM_FRONT.png"), "image_url_not_allowed"),
         ("windows path", with_image("CAM_FRONT", "C:\\images\\front.png"), "image_url_not_allowed"),
-        ("bare image_url string", parts(text(QUESTION), {"type": "image_url", "image_url": str(w["path"])}, *six[1:]), "image_url_not_allowed"),
+        (
+            "bare image_url string",
+            parts(text(QUESTION), {"type": "image_url", "image_url": str(w["path"])}, *six[1:]),
+            "image_url_not_allowed",
+        ),
         # -- data URLs that are not good images
         ("data url not base64", with_image("CAM_FRONT", "data:image/png,abc"), "invalid_image"),
         ("data url without comma", with_image("CAM_FRONT", "data:image/png;base64"), "invalid_image"),
@@ -145,7 +180,11 @@ def hostile_requests(w) -> list[tuple[str, dict, str | None]]:
         ("random bytes", with_image("CAM_FRONT", b64url(bytes(range(256)) * 8)), "invalid_image"),
         ("truncated png", with_image("CAM_FRONT", b64url(png[: len(png) // 2])), "invalid_image"),
         ("png header only", with_image("CAM_FRONT", b64url(png[:33])), "invalid_image"),
-        ("svg", with_image("CAM_FRONT", b64url(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "image/svg+xml")), "invalid_image"),
+        (
+            "svg",
+            with_image("CAM_FRONT", b64url(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "image/svg+xml")),
+            "invalid_image",
+        ),
         ("tiff is not accepted", with_image("CAM_FRONT", b64url(tiff.getvalue(), "image/tiff")), "invalid_image"),
         ("huge dimensions", with_image("CAM_FRONT", b64url(png_header(30000, 30000))), "image_too_large"),
         ("bomb dimensions", with_image("CAM_FRONT", b64url(png_header(200_000, 200_000))), "image_too_large"),
@@ -155,7 +194,11 @@ def hostile_requests(w) -> list[tuple[str, dict, str | None]]:
         ("unknown camera", parts(text(QUESTION), text("CAM_TOP"), *six), "unknown_camera"),
         ("label without image", parts(text(QUESTION), *six[:5], text("CAM_BACK_RIGHT")), "invalid_value"),
         ("label then text", parts(text("CAM_FRONT"), text(QUESTION), *six), "invalid_value"),
-        ("duplicate camera", parts(text(QUESTION), text("CAM_BACK"), six[0], text("CAM_BACK"), six[1], *six[2:]), "duplicate_camera"),
+        (
+            "duplicate camera",
+            parts(text(QUESTION), text("CAM_BACK"), six[0], text("CAM_BACK"), six[1], *six[2:]),
+            "duplicate_camera",
+        ),
         ("three images", parts(text(QUESTION), *six[:3]), "missing_cameras"),
         ("no images", chat(messages=[{"role": "user", "content": QUESTION}]), "missing_cameras"),
         ("seven images", parts(text(QUESTION), *six, six[0]), "too_many_images"),
@@ -197,9 +240,13 @@ def test_hostile_requests_are_refused_cleanly_and_the_server_survives(world):
             if not ok or (code is not None and err.get("code") != code):
                 failures.append(f"{name}: {r.status_code} {r.text[:200]}")
         # Wrong methods and paths, a path traversal attempt: 4xx with an OpenAI-style body too.
-        for method, path, status in (("GET", "/v1/chat/completions", 405), ("POST", "/v1/completions", 404),
-                                     ("GET", "/v1/models/nope", 404), ("GET", "/static/..%2f..%2fetc%2fpasswd", 404),
-                                     ("DELETE", "/health", 405)):
+        for method, path, status in (
+            ("GET", "/v1/chat/completions", 405),
+            ("POST", "/v1/completions", 404),
+            ("GET", "/v1/models/nope", 404),
+            ("GET", "/static/..%2f..%2fetc%2fpasswd", 404),
+            ("DELETE", "/health", 405),
+        ):
             r = http.request(method, path)
             if r.status_code != status or "message" not in r.json().get("error", {}):
                 failures.append(f"{method} {path}: {r.status_code} {r.text[:200]}")
@@ -208,8 +255,13 @@ def test_hostile_requests_are_refused_cleanly_and_the_server_survives(world):
         world["trap"].accept()  # nobody connected to the URL we sent
 
     # Healthy, and answering correctly afterwards.
-    assert httpx.get(server.url + "/health").json() == {"status": "ok", "model": "tiny", "in_flight": 0,
-                                                        "max_queue": 4, "timeout_s": 30}
+    assert httpx.get(server.url + "/health").json() == {
+        "status": "ok",
+        "model": "tiny",
+        "in_flight": 0,
+        "max_queue": 4,
+        "timeout_s": 30,
+    }
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
@@ -222,13 +274,32 @@ def test_hostile_requests_are_refused_cleanly_and_the_server_survives(world):
 
 def test_error_bodies_name_the_problem(world):
     server, urls = world["server"], world["urls"]
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
-                   json={"model": "tiny", "messages": [user_message(QUESTION, {**urls, "CAM_BACK": "/etc/passwd"})]})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": "tiny", "messages": [user_message(QUESTION, {**urls, "CAM_BACK": "/etc/passwd"})]},
+    )
     err = r.json()["error"]
     assert r.status_code == 400 and err["type"] == "invalid_request_error"
     assert "data URL" in err["message"] and "file path" in err["message"] and "/etc/passwd" in err["message"]
     assert err["param"].startswith("messages[0].content[")
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
-        "model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION},
-                                                                   *[{"type": "image_url", "image_url": {"url": urls[c]}} for c in CAMERAS[:2]]]}]})
-    assert r.status_code == 400 and "missing CAM_FRONT_RIGHT, CAM_BACK, CAM_BACK_LEFT, CAM_BACK_RIGHT" in r.json()["error"]["message"]
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=30,
+        json={
+            "model": "tiny",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": QUESTION},
+                        *[{"type": "image_url", "image_url": {"url": urls[c]}} for c in CAMERAS[:2]],
+                    ],
+                }
+            ],
+        },
+    )
+    assert (
+        r.status_code == 400
+        and "missing CAM_FRONT_RIGHT, CAM_BACK, CAM_BACK_LEFT, CAM_BACK_RIGHT" in r.json()["error"]["message"]
+    )

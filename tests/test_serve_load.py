@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from litevlm import Pipeline
-from litevlm.cameras import CAMERAS
 from litevlm.serve import ServerThread, build_app, image_data_url, user_message
 
 REQUESTS, CLIENTS = 200, 16
@@ -76,7 +75,10 @@ def test_200_requests_from_16_clients_all_answered_and_identical(tiny_model_dir,
                         time.sleep(min(int(r.headers["retry-after-ms"]) / 1000, 0.25))  # capped for the test
                     body = r.json()
                     with lock:
-                        answers[i] = (r.status_code, body["choices"][0]["message"]["content"] if r.status_code == 200 else body)
+                        answers[i] = (
+                            r.status_code,
+                            body["choices"][0]["message"]["content"] if r.status_code == 200 else body,
+                        )
 
         threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
         t0 = time.perf_counter()
@@ -96,5 +98,7 @@ def test_200_requests_from_16_clients_all_answered_and_identical(tiny_model_dir,
     assert not wrong, f"{len(wrong)} answers differ from the one-at-a-time answers"
     assert health["in_flight"] == 0
     assert f'litevlm_requests_total{{endpoint="/v1/chat/completions",status="200"}} {REQUESTS + len(cases)}' in metrics
-    print(f"\n{REQUESTS} requests, {CLIENTS} clients: {wall:.2f} s, statuses {dict(statuses)}; "
-          f"alone {one_at_a_time_s * 1000:.1f} ms per request")
+    print(
+        f"\n{REQUESTS} requests, {CLIENTS} clients: {wall:.2f} s, statuses {dict(statuses)}; "
+        f"alone {one_at_a_time_s * 1000:.1f} ms per request"
+    )

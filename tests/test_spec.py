@@ -42,11 +42,23 @@ def one_thread():
 def tiny_vlm(vocab=64, hidden=32, layers=2, std=0.5, seed=0, cache=160) -> VLM:
     torch.manual_seed(seed)
     cfg = VLMConfig(
-        vision=VisionConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, image_size=28, patch_size=14),
-        text=TextConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2,
-                        intermediate_size=2 * hidden, rope_theta=1e4),
-        image_token_id=min(5, vocab - 1), img_start_id=min(6, vocab - 1), img_end_id=min(7, vocab - 1),
-        eos_token_id=EOS, pad_token_id=0,
+        vision=VisionConfig(
+            hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, image_size=28, patch_size=14
+        ),
+        text=TextConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=2 * hidden,
+            rope_theta=1e4,
+        ),
+        image_token_id=min(5, vocab - 1),
+        img_start_id=min(6, vocab - 1),
+        img_end_id=min(7, vocab - 1),
+        eos_token_id=EOS,
+        pad_token_id=0,
     )
     model = VLM(cfg).eval()
     with torch.no_grad():
@@ -129,7 +141,13 @@ def test_tree_config_validation():
     assert TreeConfig(top_k=4, depth=6).total_tokens == 16 and TreeConfig(top_k=2, depth=2).total_tokens == 7
     assert TreeConfig().top_k == 1 and TreeConfig().total_tokens == TreeConfig().depth + 1
     assert TreeConfig(4, 6, 16).pool_size == 4 + 5 * 16
-    for bad in [dict(top_k=0), dict(depth=0), dict(total_tokens=1), dict(top_k=1, depth=3, total_tokens=5), dict(top_k=2, depth=2, total_tokens=8)]:
+    for bad in [
+        dict(top_k=0),
+        dict(depth=0),
+        dict(total_tokens=1),
+        dict(top_k=1, depth=3, total_tokens=5),
+        dict(top_k=2, depth=2, total_tokens=8),
+    ]:
         with pytest.raises(LiteVLMError):
             TreeConfig(**{**dict(top_k=2, depth=2, total_tokens=4), **bad})
     with pytest.raises(LiteVLMError):
@@ -208,11 +226,15 @@ def naive_tree(table, root, k, depth, n):
     return pool, keep
 
 
-@pytest.mark.parametrize("k,depth,n,ties", [(1, 4, 5, False), (2, 3, 6, False), (3, 4, 12, False), (4, 5, 16, True), (4, 3, 21, False)])
+@pytest.mark.parametrize(
+    "k,depth,n,ties", [(1, 4, 5, False), (2, 3, 6, False), (3, 4, 12, False), (4, 5, 16, True), (4, 3, 21, False)]
+)
 def test_draft_tree_invariants(k, depth, n, ties):
     stub = TableDraft(ties=ties, seed=k * 10 + depth)
     root = torch.tensor([3 if ties else 1])
-    tree = draft_tree(stub, root, torch.tensor([[float(root), 0.0]]), start=9, position=40, cfg=TreeConfig(k, depth, n, min_value=0.0))
+    tree = draft_tree(
+        stub, root, torch.tensor([[float(root), 0.0]]), start=9, position=40, cfg=TreeConfig(k, depth, n, min_value=0.0)
+    )
     N = len(tree)
     assert N == n and tree.tokens[0] == root[0] and tree.parents[0] == -1
     par = tree.parents.tolist()
@@ -329,8 +351,12 @@ def test_commit_matches_a_fresh_prefill():
 def test_accept_greedy_handcrafted():
     # root -> a(1), b(2); a -> c(3); c -> d(4); b -> e(5)
     tree = tree_from_pool(
-        torch.tensor(0), torch.tensor([-1.0, -2.0, -1.5, -2.5, -2.6]), torch.tensor([1, 2, 3, 5, 4]),
-        torch.tensor([-1, -1, 0, 1, 2]), torch.tensor([1, 1, 2, 2, 3]), 6,
+        torch.tensor(0),
+        torch.tensor([-1.0, -2.0, -1.5, -2.5, -2.6]),
+        torch.tensor([1, 2, 3, 5, 4]),
+        torch.tensor([-1, -1, 0, 1, 2]),
+        torch.tensor([1, 1, 2, 2, 3]),
+        6,
     )
     assert tree.tokens.tolist() == [0, 1, 2, 3, 5, 4]  # nodes 0 root, 1 a, 2 b, 3 c, 4 e, 5 d
     V = 8
@@ -357,8 +383,15 @@ def test_accept_greedy_handcrafted():
 # ------------------------------------------------------------------------------------------------
 # End-to-end greedy losslessness
 # ------------------------------------------------------------------------------------------------
-CONFIGS = [TreeConfig.chain(1), TreeConfig.chain(4), TreeConfig.chain(6, min_value=0.6), TreeConfig.chain(10, 0.1), TreeConfig(2, 3, 6),
-           TreeConfig(4, 5, 16), TreeConfig(3, 6, 24)]
+CONFIGS = [
+    TreeConfig.chain(1),
+    TreeConfig.chain(4),
+    TreeConfig.chain(6, min_value=0.6),
+    TreeConfig.chain(10, 0.1),
+    TreeConfig(2, 3, 6),
+    TreeConfig(4, 5, 16),
+    TreeConfig(3, 6, 24),
+]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.label())
@@ -387,7 +420,9 @@ def test_greedy_lossless_with_an_oracle_draft(cfg):
         assert max(accepted) == cfg.depth + 1  # full paths were accepted
 
 
-@pytest.mark.parametrize("cfg", [TreeConfig(), TreeConfig.chain(3), TreeConfig(4, 5, 16), TreeConfig(8, 4, 32)], ids=lambda c: c.label())
+@pytest.mark.parametrize(
+    "cfg", [TreeConfig(), TreeConfig.chain(3), TreeConfig(4, 5, 16), TreeConfig(8, 4, 32)], ids=lambda c: c.label()
+)
 def test_greedy_lossless_with_a_draft_head(cfg):
     model = tiny_vlm(vocab=24)  # a small vocabulary so that a random draft is sometimes right
     head = random_draft(model)
@@ -470,8 +505,12 @@ def test_sampled_acceptance_rule_is_lossless():
     V = 5
     # root -> {2, 0, 4}; node "2" -> {1, 3}; node "0" -> {2}
     tree = tree_from_pool(
-        torch.tensor(1), torch.tensor([-0.1, -0.2, -0.3, -0.4, -0.5, -0.6]), torch.tensor([2, 0, 4, 1, 3, 2]),
-        torch.tensor([-1, -1, -1, 0, 0, 1]), torch.tensor([1, 1, 1, 2, 2, 2]), 7,
+        torch.tensor(1),
+        torch.tensor([-0.1, -0.2, -0.3, -0.4, -0.5, -0.6]),
+        torch.tensor([2, 0, 4, 1, 3, 2]),
+        torch.tensor([-1, -1, -1, 0, 0, 1]),
+        torch.tensor([1, 1, 1, 2, 2, 2]),
+        7,
     )
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(len(tree), V, generator=g)
@@ -523,7 +562,9 @@ def test_temperature_one_output_distribution_equals_the_target():
     counts = torch.zeros(V**n_tok)
     accepted = 0
     for _ in range(500):
-        out = speculative_generate(model, head, embeds, pos, n_tok, None, temperature=1.0, generator=g, tree=TreeConfig(2, 2, 5))
+        out = speculative_generate(
+            model, head, embeds, pos, n_tok, None, temperature=1.0, generator=g, tree=TreeConfig(2, 2, 5)
+        )
         counts[sum(tok * V ** (n_tok - 1 - i) for i, tok in enumerate(out.tokens))] += 1
         accepted += max(out.accept_lengths) > 1
     assert accepted > 250  # drafts were accepted often: the rule, not plain sampling, produced these
@@ -647,7 +688,9 @@ def test_a_windowed_draft_is_lossless_and_sees_only_the_prompt_tail():
     model.language_model.setup_cache(1, 160)
     logits, hidden = prefill(model, embeds, pos)
     head.setup_cache(64)
-    head.extend(hidden[0, 7:], torch.cat([embeds[0, 8:], model.language_model.embed_tokens(logits.argmax(-1))]), pos[0, 7:], 0)
+    head.extend(
+        hidden[0, 7:], torch.cat([embeds[0, 8:], model.language_model.embed_tokens(logits.argmax(-1))]), pos[0, 7:], 0
+    )
     torch.testing.assert_close(got, head.layer.self_attn.kv_cache.k[:, :, :5], rtol=1e-4, atol=1e-4)
 
 

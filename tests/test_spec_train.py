@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_spec import EOS, one_thread, prompt, tiny_vlm  # noqa: F401  (fixture re-used)
 
 from litevlm.model.generate import generate
 from litevlm.spec import DraftConfig, DraftHead, TreeConfig, speculative_generate
 from litevlm.train.draft import Sequence, collate, draft_loss, greedy_batch
-
-from test_spec import EOS, one_thread, prompt, tiny_vlm  # noqa: F401  (fixture re-used)
 
 
 def test_greedy_batch_matches_plain_generation_and_records_features():
@@ -56,7 +55,10 @@ def test_a_few_training_steps_fit_the_target_and_help_speculation():
     prompts = [prompt(model, s, n=8) for s in range(6)]
     with torch.no_grad():
         out = greedy_batch(model, [e[0] for e, _ in prompts], 24, EOS)
-        seqs = [Sequence(torch.cat([e[0], model.language_model.embed_tokens(torch.tensor(a))]), f, 8) for (e, _), (a, f) in zip(prompts, out)]
+        seqs = [
+            Sequence(torch.cat([e[0], model.language_model.embed_tokens(torch.tensor(a))]), f, 8)
+            for (e, _), (a, f) in zip(prompts, out)
+        ]
     head = DraftHead(DraftConfig.for_target(model.cfg.text), model)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     batch = collate(seqs, "cpu")
@@ -80,7 +82,9 @@ def test_train_draft_end_to_end_on_a_saved_model(tiny_model_dir, tmp_path):
     from litevlm.model.hf import load_native
     from litevlm.train.draft import DraftRecipe, train_draft
 
-    recipe = DraftRecipe(frames=2, max_new_tokens=6, gen_batch=8, minutes=0.2, epochs=3, batch=4, render_size=(112, 63), threads=1)
+    recipe = DraftRecipe(
+        frames=2, max_new_tokens=6, gen_batch=8, minutes=0.2, epochs=3, batch=4, render_size=(112, 63), threads=1
+    )
     out = train_draft(tiny_model_dir, tmp_path / "draft", recipe, progress=False)
     model = load_native(tiny_model_dir)
     head = DraftHead.load(out, model)

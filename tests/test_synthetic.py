@@ -10,15 +10,45 @@ import pytest
 from litevlm.cameras import CAMERAS, IMAGE_HEIGHT, IMAGE_WIDTH
 from litevlm.data.drivelm import infer_views
 from litevlm.data.synthetic import (
-    CATEGORIES, DIR_PHRASES, SceneObject, frame_from_objects, make_frame, question_corpus, render_view,
-    render_views, tag_camera,
+    CATEGORIES,
+    DIR_PHRASES,
+    SceneObject,
+    frame_from_objects,
+    make_frame,
+    question_corpus,
+    render_view,
+    render_views,
+    tag_camera,
 )
 
 TAG = re.compile(r"<c(\d+),(CAM_[A-Z_]+),(\d+\.\d),(\d+\.\d)>")
-DIRECTION_FAMILIES = ("objects_direction", "exists_moving", "exists_colour", "traffic_element", "vehicle_colour",
-                      "vehicle_colour_mc", "light_state", "light_is")
-TAG_FAMILIES = ("moving_status_mc", "is_moving", "visual_description", "sign_or_barrier", "future_state", "actions_based_on")
-SCENE_FAMILIES = ("important_objects", "notice_one", "notice_order", "notice_full", "safe_actions", "behavior", "behavior_mc")
+DIRECTION_FAMILIES = (
+    "objects_direction",
+    "exists_moving",
+    "exists_colour",
+    "traffic_element",
+    "vehicle_colour",
+    "vehicle_colour_mc",
+    "light_state",
+    "light_is",
+)
+TAG_FAMILIES = (
+    "moving_status_mc",
+    "is_moving",
+    "visual_description",
+    "sign_or_barrier",
+    "future_state",
+    "actions_based_on",
+)
+SCENE_FAMILIES = (
+    "important_objects",
+    "notice_one",
+    "notice_order",
+    "notice_full",
+    "safe_actions",
+    "behavior",
+    "behavior_mc",
+)
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +132,12 @@ def test_distance_sets_size_and_row():
     assert (bn.v1 - bn.v0) > 2 * (bf.v1 - bf.v0) and (bn.u1 - bn.u0) > 2 * (bf.u1 - bf.u0)
     assert bn.v1 > bf.v1 > IMAGE_HEIGHT / 2  # nearer: lower in the image; both below the horizon
     size = (224, 126)
-    rows_near = np.nonzero(_changed(render_view(f_near, "CAM_FRONT", size), render_view(f_near, "CAM_FRONT", size, True)).any(1))[0]
-    rows_far = np.nonzero(_changed(render_view(f_far, "CAM_FRONT", size), render_view(f_far, "CAM_FRONT", size, True)).any(1))[0]
+    rows_near = np.nonzero(
+        _changed(render_view(f_near, "CAM_FRONT", size), render_view(f_near, "CAM_FRONT", size, True)).any(1)
+    )[0]
+    rows_far = np.nonzero(
+        _changed(render_view(f_far, "CAM_FRONT", size), render_view(f_far, "CAM_FRONT", size, True)).any(1)
+    )[0]
     assert rows_near.max() > rows_far.max() and len(rows_near) > 2 * len(rows_far)
 
 
@@ -113,8 +147,17 @@ def test_yes_no_balanced_per_family(frames):
         for qa in f.qas:
             if qa.answer in ("Yes.", "No.", "High.", "Low."):
                 counts[qa.family][qa.answer in ("Yes.", "High.")] += 1
-    assert {"exists_colour", "exists_moving", "is_moving", "traffic_element", "sign_or_barrier", "in_path",
-            "safe_turn", "collision", "light_is"} <= set(counts)
+    assert {
+        "exists_colour",
+        "exists_moving",
+        "is_moving",
+        "traffic_element",
+        "sign_or_barrier",
+        "in_path",
+        "safe_turn",
+        "collision",
+        "light_is",
+    } <= set(counts)
     for fam, c in counts.items():
         n = c[True] + c[False]
         assert n >= 25, fam
@@ -145,8 +188,12 @@ def test_closed_answers_not_guessable_from_question_text(frames):
         for qa in f.qas:
             if qa.closed and qa.family != "behavior_mc":
                 table[norm(qa.question)][qa.answer] += 1
-    hits = [table[norm(qa.question)].most_common(1)[0][0] == qa.answer if table[norm(qa.question)] else False
-            for f in test for qa in f.qas if qa.closed and qa.answer in ("Yes.", "No.")]
+    hits = [
+        table[norm(qa.question)].most_common(1)[0][0] == qa.answer if table[norm(qa.question)] else False
+        for f in test
+        for qa in f.qas
+        if qa.closed and qa.answer in ("Yes.", "No.")
+    ]
     assert len(hits) > 100 and sum(hits) / len(hits) < 0.6
 
 
@@ -186,8 +233,10 @@ def test_behavior_answer_is_canonical_and_follows_the_front_view():
     assert beh.answer == "The ego vehicle is going straight. The ego vehicle is not moving."
     light.light = "green"
     g = frame_from_objects([light], road_yaw_deg=-12.0)
-    assert next(q for q in g.qas if q.family == "behavior").answer == \
-        "The ego vehicle is steering to the left. The ego vehicle is driving with normal speed."
+    assert (
+        next(q for q in g.qas if q.family == "behavior").answer
+        == "The ego vehicle is steering to the left. The ego vehicle is driving with normal speed."
+    )
 
 
 def test_render_sizes_empty_flag_and_speed():
@@ -201,7 +250,9 @@ def test_render_sizes_empty_flag_and_speed():
     empty = render_views(f, (224, 126), empty=True)
     assert any(_changed(views[c], empty[c]).any() for c in CAMERAS)
     big = render_view(f, "CAM_FRONT", (1600, 900), empty=True)
-    assert big.size == (1600, 900) and len(np.unique(np.asarray(big).reshape(-1, 3), axis=0)) > 3  # sky, verge, road, marks
+    assert (
+        big.size == (1600, 900) and len(np.unique(np.asarray(big).reshape(-1, 3), axis=0)) > 3
+    )  # sky, verge, road, marks
     print(f"render: {ms_per_view:.2f} ms per view at 224x126")
 
 

@@ -13,7 +13,7 @@ import torch
 
 from litevlm.config import TextConfig, VisionConfig, VLMConfig
 from litevlm.errors import LiteVLMError
-from litevlm.model.generate import causal_mask, generate, prefill
+from litevlm.model.generate import generate, prefill
 from litevlm.model.vlm import VLM
 from litevlm.select.tokens import (
     SelectorConfig,
@@ -36,10 +36,24 @@ VIEWS = ["CAM_FRONT", "CAM_BACK", "CAM_BACK_LEFT"]
 def tiny_vlm(seed: int = 0, layers: int = 3) -> VLM:
     torch.manual_seed(seed)
     cfg = VLMConfig(
-        vision=VisionConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=28, patch_size=7),
-        text=TextConfig(vocab_size=96, hidden_size=48, num_layers=layers, num_heads=4, num_kv_heads=2, intermediate_size=96,
-                        rope_theta=10000.0, max_position_embeddings=512),
-        image_token_id=95, img_start_id=93, img_end_id=94, eos_token_id=92, pad_token_id=0,
+        vision=VisionConfig(
+            hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=28, patch_size=7
+        ),
+        text=TextConfig(
+            vocab_size=96,
+            hidden_size=48,
+            num_layers=layers,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=96,
+            rope_theta=10000.0,
+            max_position_embeddings=512,
+        ),
+        image_token_id=95,
+        img_start_id=93,
+        img_end_id=94,
+        eos_token_id=92,
+        pad_token_id=0,
     )
     model = VLM(cfg).eval()
     for p in model.language_model.parameters():  # sharper attention than the default init gives
@@ -223,7 +237,14 @@ def test_pruned_decode_is_exact_for_the_compacted_cache(method):
     if method == "selector":
         k, sel = 1, trained_looking_selector(model)
         pre = sel.prefill(model, embeds, positions, spans, 0.3)
-        gen = generate(model, embeds, positions, n_new, None, prefilled=sel.prefill(model, embeds, positions, spans, 0.3).prefilled(embeds, positions))
+        gen = generate(
+            model,
+            embeds,
+            positions,
+            n_new,
+            None,
+            prefilled=sel.prefill(model, embeds, positions, spans, 0.3).prefilled(embeds, positions),
+        )
         # it keeps what the same selector keeps when it prunes at the input
         assert torch.equal(pre.kept_index, sel.select(model, embeds, positions, spans, keep_ratio=0.3)[2])
     else:
@@ -279,7 +300,9 @@ def test_shared_layer_selector_scores_like_one_owning_a_copy_of_layer0():
     missing, unexpected = own.load_state_dict(shared.state_dict(), strict=False)
     assert not unexpected and missing and all(k.startswith("layer.") for k in missing)
     with torch.no_grad():
-        torch.testing.assert_close(shared.scores(embeds, positions, spans), own.scores(embeds, positions, spans), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            shared.scores(embeds, positions, spans), own.scores(embeds, positions, spans), atol=1e-5, rtol=1e-5
+        )
         # and the model's layer 0 is what it reads: change it, the shared scores move
         before = shared.scores(embeds, positions, spans)
         model.language_model.layers[0].mlp.down_proj.weight.mul_(3.0)
@@ -361,7 +384,9 @@ def test_teacher_attention_equals_rows_of_the_full_attention():
         want = torch.zeros(len(spans) * TPV)
         for layer_i in range(3):
             if layer_i >= 1:
-                rows = full_attention_rows(lm.layers[layer_i], x, pos, torch.arange(t - 1, t + 3))[0][:, visual_index(spans)]
+                rows = full_attention_rows(lm.layers[layer_i], x, pos, torch.arange(t - 1, t + 3))[0][
+                    :, visual_index(spans)
+                ]
                 want += 0.25 * rows[0] + 0.75 / 3 * rows[1:].sum(0)
             x = lm(x, pos, start_layer=layer_i, end_layer=layer_i + 1)
     torch.testing.assert_close(got, want / want.sum(), atol=1e-6, rtol=1e-5)
@@ -370,7 +395,12 @@ def test_teacher_attention_equals_rows_of_the_full_attention():
 def test_box_prior_marks_the_boxed_cells():
     from litevlm.train.tokens import box_prior
 
-    p = box_prior({"CAM_BACK": [(410, 460, 790, 670)], "CAM_FRONT": [(0, 0, 399, 224), (0, 0, 10, 10)]}, ["CAM_FRONT", "CAM_BACK"], 4, 1)
+    p = box_prior(
+        {"CAM_BACK": [(410, 460, 790, 670)], "CAM_FRONT": [(0, 0, 399, 224), (0, 0, 10, 10)]},
+        ["CAM_FRONT", "CAM_BACK"],
+        4,
+        1,
+    )
     assert p.nonzero().flatten().tolist() == [0, 16 + 9] and torch.isclose(p.sum(), torch.tensor(1.0))
     assert box_prior({}, ["CAM_FRONT"], 4, 1).sum() == 0
 
@@ -384,14 +414,23 @@ def test_train_token_selector_smoke(tmp_path):
     tok = default_tokenizer(vocab_size=300, n_frames=4)
     torch.manual_seed(0)
     cfg = VLMConfig(
-        vision=VisionConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=56, patch_size=14),
-        text=TextConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64),
-        image_token_id=tok.image_id, img_start_id=tok.img_start_id, img_end_id=tok.img_end_id, eos_token_id=tok.eos_id,
+        vision=VisionConfig(
+            hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=56, patch_size=14
+        ),
+        text=TextConfig(
+            vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64
+        ),
+        image_token_id=tok.image_id,
+        img_start_id=tok.img_start_id,
+        img_end_id=tok.img_end_id,
+        eos_token_id=tok.eos_id,
         pad_token_id=tok.pad_id,
     )
     save_native(VLM(cfg), tmp_path / "m")
     tok.save(tmp_path / "m")
-    recipe = TokenRecipe(frames=2, val_frames=1, questions_per_frame=3, epochs=2, batch=2, minutes=1, render_size=(160, 90))
+    recipe = TokenRecipe(
+        frames=2, val_frames=1, questions_per_frame=3, epochs=2, batch=2, minutes=1, render_size=(160, 90)
+    )
     out = train_token_selector(tmp_path / "m", recipe, progress=False)
     assert out == tmp_path / "m" / "token_selector"
     from litevlm.model.hf import load_native

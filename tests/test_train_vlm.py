@@ -7,10 +7,19 @@ import pytest
 import torch
 
 from litevlm.cameras import CAMERAS
-from litevlm.model.vlm import VLM
 from litevlm.data.synthetic import STEERS, SceneObject, frame_from_objects
+from litevlm.model.vlm import VLM
 from litevlm.train.vlm import (
-    AuxHeads, FrameBank, VLMRecipe, aux_fields, aux_targets, cells_of, drive_tiny_config, field_words, make_batch, train_vlm,
+    AuxHeads,
+    FrameBank,
+    VLMRecipe,
+    aux_fields,
+    aux_targets,
+    cells_of,
+    drive_tiny_config,
+    field_words,
+    make_batch,
+    train_vlm,
 )
 
 GRID, TPV = 4, 1  # drive-tiny: a 4 x 4 token raster per view, one tile
@@ -38,8 +47,9 @@ def test_aux_targets_mark_the_cells_of_each_object_with_its_attributes():
         assert t[CAMERAS.index(cam), cells, field("light:green")].all()
     # Nothing anywhere else: each marked cell belongs to one of the two objects.
     marked = {(v, c) for v, c in (t.sum(-1) > 0).nonzero().tolist()}
-    expected = {(front, c) for c in car_cells} | {(CAMERAS.index(cam), c) for cam, b in light.views.items()
-                                                  for c in cells_of(b.clipped(), GRID, TPV)}
+    expected = {(front, c) for c in car_cells} | {
+        (CAMERAS.index(cam), c) for cam, b in light.views.items() for c in cells_of(b.clipped(), GRID, TPV)
+    }
     assert marked == expected and light_cells <= {c for v, c in marked if v == front}
     assert aux_targets(frame_from_objects([]), GRID, TPV).sum() == 0
 
@@ -75,7 +85,9 @@ def test_batches_line_up_tokens_targets_and_front_views(tiny_bank):
     b = make_batch(bank, tok, cfg, recipe_all, random.Random(1))
     per_frame = len(CAMERAS) * cfg.tokens_per_tile
     assert b.front.tolist() == [i * per_frame for i in range(4)]
-    frames = [f for f in range(6) if torch.equal(bank.aux[f].reshape(-1, bank.aux.shape[-1]).float(), b.aux[:per_frame])]
+    frames = [
+        f for f in range(6) if torch.equal(bank.aux[f].reshape(-1, bank.aux.shape[-1]).float(), b.aux[:per_frame])
+    ]
     assert frames and int(bank.steer[frames[0]]) == int(b.steer[0])
 
 
@@ -90,10 +102,14 @@ def test_the_probe_heads_learn_what_the_cells_hold(tiny_bank):
     init_vision(model, 0)
     heads = AuxHeads(cfg.text.hidden_size, field_words(tok), len(STEERS), cfg.tokens_per_tile)
     b = make_batch(bank, tok, cfg, recipe, random.Random(0))
-    opt = torch.optim.AdamW([*model.vision_tower.parameters(), *model.multi_modal_projector.parameters(), *heads.parameters()], lr=2e-3)
+    opt = torch.optim.AdamW(
+        [*model.vision_tower.parameters(), *model.multi_modal_projector.parameters(), *heads.parameters()], lr=2e-3
+    )
     losses = []
     for _ in range(25):
-        loss = heads.loss(model.encode_tiles(b.pixels).reshape(-1, cfg.text.hidden_size), b, model.language_model.embed_tokens)
+        loss = heads.loss(
+            model.encode_tiles(b.pixels).reshape(-1, cfg.text.hidden_size), b, model.language_model.embed_tokens
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -105,8 +121,18 @@ def test_train_vlm_end_to_end(tmp_path):
     """A few steps of the whole recipe: vision warm-up, answers + dense objective, the looks-probe, a loadable checkpoint."""
     from litevlm.model.hf import load_native
 
-    recipe = VLMRecipe(frames=4, steps=4, batch_frames=2, questions_per_frame=2, vision_warmup=2, probe_frames=1,
-                       render_size=(200, 112), vocab_size=400, warmup=2, tokenizer_frames=40)
+    recipe = VLMRecipe(
+        frames=4,
+        steps=4,
+        batch_frames=2,
+        questions_per_frame=2,
+        vision_warmup=2,
+        probe_frames=1,
+        render_size=(200, 112),
+        vocab_size=400,
+        warmup=2,
+        tokenizer_frames=40,
+    )
     out = train_vlm(tmp_path / "m", recipe, progress=False)
     log = json.loads((out / "train_log.json").read_text())
     assert log["steps"] == 4 and len(log["aux"]) == 1 and log["final_loss"] > 0
@@ -155,8 +181,17 @@ def test_rescale_visual_caps_the_token_norm(tiny_bank):
 def test_continued_training_records_its_lineage(tmp_path):
     from dataclasses import replace
 
-    first = VLMRecipe(frames=3, steps=2, batch_frames=2, questions_per_frame=2, probe_frames=0, render_size=(200, 112),
-                      vocab_size=400, warmup=1, tokenizer_frames=40)
+    first = VLMRecipe(
+        frames=3,
+        steps=2,
+        batch_frames=2,
+        questions_per_frame=2,
+        probe_frames=0,
+        render_size=(200, 112),
+        vocab_size=400,
+        warmup=1,
+        tokenizer_frames=40,
+    )
     a = train_vlm(tmp_path / "a", first, progress=False)
     b = train_vlm(tmp_path / "b", replace(first, steps=3, init=str(a), reinit_language=True), progress=False)
     meta = json.loads((b / "config.json").read_text())
@@ -173,7 +208,7 @@ def test_family_weights_steer_which_questions_a_batch_holds(tiny_bank):
         rng, n = random.Random(3), 0
         for _ in range(6):
             rows = make_batch(bank, tok, cfg, recipe, rng).ids.tolist()
-            n += sum(any(row[i:i + len(q)] == q for i in range(len(row))) for row in rows for q in wanted)
+            n += sum(any(row[i : i + len(q)] == q for i in range(len(row))) for row in rows for q in wanted)
         return n
 
     base = dict(frames=6, batch_frames=4, questions_per_frame=2, view_subset_prob=0.0, token_drop_prob=0.0)
@@ -193,14 +228,20 @@ def test_tag_targets_point_at_the_tagged_cells_and_the_answer_row(tiny_bank):
 
     tok, cfg, _, bank = tiny_bank
     assert tag_cells("Is <c2,CAM_BACK,1065.5,450.0> moving? And <c1,CAM_FRONT,10,890>?", GRID, TPV) == (
-        ("CAM_BACK", 2 * GRID + 2), ("CAM_FRONT", 3 * GRID + 0))
+        ("CAM_BACK", 2 * GRID + 2),
+        ("CAM_FRONT", 3 * GRID + 0),
+    )
     recipe = VLMRecipe(frames=6, batch_frames=4, view_subset_prob=0.0, token_drop_prob=0.0, questions_per_frame=6)
     b = make_batch(bank, tok, cfg, recipe, random.Random(0))
     assert b.looks  # synthetic frames ask about tagged objects
     per_view = cfg.tokens_per_tile
     for row, ans_row, visual, cells in b.looks:
         assert len(visual) == len(CAMERAS) * per_view and all(int(b.ids[row, i]) == tok.image_id for i in visual)
-        assert set(cells) <= set(visual) and int(b.labels[row, ans_row]) != IGNORE and int(b.labels[row, ans_row - 1]) == IGNORE
+        assert (
+            set(cells) <= set(visual)
+            and int(b.labels[row, ans_row]) != IGNORE
+            and int(b.labels[row, ans_row - 1]) == IGNORE
+        )
     model = VLM(cfg)
     with torch.no_grad():
         embeds = model.embed(b.ids, model.encode_tiles(b.pixels).reshape(-1, cfg.text.hidden_size)[b.keep])
@@ -210,13 +251,28 @@ def test_tag_targets_point_at_the_tagged_cells_and_the_answer_row(tiny_bank):
 
 
 def test_the_tag_attention_objective_trains_end_to_end(tmp_path):
-    recipe = VLMRecipe(frames=4, steps=3, batch_frames=2, threads=1, tokenizer_frames=30, vocab_size=400, render_size=(200, 112),
-                       probe_frames=0, attn_weight=0.5, attn_layer=1, token_drop_prob=0.0)
+    recipe = VLMRecipe(
+        frames=4,
+        steps=3,
+        batch_frames=2,
+        threads=1,
+        tokenizer_frames=30,
+        vocab_size=400,
+        render_size=(200, 112),
+        probe_frames=0,
+        attn_weight=0.5,
+        attn_layer=1,
+        token_drop_prob=0.0,
+    )
     out = train_vlm(tmp_path / "m", recipe, progress=False)
     log = json.loads((out / "train_log.json").read_text())
     assert log["attn"] and all(v > 0 for v in log["attn"]) and log["recipe"]["attn_weight"] == 0.5
     with pytest.raises(ValueError, match="attn_layer"):
-        train_vlm(tmp_path / "n", VLMRecipe(frames=2, steps=1, tokenizer_frames=30, vocab_size=400, attn_weight=0.5, attn_layer=9), progress=False)
+        train_vlm(
+            tmp_path / "n",
+            VLMRecipe(frames=2, steps=1, tokenizer_frames=30, vocab_size=400, attn_weight=0.5, attn_layer=9),
+            progress=False,
+        )
 
 
 def test_option_spans_find_each_option_text(tiny_bank):
@@ -228,7 +284,7 @@ def test_option_spans_find_each_option_text(tiny_bank):
     spans = option_spans(q, tok)
     first = spans[0][0]
     _, lo, hi = spans[right_option("C")]
-    assert tok.decode(ids[lo:hi]).strip() == "Going ahead" and tok.decode(ids[first:first + 2]).strip() == "A."
+    assert tok.decode(ids[lo:hi]).strip() == "Going ahead" and tok.decode(ids[first : first + 2]).strip() == "A."
     _, lo, hi = spans[right_option("D")]
     assert tok.decode(ids[lo:hi]).strip() == "Back up" and hi == len(ids) - 1  # the closing full stop is left out
     assert right_option("Yes.") is None  # not a letter
@@ -271,16 +327,36 @@ def test_letter_targets_point_from_each_option_text_at_its_letter(tiny_bank):
 
 
 def test_the_option_attention_objective_trains_end_to_end(tmp_path):
-    recipe = VLMRecipe(frames=4, steps=3, batch_frames=2, threads=1, tokenizer_frames=30, vocab_size=400, render_size=(200, 112),
-                       probe_frames=0, attn_weight=0.5, attn_layer=2, option_weight=0.5, option_layer=1, letter_weight=0.5,
-                       letter_layer=1, readout_weight=0.5, readout_layer=3, token_drop_prob=0.0)
+    recipe = VLMRecipe(
+        frames=4,
+        steps=3,
+        batch_frames=2,
+        threads=1,
+        tokenizer_frames=30,
+        vocab_size=400,
+        render_size=(200, 112),
+        probe_frames=0,
+        attn_weight=0.5,
+        attn_layer=2,
+        option_weight=0.5,
+        option_layer=1,
+        letter_weight=0.5,
+        letter_layer=1,
+        readout_weight=0.5,
+        readout_layer=3,
+        token_drop_prob=0.0,
+    )
     out = train_vlm(tmp_path / "m", recipe, progress=False)
     log = json.loads((out / "train_log.json").read_text())
     assert log["option"] and log["attn"] and log["letter"] and log["readout"]
     assert all(v > 0 for v in log["option"] + log["letter"] + log["readout"])
     assert log["recipe"]["option_layer"] == 1 and log["recipe"]["letter_weight"] == 0.5
     with pytest.raises(ValueError, match="option_layer"):
-        train_vlm(tmp_path / "n", VLMRecipe(frames=2, steps=1, tokenizer_frames=30, vocab_size=400, option_weight=0.5, option_layer=4), progress=False)
+        train_vlm(
+            tmp_path / "n",
+            VLMRecipe(frames=2, steps=1, tokenizer_frames=30, vocab_size=400, option_weight=0.5, option_layer=4),
+            progress=False,
+        )
 
 
 def test_the_step_plan_follows_the_pace_so_far():
@@ -294,6 +370,7 @@ def test_the_step_plan_follows_the_pace_so_far():
 
 def test_grown_decoder_computes_what_the_original_did(tiny_tokenizer):
     from conftest import tiny_config
+
     from litevlm.train.vlm import grow_decoder, init_weights
 
     cfg = tiny_config(tiny_tokenizer)
@@ -303,7 +380,9 @@ def test_grown_decoder_computes_what_the_original_did(tiny_tokenizer):
     assert grown.cfg.text.num_layers == 4 and model.cfg.text.num_layers == 2
     layers = grown.language_model.layers
     # Order: original 0, its copy, original 1, its copy; the copies add nothing until trained.
-    torch.testing.assert_close(layers[1].self_attn.q_proj.weight, model.language_model.layers[0].self_attn.q_proj.weight)
+    torch.testing.assert_close(
+        layers[1].self_attn.q_proj.weight, model.language_model.layers[0].self_attn.q_proj.weight
+    )
     assert layers[1].self_attn.o_proj.weight.abs().sum() == 0 and layers[3].mlp.down_proj.weight.abs().sum() == 0
     torch.testing.assert_close(layers[2].mlp.up_proj.weight, model.language_model.layers[1].mlp.up_proj.weight)
     ids = torch.randint(6, cfg.text.vocab_size, (2, 11))
@@ -329,11 +408,23 @@ def test_a_grown_run_saves_half_precision_weights_that_load_as_the_grown_model(t
 
     from litevlm.model.hf import load_native
 
-    first = VLMRecipe(frames=3, steps=1, batch_frames=2, questions_per_frame=2, probe_frames=0, render_size=(200, 112),
-                      vocab_size=400, warmup=1, tokenizer_frames=40)
+    first = VLMRecipe(
+        frames=3,
+        steps=1,
+        batch_frames=2,
+        questions_per_frame=2,
+        probe_frames=0,
+        render_size=(200, 112),
+        vocab_size=400,
+        warmup=1,
+        tokenizer_frames=40,
+    )
     a = train_vlm(tmp_path / "a", first, progress=False)
-    b = train_vlm(tmp_path / "b", replace(first, init=str(a), grow_after=(1, 3), store_dtype="float16", attn_weight=0.3,
-                                          attn_layer=5), progress=False)
+    b = train_vlm(
+        tmp_path / "b",
+        replace(first, init=str(a), grow_after=(1, 3), store_dtype="float16", attn_weight=0.3, attn_layer=5),
+        progress=False,
+    )
     with safe_open(str(b / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
     assert (b / "model.safetensors").stat().st_size < 0.6 * (a / "model.safetensors").stat().st_size * 6 / 4
@@ -357,9 +448,9 @@ def test_patch_objective_targets_line_up_and_train_the_vision_tower(tiny_bank):
     tok, cfg, _, _ = tiny_bank
     recipe = VLMRecipe(frames=3, batch_frames=2, render_size=(200, 112), patch_aux_weight=1.0)
     bank = FrameBank(recipe, cfg, tok, progress=False)
-    assert bank.patch_aux.shape == (3, 6, cfg.vision.grid ** 2 * cfg.tiles_per_view, len(aux_fields()))
+    assert bank.patch_aux.shape == (3, 6, cfg.vision.grid**2 * cfg.tiles_per_view, len(aux_fields()))
     b = make_batch(bank, tok, cfg, recipe, random.Random(0))
-    assert b.patch_aux.shape == (b.pixels.shape[0] * cfg.vision.grid ** 2, len(aux_fields()))
+    assert b.patch_aux.shape == (b.pixels.shape[0] * cfg.vision.grid**2, len(aux_fields()))
     assert b.patch_aux.sum() > 0  # objects cover some patches
     # patch resolution is the token grid's, twice as fine: a token cell's contents are its four patches'
     from litevlm.data.synthetic import make_frame
@@ -368,8 +459,16 @@ def test_patch_objective_targets_line_up_and_train_the_vision_tower(tiny_bank):
     fine, coarse = aux_targets(frame, cfg.vision.grid, 1), aux_targets(frame, cfg.vision.grid // 2, 1)
     assert torch.equal(fine.amax(1) > 0, coarse.amax(1) > 0)  # the same fields occur in each camera
     # without the bank: no targets and no cost
-    assert make_batch(FrameBank(replace(recipe, patch_aux_weight=0.0), cfg, tok, progress=False), tok, cfg,
-                      replace(recipe, patch_aux_weight=0.0), random.Random(0)).patch_aux is None
+    assert (
+        make_batch(
+            FrameBank(replace(recipe, patch_aux_weight=0.0), cfg, tok, progress=False),
+            tok,
+            cfg,
+            replace(recipe, patch_aux_weight=0.0),
+            random.Random(0),
+        ).patch_aux
+        is None
+    )
 
     torch.manual_seed(0)
     model = VLM(cfg)
@@ -382,8 +481,18 @@ def test_patch_objective_targets_line_up_and_train_the_vision_tower(tiny_bank):
 
 
 def test_train_vlm_with_the_patch_objective_logs_it(tmp_path):
-    recipe = VLMRecipe(frames=3, steps=3, batch_frames=2, questions_per_frame=2, probe_frames=0, render_size=(200, 112),
-                       vocab_size=400, warmup=1, tokenizer_frames=40, patch_aux_weight=2.0)
+    recipe = VLMRecipe(
+        frames=3,
+        steps=3,
+        batch_frames=2,
+        questions_per_frame=2,
+        probe_frames=0,
+        render_size=(200, 112),
+        vocab_size=400,
+        warmup=1,
+        tokenizer_frames=40,
+        patch_aux_weight=2.0,
+    )
     out = train_vlm(tmp_path / "m", recipe, progress=False)
     log = json.loads((out / "train_log.json").read_text())
     assert log["steps"] == 3 and len(log["patch"]) == 1 and log["patch"][0] > 0
@@ -404,8 +513,13 @@ def test_trail_boxes_cover_the_pixels_a_moving_object_adds_beside_itself():
     car = moving.objects[0]
     box = car.views["CAM_FRONT"]
     boxes = trail_boxes(car, box, "CAM_FRONT")
-    assert len(boxes) == 2 and trail_boxes(standing.objects[0], standing.objects[0].views["CAM_FRONT"], "CAM_FRONT") == []
-    diff = np.abs(np.asarray(render_view(moving, "CAM_FRONT"), dtype=int) - np.asarray(render_view(standing, "CAM_FRONT"), dtype=int)).sum(-1)
+    assert (
+        len(boxes) == 2 and trail_boxes(standing.objects[0], standing.objects[0].views["CAM_FRONT"], "CAM_FRONT") == []
+    )
+    diff = np.abs(
+        np.asarray(render_view(moving, "CAM_FRONT"), dtype=int)
+        - np.asarray(render_view(standing, "CAM_FRONT"), dtype=int)
+    ).sum(-1)
     u0, v0, u1, v1 = boxes[0]  # the farther copy: mostly outside the car's own box
     outside = [u for u in range(int(u0) + 1, int(u1)) if not box.u0 <= u <= box.u1]
     assert outside, "the trail must reach beyond the object's box"
@@ -446,8 +560,16 @@ def test_the_token_probe_lines_up_with_the_visual_tokens_and_trains(tiny_bank, t
     b = make_batch(bank, tok, cfg, recipe, random.Random(0))
     assert b.token_aux.shape == b.aux.shape  # one row per visual token, like the dense objective's
     assert (b.token_aux >= b.aux).all() and b.token_aux.sum() > 0  # its targets add the trails
-    assert make_batch(FrameBank(replace(recipe, token_probe_weight=0.0), cfg, tok, progress=False), tok, cfg,
-                      replace(recipe, token_probe_weight=0.0), random.Random(0)).token_aux is None
+    assert (
+        make_batch(
+            FrameBank(replace(recipe, token_probe_weight=0.0), cfg, tok, progress=False),
+            tok,
+            cfg,
+            replace(recipe, token_probe_weight=0.0),
+            random.Random(0),
+        ).token_aux
+        is None
+    )
     torch.manual_seed(0)
     model = VLM(cfg)
     head = torch.nn.Linear(cfg.text.hidden_size, len(aux_fields()))
@@ -455,8 +577,19 @@ def test_the_token_probe_lines_up_with_the_visual_tokens_and_trains(tiny_bank, t
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.multi_modal_projector.parameters())
     assert all(p.grad is None for p in model.language_model.parameters())
 
-    run = VLMRecipe(frames=3, steps=3, batch_frames=2, questions_per_frame=2, probe_frames=0, render_size=(200, 112),
-                    vocab_size=400, warmup=1, tokenizer_frames=40, token_probe_weight=1.0, vision_warmup=2)
+    run = VLMRecipe(
+        frames=3,
+        steps=3,
+        batch_frames=2,
+        questions_per_frame=2,
+        probe_frames=0,
+        render_size=(200, 112),
+        vocab_size=400,
+        warmup=1,
+        tokenizer_frames=40,
+        token_probe_weight=1.0,
+        vision_warmup=2,
+    )
     log = json.loads((train_vlm(tmp_path / "m", run, progress=False) / "train_log.json").read_text())
     assert log["steps"] == 3 and len(log["token_probe"]) == 1 and log["token_probe"][0] > 0
     assert len(log["loss"]) == 1  # two vision-only steps, then one with the answers
@@ -470,8 +603,17 @@ def test_averaging_two_stages_from_one_checkpoint_keeps_the_shared_lineage(tmp_p
     from litevlm.model.hf import load_native, save_native
     from litevlm.train.vlm import average_checkpoints
 
-    first = VLMRecipe(frames=3, steps=2, batch_frames=2, questions_per_frame=2, probe_frames=0, render_size=(200, 112),
-                      vocab_size=400, warmup=1, tokenizer_frames=40)
+    first = VLMRecipe(
+        frames=3,
+        steps=2,
+        batch_frames=2,
+        questions_per_frame=2,
+        probe_frames=0,
+        render_size=(200, 112),
+        vocab_size=400,
+        warmup=1,
+        tokenizer_frames=40,
+    )
     a = train_vlm(tmp_path / "a", first, progress=False)
     b = train_vlm(tmp_path / "b", replace(first, steps=2, init=str(a), lr=1e-3), progress=False)
     c = train_vlm(tmp_path / "c", replace(first, steps=3, init=str(a), lr=2e-3, seed=5), progress=False)
@@ -486,7 +628,9 @@ def test_averaging_two_stages_from_one_checkpoint_keeps_the_shared_lineage(tmp_p
     assert [s["checkpoint"] for s in meta["averaged"]] == [str(b), str(c)] and meta["steps"] == 5
     assert (tmp_path / "s" / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
 
-    d = train_vlm(tmp_path / "d", replace(first, steps=1, init=str(tmp_path / "s")), progress=False)  # continued from the mean
+    d = train_vlm(
+        tmp_path / "d", replace(first, steps=1, init=str(tmp_path / "s")), progress=False
+    )  # continued from the mean
     lineage = json.loads((d / "config.json").read_text())["lineage"]
     assert [s["steps"] for s in lineage] == [2, 5] and [s["steps"] for s in lineage[-1]["averaged"]] == [2, 3]
 
@@ -508,15 +652,34 @@ def test_averaging_two_stages_from_one_checkpoint_keeps_the_shared_lineage(tmp_p
 
 def test_the_model_card_lists_an_averaged_checkpoints_stages(tmp_path, benchmark_script):
     card = benchmark_script("drive_tiny_eval")
-    stage = lambda steps, lr, init: {"checkpoint": f"/runs/{steps}", "steps": steps, "train_seconds": 60.0 * steps,  # noqa: E731
-                                     "recipe": {"lr": lr, "init": init, "frames": 10, "seed": 0, "closed_weight": 3.0}, "looks_probe": None}
-    meta = {"litevlm": {"name": "x"}, "format": "litevlm", "lineage": [stage(7, 3e-4, None)],
-            "averaged": [stage(2, 1.2e-4, "/runs/7"), stage(3, 8e-5, "/runs/7")], "steps": 5, "train_seconds": 300.0}
+    stage = lambda steps, lr, init: {
+        "checkpoint": f"/runs/{steps}",
+        "steps": steps,
+        "train_seconds": 60.0 * steps,  # noqa: E731
+        "recipe": {"lr": lr, "init": init, "frames": 10, "seed": 0, "closed_weight": 3.0},
+        "looks_probe": None,
+    }
+    meta = {
+        "litevlm": {"name": "x"},
+        "format": "litevlm",
+        "lineage": [stage(7, 3e-4, None)],
+        "averaged": [stage(2, 1.2e-4, "/runs/7"), stage(3, 8e-5, "/runs/7")],
+        "steps": 5,
+        "train_seconds": 300.0,
+    }
     (tmp_path / "config.json").write_text(json.dumps(meta))
     scores = {"n": 4, "final": 0.5, "accuracy": 0.75, "language": 0.6, "match": 0.0, "closed_accuracy": 0.75}
-    result = {"full": scores, "blank": {**scores, "closed_accuracy": 0.25}, "data": "d", "pipeline": "views", "final_note": "no judge",
-              "per_family_closed": {"is_moving": 1.0}, "per_family_closed_blank": {"is_moving": 0.5}, "machine": "m",
-              "latency_ms": {**{s: 1.0 for s in card.STAGES}, "total": 5.0, "share": {s: 0.2 for s in card.STAGES}}}
+    result = {
+        "full": scores,
+        "blank": {**scores, "closed_accuracy": 0.25},
+        "data": "d",
+        "pipeline": "views",
+        "final_note": "no judge",
+        "per_family_closed": {"is_moving": 1.0},
+        "per_family_closed_blank": {"is_moving": 0.5},
+        "machine": "m",
+        "latency_ms": {**{s: 1.0 for s in card.STAGES}, "total": 5.0, "share": {s: 0.2 for s in card.STAGES}},
+    }
     card.write_card(tmp_path, result)
     text = (tmp_path / "MODEL.md").read_text()
     assert "element-wise mean of 2 stages" in text
@@ -526,8 +689,12 @@ def test_the_model_card_lists_an_averaged_checkpoints_stages(tmp_path, benchmark
     assert "| 1 | 7 |" in text
     # a stage continued from the mean: the averaged stages stay in its lineage, one row each
     averaged = meta.pop("averaged")
-    continued = {**meta, "lineage": [stage(7, 3e-4, None), {**stage(5, None, None), "averaged": averaged}],
-                 "recipe": {"lr": 5e-5, "init": "/runs/soup"}, "steps": 4}
+    continued = {
+        **meta,
+        "lineage": [stage(7, 3e-4, None), {**stage(5, None, None), "averaged": averaged}],
+        "recipe": {"lr": 5e-5, "init": "/runs/soup"},
+        "steps": 4,
+    }
     (tmp_path / "config.json").write_text(json.dumps(continued))
     card.write_card(tmp_path, result)
     rows = [line.split(" | ")[:2] for line in (tmp_path / "MODEL.md").read_text().splitlines() if line[2:3].isdigit()]
@@ -551,7 +718,9 @@ def test_light_contrasts_ask_the_other_colours_of_the_same_light():
             asked = next(s for s in LIGHT_STATES if qa.question.endswith(f" {s}?"))
             assert qa.answer == ("Yes." if asked == light else "No.")
             siblings = light_contrasts(frame, qa)
-            assert sorted(q.rsplit(" ", 1)[1] for q, _ in siblings) == sorted(f"{s}?" for s in LIGHT_STATES if s != asked)
+            assert sorted(q.rsplit(" ", 1)[1] for q, _ in siblings) == sorted(
+                f"{s}?" for s in LIGHT_STATES if s != asked
+            )
             for q, a in siblings:
                 assert q.rsplit(" ", 1)[0] == qa.question.rsplit(" ", 1)[0]
                 assert a == ("Yes." if q.endswith(f" {light}?") else "No.")

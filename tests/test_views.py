@@ -16,7 +16,14 @@ import torch
 
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
-from litevlm.select.views import ViewSelector, ViewSelectorConfig, add_views_parser, keep_mask, lexical_views, question_words
+from litevlm.select.views import (
+    ViewSelector,
+    ViewSelectorConfig,
+    add_views_parser,
+    keep_mask,
+    lexical_views,
+    question_words,
+)
 
 F, FL, FR, B, BL, BR = CAMERAS
 
@@ -31,28 +38,46 @@ EXPLICIT = [
     ("What is the status of the pedestrian that is to the back right of the ego car?", [BR]),
     # "front view"
     ("Is there any traffic element in the front view?", [F]),
-    ("Identify all the traffic elements in the front view, categorize them, determine their status, and predict the "
-     "bounding box around each one. The output should be a list formatted as (c, s, x1, y1, x2, y2), where c represents "
-     "the category, s denotes the status, and x1, y1, x2, y2 are the offsets of the top-left and bottom-right corners of "
-     "the box relative to the center point.", [F]),
+    (
+        "Identify all the traffic elements in the front view, categorize them, determine their status, and predict the "
+        "bounding box around each one. The output should be a list formatted as (c, s, x1, y1, x2, y2), where c represents "
+        "the category, s denotes the status, and x1, y1, x2, y2 are the offsets of the top-left and bottom-right corners of "
+        "the box relative to the center point.",
+        [F],
+    ),
     # c-tags: one, two (different cameras), three
     ("Would <c1,CAM_BACK,1088.3,497.5> be in the moving direction of the ego vehicle?", [B]),
-    ("Based on the observation of <c3,CAM_FRONT,1043.2,82.2>, what actions may <c1,CAM_BACK,1088.3,497.5> take?", [F, B]),
+    (
+        "Based on the observation of <c3,CAM_FRONT,1043.2,82.2>, what actions may <c1,CAM_BACK,1088.3,497.5> take?",
+        [F, B],
+    ),
     ("Will <c1,CAM_FRONT,812.4,470.0> be in the moving direction of <c2,CAM_FRONT_RIGHT,1210.8,520.2>?", [F, FR]),
     ("Will <c3,CAM_BACK_LEFT,640.1,502.3> change its motion state based on <c1,CAM_BACK,1088.3,497.5>?", [B, BL]),
-    ("What is the priority of <c1,CAM_FRONT,812.4,470.0>, <c2,CAM_BACK_RIGHT,300.2,510.9> and "
-     "<c3,CAM_FRONT_LEFT,402.0,455.5> for the ego vehicle?", [F, FL, BR]),
+    (
+        "What is the priority of <c1,CAM_FRONT,812.4,470.0>, <c2,CAM_BACK_RIGHT,300.2,510.9> and "
+        "<c3,CAM_FRONT_LEFT,402.0,455.5> for the ego vehicle?",
+        [F, FL, BR],
+    ),
     ("What is the observed status of object <c2,CAM_FRONT_LEFT,402.0,455.5>?", [FL]),
     ("What is the visual description of <c4,CAM_BACK_RIGHT,322.5,520.8>?", [BR]),
     ("Is <c2,CAM_FRONT_LEFT,402.0,455.5> a traffic sign or a road barrier?", [FL]),
-    ("What actions could the ego vehicle take based on <c1,CAM_FRONT,812.4,470.0>? Why take this action and what's the "
-     "probability?", [F]),
+    (
+        "What actions could the ego vehicle take based on <c1,CAM_FRONT,812.4,470.0>? Why take this action and what's the "
+        "probability?",
+        [F],
+    ),
     ("What actions taken by the ego vehicle can lead to a collision with <c2,CAM_FRONT_LEFT,402.0,455.5>?", [FL]),
     ("Is <c1,CAM_BACK,1088.3,497.5> an object that the ego vehicle should consider in the current scene?", [B]),
     # a motion ("turns left") and multiple-choice options ("Back up.") are not directions
-    ("What is the probability of colliding with <c1,CAM_FRONT_RIGHT,1210.8,520.2> after the ego vehicle turns left?", [FR]),
-    ("What is the moving status of object <c1,CAM_FRONT,812.4,470.0>? Please select the correct answer from the "
-     "following options: A. Back up. B. Turn left. C. Going ahead. D. Stopped.", [F]),
+    (
+        "What is the probability of colliding with <c1,CAM_FRONT_RIGHT,1210.8,520.2> after the ego vehicle turns left?",
+        [FR],
+    ),
+    (
+        "What is the moving status of object <c1,CAM_FRONT,812.4,470.0>? Please select the correct answer from the "
+        "following options: A. Back up. B. Turn left. C. Going ahead. D. Stopped.",
+        [F],
+    ),
     # our generator's other phrasings, and variants it never writes
     ("Is there a car behind us on the right?", [BR]),
     ("What objects are in the rear right camera?", [BR]),
@@ -128,8 +153,10 @@ def test_lexical_map_matches_the_generator_on_explicit_questions():
 
 
 def test_module_words_reduce_tags_and_options():
-    words = question_words("Based on <c3,CAM_FRONT,1043.2,82.2>, is 3.5 m far? Please select the correct answer from the "
-                           "following options: A. <c2,CAM_BACK_LEFT,1.0,2.0> B. Back up.")
+    words = question_words(
+        "Based on <c3,CAM_FRONT,1043.2,82.2>, is 3.5 m far? Please select the correct answer from the "
+        "following options: A. <c2,CAM_BACK_LEFT,1.0,2.0> B. Back up."
+    )
     assert words[:5] == ["[q]", "based", "on", "[tag]", "cam_front"]
     assert "[num]" in words and "back" not in words and words[-3:] == ["[options]", "[tag]", "cam_back_left"]
 
@@ -141,7 +168,9 @@ class StubSelector(ViewSelector):
     """The module replaced by fixed probabilities."""
 
     def __init__(self, probs: list[float], weight: float, threshold: float):
-        super().__init__(ViewSelectorConfig(width=8, layers=1, heads=1, ffn=8, buckets=16), weight=weight, threshold=threshold)
+        super().__init__(
+            ViewSelectorConfig(width=8, layers=1, heads=1, ffn=8, buckets=16), weight=weight, threshold=threshold
+        )
         self.fixed = torch.tensor(probs)
 
     def probabilities(self, questions, lexical=None, batch=256):
@@ -176,11 +205,13 @@ def test_lexical_only_selector():
 # A small trained selector
 # ------------------------------------------------------------------------------------------------
 # Implicit questions as `litevlm label-views` would label them with a language model (hybrid labels).
-LLM_LABELS = [(f"{lead} {verb} {side}{tail}", [FL, BL] if side == "left" else [FR, BR])
-              for lead in ("Is it safe to", "Can we", "Should the ego vehicle", "Is it a good idea to")
-              for verb in ("turn", "change lanes to the")
-              for side in ("left", "right")
-              for tail in ("?", " now?", " at this moment?")]
+LLM_LABELS = [
+    (f"{lead} {verb} {side}{tail}", [FL, BL] if side == "left" else [FR, BR])
+    for lead in ("Is it safe to", "Can we", "Should the ego vehicle", "Is it a good idea to")
+    for verb in ("turn", "change lanes to the")
+    for side in ("left", "right")
+    for tail in ("?", " now?", " at this moment?")
+]
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +222,22 @@ def trained(tmp_path_factory):
     labels = out / "llm_labels.jsonl"
     labels.write_text("".join(json.dumps({"question": q, "views": v, "source": "llm"}) + "\n" for q, v in LLM_LABELS))
     # Small and quick (two layers instead of four); the shipped recipe is ViewRecipe().
-    recipe = ViewRecipe(frames=100, val_frames=40, steps=250, batch=32, lr=5e-3, warmup=20, width=32, layers=2, heads=4,
-                        ffn=64, buckets=1024, dropout=0.0, salads=300, minutes=1.0)
+    recipe = ViewRecipe(
+        frames=100,
+        val_frames=40,
+        steps=250,
+        batch=32,
+        lr=5e-3,
+        warmup=20,
+        width=32,
+        layers=2,
+        heads=4,
+        ffn=64,
+        buckets=1024,
+        dropout=0.0,
+        salads=300,
+        minutes=1.0,
+    )
     path = train_view_selector(out, recipe, extra_labels=[labels], progress=False)
     return out, path
 
@@ -247,8 +292,16 @@ def test_save_load_round_trip_and_mismatch(trained, tmp_path):
 def test_views_command_prints_json_last(trained, capsys):
     parser = argparse.ArgumentParser()
     add_views_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["views", "--model", str(trained[0]), "--question",
-                              "Would <c1,CAM_BACK,1088.3,497.5> be in the moving direction of the ego vehicle?", "--json"])
+    args = parser.parse_args(
+        [
+            "views",
+            "--model",
+            str(trained[0]),
+            "--question",
+            "Would <c1,CAM_BACK,1088.3,497.5> be in the moving direction of the ego vehicle?",
+            "--json",
+        ]
+    )
     args.func(args)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["views"] == [B] and list(out["scores"]) == list(CAMERAS)

@@ -33,6 +33,7 @@ def check_camera(name: str) -> str:
         raise LiteVLMError(f"unknown camera {name!r}; expected one of {', '.join(CAMERAS)}")
     return name
 
+
 # DriveLM's direction words for each camera ("What are objects to the back left of the ego car?").
 DIRECTION: dict[str, str] = {
     "CAM_FRONT": "front",

@@ -103,7 +103,11 @@ class VLMConfig:
             self.text = TextConfig(**self.text)
         _require(self.downsample_ratio == 0.5, "downsample_ratio", "only pixel shuffle 0.5 is supported")
         for f in ("image_token_id", "img_start_id", "img_end_id", "eos_token_id", "pad_token_id"):
-            _require(0 <= getattr(self, f) < self.text.vocab_size, f, f"must be a token id below vocab_size={self.text.vocab_size}")
+            _require(
+                0 <= getattr(self, f) < self.text.vocab_size,
+                f,
+                f"must be a token id below vocab_size={self.text.vocab_size}",
+            )
         _require(self.tiles_per_view in (1, 2), "tiles_per_view", "must be 1 or 2")
         _require(self.projector_act in ("gelu", "quick_gelu", "gelu_pytorch_tanh"), "projector_act", "unsupported")
 
@@ -119,7 +123,7 @@ class VLMConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "VLMConfig":
+    def from_dict(cls, d: dict) -> VLMConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -141,7 +145,11 @@ PRESETS: dict[str, callable] = {
     "internvl2.5-2b": lambda: VLMConfig(
         vision=_internvit_300m(),
         text=TextConfig(92553, 2048, 24, 16, 8, 8192, norm_eps=1e-5, qkv_bias=False, arch="llama"),
-        image_token_id=92546, img_start_id=92544, img_end_id=92545, eos_token_id=92542, pad_token_id=2,
+        image_token_id=92546,
+        img_start_id=92544,
+        img_end_id=92545,
+        eos_token_id=92542,
+        pad_token_id=2,
         name="internvl2.5-2b",
     ),
     "internvl3-1b": lambda: VLMConfig(

@@ -58,8 +58,14 @@ def pick_questions(qas, n: int):
     return picked
 
 
-def run_demo(model: str = "drive-tiny", out: str = "demo.png", seed: int = 2026, n_questions: int = 6, as_json: bool = False,
-             select_views: bool = False) -> dict:
+def run_demo(
+    model: str = "drive-tiny",
+    out: str = "demo.png",
+    seed: int = 2026,
+    n_questions: int = 6,
+    as_json: bool = False,
+    select_views: bool = False,
+) -> dict:
     from litevlm.data.synthetic import make_frame, render_views
 
     grid_path(out)  # a bad --out fails before the model loads
@@ -71,21 +77,37 @@ def run_demo(model: str = "drive-tiny", out: str = "demo.png", seed: int = 2026,
     rows = []
     for qa in pick_questions(frame.qas, n_questions):
         ans = pipe.answer(qa.question, images)
-        rows.append({"category": qa.category, "question": qa.question, "answer": ans.text, "truth": qa.answer,
-                     "views": ans.views, "timings_ms": ans.timings_ms})
+        rows.append(
+            {
+                "category": qa.category,
+                "question": qa.question,
+                "answer": ans.text,
+                "truth": qa.answer,
+                "views": ans.views,
+                "timings_ms": ans.timings_ms,
+            }
+        )
         if not as_json:
             mark = "ok " if ans.text.strip() == qa.answer.strip() else "   "
             print(f"[{qa.category}] {qa.question}")
             print(f"  {mark}model: {ans.text}")
             print(f"     truth: {qa.answer}")
     med = {s: statistics.median(r["timings_ms"].get(s, 0.0) for r in rows) for s in (*STAGES, "total", "preprocess")}
-    result = {"model": pipe.name, "picture": str(grid), "questions": rows, "median_ms": med,
-              "exact": sum(r["answer"].strip() == r["truth"].strip() for r in rows), "n": len(rows)}
+    result = {
+        "model": pipe.name,
+        "picture": str(grid),
+        "questions": rows,
+        "median_ms": med,
+        "exact": sum(r["answer"].strip() == r["truth"].strip() for r in rows),
+        "n": len(rows),
+    }
     if as_json:
         print(json.dumps(result, separators=(",", ":")))
     else:
         views = statistics.fmean(len(r["views"]) for r in rows)
-        print(f"\n{result['exact']}/{len(rows)} answers exactly equal to the ground truth; {views:.1f} of {len(CAMERAS)} views per question")
+        print(
+            f"\n{result['exact']}/{len(rows)} answers exactly equal to the ground truth; {views:.1f} of {len(CAMERAS)} views per question"
+        )
         print(f"picture of the six views: {grid}\n")
         print("stage latency (median over questions, ms, this machine):")
         total = med["total"] or 1.0

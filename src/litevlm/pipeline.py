@@ -11,9 +11,9 @@ decoding and resizing are reported apart as `preprocess`).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
@@ -173,7 +173,7 @@ class Pipeline:
         fp8: str | None = None,
         matmul: str = "fp32",
         **options,
-    ) -> "Pipeline":
+    ) -> Pipeline:
         """A pipeline over a bundled model ("drive-tiny") or a checkpoint directory.
 
         select_views: use the model's ViewSelector (model_dir/view_selector).
@@ -204,7 +204,9 @@ class Pipeline:
             from litevlm.quant.fp8 import FP8Recipe, quantize_model
 
             if fp8 != "fp8-dynamic-per-row":
-                raise LiteVLMError(f"fp8={fp8!r}: only fp8-dynamic-per-row applies at load; static scales come from `litevlm quantize`")
+                raise LiteVLMError(
+                    f"fp8={fp8!r}: only fp8-dynamic-per-row applies at load; static scales come from `litevlm quantize`"
+                )
             quantize_model(model, FP8Recipe(fp8))
         if matmul not in ("fp32", "bf16"):
             raise LiteVLMError(f"matmul={matmul!r}: use fp32 or bf16")
@@ -231,13 +233,15 @@ class Pipeline:
             parts["draft"] = DraftHead.load(_part(path, "draft"), model).to(device=device)
             default = TreeConfig()
             parts["tree"] = TreeConfig(
-                top_k=tree_top_k or default.top_k, depth=tree_depth or default.depth, total_tokens=tree_total or 0,  # 0: derived
+                top_k=tree_top_k or default.top_k,
+                depth=tree_depth or default.depth,
+                total_tokens=tree_total or 0,  # 0: derived
                 min_value=default.min_value if tree_min_value is None else tree_min_value,
             )
         return cls(model, Tokenizer.from_dir(path), name=path.name, **parts, **options)
 
     @classmethod
-    def from_hf(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32", **options) -> "Pipeline":
+    def from_hf(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32", **options) -> Pipeline:
         from litevlm.data.tokenizer import Tokenizer
         from litevlm.model.hf import load_hf
 
@@ -252,7 +256,9 @@ class Pipeline:
         if self.view_selector is not None:
             parts.append("views")
         if self.token_selector is not None:
-            parts.append(f"tokens r={self.keep_ratio}" + (f" from {self.min_select_tokens}" if self.min_select_tokens else ""))
+            parts.append(
+                f"tokens r={self.keep_ratio}" + (f" from {self.min_select_tokens}" if self.min_select_tokens else "")
+            )
         if self.fastv is not None:
             parts.append(f"fastv K={self.fastv[0]} r={self.fastv[1]}")
         if self.draft is not None:
@@ -292,13 +298,20 @@ class Pipeline:
         with timer("select_views"):
             views = self.select_views(question)
         with timer("preprocess"):
-            pixels = torch.cat([image_to_tiles(load_image(images[c]), self.cfg.vision.image_size, self.cfg.tiles_per_view) for c in views])
+            pixels = torch.cat(
+                [
+                    image_to_tiles(load_image(images[c]), self.cfg.vision.image_size, self.cfg.tiles_per_view)
+                    for c in views
+                ]
+            )
             pixels = pixels.to(self.model.device)
         with timer("vit"):
             visual = self.model.encode_tiles(pixels)  # (tiles, tokens_per_tile, C)
         layout = build_prompt(self.tokenizer, question, views, self.tokens_per_view)
         ids = torch.tensor([layout.ids], device=self.model.device)
-        return Prompt(views, layout.view_spans, ids, self.model.embed(ids, visual), int(visual.shape[0] * visual.shape[1]))
+        return Prompt(
+            views, layout.view_spans, ids, self.model.embed(ids, visual), int(visual.shape[0] * visual.shape[1])
+        )
 
     @torch.no_grad()
     def answer(self, question: str, images: Mapping) -> Answer:
@@ -322,8 +335,18 @@ class Pipeline:
                 )
                 n_visual -= ids.shape[1] - kept.numel()
         if inside:  # selection inside the decoder: layer 0 once on the whole prompt, the rest on the kept tokens
-            pre = self.token_selector.prefill(self.model, embeds, positions, p.view_spans, self.keep_ratio, question=question, timer=timer,
-                                              opening=self._opening(question), eos_id=self.stop_id, limit=self.max_new_tokens)
+            pre = self.token_selector.prefill(
+                self.model,
+                embeds,
+                positions,
+                p.view_spans,
+                self.keep_ratio,
+                question=question,
+                timer=timer,
+                opening=self._opening(question),
+                eos_id=self.stop_id,
+                limit=self.max_new_tokens,
+            )
             prefilled = pre.prefilled(embeds, positions)
         gen = self._generate(embeds, positions, p.view_spans, timer, prefilled, question)
         if self.fastv is not None or prefilled is not None:
@@ -356,8 +379,17 @@ class Pipeline:
         if self.draft is not None:
             from litevlm.spec.decode import speculative_generate
 
-            return speculative_generate(self.model, self.draft, embeds, positions, *args, tree=self.tree, prefilled=prefilled,
-                                        verify=self._graphed_verify(), opening=self._opening(question))
+            return speculative_generate(
+                self.model,
+                self.draft,
+                embeds,
+                positions,
+                *args,
+                tree=self.tree,
+                prefilled=prefilled,
+                verify=self._graphed_verify(),
+                opening=self._opening(question),
+            )
         return generate(self.model, embeds, positions, *args, step=self._decode_step(), prefilled=prefilled)
 
     def _opening(self, question: str):
@@ -424,7 +456,9 @@ def images_from_dir(folder: str | Path) -> dict[str, Path]:
     images = {}
     for f in files:
         if f.stem not in CAMERAS:
-            raise LiteVLMError(f"{f.name}: unknown camera name {f.stem!r}; name images {', '.join(c + '.png' for c in CAMERAS)}")
+            raise LiteVLMError(
+                f"{f.name}: unknown camera name {f.stem!r}; name images {', '.join(c + '.png' for c in CAMERAS)}"
+            )
         images[f.stem] = f
     missing = [c for c in CAMERAS if c not in images]
     if missing:
@@ -433,7 +467,14 @@ def images_from_dir(folder: str | Path) -> dict[str, Path]:
 
 
 def _dtype(name: str) -> torch.dtype:
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in table:
         raise LiteVLMError(f"unknown dtype {name!r}; use one of {', '.join(table)}")
     return table[name]

@@ -32,9 +32,10 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
@@ -60,15 +61,23 @@ _SCHEME = re.compile(r"^([a-z][a-z0-9+.\-]*):", re.IGNORECASE)
 # ------------------------------------------------------------------------------------------------
 # Errors: every refusal is an APIError rendered as OpenAI's {"error": {...}} body
 # ------------------------------------------------------------------------------------------------
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 504: "timeout_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    504: "timeout_error",
+}
 
 
 class APIError(Exception):
     """A request the server refuses: HTTP status, a message saying what to fix, a stable code."""
 
-    def __init__(self, status: int, message: str, *, code: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self, status: int, message: str, *, code: str, param: str | None = None, headers: dict[str, str] | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.headers = headers or {}
@@ -84,8 +93,15 @@ def _short(value: Any, n: int = 60) -> str:
 
 
 def _type_name(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number",
-            type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -133,7 +149,9 @@ class ChatRequest:
     seed: int | None = None
 
 
-def parse_chat_request(body: bytes, *, model_name: str, limits: Limits, check_question: Callable[[str], Any] | None = None) -> ChatRequest:
+def parse_chat_request(
+    body: bytes, *, model_name: str, limits: Limits, check_question: Callable[[str], Any] | None = None
+) -> ChatRequest:
     """Validate a chat-completions body; raise APIError naming the first problem found."""
     try:
         data = json.loads(body.decode("utf-8"))
@@ -148,17 +166,27 @@ def parse_chat_request(body: bytes, *, model_name: str, limits: Limits, check_qu
     if not isinstance(model, str) or not model:
         raise APIError(400, f"`model` is required: a string, here {model_name!r}", code="invalid_type", param="model")
     if model != model_name:
-        raise APIError(404, f"the model {_short(model)!r} does not exist; this server serves {model_name!r} (GET /v1/models)",
-                       code="model_not_found", param="model")
+        raise APIError(
+            404,
+            f"the model {_short(model)!r} does not exist; this server serves {model_name!r} (GET /v1/models)",
+            code="model_not_found",
+            param="model",
+        )
     for key in UNSUPPORTED:
         if data.get(key) not in (None, [], ""):
             raise APIError(400, f"`{key}` is not supported by this server", code="unsupported_parameter", param=key)
     if data.get("logprobs") not in (None, False):
-        raise APIError(400, "`logprobs` is not supported by this server", code="unsupported_parameter", param="logprobs")
+        raise APIError(
+            400, "`logprobs` is not supported by this server", code="unsupported_parameter", param="logprobs"
+        )
     fmt = data.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError(400, "`response_format` must be {'type': 'text'}: structured output is not supported",
-                       code="unsupported_parameter", param="response_format")
+        raise APIError(
+            400,
+            "`response_format` must be {'type': 'text'}: structured output is not supported",
+            code="unsupported_parameter",
+            param="response_format",
+        )
 
     req = ChatRequest(question="", images={})
     req.stream = _optional(data, "stream", bool, False)
@@ -181,11 +209,19 @@ def parse_chat_request(body: bytes, *, model_name: str, limits: Limits, check_qu
 
     question, urls = _parse_messages(data.get("messages"), limits)
     if len(question) > limits.max_prompt_chars:
-        raise APIError(400, f"the question is {len(question)} characters long; the limit is {limits.max_prompt_chars}",
-                       code="prompt_too_long", param="messages")
+        raise APIError(
+            400,
+            f"the question is {len(question)} characters long; the limit is {limits.max_prompt_chars}",
+            code="prompt_too_long",
+            param="messages",
+        )
     if not question:
-        raise APIError(400, "the question is empty: add a text part asking something about the scene",
-                       code="invalid_prompt", param="messages")
+        raise APIError(
+            400,
+            "the question is empty: add a text part asking something about the scene",
+            code="invalid_prompt",
+            param="messages",
+        )
     if check_question is not None:
         try:
             check_question(question)
@@ -202,8 +238,12 @@ def _optional(obj: dict, key: str, kind: type, default, where: str = ""):
         return default
     # bool is an int in Python; JSON true is not a count.
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise APIError(400, f"`{where}{key}` must be {_type_name(kind())}, got {_type_name(value)}",
-                       code="invalid_type", param=where + key)
+        raise APIError(
+            400,
+            f"`{where}{key}` must be {_type_name(kind())}, got {_type_name(value)}",
+            code="invalid_type",
+            param=where + key,
+        )
     return value
 
 
@@ -215,8 +255,12 @@ def _number(obj: dict, key: str, low: float, high: float, open_low: bool = False
         raise APIError(400, f"`{key}` must be a number, got {_type_name(value)}", code="invalid_type", param=key)
     ok = (low < value if open_low else low <= value) and value <= high  # NaN fails both
     if not ok:
-        raise APIError(400, f"`{key}` must be in {'(' if open_low else '['}{low}, {high}], got {value}",
-                       code="invalid_value", param=key)
+        raise APIError(
+            400,
+            f"`{key}` must be in {'(' if open_low else '['}{low}, {high}], got {value}",
+            code="invalid_value",
+            param=key,
+        )
     return float(value)
 
 
@@ -225,32 +269,55 @@ def _content_parts(content, where: str) -> list[tuple[str, str, str]]:
     if isinstance(content, str):
         return [("text", content, where)]
     if not isinstance(content, list):
-        raise APIError(400, f"`{where}` must be a string or an array of content parts, got {_type_name(content)}",
-                       code="invalid_type", param=where)
+        raise APIError(
+            400,
+            f"`{where}` must be a string or an array of content parts, got {_type_name(content)}",
+            code="invalid_type",
+            param=where,
+        )
     if len(content) > MAX_PARTS:
-        raise APIError(400, f"`{where}` has {len(content)} parts; the limit is {MAX_PARTS}", code="invalid_value", param=where)
+        raise APIError(
+            400, f"`{where}` has {len(content)} parts; the limit is {MAX_PARTS}", code="invalid_value", param=where
+        )
     parts = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise APIError(400, f"`{at}` must be an object with a string `type` ('text' or 'image_url'), got {_short(part)}",
-                           code="invalid_type", param=at)
+            raise APIError(
+                400,
+                f"`{at}` must be an object with a string `type` ('text' or 'image_url'), got {_short(part)}",
+                code="invalid_type",
+                param=at,
+            )
         kind = part["type"]
         if kind == "text":
             text = part.get("text")
             if not isinstance(text, str):
-                raise APIError(400, f"`{at}.text` must be a string, got {_type_name(text)}", code="invalid_type", param=at + ".text")
+                raise APIError(
+                    400,
+                    f"`{at}.text` must be a string, got {_type_name(text)}",
+                    code="invalid_type",
+                    param=at + ".text",
+                )
             parts.append(("text", text, at))
         elif kind == "image_url":
             image = part.get("image_url")
             url = image.get("url") if isinstance(image, dict) else image
             if not isinstance(url, str):
-                raise APIError(400, f"`{at}.image_url.url` must be a string (a base64 data URL), got {_type_name(url)}",
-                               code="invalid_type", param=at + ".image_url.url")
+                raise APIError(
+                    400,
+                    f"`{at}.image_url.url` must be a string (a base64 data URL), got {_type_name(url)}",
+                    code="invalid_type",
+                    param=at + ".image_url.url",
+                )
             parts.append(("image", url, at + ".image_url.url"))
         else:
-            raise APIError(400, f"`{at}.type` {_short(kind)!r} is not supported: use 'text' and 'image_url' parts",
-                           code="unsupported_content", param=at + ".type")
+            raise APIError(
+                400,
+                f"`{at}.type` {_short(kind)!r} is not supported: use 'text' and 'image_url' parts",
+                code="unsupported_content",
+                param=at + ".type",
+            )
     return parts
 
 
@@ -261,8 +328,12 @@ def _camera_label(text: str, where: str) -> str | None:
         return None
     cam = m.group(1).upper()
     if cam not in CAMERAS:
-        raise APIError(400, f"`{where}`: unknown camera {m.group(1)!r}; name each image with one of {', '.join(CAMERAS)}",
-                       code="unknown_camera", param=where)
+        raise APIError(
+            400,
+            f"`{where}`: unknown camera {m.group(1)!r}; name each image with one of {', '.join(CAMERAS)}",
+            code="unknown_camera",
+            param=where,
+        )
     return cam
 
 
@@ -272,32 +343,63 @@ def _parse_messages(messages, limits: Limits) -> tuple[str, dict[str, tuple[str,
     The pipeline answers one question about one set of views, so earlier messages (system prompts,
     previous turns) are checked for shape but not used, and may not carry images."""
     if not isinstance(messages, list) or not messages:
-        raise APIError(400, "`messages` must be a non-empty array of {role, content} objects", code="invalid_type", param="messages")
+        raise APIError(
+            400,
+            "`messages` must be a non-empty array of {role, content} objects",
+            code="invalid_type",
+            param="messages",
+        )
     if len(messages) > MAX_MESSAGES:
-        raise APIError(400, f"`messages` has {len(messages)} entries; the limit is {MAX_MESSAGES}", code="invalid_value", param="messages")
+        raise APIError(
+            400,
+            f"`messages` has {len(messages)} entries; the limit is {MAX_MESSAGES}",
+            code="invalid_value",
+            param="messages",
+        )
     parts: list[tuple[str, str, str]] = []
     for i, m in enumerate(messages):
         at = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise APIError(400, f"`{at}` must be an object with `role` and `content`, got {_type_name(m)}", code="invalid_type", param=at)
+            raise APIError(
+                400,
+                f"`{at}` must be an object with `role` and `content`, got {_type_name(m)}",
+                code="invalid_type",
+                param=at,
+            )
         if m.get("role") not in ROLES:
-            raise APIError(400, f"`{at}.role` must be one of {', '.join(ROLES)}, got {_short(m.get('role'))}",
-                           code="invalid_value", param=at + ".role")
+            raise APIError(
+                400,
+                f"`{at}.role` must be one of {', '.join(ROLES)}, got {_short(m.get('role'))}",
+                code="invalid_value",
+                param=at + ".role",
+            )
         last = i == len(messages) - 1
         if last and m["role"] != "user":
-            raise APIError(400, f"the last message must be the user's question, got role {m['role']!r}",
-                           code="invalid_value", param=at + ".role")
+            raise APIError(
+                400,
+                f"the last message must be the user's question, got role {m['role']!r}",
+                code="invalid_value",
+                param=at + ".role",
+            )
         if m.get("content") is None and not last:
             continue  # e.g. an assistant turn that only called a tool
         parts = _content_parts(m.get("content"), at + ".content")
         if not last and any(kind == "image" for kind, _, _ in parts):
-            raise APIError(400, f"`{at}` carries an image: images belong in the last (user) message",
-                           code="invalid_value", param=at + ".content")
+            raise APIError(
+                400,
+                f"`{at}` carries an image: images belong in the last (user) message",
+                code="invalid_value",
+                param=at + ".content",
+            )
 
     n_images = sum(kind == "image" for kind, _, _ in parts)
     if n_images > limits.max_images:
-        raise APIError(400, f"{n_images} images in one request; the limit is {limits.max_images} (one per camera)",
-                       code="too_many_images", param="messages")
+        raise APIError(
+            400,
+            f"{n_images} images in one request; the limit is {limits.max_images} (one per camera)",
+            code="too_many_images",
+            param="messages",
+        )
     named: dict[str, tuple[str, str]] = {}
     unnamed: list[tuple[str, str]] = []
     texts: list[str] = []
@@ -305,8 +407,12 @@ def _parse_messages(messages, limits: Limits) -> tuple[str, dict[str, tuple[str,
     for kind, value, where in parts:
         cam = _camera_label(value, where) if kind == "text" else None
         if label is not None and kind == "text":
-            raise APIError(400, f"`{label[1]}` names camera {label[0]} but the next part is not an image",
-                           code="invalid_value", param=label[1])
+            raise APIError(
+                400,
+                f"`{label[1]}` names camera {label[0]} but the next part is not an image",
+                code="invalid_value",
+                param=label[1],
+            )
         if cam is not None:
             label = (cam, where)
         elif kind == "text":
@@ -314,20 +420,29 @@ def _parse_messages(messages, limits: Limits) -> tuple[str, dict[str, tuple[str,
                 texts.append(value.strip())
         elif label is not None:
             if label[0] in named:
-                raise APIError(400, f"`{label[1]}`: camera {label[0]} is given twice", code="duplicate_camera", param=label[1])
+                raise APIError(
+                    400, f"`{label[1]}`: camera {label[0]} is given twice", code="duplicate_camera", param=label[1]
+                )
             named[label[0]] = (value, where)
             label = None
         else:
             unnamed.append((value, where))
     if label is not None:
-        raise APIError(400, f"`{label[1]}` names camera {label[0]} but no image follows it", code="invalid_value", param=label[1])
+        raise APIError(
+            400, f"`{label[1]}` names camera {label[0]} but no image follows it", code="invalid_value", param=label[1]
+        )
     free = [c for c in CAMERAS if c not in named]
     named.update(zip(free, unnamed))  # unnamed images take the cameras left, in nuScenes order
     missing = [c for c in CAMERAS if c not in named]
     if missing:
-        raise APIError(400, f"{len(named)} camera images given, missing {', '.join(missing)}: this model needs all "
-                       f"{len(CAMERAS)} views. Name each image with a text part before it (e.g. 'CAM_BACK'); unnamed "
-                       f"images are taken in nuScenes order ({', '.join(CAMERAS)})", code="missing_cameras", param="messages")
+        raise APIError(
+            400,
+            f"{len(named)} camera images given, missing {', '.join(missing)}: this model needs all "
+            f"{len(CAMERAS)} views. Name each image with a text part before it (e.g. 'CAM_BACK'); unnamed "
+            f"images are taken in nuScenes order ({', '.join(CAMERAS)})",
+            code="missing_cameras",
+            param="messages",
+        )
     return " ".join(texts), {c: named[c] for c in CAMERAS}
 
 
@@ -343,23 +458,39 @@ def _decode_data_url(url: str, where: str, max_pixels: int) -> bytes:
             got = "a file path"
         else:
             got = "a string that is not a data URL"
-        raise APIError(400, f"`{where}` must be a base64 data URL (data:image/png;base64,...); got {got} "
-                       f"{_short(url)!r}. This server never fetches URLs and never reads files named in a request.",
-                       code="image_url_not_allowed", param=where)
+        raise APIError(
+            400,
+            f"`{where}` must be a base64 data URL (data:image/png;base64,...); got {got} "
+            f"{_short(url)!r}. This server never fetches URLs and never reads files named in a request.",
+            code="image_url_not_allowed",
+            param=where,
+        )
     meta, comma, payload = url.partition(",")
     if not comma:
-        raise APIError(400, f"`{where}`: malformed data URL (no comma before the data)", code="invalid_image", param=where)
+        raise APIError(
+            400, f"`{where}`: malformed data URL (no comma before the data)", code="invalid_image", param=where
+        )
     fields = [f.strip().lower() for f in meta[5:].split(";")]
     if fields[0] and not fields[0].startswith("image/"):
-        raise APIError(400, f"`{where}`: the data URL's media type must be image/*, got {_short(fields[0])!r}",
-                       code="invalid_image", param=where)
+        raise APIError(
+            400,
+            f"`{where}`: the data URL's media type must be image/*, got {_short(fields[0])!r}",
+            code="invalid_image",
+            param=where,
+        )
     if "base64" not in fields[1:]:
-        raise APIError(400, f"`{where}`: the data URL must be base64-encoded (data:image/png;base64,...)",
-                       code="invalid_image", param=where)
+        raise APIError(
+            400,
+            f"`{where}`: the data URL must be base64-encoded (data:image/png;base64,...)",
+            code="invalid_image",
+            param=where,
+        )
     try:
         raw = base64.b64decode("".join(payload.split()), validate=True)  # line-wrapped base64 is fine
     except (binascii.Error, ValueError) as e:
-        raise APIError(400, f"`{where}`: the image's base64 is invalid ({e})", code="invalid_image", param=where) from None
+        raise APIError(
+            400, f"`{where}`: the image's base64 is invalid ({e})", code="invalid_image", param=where
+        ) from None
     if not raw:
         raise APIError(400, f"`{where}`: the image is empty", code="invalid_image", param=where)
     _open_image(raw, where, max_pixels).close()
@@ -375,13 +506,21 @@ def _open_image(raw: bytes, where: str, max_pixels: int):
     except Image.DecompressionBombError as e:
         raise APIError(400, f"`{where}`: {e}", code="image_too_large", param=where) from None
     except Exception as e:  # untrusted bytes: any decoder failure is the client's bad image
-        raise APIError(400, f"`{where}`: not a readable {'/'.join(IMAGE_FORMATS)} image ({_short(str(e), 100)})",
-                       code="invalid_image", param=where) from None
+        raise APIError(
+            400,
+            f"`{where}`: not a readable {'/'.join(IMAGE_FORMATS)} image ({_short(str(e), 100)})",
+            code="invalid_image",
+            param=where,
+        ) from None
     w, h = im.size
     if w < 1 or h < 1 or w * h > max_pixels:
         im.close()
-        raise APIError(400, f"`{where}`: the image is {w}x{h} = {w * h} pixels; the limit is {max_pixels}",
-                       code="image_too_large", param=where)
+        raise APIError(
+            400,
+            f"`{where}`: the image is {w}x{h} = {w * h} pixels; the limit is {max_pixels}",
+            code="image_too_large",
+            param=where,
+        )
     return im
 
 
@@ -392,8 +531,12 @@ def decode_image(raw: bytes, where: str, max_pixels: int):
         im.load()
         return im.convert("RGB")
     except Exception as e:  # untrusted bytes, as above
-        raise APIError(400, f"`{where}`: the image data is corrupt or truncated ({_short(str(e), 100)})",
-                       code="invalid_image", param=where) from None
+        raise APIError(
+            400,
+            f"`{where}`: the image data is corrupt or truncated ({_short(str(e), 100)})",
+            code="invalid_image",
+            param=where,
+        ) from None
     finally:
         im.close()
 
@@ -453,7 +596,9 @@ class Metrics:
         with self._lock:
             self.errors[code] = self.errors.get(code, 0) + 1
 
-    def observe_answer(self, timings_ms: dict[str, float], queue_s: float, prompt_tokens: int, completion_tokens: int) -> None:
+    def observe_answer(
+        self, timings_ms: dict[str, float], queue_s: float, prompt_tokens: int, completion_tokens: int
+    ) -> None:
         with self._lock:
             for stage, ms in timings_ms.items():
                 self.stages.setdefault(stage, _Histogram()).observe(ms / 1000.0)
@@ -467,26 +612,38 @@ class Metrics:
 
     def render(self, gauges: dict[str, tuple[str, float]]) -> str:
         with self._lock:
-            out = ["# HELP litevlm_requests_total HTTP requests answered, by endpoint and status code.",
-                   "# TYPE litevlm_requests_total counter"]
+            out = [
+                "# HELP litevlm_requests_total HTTP requests answered, by endpoint and status code.",
+                "# TYPE litevlm_requests_total counter",
+            ]
             for (endpoint, status), n in sorted(self.requests.items()):
                 out.append(f'litevlm_requests_total{{endpoint="{_label(endpoint)}",status="{status}"}} {n}')
-            out += ["# HELP litevlm_errors_total Refused or failed chat requests, by error code.",
-                    "# TYPE litevlm_errors_total counter"]
+            out += [
+                "# HELP litevlm_errors_total Refused or failed chat requests, by error code.",
+                "# TYPE litevlm_errors_total counter",
+            ]
             for code, n in sorted(self.errors.items()):
                 out.append(f'litevlm_errors_total{{code="{_label(code)}"}} {n}')
-            out += ["# HELP litevlm_stage_latency_seconds Pipeline stage wall time per answered request.",
-                    "# TYPE litevlm_stage_latency_seconds histogram"]
+            out += [
+                "# HELP litevlm_stage_latency_seconds Pipeline stage wall time per answered request.",
+                "# TYPE litevlm_stage_latency_seconds histogram",
+            ]
             for stage, h in self.stages.items():
                 out += h.lines("litevlm_stage_latency_seconds", f'stage="{_label(stage)}"')
-            out += ["# HELP litevlm_queue_wait_seconds Time from admission until the model starts on a request.",
-                    "# TYPE litevlm_queue_wait_seconds histogram"]
+            out += [
+                "# HELP litevlm_queue_wait_seconds Time from admission until the model starts on a request.",
+                "# TYPE litevlm_queue_wait_seconds histogram",
+            ]
             out += self.queue_wait.lines("litevlm_queue_wait_seconds", "")
-            out += ["# HELP litevlm_request_latency_seconds Chat request time from arrival to a finished answer.",
-                    "# TYPE litevlm_request_latency_seconds histogram"]
+            out += [
+                "# HELP litevlm_request_latency_seconds Chat request time from arrival to a finished answer.",
+                "# TYPE litevlm_request_latency_seconds histogram",
+            ]
             out += self.request_latency.lines("litevlm_request_latency_seconds", "")
-            for name, value, help_ in (("litevlm_prompt_tokens_total", self.prompt_tokens, "Prompt tokens prefilled."),
-                                       ("litevlm_completion_tokens_total", self.completion_tokens, "Tokens generated.")):
+            for name, value, help_ in (
+                ("litevlm_prompt_tokens_total", self.prompt_tokens, "Prompt tokens prefilled."),
+                ("litevlm_completion_tokens_total", self.completion_tokens, "Tokens generated."),
+            ):
                 out += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
         for name, (help_, value) in gauges.items():
             out += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {value:g}"]
@@ -511,7 +668,9 @@ class _Worker:
     pipe: Any
     limits: Limits
     metrics: Metrics
-    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="litevlm-model"))
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="litevlm-model")
+    )
     pending: int = 0  # admitted and not finished; touched only on the event loop
     service_ema_s: float = 0.0
 
@@ -523,9 +682,13 @@ class _Worker:
         """429 with Retry-After (whole seconds, and OpenAI's retry-after-ms) when the queue is full."""
         if self.pending >= self.limits.max_queue + 1:
             wait = self.retry_after_s()
-            raise APIError(429, f"the server is busy: {self.pending} requests in flight, the queue holds "
-                           f"{self.limits.max_queue}; retry after {wait:.2f} s", code="queue_full",
-                           headers={"Retry-After": str(math.ceil(wait)), "retry-after-ms": str(int(wait * 1000))})
+            raise APIError(
+                429,
+                f"the server is busy: {self.pending} requests in flight, the queue holds "
+                f"{self.limits.max_queue}; retry after {wait:.2f} s",
+                code="queue_full",
+                headers={"Retry-After": str(math.ceil(wait)), "retry-after-ms": str(int(wait * 1000))},
+            )
 
     async def answer(self, req: ChatRequest):
         self.check_capacity()
@@ -544,8 +707,12 @@ class _Worker:
         except asyncio.TimeoutError:
             if job is not None:
                 job.abandoned = True
-            raise APIError(504, f"no answer within the server's {self.limits.timeout_s:g} s timeout; the server is "
-                           "overloaded or the request is too large", code="timeout") from None
+            raise APIError(
+                504,
+                f"no answer within the server's {self.limits.timeout_s:g} s timeout; the server is "
+                "overloaded or the request is too large",
+                code="timeout",
+            ) from None
         except asyncio.CancelledError:
             if job is not None:
                 job.abandoned = True
@@ -560,7 +727,9 @@ class _Worker:
     def _finished(self, fut, job: _Job) -> None:
         self.pending -= 1
         if job.service_s:
-            self.service_ema_s = job.service_s if not self.service_ema_s else 0.8 * self.service_ema_s + 0.2 * job.service_s
+            self.service_ema_s = (
+                job.service_s if not self.service_ema_s else 0.8 * self.service_ema_s + 0.2 * job.service_s
+            )
         if not fut.cancelled():
             fut.exception()  # an abandoned job's error is retrieved here, not logged as "never retrieved"
 
@@ -573,7 +742,9 @@ class _Worker:
         job.queue_s = start - job.admitted
         pipe, req = self.pipe, job.req
         overrides: dict[str, Any] = {}
-        if req.max_tokens is not None:  # above the server's --max-new-tokens it is clamped (the KV cache is sized for it)
+        if (
+            req.max_tokens is not None
+        ):  # above the server's --max-new-tokens it is clamped (the KV cache is sized for it)
             overrides["max_new_tokens"] = min(req.max_tokens, pipe.max_new_tokens)
         if req.temperature is not None:
             overrides["temperature"] = req.temperature
@@ -609,8 +780,11 @@ def _finish_reason(pipe, ans) -> str:
 
 
 def _usage(ans) -> dict:
-    return {"prompt_tokens": ans.input_tokens, "completion_tokens": len(ans.tokens),
-            "total_tokens": ans.input_tokens + len(ans.tokens)}
+    return {
+        "prompt_tokens": ans.input_tokens,
+        "completion_tokens": len(ans.tokens),
+        "total_tokens": ans.input_tokens + len(ans.tokens),
+    }
 
 
 def _extension(ans, job: _Job) -> dict:
@@ -633,26 +807,41 @@ def stream_pieces(pipe, ans) -> list[str]:
     for i in range(1, len(ids) + 1):
         cur = tok.decode(ids[:i]).lstrip()
         if len(cur) > len(emitted) and ans.text.startswith(cur):
-            pieces.append(cur[len(emitted):])
+            pieces.append(cur[len(emitted) :])
             emitted = cur
     if len(ans.text) > len(emitted):
-        pieces.append(ans.text[len(emitted):])
+        pieces.append(ans.text[len(emitted) :])
     return pieces
 
 
 def _completion(pipe, model_name: str, ans, job: _Job) -> dict:
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-        "model": model_name, "system_fingerprint": None,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": ans.text},
-                     "finish_reason": _finish_reason(pipe, ans), "logprobs": None}],
-        "usage": _usage(ans), "litevlm": _extension(ans, job),
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": ans.text},
+                "finish_reason": _finish_reason(pipe, ans),
+                "logprobs": None,
+            }
+        ],
+        "usage": _usage(ans),
+        "litevlm": _extension(ans, job),
     }
 
 
 def _sse_events(pipe, model_name: str, ans, job: _Job, include_usage: bool) -> list[str]:
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model_name, "system_fingerprint": None}
+    base = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model_name,
+        "system_fingerprint": None,
+    }
 
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
         body = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
@@ -696,7 +885,9 @@ async def _read_body(request, limit: int, timeout_s: float) -> bytes:
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", code="body_timeout") from None
     except ClientDisconnect:  # nobody will read the answer; counted as a 400, not a server error
-        raise APIError(400, "the client disconnected before sending the whole body", code="client_disconnected") from None
+        raise APIError(
+            400, "the client disconnected before sending the whole body", code="client_disconnected"
+        ) from None
     return b"".join(chunks)
 
 
@@ -722,16 +913,26 @@ class _CountRequests:
             await send(message)
 
         path = scope.get("path", "")
-        endpoint = path if path in self.endpoints else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        endpoint = (
+            path if path in self.endpoints else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        )
         try:
             await self.app(scope, receive, send_status)
         finally:
             self.metrics.count_request(endpoint, status)
 
 
-def build_app(pipe, *, model_name: str | None = None, max_queue: int = 16, timeout_s: float = 60.0,
-              max_body_bytes: int = 32 * 2**20, max_image_pixels: int = 3200 * 1800, max_images: int = len(CAMERAS),
-              max_prompt_chars: int = 4000) -> "FastAPI":
+def build_app(
+    pipe,
+    *,
+    model_name: str | None = None,
+    max_queue: int = 16,
+    timeout_s: float = 60.0,
+    max_body_bytes: int = 32 * 2**20,
+    max_image_pixels: int = 3200 * 1800,
+    max_images: int = len(CAMERAS),
+    max_prompt_chars: int = 4000,
+) -> FastAPI:
     """The FastAPI app serving `pipe` (a litevlm Pipeline) under the model id `model_name` (default: pipe.name)."""
     from contextlib import asynccontextmanager
 
@@ -739,8 +940,14 @@ def build_app(pipe, *, model_name: str | None = None, max_queue: int = 16, timeo
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    limits = Limits(max_queue=max_queue, timeout_s=timeout_s, max_body_bytes=max_body_bytes,
-                    max_image_pixels=max_image_pixels, max_images=max_images, max_prompt_chars=max_prompt_chars)
+    limits = Limits(
+        max_queue=max_queue,
+        timeout_s=timeout_s,
+        max_body_bytes=max_body_bytes,
+        max_image_pixels=max_image_pixels,
+        max_images=max_images,
+        max_prompt_chars=max_prompt_chars,
+    )
     model_name = model_name or getattr(pipe, "name", None) or "litevlm"
     metrics = Metrics()
     worker = _Worker(pipe, limits, metrics)
@@ -773,8 +980,17 @@ def build_app(pipe, *, model_name: str | None = None, max_queue: int = 16, timeo
     @app.exception_handler(Exception)
     async def on_bug(request, err):
         metrics.count_error("internal_error")
-        return JSONResponse({"error": {"message": f"internal server error: {type(err).__name__}", "type": "server_error",
-                                       "param": None, "code": "internal_error"}}, status_code=500)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"internal server error: {type(err).__name__}",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "internal_error",
+                }
+            },
+            status_code=500,
+        )
 
     # Plain Starlette routes: each handler takes the request and parses it itself.
     async def chat_completions(request):
@@ -784,7 +1000,9 @@ def build_app(pipe, *, model_name: str | None = None, max_queue: int = 16, timeo
         # checked again after parsing, when the slot is taken.)
         worker.check_capacity()
         check = getattr(pipe, "check_question", None)
-        req = await asyncio.to_thread(parse_chat_request, body, model_name=model_name, limits=limits, check_question=check)
+        req = await asyncio.to_thread(
+            parse_chat_request, body, model_name=model_name, limits=limits, check_question=check
+        )
         try:
             job, ans = await worker.answer(req)
         except LiteVLMError as e:  # the pipeline refused the input (e.g. an image it cannot use)
@@ -809,17 +1027,30 @@ def build_app(pipe, *, model_name: str | None = None, max_queue: int = 16, timeo
     async def get_model(request):
         model_id = request.path_params["model_id"]
         if model_id != model_name:
-            raise APIError(404, f"the model {_short(model_id)!r} does not exist; this server serves {model_name!r}",
-                           code="model_not_found", param="model")
+            raise APIError(
+                404,
+                f"the model {_short(model_id)!r} does not exist; this server serves {model_name!r}",
+                code="model_not_found",
+                param="model",
+            )
         return JSONResponse(model_card())
 
     async def health(request):
-        return JSONResponse({"status": "ok", "model": model_name, "in_flight": worker.pending,
-                             "max_queue": limits.max_queue, "timeout_s": limits.timeout_s})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": model_name,
+                "in_flight": worker.pending,
+                "max_queue": limits.max_queue,
+                "timeout_s": limits.timeout_s,
+            }
+        )
 
     async def prometheus(request):
-        gauges = {"litevlm_in_flight_requests": ("Admitted chat requests not yet finished.", worker.pending),
-                  "litevlm_queue_capacity": ("Requests that may wait besides the one being answered.", limits.max_queue)}
+        gauges = {
+            "litevlm_in_flight_requests": ("Admitted chat requests not yet finished.", worker.pending),
+            "litevlm_queue_capacity": ("Requests that may wait besides the one being answered.", limits.max_queue),
+        }
         return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
@@ -857,8 +1088,8 @@ def user_message(question: str, images: dict) -> dict:
 class ServerThread:
     """A uvicorn server for `app` on a background thread, on a free 127.0.0.1 port (tests, benchmarks).
 
-        with ServerThread(build_app(pipe)) as server:
-            httpx.get(server.url + "/health")
+    with ServerThread(build_app(pipe)) as server:
+        httpx.get(server.url + "/health")
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
@@ -869,7 +1100,7 @@ class ServerThread:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 20.0) -> "ServerThread":
+    def start(self, timeout_s: float = 20.0) -> ServerThread:
         import uvicorn
 
         # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say they are TCP; without it
@@ -878,9 +1109,12 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((self.host, self.port))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_keep_alive=30))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-                                       name="litevlm-serve")
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_keep_alive=30)
+        )
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="litevlm-serve"
+        )
         self.thread.start()
         end = time.monotonic() + timeout_s
         while not self.server.started:
@@ -896,7 +1130,7 @@ class ServerThread:
             self.sock.close()
             self.server = None
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -909,24 +1143,41 @@ def run_server(pipe, host: str = "127.0.0.1", port: int = 8000, *, log_level: st
 
     app = build_app(pipe, **app_options)
     limits = app.state.limits
-    print(f"litevlm serve: model {app.state.model_name!r} at http://{host}:{port}/v1 "
-          f"(queue {limits.max_queue}, timeout {limits.timeout_s:g} s)", flush=True)
+    print(
+        f"litevlm serve: model {app.state.model_name!r} at http://{host}:{port}/v1 "
+        f"(queue {limits.max_queue}, timeout {limits.timeout_s:g} s)",
+        flush=True,
+    )
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
 
 
 def _default_pipeline(args):
     from litevlm.pipeline import Pipeline
 
-    return Pipeline.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                                    temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    return Pipeline.from_pretrained(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
 
 
 def _configure(p: argparse.ArgumentParser, add_pipeline_options: Callable, make_pipeline: Callable | None) -> None:
     d = Limits()
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 exposes the server to the network)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 exposes the server to the network)"
+    )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the model directory's name)")
-    p.add_argument("--max-queue", type=int, default=d.max_queue, help="requests that may wait besides the one being answered; more get 429")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=d.max_queue,
+        help="requests that may wait besides the one being answered; more get 429",
+    )
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds from admission to answer before a 504")
     p.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20, help="largest request body (MiB)")
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels, help="largest image, width x height")
@@ -936,19 +1187,27 @@ def _configure(p: argparse.ArgumentParser, add_pipeline_options: Callable, make_
     p.set_defaults(func=serve_main, make_pipeline=make_pipeline or _default_pipeline)
 
 
-def add_serve_parser(subparsers, add_pipeline_options: Callable, make_pipeline: Callable | None = None) -> argparse.ArgumentParser:
+def add_serve_parser(
+    subparsers, add_pipeline_options: Callable, make_pipeline: Callable | None = None
+) -> argparse.ArgumentParser:
     """Register `litevlm serve` on the CLI's subparsers; `make_pipeline(args)` builds the pipeline."""
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (POST /v1/chat/completions)",
-                              description=__doc__.split("\n\n")[1])
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (POST /v1/chat/completions)", description=__doc__.split("\n\n")[1]
+    )
     _configure(p, add_pipeline_options, make_pipeline)
     return p
 
 
 def serve_main(args) -> None:
     try:
-        limits = dict(model_name=args.model_name, max_queue=args.max_queue, timeout_s=args.timeout,
-                      max_body_bytes=int(args.max_body_mb * 2**20), max_image_pixels=args.max_image_pixels,
-                      max_prompt_chars=args.max_prompt_chars)
+        limits = dict(
+            model_name=args.model_name,
+            max_queue=args.max_queue,
+            timeout_s=args.timeout,
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            max_image_pixels=args.max_image_pixels,
+            max_prompt_chars=args.max_prompt_chars,
+        )
         Limits(**{k: v for k, v in limits.items() if k != "model_name"})
     except ValueError as e:
         raise LiteVLMError(f"serve: {e}") from None

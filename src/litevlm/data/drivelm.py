@@ -118,7 +118,7 @@ def resolve_image_path(raw: str, base: Path, images_root: Path | None) -> Path:
     candidates = [images_root / rel]
     for prefix in ("nuscenes", "samples"):
         if prefix in parts:
-            candidates.append(images_root / Path(*parts[parts.index(prefix) + 1:]))
+            candidates.append(images_root / Path(*parts[parts.index(prefix) + 1 :]))
     if "nuscenes" not in parts:
         candidates.append(images_root / "nuscenes" / rel)
     if "samples" not in parts:
@@ -126,14 +126,18 @@ def resolve_image_path(raw: str, base: Path, images_root: Path | None) -> Path:
     return next((c for c in candidates if c.exists()), candidates[0])
 
 
-def _frame_images(image_paths, where: str, base: Path, images_root: Path | None, require_images: bool) -> dict[str, Path]:
+def _frame_images(
+    image_paths, where: str, base: Path, images_root: Path | None, require_images: bool
+) -> dict[str, Path]:
     if image_paths is None:
         if require_images:
             raise LiteVLMError(f"{where}: no image_paths (pass require_images=False to load questions only)")
         return {}
     if isinstance(image_paths, list):  # llama format: the six paths in CAMERAS order
         if len(image_paths) != len(CAMERAS):
-            raise LiteVLMError(f"{where}: expected {len(CAMERAS)} image paths (one per camera), found {len(image_paths)}")
+            raise LiteVLMError(
+                f"{where}: expected {len(CAMERAS)} image paths (one per camera), found {len(image_paths)}"
+            )
         image_paths = dict(zip(CAMERAS, image_paths))
     if not isinstance(image_paths, dict):
         raise LiteVLMError(f"{where}: image_paths must map camera names to paths")
@@ -178,8 +182,20 @@ def _sample(scene: str, frame: str, i: int, item, category: str, images, key_obj
             raise LiteVLMError(f"{where}: {e}") from None
     else:
         views = infer_views(q)
-    return Sample(f"{scene}_{frame}_{i}", q, a, category, tag, closed, views, dict(images), frame,
-                  key_objects, scene, str(item.get("family", "")))
+    return Sample(
+        f"{scene}_{frame}_{i}",
+        q,
+        a,
+        category,
+        tag,
+        closed,
+        views,
+        dict(images),
+        frame,
+        key_objects,
+        scene,
+        str(item.get("family", "")),
+    )
 
 
 def _from_nested(data: dict, base: Path, images_root: Path | None, require_images: bool, src: Path) -> list[Sample]:
@@ -210,11 +226,18 @@ def _from_llama(data: list, base: Path, images_root: Path | None, require_images
         where = f"{src}: item {n}"
         try:
             turns = item["conversations"]
-            q = next(t["value"] for t in turns if t["from"] == "human").replace("<image>\n", "").replace("<image>", "").strip()
+            q = (
+                next(t["value"] for t in turns if t["from"] == "human")
+                .replace("<image>\n", "")
+                .replace("<image>", "")
+                .strip()
+            )
             a = next((t["value"] for t in turns if t["from"] == "gpt"), "")
             scene, frame, _ = str(item["id"]).rsplit("_", 2)
         except (KeyError, TypeError, ValueError, StopIteration):
-            raise LiteVLMError(f"{where}: expected id 'scene_frame_i' and human/gpt conversations (llama format)") from None
+            raise LiteVLMError(
+                f"{where}: expected id 'scene_frame_i' and human/gpt conversations (llama format)"
+            ) from None
         images = _frame_images(item.get("image"), where, base, images_root, require_images)
         category = "behavior" if "behavior of the ego vehicle" in q else ""
         s = _sample(scene, frame, 0, {"Q": q, "A": a}, category, images, {}, where)
@@ -270,6 +293,20 @@ def load_images(sample: Sample, cameras=None) -> dict[str, Image.Image]:
 def samples_from_frame(frame, images: dict[str, Image.Image] | None = None) -> list[Sample]:
     """A synthetic Frame's QA as Samples without touching the disk (images: e.g. render_views(frame, size))."""
     key_objects = frame.key_object_infos()
-    return [Sample(f"{frame.scene_id}_{frame.frame_id}_{i}", qa.question, qa.answer, qa.category, qa.tag, qa.closed,
-                   qa.views, dict(images or {}), frame.frame_id, key_objects, frame.scene_id, qa.family)
-            for i, qa in enumerate(frame.qas)]
+    return [
+        Sample(
+            f"{frame.scene_id}_{frame.frame_id}_{i}",
+            qa.question,
+            qa.answer,
+            qa.category,
+            qa.tag,
+            qa.closed,
+            qa.views,
+            dict(images or {}),
+            frame.frame_id,
+            key_objects,
+            frame.scene_id,
+            qa.family,
+        )
+        for i, qa in enumerate(frame.qas)
+    ]

@@ -27,19 +27,40 @@ VEHICLES = ("car", "truck", "bus", "van")
 MOVERS = VEHICLES + ("pedestrian", "cyclist")
 TRAFFIC_ELEMENTS = ("traffic light", "sign")
 CLASSES = MOVERS + TRAFFIC_ELEMENTS + ("cone", "barrier")
-PLURAL = {"car": "cars", "truck": "trucks", "bus": "buses", "van": "vans", "pedestrian": "pedestrians", "cyclist": "cyclists"}
+PLURAL = {
+    "car": "cars",
+    "truck": "trucks",
+    "bus": "buses",
+    "van": "vans",
+    "pedestrian": "pedestrians",
+    "cyclist": "cyclists",
+}
 # Clearly distinct hues: colour questions must be answerable from a few pixels.
 COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (205, 35, 35), "blue": (35, 75, 215), "green": (40, 165, 60),
-    "yellow": (240, 210, 40), "white": (242, 242, 242), "black": (22, 22, 26),
+    "red": (205, 35, 35),
+    "blue": (35, 75, 215),
+    "green": (40, 165, 60),
+    "yellow": (240, 210, 40),
+    "white": (242, 242, 242),
+    "black": (22, 22, 26),
 }
 LIGHT_STATES = ("red", "yellow", "green")
 SIGN_KINDS = ("stop", "speed limit", "yield", "crossing")
-SIGN_NAMES = {"stop": "stop sign", "speed limit": "speed limit sign", "yield": "yield sign", "crossing": "pedestrian crossing sign"}
+SIGN_NAMES = {
+    "stop": "stop sign",
+    "speed limit": "speed limit sign",
+    "yield": "yield sign",
+    "crossing": "pedestrian crossing sign",
+}
 # DriveLM's moving statuses that have a visual cue here (Reverse parking / Drive backward do not).
 MOVING_STATUSES = ("Going ahead", "Turn left", "Turn right", "Stopped", "Back up")
-STEERS = ("steering to the left", "slightly steering to the left", "going straight",
-          "slightly steering to the right", "steering to the right")
+STEERS = (
+    "steering to the left",
+    "slightly steering to the left",
+    "going straight",
+    "slightly steering to the right",
+    "steering to the right",
+)
 # Road direction in the ego frame per steering class: steering left turns the ego car's nose left
 # of the road, so the road (and its vanishing point) swings to the right (negative yaw).
 STEER_ROAD_YAW = (-12.0, -5.0, 0.0, 5.0, 12.0)
@@ -49,27 +70,61 @@ BEHAVIORS = tuple(f"The ego vehicle is {s}. The ego vehicle is {v}." for s in ST
 CATEGORIES = ("perception", "prediction", "planning", "behavior")
 # Template families of the generated QA (QA.family), by category.
 FAMILIES = (
-    "important_objects", "objects_direction", "exists_colour", "exists_moving", "traffic_element", "light_is",
-    "light_state", "vehicle_colour", "vehicle_colour_mc", "visual_description", "sign_or_barrier",
-    "future_state", "moving_status_mc", "is_moving", "in_path", "collision",
-    "notice_one", "notice_order", "notice_full", "actions_based_on", "safe_actions", "safe_turn",
-    "behavior", "behavior_mc",
+    "important_objects",
+    "objects_direction",
+    "exists_colour",
+    "exists_moving",
+    "traffic_element",
+    "light_is",
+    "light_state",
+    "vehicle_colour",
+    "vehicle_colour_mc",
+    "visual_description",
+    "sign_or_barrier",
+    "future_state",
+    "moving_status_mc",
+    "is_moving",
+    "in_path",
+    "collision",
+    "notice_one",
+    "notice_order",
+    "notice_full",
+    "actions_based_on",
+    "safe_actions",
+    "safe_turn",
+    "behavior",
+    "behavior_mc",
 )
 FRAMES_PER_SCENE = 4  # DriveLM annotates 4-8 key frames per scene
 
 # (length along heading, width, height) in metres. Billboards (drawn facing the camera) use width only.
 SIZE = {
-    "car": (4.5, 1.9, 1.5), "van": (5.0, 2.0, 2.2), "truck": (7.5, 2.5, 3.4), "bus": (11.0, 2.6, 3.1),
-    "cyclist": (1.7, 0.6, 1.75), "pedestrian": (0.55, 0.55, 1.75), "traffic light": (0.6, 0.6, 4.0),
-    "sign": (0.9, 0.9, 2.7), "cone": (0.5, 0.5, 0.75), "barrier": (2.0, 2.0, 1.0),
+    "car": (4.5, 1.9, 1.5),
+    "van": (5.0, 2.0, 2.2),
+    "truck": (7.5, 2.5, 3.4),
+    "bus": (11.0, 2.6, 3.1),
+    "cyclist": (1.7, 0.6, 1.75),
+    "pedestrian": (0.55, 0.55, 1.75),
+    "traffic light": (0.6, 0.6, 4.0),
+    "sign": (0.9, 0.9, 2.7),
+    "cone": (0.5, 0.5, 0.75),
+    "barrier": (2.0, 2.0, 1.0),
 }
 BILLBOARD = ("pedestrian", "traffic light", "sign", "cone", "barrier")
 # Vertical extent of the 2D box (DriveLM boxes a traffic light's housing and a sign's face, not the pole).
 BOX_Z = {"traffic light": (2.9, 4.0), "sign": (1.8, 2.7)}
 # Distance ranges (m). CAM_BACK's wider lens makes things smaller, so its ranges are shortened.
 RANGE = {
-    "car": (6, 30), "van": (6, 30), "truck": (7, 32), "bus": (8, 32), "pedestrian": (4, 20),
-    "cyclist": (5, 22), "traffic light": (7, 25), "sign": (5, 20), "cone": (4, 16), "barrier": (4, 18),
+    "car": (6, 30),
+    "van": (6, 30),
+    "truck": (7, 32),
+    "bus": (8, 32),
+    "pedestrian": (4, 20),
+    "cyclist": (5, 22),
+    "traffic light": (7, 25),
+    "sign": (5, 20),
+    "cone": (4, 16),
+    "barrier": (4, 18),
 }
 NEAR_M = 16.0  # "close": behaviour and collision rules; front objects avoid a band around it
 FRONT_GAP = (13.0, 19.0)
@@ -160,8 +215,14 @@ class SceneObject:
 
     @property
     def category(self) -> str:
-        return {"pedestrian": "Pedestrian", "cyclist": "Cyclist", "traffic light": "Traffic element",
-                "sign": "Traffic element", "cone": "Barrier", "barrier": "Barrier"}.get(self.cls, "Vehicle")
+        return {
+            "pedestrian": "Pedestrian",
+            "cyclist": "Cyclist",
+            "traffic light": "Traffic element",
+            "sign": "Traffic element",
+            "cone": "Barrier",
+            "barrier": "Barrier",
+        }.get(self.cls, "Vehicle")
 
     def noun(self) -> str:
         """Short noun phrase with article: 'a red car', 'a green light', 'a stop sign'."""
@@ -220,20 +281,51 @@ class Frame:
     def key_object_infos(self) -> dict[str, dict]:
         """DriveLM's key_object_infos (c-tag -> Category, Status, Visual_description, 2d_bbox in the tag's
         camera), plus our "2d_bboxes": the clipped box in every camera that shows part of the object."""
-        return {o.tag: {"Category": o.category, "Status": o.status, "Visual_description": o.description(),
-                        "2d_bbox": o.bbox(), "2d_bboxes": o.boxes()} for o in sorted(self.objects, key=lambda o: o.k)}
+        return {
+            o.tag: {
+                "Category": o.category,
+                "Status": o.status,
+                "Visual_description": o.description(),
+                "2d_bbox": o.bbox(),
+                "2d_bboxes": o.boxes(),
+            }
+            for o in sorted(self.objects, key=lambda o: o.k)
+        }
 
     def qa_by_category(self) -> dict[str, list[QA]]:
         return {c: [q for q in self.qas if q.category == c] for c in CATEGORIES}
 
     def to_drivelm(self, image_paths: dict[str, str]) -> dict:
         """This frame as a DriveLM-nuScenes key frame, plus our keys: tag, views, closed, family."""
-        qa = {c: [{"Q": q.question, "A": q.answer, "C": None, "con_up": None, "con_down": None, "cluster": None,
-                   "layer": None, "tag": [q.tag], "views": list(q.views), "closed": q.closed, "family": q.family}
-                  for q in qs] for c, qs in self.qa_by_category().items()}
-        return {"key_object_infos": self.key_object_infos(), "QA": qa, "image_paths": dict(image_paths),
-                "ego": {"speed_mps": self.ego.speed_mps, "steering_deg": round(self.ego.steering_deg, 2),
-                        "behavior": self.ego.behavior}}
+        qa = {
+            c: [
+                {
+                    "Q": q.question,
+                    "A": q.answer,
+                    "C": None,
+                    "con_up": None,
+                    "con_down": None,
+                    "cluster": None,
+                    "layer": None,
+                    "tag": [q.tag],
+                    "views": list(q.views),
+                    "closed": q.closed,
+                    "family": q.family,
+                }
+                for q in qs
+            ]
+            for c, qs in self.qa_by_category().items()
+        }
+        return {
+            "key_object_infos": self.key_object_infos(),
+            "QA": qa,
+            "image_paths": dict(image_paths),
+            "ego": {
+                "speed_mps": self.ego.speed_mps,
+                "steering_deg": round(self.ego.steering_deg, 2),
+                "behavior": self.ego.behavior,
+            },
+        }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -273,7 +365,9 @@ def _footprint(o: SceneObject) -> list[tuple[float, float]]:
     if o.cls in BILLBOARD:
         return [(o.x, o.y)]
     hx, hy = math.cos(o.heading), math.sin(o.heading)
-    return [(o.x + a * L / 2 * hx - b * W / 2 * hy, o.y + a * L / 2 * hy + b * W / 2 * hx) for a in (-1, 1) for b in (-1, 1)]
+    return [
+        (o.x + a * L / 2 * hx - b * W / 2 * hy, o.y + a * L / 2 * hy + b * W / 2 * hx) for a in (-1, 1) for b in (-1, 1)
+    ]
 
 
 def project(o: SceneObject, cam: str) -> ViewBox | None:
@@ -326,10 +420,23 @@ def _overlaps(a: tuple[float, float], b: tuple[float, float], margin: float = 1.
 # ------------------------------------------------------------------------------------------------
 # World sampling
 # ------------------------------------------------------------------------------------------------
-_CLASS_PRIOR = {"vehicle": 0.42, "pedestrian": 0.14, "cyclist": 0.10, "traffic light": 0.10, "sign": 0.10,
-                "cone": 0.07, "barrier": 0.07}
-_CAM_PRIOR = {"CAM_FRONT": 0.3, "CAM_FRONT_LEFT": 0.14, "CAM_FRONT_RIGHT": 0.14, "CAM_BACK": 0.14,
-              "CAM_BACK_LEFT": 0.14, "CAM_BACK_RIGHT": 0.14}
+_CLASS_PRIOR = {
+    "vehicle": 0.42,
+    "pedestrian": 0.14,
+    "cyclist": 0.10,
+    "traffic light": 0.10,
+    "sign": 0.10,
+    "cone": 0.07,
+    "barrier": 0.07,
+}
+_CAM_PRIOR = {
+    "CAM_FRONT": 0.3,
+    "CAM_FRONT_LEFT": 0.14,
+    "CAM_FRONT_RIGHT": 0.14,
+    "CAM_BACK": 0.14,
+    "CAM_BACK_LEFT": 0.14,
+    "CAM_BACK_RIGHT": 0.14,
+}
 
 
 def _choice(rng: np.random.Generator, items):
@@ -352,8 +459,9 @@ def _in_path(o: SceneObject, psi: float) -> bool:
     return o.camera == "CAM_FRONT" and xr > 0 and abs(yr) < LANE_HALF
 
 
-def _new_object(rng: np.random.Generator, cls: str, cam: str, psi: float, in_lane: bool = False,
-                near: bool | None = None) -> SceneObject | None:
+def _new_object(
+    rng: np.random.Generator, cls: str, cam: str, psi: float, in_lane: bool = False, near: bool | None = None
+) -> SceneObject | None:
     """One object of class `cls` whose centre lies in `cam` only (never in an overlap with a neighbour)."""
     lo, hi = RANGE[cls]
     if cam == "CAM_BACK":
@@ -391,8 +499,11 @@ def _new_object(rng: np.random.Generator, cls: str, cam: str, psi: float, in_lan
     elif cls in ("pedestrian", "cyclist"):
         o.colour = _choice(rng, COLOURS)
         o.motion = "Going ahead" if rng.random() < 0.5 else "Stopped"
-        o.heading = math.radians(psi + _choice(rng, (0.0, 180.0)) + float(rng.uniform(-10, 10))) if cls == "cyclist" \
+        o.heading = (
+            math.radians(psi + _choice(rng, (0.0, 180.0)) + float(rng.uniform(-10, 10)))
+            if cls == "cyclist"
             else float(rng.uniform(-math.pi, math.pi))
+        )
     elif cls == "traffic light":
         o.light = _choice(rng, LIGHT_STATES)
         o.elevation = float(rng.uniform(-0.6, 0.4))
@@ -428,17 +539,25 @@ def _cause_object(rng: np.random.Generator, speed: str, psi: float) -> SceneObje
     for _ in range(20):
         kind = int(rng.integers(3))
         if speed == "not moving":
-            o = [lambda: _new_object(rng, "traffic light", "CAM_FRONT", psi),
-                 lambda: _new_object(rng, "sign", "CAM_FRONT", psi, near=True),
-                 lambda: _new_object(rng, _choice(rng, ("pedestrian", "cyclist")), "CAM_FRONT", psi, in_lane=True, near=True)][kind]()
+            o = [
+                lambda: _new_object(rng, "traffic light", "CAM_FRONT", psi),
+                lambda: _new_object(rng, "sign", "CAM_FRONT", psi, near=True),
+                lambda: _new_object(
+                    rng, _choice(rng, ("pedestrian", "cyclist")), "CAM_FRONT", psi, in_lane=True, near=True
+                ),
+            ][kind]()
             if o is not None and o.cls == "traffic light":
                 o.light = "red"
             if o is not None and o.cls == "sign":
                 o.sign = "stop"
         elif speed == "driving slowly":
-            o = [lambda: _new_object(rng, "traffic light", "CAM_FRONT", psi),
-                 lambda: _new_object(rng, _choice(rng, VEHICLES + ("cone", "barrier")), "CAM_FRONT", psi, in_lane=True, near=True),
-                 lambda: _new_object(rng, "pedestrian", "CAM_FRONT", psi, near=False)][kind]()
+            o = [
+                lambda: _new_object(rng, "traffic light", "CAM_FRONT", psi),
+                lambda: _new_object(
+                    rng, _choice(rng, VEHICLES + ("cone", "barrier")), "CAM_FRONT", psi, in_lane=True, near=True
+                ),
+                lambda: _new_object(rng, "pedestrian", "CAM_FRONT", psi, near=False),
+            ][kind]()
             if o is not None and o.cls == "traffic light":
                 o.light = "yellow"
         else:
@@ -492,8 +611,13 @@ def make_frame(seed: int, index: int) -> Frame:
     return frame_from_objects(objs, road_yaw_deg=psi, rng=rng, scene_id=scene_id, frame_id=_hex_id(seed, index, 2))
 
 
-def frame_from_objects(objects: list[SceneObject], road_yaw_deg: float = 0.0, rng: np.random.Generator | int = 0,
-                       scene_id: str = "0" * 32, frame_id: str = "1" * 32) -> Frame:
+def frame_from_objects(
+    objects: list[SceneObject],
+    road_yaw_deg: float = 0.0,
+    rng: np.random.Generator | int = 0,
+    scene_id: str = "0" * 32,
+    frame_id: str = "1" * 32,
+) -> Frame:
     """A frame from hand-placed objects: projections, c-tags, ego behaviour and QA are computed here."""
     rng = np.random.default_rng(rng) if isinstance(rng, int) else rng
     objs = list(objects)
@@ -501,8 +625,10 @@ def frame_from_objects(objects: list[SceneObject], road_yaw_deg: float = 0.0, rn
         o.camera = tag_camera(o.x, o.y)
         o.views = {c: b for c in CAMERAS if (b := project(o, c)) is not None}
         if o.camera not in o.views:
-            raise LiteVLMError(f"object {o.cls} at ({o.x:.1f}, {o.y:.1f}) is not visible in its camera {o.camera}; "
-                               "place it at least 0.5 m from the ego car")
+            raise LiteVLMError(
+                f"object {o.cls} at ({o.x:.1f}, {o.y:.1f}) is not visible in its camera {o.camera}; "
+                "place it at least 0.5 m from the ego car"
+            )
     # c-ids in random order: a DriveLM-like id must not hint at an object's importance.
     for k, i in enumerate(rng.permutation(len(objs)), start=1):
         o = objs[int(i)]
@@ -523,22 +649,63 @@ def frame_from_objects(objects: list[SceneObject], road_yaw_deg: float = 0.0, rn
 # Questions and answers
 # ------------------------------------------------------------------------------------------------
 DIR_PHRASES = {  # how a question may point at a camera; answers always use the DriveLM phrase (first)
-    "CAM_FRONT": ("to the front of the ego car", "in front of the ego vehicle", "ahead of us", "in the front view",
-                  "in the front camera", "in CAM_FRONT"),
-    "CAM_FRONT_LEFT": ("to the front left of the ego car", "ahead on the left", "on the left side ahead",
-                       "in the front-left view", "in the front left camera", "in CAM_FRONT_LEFT"),
-    "CAM_FRONT_RIGHT": ("to the front right of the ego car", "ahead on the right", "on the right side ahead",
-                        "in the front-right view", "in the front right camera", "in CAM_FRONT_RIGHT"),
-    "CAM_BACK": ("to the back of the ego car", "behind the ego vehicle", "behind us", "in the rear view",
-                 "in the rear camera", "in CAM_BACK"),
-    "CAM_BACK_LEFT": ("to the back left of the ego car", "behind us on the left", "on the left side behind",
-                      "in the back-left view", "in the rear left camera", "in CAM_BACK_LEFT"),
-    "CAM_BACK_RIGHT": ("to the back right of the ego car", "behind us on the right", "on the right side behind",
-                       "in the back-right view", "in the rear right camera", "in CAM_BACK_RIGHT"),
+    "CAM_FRONT": (
+        "to the front of the ego car",
+        "in front of the ego vehicle",
+        "ahead of us",
+        "in the front view",
+        "in the front camera",
+        "in CAM_FRONT",
+    ),
+    "CAM_FRONT_LEFT": (
+        "to the front left of the ego car",
+        "ahead on the left",
+        "on the left side ahead",
+        "in the front-left view",
+        "in the front left camera",
+        "in CAM_FRONT_LEFT",
+    ),
+    "CAM_FRONT_RIGHT": (
+        "to the front right of the ego car",
+        "ahead on the right",
+        "on the right side ahead",
+        "in the front-right view",
+        "in the front right camera",
+        "in CAM_FRONT_RIGHT",
+    ),
+    "CAM_BACK": (
+        "to the back of the ego car",
+        "behind the ego vehicle",
+        "behind us",
+        "in the rear view",
+        "in the rear camera",
+        "in CAM_BACK",
+    ),
+    "CAM_BACK_LEFT": (
+        "to the back left of the ego car",
+        "behind us on the left",
+        "on the left side behind",
+        "in the back-left view",
+        "in the rear left camera",
+        "in CAM_BACK_LEFT",
+    ),
+    "CAM_BACK_RIGHT": (
+        "to the back right of the ego car",
+        "behind us on the right",
+        "on the right side behind",
+        "in the back-right view",
+        "in the rear right camera",
+        "in CAM_BACK_RIGHT",
+    ),
 }
 ALL_VIEWS = CAMERAS
-STATUS_WORD = {"Going ahead": "going ahead", "Turn left": "turning left", "Turn right": "turning right",
-               "Stopped": "stationary", "Back up": "backing up"}
+STATUS_WORD = {
+    "Going ahead": "going ahead",
+    "Turn left": "turning left",
+    "Turn right": "turning right",
+    "Stopped": "stationary",
+    "Back up": "backing up",
+}
 
 
 def _join(items: list[str]) -> str:
@@ -570,9 +737,11 @@ def _action(o: SceneObject, frame: Frame) -> tuple[str, str, str]:
     psi = frame.ego.road_yaw_deg
     front, path = o.camera == "CAM_FRONT", _in_path(o, psi)
     if o.cls == "traffic light" and front:
-        return {"red": ("stop", "the traffic light is red", "high"),
-                "yellow": ("slow down", "the traffic light is yellow", "high"),
-                "green": ("keep going", "the traffic light is green", "high")}[o.light]
+        return {
+            "red": ("stop", "the traffic light is red", "high"),
+            "yellow": ("slow down", "the traffic light is yellow", "high"),
+            "green": ("keep going", "the traffic light is green", "high"),
+        }[o.light]
     if o.cls == "sign" and o.sign == "stop" and front and o.distance < NEAR_M:
         return "stop", "there is a stop sign close ahead", "high"
     if path and o.distance < NEAR_M:
@@ -663,22 +832,48 @@ def _make_qas(frame: Frame, rng: np.random.Generator) -> list[QA]:
 
     # ---- perception --------------------------------------------------------------------------
     important = _notice_order(frame)[:3]
-    q = _choice(rng, ("What are the important objects in the current scene? Those objects will be considered for the "
-                      "future reasoning and driving decision.",
-                      "What are the important objects in the current scene?",
-                      "Which objects around the ego vehicle matter for the driving decision? Give their IDs.",
-                      "List the important objects around the ego car and their IDs."))
-    a = (f"There is {_join([f'{o.noun()} to the {DIRECTION[o.camera]} of the ego vehicle' for o in important])}. "
-         f"The IDs of these objects are {_join([o.tag for o in important])}." if important
-         else "There are no important objects around the ego vehicle.")
+    q = _choice(
+        rng,
+        (
+            "What are the important objects in the current scene? Those objects will be considered for the "
+            "future reasoning and driving decision.",
+            "What are the important objects in the current scene?",
+            "Which objects around the ego vehicle matter for the driving decision? Give their IDs.",
+            "List the important objects around the ego car and their IDs.",
+        ),
+    )
+    a = (
+        f"There is {_join([f'{o.noun()} to the {DIRECTION[o.camera]} of the ego vehicle' for o in important])}. "
+        f"The IDs of these objects are {_join([o.tag for o in important])}."
+        if important
+        else "There are no important objects around the ego vehicle."
+    )
     add("important_objects", "perception", q, a, 2, False, ALL_VIEWS)
 
     cam = _choice(rng, CAMERAS)
     seen = sorted(by_cam[cam], key=lambda o: o.views[cam].uc)
-    ans = (f"There is {_join([o.noun() for o in seen])} {DIR_PHRASES[cam][0]}." if seen
-           else f"There is nothing {DIR_PHRASES[cam][0]}.")
-    add("objects_direction", "perception", _choice(rng, ("What are objects {d}?", "What objects are {d}?",
-        "Which objects can be seen {d}?", "What is visible {d}?")).format(d=dirp(cam)), ans, 2, False, (cam,))
+    ans = (
+        f"There is {_join([o.noun() for o in seen])} {DIR_PHRASES[cam][0]}."
+        if seen
+        else f"There is nothing {DIR_PHRASES[cam][0]}."
+    )
+    add(
+        "objects_direction",
+        "perception",
+        _choice(
+            rng,
+            (
+                "What are objects {d}?",
+                "What objects are {d}?",
+                "Which objects can be seen {d}?",
+                "What is visible {d}?",
+            ),
+        ).format(d=dirp(cam)),
+        ans,
+        2,
+        False,
+        (cam,),
+    )
 
     # Existence questions: Yes from a real object, No from the world's prior re-drawn until absent,
     # so the classes, colours and cameras named look alike whatever the answer.
@@ -688,12 +883,14 @@ def _make_qas(frame: Frame, rng: np.random.Generator) -> list[QA]:
             o = _choice(rng, movers)
             attrs, want = (o.camera, o.cls, o.moving), True
         else:
+
             def draw():
                 cls = _sample_class(rng)
                 while cls not in MOVERS:
                     cls = _sample_class(rng)
                 mov = bool(rng.random() < (0.8 if cls in VEHICLES else 0.5))
                 return _weighted(rng, _CAM_PRIOR), cls, mov
+
             attrs = _absent_text(draw, lambda c, k, m: bool(_visible(frame, c, lambda o: o.cls == k and o.moving == m)))
             want = False
         if attrs is not None:
@@ -701,8 +898,11 @@ def _make_qas(frame: Frame, rng: np.random.Generator) -> list[QA]:
             if k in VEHICLES:
                 word = "moving" if m else _choice(rng, ("parked", "stopped", "stationary"))
             else:
-                word = (_choice(rng, ("moving", "walking" if k == "pedestrian" else "riding")) if m
-                        else _choice(rng, ("stationary", "standing")))
+                word = (
+                    _choice(rng, ("moving", "walking" if k == "pedestrian" else "riding"))
+                    if m
+                    else _choice(rng, ("stationary", "standing"))
+                )
             q = _choice(rng, ("Are there {w} {p} {d}?", "Is there any {w} {k} {d}?", "Can you see {w} {p} {d}?"))
             add("exists_moving", "perception", q.format(w=word, p=PLURAL[k], k=k, d=dirp(c)), _yes(want), 0, True, (c,))
 
@@ -714,33 +914,55 @@ def _make_qas(frame: Frame, rng: np.random.Generator) -> list[QA]:
             o = _choice(rng, vehicles)
             attrs, want = (o.camera, o.cls, o.colour), True
         else:
-            attrs = _absent_text(lambda: (_weighted(rng, _CAM_PRIOR), _choice(rng, VEHICLES), _choice(rng, COLOURS)),
-                                 lambda c, k, col: bool(_visible(frame, c, lambda o: o.cls == k and o.colour == col)))
+            attrs = _absent_text(
+                lambda: (_weighted(rng, _CAM_PRIOR), _choice(rng, VEHICLES), _choice(rng, COLOURS)),
+                lambda c, k, col: bool(_visible(frame, c, lambda o: o.cls == k and o.colour == col)),
+            )
             want = False
         if attrs is not None:
             c, k, col = attrs
-            q = _choice(rng, ("Is there a {col} {k} {d}?", "Can you see a {col} {k} {d}?", "Is a {col} {k} visible {d}?",
-                              "Is there any {col} {k} {d}?"))
+            q = _choice(
+                rng,
+                (
+                    "Is there a {col} {k} {d}?",
+                    "Can you see a {col} {k} {d}?",
+                    "Is a {col} {k} visible {d}?",
+                    "Is there any {col} {k} {d}?",
+                ),
+            )
             add("exists_colour", "perception", q.format(col=col, k=k, d=dirp(c)), _yes(want), 0, True, (c,))
 
     # Colour of "the vehicle" in a view: only where exactly one vehicle shows there at all.
-    single = [c for c in CAMERAS if len(_visible(frame, c, lambda o: o.cls in VEHICLES)) == 1
-              and any(o.cls in VEHICLES for o in by_cam[c])]
+    single = [
+        c
+        for c in CAMERAS
+        if len(_visible(frame, c, lambda o: o.cls in VEHICLES)) == 1 and any(o.cls in VEHICLES for o in by_cam[c])
+    ]
     if single:
         c = _choice(rng, single)
         o = next(o for o in by_cam[c] if o.cls in VEHICLES)
         if rng.random() < 0.7:
-            q = _choice(rng, ("What is the colour of the vehicle {d}?", "What colour is the {k} {d}?",
-                              "Which colour does the vehicle {d} have?")).format(d=dirp(c), k=o.cls)
+            q = _choice(
+                rng,
+                (
+                    "What is the colour of the vehicle {d}?",
+                    "What colour is the {k} {d}?",
+                    "Which colour does the vehicle {d} have?",
+                ),
+            ).format(d=dirp(c), k=o.cls)
             q, a = _mc(rng, q, f"{o.colour.capitalize()}.", tuple(f"{x.capitalize()}." for x in COLOURS))
             add("vehicle_colour_mc", "perception", q, a, 0, True, (c,))
         else:
-            q = _choice(rng, ("What is the colour of the vehicle {d}?", "What colour is the {k} {d}?")).format(d=dirp(c), k=o.cls)
+            q = _choice(rng, ("What is the colour of the vehicle {d}?", "What colour is the {k} {d}?")).format(
+                d=dirp(c), k=o.cls
+            )
             add("vehicle_colour", "perception", q, f"The {o.cls} is {o.colour}.", 2, False, (c,))
 
     if vehicles:
         o = _choice(rng, vehicles)
-        q = _choice(rng, ("What is the moving status of object {t}?", "How is {t} moving?", "What is {t} doing?")).format(t=o.tag)
+        q = _choice(
+            rng, ("What is the moving status of object {t}?", "How is {t} moving?", "What is {t} doing?")
+        ).format(t=o.tag)
         q, a = _mc(rng, q, f"{o.motion}.", tuple(f"{m}." for m in MOVING_STATUSES))
         add("moving_status_mc", "perception", q, a, 0, True, (o.camera,))
 
@@ -748,8 +970,12 @@ def _make_qas(frame: Frame, rng: np.random.Generator) -> list[QA]:
     pick = _balanced_objects(rng, movers, lambda o: o.moving == polarity)
     if pick:
         o, want = pick
-        q = _choice(rng, ("Is {t} moving?", "Is the object {t} in motion?") if polarity else
-                    ("Is {t} stationary?", "Is the object {t} standing still?")).format(t=o.tag)
+        q = _choice(
+            rng,
+            ("Is {t} moving?", "Is the object {t} in motion?")
+            if polarity
+            else ("Is {t} stationary?", "Is the object {t} standing still?"),
+        ).format(t=o.tag)
         add("is_moving", "perception", q, _yes(want), 0, True, (o.camera,))
 
     elements = [o for o in objs if o.cls in TRAFFIC_ELEMENTS]
@@ -757,30 +983,50 @@ def _make_qas(frame: Frame, rng: np.random.Generator) -> list[QA]:
         if rng.random() < 0.5:
             c, want = _choice(rng, elements).camera, True
         else:
-            c = _absent_text(lambda: (_weighted(rng, _CAM_PRIOR),),
-                             lambda c: bool(_visible(frame, c, lambda o: o.cls in TRAFFIC_ELEMENTS)))
+            c = _absent_text(
+                lambda: (_weighted(rng, _CAM_PRIOR),),
+                lambda c: bool(_visible(frame, c, lambda o: o.cls in TRAFFIC_ELEMENTS)),
+            )
             c, want = (c[0] if c else None), False
         if c is not None:
-            q = _choice(rng, ("Is there any traffic element {d}?", "Are there traffic lights or traffic signs {d}?",
-                              "Can you see a traffic light or a traffic sign {d}?")).format(d=dirp(c))
+            q = _choice(
+                rng,
+                (
+                    "Is there any traffic element {d}?",
+                    "Are there traffic lights or traffic signs {d}?",
+                    "Can you see a traffic light or a traffic sign {d}?",
+                ),
+            ).format(d=dirp(c))
             if c == "CAM_FRONT" and rng.random() < 0.4:
                 q = "Is there any traffic element in the front view?"
             add("traffic_element", "perception", q, _yes(want), 0, True, (c,))
 
-    lit = [c for c in CAMERAS if len(_visible(frame, c, lambda o: o.cls == "traffic light")) == 1
-           and any(o.cls == "traffic light" for o in by_cam[c])]
+    lit = [
+        c
+        for c in CAMERAS
+        if len(_visible(frame, c, lambda o: o.cls == "traffic light")) == 1
+        and any(o.cls == "traffic light" for o in by_cam[c])
+    ]
     if lit:
         c = _choice(rng, lit)
         o = next(o for o in by_cam[c] if o.cls == "traffic light")
         d = "in front of the ego car" if c == "CAM_FRONT" and rng.random() < 0.3 else dirp(c)
         if rng.random() < 0.5:
-            q = _choice(rng, ("What is the state of the traffic light {d}?", "What colour is the traffic light {d} showing?"))
+            q = _choice(
+                rng, ("What is the state of the traffic light {d}?", "What colour is the traffic light {d} showing?")
+            )
             add("light_state", "perception", q.format(d=d), f"The traffic light is {o.light}.", 2, False, (c,))
         else:
             want = bool(rng.random() < 0.5)
             state = o.light if want else _choice(rng, [s for s in LIGHT_STATES if s != o.light])
-            q = _choice(rng, ("Is the traffic light {d} {s}?", "Is the traffic light {d} showing {s}?",
-                              "Does the traffic light {d} show {s}?"))
+            q = _choice(
+                rng,
+                (
+                    "Is the traffic light {d} {s}?",
+                    "Is the traffic light {d} showing {s}?",
+                    "Does the traffic light {d} show {s}?",
+                ),
+            )
             add("light_is", "perception", q.format(d=d, s=state), _yes(want), 0, True, (c,))
 
     if objs:
@@ -790,52 +1036,86 @@ def _make_qas(frame: Frame, rng: np.random.Generator) -> list[QA]:
 
     # ---- prediction --------------------------------------------------------------------------
     # Traffic lights are among the No cases: like signs, their boxes sit above the horizon.
-    pick = _balanced_objects(rng, [o for o in objs if o.cls != "cone"],
-                             lambda o: o.cls in ("sign", "barrier"))
+    pick = _balanced_objects(rng, [o for o in objs if o.cls != "cone"], lambda o: o.cls in ("sign", "barrier"))
     if pick:
         o, want = pick
-        q = _choice(rng, ("Is {t} a traffic sign or a road barrier?", "Is the object {t} a sign or a barrier?",
-                          "Is {t} a road sign or a barrier?")).format(t=o.tag)
+        q = _choice(
+            rng,
+            (
+                "Is {t} a traffic sign or a road barrier?",
+                "Is the object {t} a sign or a barrier?",
+                "Is {t} a road sign or a barrier?",
+            ),
+        ).format(t=o.tag)
         add("sign_or_barrier", "prediction", q, _yes(want), 0, True, (o.camera,))
 
     front = by_cam["CAM_FRONT"]
     pick = _balanced_objects(rng, front, lambda o: _in_path(o, psi))
     if pick:
         o, want = pick
-        q = _choice(rng, ("Would {t} be in the moving direction of the ego vehicle?", "Is {t} in the path of the ego vehicle?",
-                          "Is {t} in the ego lane ahead?")).format(t=o.tag)
+        q = _choice(
+            rng,
+            (
+                "Would {t} be in the moving direction of the ego vehicle?",
+                "Is {t} in the path of the ego vehicle?",
+                "Is {t} in the ego lane ahead?",
+            ),
+        ).format(t=o.tag)
         add("in_path", "prediction", q, _yes(want), 0, True, ("CAM_FRONT",))
 
     order = _notice_order(frame)
     ordinals = (("first", "Firstly"), ("second", "Secondly"), ("third", "Thirdly"))
     r = rng.random()
     if r < 0.25 and len(order) >= 3:
-        q = ("What object should the ego vehicle notice first when the ego vehicle is getting to the next possible location? "
-             "What is the state of the object that is first noticed by the ego vehicle and what action should the ego vehicle take? "
-             "What object should the ego vehicle notice second when the ego vehicle is getting to the next possible location? "
-             "What is the state of the object perceived by the ego vehicle as second and what action should the ego vehicle take? "
-             "What object should the ego vehicle notice third? "
-             "What is the state of the object perceived by the ego vehicle as third and what action should the ego vehicle take?")
-        a = " ".join(f"{w}, notice {o.tag}. The object is {_state(o)}, so the ego vehicle should {_action(o, frame)[0]}."
-                     for (_, w), o in zip(ordinals, order))
+        q = (
+            "What object should the ego vehicle notice first when the ego vehicle is getting to the next possible location? "
+            "What is the state of the object that is first noticed by the ego vehicle and what action should the ego vehicle take? "
+            "What object should the ego vehicle notice second when the ego vehicle is getting to the next possible location? "
+            "What is the state of the object perceived by the ego vehicle as second and what action should the ego vehicle take? "
+            "What object should the ego vehicle notice third? "
+            "What is the state of the object perceived by the ego vehicle as third and what action should the ego vehicle take?"
+        )
+        a = " ".join(
+            f"{w}, notice {o.tag}. The object is {_state(o)}, so the ego vehicle should {_action(o, frame)[0]}."
+            for (_, w), o in zip(ordinals, order)
+        )
         add("notice_full", "prediction", q, a, 3, False, ALL_VIEWS)
     elif r < 0.5 and len(order) >= 3:
-        q = _choice(rng, ("In what order should the ego vehicle notice the objects around it? Name three.",
-                          "Which three objects should the ego vehicle notice first, second and third?"))
+        q = _choice(
+            rng,
+            (
+                "In what order should the ego vehicle notice the objects around it? Name three.",
+                "Which three objects should the ego vehicle notice first, second and third?",
+            ),
+        )
         a = " ".join(f"{w}, notice {o.tag}." for (_, w), o in zip(ordinals, order))
         add("notice_order", "prediction", q, a, 3, False, ALL_VIEWS)
     elif order:
         i = int(rng.integers(min(3, len(order))))
-        q = _choice(rng, ("What object should the ego vehicle notice {n} when the ego vehicle is getting to the next "
-                          "possible location?", "Which object should the ego vehicle notice {n}?",
-                          "What should the ego car notice {n}?")).format(n=ordinals[i][0])
+        q = _choice(
+            rng,
+            (
+                "What object should the ego vehicle notice {n} when the ego vehicle is getting to the next "
+                "possible location?",
+                "Which object should the ego vehicle notice {n}?",
+                "What should the ego car notice {n}?",
+            ),
+        ).format(n=ordinals[i][0])
         add("notice_one", "prediction", q, f"{ordinals[i][1]}, notice {order[i].tag}.", 3, False, ALL_VIEWS)
 
     if movers:
         o = _choice(rng, movers)
-        fut = ({"Going ahead": "Keep going straight.", "Turn left": "Turn left.", "Turn right": "Turn right.",
-                "Stopped": "Stationary.", "Back up": "Back up."}[o.motion] if o.cls in VEHICLES
-               else ("Keep moving." if o.moving else "Stationary."))
+        fut = (
+            {
+                "Going ahead": "Keep going straight.",
+                "Turn left": "Turn left.",
+                "Turn right": "Turn right.",
+                "Stopped": "Stationary.",
+                "Back up": "Back up.",
+            }[o.motion]
+            if o.cls in VEHICLES
+            else ("Keep moving." if o.moving else "Stationary.")
+        )
         q = _choice(rng, ("What is the future state of {t}?", "What will {t} do next?")).format(t=o.tag)
         add("future_state", "prediction", q, fut, 2, False, (o.camera,))
 
@@ -843,45 +1123,94 @@ def _make_qas(frame: Frame, rng: np.random.Generator) -> list[QA]:
     if objs:
         o = _choice(rng, objs)
         act, why, prob = _action(o, frame)
-        q = _choice(rng, ("What actions could the ego vehicle take based on {t}? Why take this action and what's the "
-                          "probability?", "Based on {t}, what should the ego vehicle do and why?",
-                          "What action should the ego vehicle take because of {t}?")).format(t=o.tag)
-        add("actions_based_on", "planning", q,
-            f"The action is to {act}. The reason is that {why}, with a {prob} probability.", 1, False, (o.camera,))
+        q = _choice(
+            rng,
+            (
+                "What actions could the ego vehicle take based on {t}? Why take this action and what's the "
+                "probability?",
+                "Based on {t}, what should the ego vehicle do and why?",
+                "What action should the ego vehicle take because of {t}?",
+            ),
+        ).format(t=o.tag)
+        add(
+            "actions_based_on",
+            "planning",
+            q,
+            f"The action is to {act}. The reason is that {why}, with a {prob} probability.",
+            1,
+            False,
+            (o.camera,),
+        )
 
-    base = {"red light": "Remain stationary and wait for the green light.",
-            "stop sign": "Stop at the stop sign, then go ahead slowly.",
-            "road user in the path": "Remain stationary and let the road user pass.",
-            "yellow light": "Slow down and prepare to stop.",
-            "obstacle in the path": "Slow down and keep a safe distance.",
-            "road user ahead": "Slow down and watch the road user ahead.",
-            "clear road": "Keep going at the same speed."}[frame.ego.cause]
+    base = {
+        "red light": "Remain stationary and wait for the green light.",
+        "stop sign": "Stop at the stop sign, then go ahead slowly.",
+        "road user in the path": "Remain stationary and let the road user pass.",
+        "yellow light": "Slow down and prepare to stop.",
+        "obstacle in the path": "Slow down and keep a safe distance.",
+        "road user ahead": "Slow down and watch the road user ahead.",
+        "clear road": "Keep going at the same speed.",
+    }[frame.ego.cause]
     turns = [s for s in ("left", "right") if not _turn_unsafe(frame, s)]
-    tail = {2: " Turning left or right is also safe.", 1: f" Turning {''.join(turns)} is also safe.",
-            0: " Turning left or right is not safe."}[len(turns)]
-    q = _choice(rng, ("In this scenario, what are safe actions to take for the ego vehicle?",
-                      "What are safe actions to take for the ego vehicle?", "What can the ego vehicle safely do now?"))
+    tail = {
+        2: " Turning left or right is also safe.",
+        1: f" Turning {''.join(turns)} is also safe.",
+        0: " Turning left or right is not safe.",
+    }[len(turns)]
+    q = _choice(
+        rng,
+        (
+            "In this scenario, what are safe actions to take for the ego vehicle?",
+            "What are safe actions to take for the ego vehicle?",
+            "What can the ego vehicle safely do now?",
+        ),
+    )
     add("safe_actions", "planning", q, base + tail, 1, False, ALL_VIEWS)
 
     unsafe = {s: _turn_unsafe(frame, s) for s in ("left", "right")}
     if unsafe["left"] != unsafe["right"]:  # both answers available: the coin picks the side
         want = bool(rng.random() < 0.5)
         side = next(s for s in ("left", "right") if (not unsafe[s]) == want)
-        q = _choice(rng, ("Is it safe for the ego vehicle to turn {s}?", "Can the ego vehicle safely turn {s} now?",
-                          "Would turning {s} be safe for the ego car?")).format(s=side)
+        q = _choice(
+            rng,
+            (
+                "Is it safe for the ego vehicle to turn {s}?",
+                "Can the ego vehicle safely turn {s} now?",
+                "Would turning {s} be safe for the ego car?",
+            ),
+        ).format(s=side)
         cams = ("CAM_FRONT_LEFT", "CAM_BACK_LEFT") if side == "left" else ("CAM_FRONT_RIGHT", "CAM_BACK_RIGHT")
         add("safe_turn", "planning", q, _yes(want), 0, True, cams)
 
     pick = _balanced_objects(rng, front, lambda o: _in_path(o, psi) and o.distance < NEAR_M)
     if pick:
         o, high = pick
-        q = _choice(rng, ("What is the probability of colliding with {t} after the ego vehicle accelerates and goes straight?",
-                          "If the ego vehicle accelerates and goes straight, how likely is a collision with {t}?")).format(t=o.tag)
+        q = _choice(
+            rng,
+            (
+                "What is the probability of colliding with {t} after the ego vehicle accelerates and goes straight?",
+                "If the ego vehicle accelerates and goes straight, how likely is a collision with {t}?",
+            ),
+        ).format(t=o.tag)
         add("collision", "planning", q, "High." if high else "Low.", 0, True, ("CAM_FRONT",))
 
     # ---- behavior ----------------------------------------------------------------------------
-    add("behavior", "behavior", _choice(rng, ("Predict the behavior of the ego vehicle.", "What is the ego vehicle doing?",
-        "Describe the current behavior of the ego car.")), frame.ego.behavior, 2, False, ALL_VIEWS)
+    add(
+        "behavior",
+        "behavior",
+        _choice(
+            rng,
+            (
+                "Predict the behavior of the ego vehicle.",
+                "What is the ego vehicle doing?",
+                "Describe the current behavior of the ego car.",
+            ),
+        ),
+        frame.ego.behavior,
+        2,
+        False,
+        ALL_VIEWS,
+    )
     q, a = _mc(rng, "Predict the behavior of the ego vehicle.", frame.ego.behavior, BEHAVIORS)
     add("behavior_mc", "behavior", q, a, 0, True, ALL_VIEWS)
 
@@ -933,7 +1262,9 @@ def _draw_road(d: ImageDraw.ImageDraw, cam: str, psi: float, s: tuple[float, flo
             d.polygon(p, fill=MARK)
     for yr in (-5.25, -1.75, 1.75, 5.25):  # dashed lane lines
         for x0 in range(-60, 61, 9):
-            p = _ground_polygon(cam, psi, [(x0, yr - 0.09), (x0 + 3, yr - 0.09), (x0 + 3, yr + 0.09), (x0, yr + 0.09)], s)
+            p = _ground_polygon(
+                cam, psi, [(x0, yr - 0.09), (x0 + 3, yr - 0.09), (x0 + 3, yr + 0.09), (x0, yr + 0.09)], s
+            )
             if p:
                 d.polygon(p, fill=MARK)
 
@@ -945,9 +1276,19 @@ def _draw_vehicle(d, o: SceneObject, x0, y0, x1, y1, col) -> None:
         wheel(x0 + 0.06 * w, x0 + 0.32 * w, 0.72)
         wheel(x1 - 0.32 * w, x1 - 0.06 * w, 0.72)
         d.rectangle([x0, y0 + 0.42 * h, x1, y0 + 0.86 * h], fill=col)
-        d.polygon([(x0 + 0.14 * w, y0 + 0.45 * h), (x0 + 0.26 * w, y0), (x1 - 0.26 * w, y0), (x1 - 0.14 * w, y0 + 0.45 * h)], fill=col)
-        d.polygon([(x0 + 0.22 * w, y0 + 0.42 * h), (x0 + 0.30 * w, y0 + 0.1 * h), (x1 - 0.30 * w, y0 + 0.1 * h),
-                   (x1 - 0.22 * w, y0 + 0.42 * h)], fill=WINDOW)
+        d.polygon(
+            [(x0 + 0.14 * w, y0 + 0.45 * h), (x0 + 0.26 * w, y0), (x1 - 0.26 * w, y0), (x1 - 0.14 * w, y0 + 0.45 * h)],
+            fill=col,
+        )
+        d.polygon(
+            [
+                (x0 + 0.22 * w, y0 + 0.42 * h),
+                (x0 + 0.30 * w, y0 + 0.1 * h),
+                (x1 - 0.30 * w, y0 + 0.1 * h),
+                (x1 - 0.22 * w, y0 + 0.42 * h),
+            ],
+            fill=WINDOW,
+        )
     elif o.cls == "van":
         wheel(x0 + 0.08 * w, x0 + 0.30 * w, 0.8)
         wheel(x1 - 0.30 * w, x1 - 0.08 * w, 0.8)
@@ -1039,7 +1380,11 @@ def _draw_object(d: ImageDraw.ImageDraw, o: SceneObject, b: ViewBox, cam: str, s
         if w > 2 * dw:
             d.ellipse([x0, y1 - dw, x0 + dw, y1], outline=TYRE, width=max(1, int(dw / 6)))
             d.ellipse([x1 - dw, y1 - dw, x1, y1], outline=TYRE, width=max(1, int(dw / 6)))
-            d.line([(x0 + dw / 2, y1 - dw / 2), (xc, y1 - 0.55 * h), (x1 - dw / 2, y1 - dw / 2)], fill=DARK, width=max(1, int(dw / 8)))
+            d.line(
+                [(x0 + dw / 2, y1 - dw / 2), (xc, y1 - 0.55 * h), (x1 - dw / 2, y1 - dw / 2)],
+                fill=DARK,
+                width=max(1, int(dw / 8)),
+            )
         else:
             d.ellipse([xc - max(0.15 * w, 1), y1 - dw, xc + max(0.15 * w, 1), y1], fill=TYRE)
         tw = min(0.3 * w, 0.12 * h)
@@ -1068,10 +1413,15 @@ def _draw_object(d: ImageDraw.ImageDraw, o: SceneObject, b: ViewBox, cam: str, s
             d.rectangle([xc - 0.35 * r, yc - 0.2 * r, xc + 0.35 * r, yc + 0.2 * r], fill=TYRE)
         elif o.sign == "yield":
             d.polygon([(xc - r, yc - 0.8 * r), (xc + r, yc - 0.8 * r), (xc, yc + r)], fill=COLOURS["red"])
-            d.polygon([(xc - 0.55 * r, yc - 0.55 * r), (xc + 0.55 * r, yc - 0.55 * r), (xc, yc + 0.45 * r)], fill=(255, 255, 255))
+            d.polygon(
+                [(xc - 0.55 * r, yc - 0.55 * r), (xc + 0.55 * r, yc - 0.55 * r), (xc, yc + 0.45 * r)],
+                fill=(255, 255, 255),
+            )
         else:
             d.rectangle([xc - r, yc - r, xc + r, yc + r], fill=(30, 90, 200))
-            d.polygon([(xc - 0.6 * r, yc + 0.5 * r), (xc + 0.6 * r, yc + 0.5 * r), (xc, yc - 0.6 * r)], fill=(255, 255, 255))
+            d.polygon(
+                [(xc - 0.6 * r, yc + 0.5 * r), (xc + 0.6 * r, yc + 0.5 * r), (xc, yc - 0.6 * r)], fill=(255, 255, 255)
+            )
     elif o.cls == "cone":
         d.polygon([(x0, y1), (xc, y0), (x1, y1)], fill=ORANGE)
         d.rectangle([x0 + 0.3 * w, y0 + 0.45 * h, x1 - 0.3 * w, y0 + 0.62 * h], fill=(255, 255, 255))
@@ -1079,11 +1429,15 @@ def _draw_object(d: ImageDraw.ImageDraw, o: SceneObject, b: ViewBox, cam: str, s
         d.rectangle([x0 + 0.08 * w, y0 + 0.5 * h, x0 + 0.16 * w, y1], fill=DARK)
         d.rectangle([x1 - 0.16 * w, y0 + 0.5 * h, x1 - 0.08 * w, y1], fill=DARK)
         for i in range(6):
-            d.rectangle([x0 + w * i / 6, y0, x0 + w * (i + 1) / 6, y0 + 0.55 * h],
-                        fill=COLOURS["red"] if i % 2 == 0 else (255, 255, 255))
+            d.rectangle(
+                [x0 + w * i / 6, y0, x0 + w * (i + 1) / 6, y0 + 0.55 * h],
+                fill=COLOURS["red"] if i % 2 == 0 else (255, 255, 255),
+            )
 
 
-def render_view(frame: Frame, cam: str, size: tuple[int, int] = (IMAGE_WIDTH, IMAGE_HEIGHT), empty: bool = False) -> Image.Image:
+def render_view(
+    frame: Frame, cam: str, size: tuple[int, int] = (IMAGE_WIDTH, IMAGE_HEIGHT), empty: bool = False
+) -> Image.Image:
     """One camera's image: sky, ground, road and lane lines, then objects far to near."""
     W, H = size
     s = (W / IMAGE_WIDTH, H / IMAGE_HEIGHT)  # geometry is in 1600x900, drawn at the requested size
@@ -1097,12 +1451,16 @@ def render_view(frame: Frame, cam: str, size: tuple[int, int] = (IMAGE_WIDTH, IM
     return img
 
 
-def render_views(frame: Frame, size: tuple[int, int] = (IMAGE_WIDTH, IMAGE_HEIGHT), empty: bool = False) -> dict[str, Image.Image]:
+def render_views(
+    frame: Frame, size: tuple[int, int] = (IMAGE_WIDTH, IMAGE_HEIGHT), empty: bool = False
+) -> dict[str, Image.Image]:
     """The six camera images of `frame` (CAMERAS order); `empty` draws the road without any object."""
     return {cam: render_view(frame, cam, size, empty) for cam in CAMERAS}
 
 
-def render_empty_road(size: tuple[int, int] = (IMAGE_WIDTH, IMAGE_HEIGHT), frame: Frame | None = None) -> dict[str, Image.Image]:
+def render_empty_road(
+    size: tuple[int, int] = (IMAGE_WIDTH, IMAGE_HEIGHT), frame: Frame | None = None
+) -> dict[str, Image.Image]:
     """Six views of the road with no object on it (of `frame`'s road, else a straight one): the
     'does the model look at all' ablation."""
     if frame is None:
@@ -1113,8 +1471,9 @@ def render_empty_road(size: tuple[int, int] = (IMAGE_WIDTH, IMAGE_HEIGHT), frame
 # ------------------------------------------------------------------------------------------------
 # Dataset writing
 # ------------------------------------------------------------------------------------------------
-def write_dataset(out_dir, frames: int, seed: int, size: tuple[int, int] = (IMAGE_WIDTH, IMAGE_HEIGHT),
-                  progress: bool = True) -> Path:
+def write_dataset(
+    out_dir, frames: int, seed: int, size: tuple[int, int] = (IMAGE_WIDTH, IMAGE_HEIGHT), progress: bool = True
+) -> Path:
     """Write `frames` frames as DriveLM-nuScenes JSON (out_dir/drivelm.json) and PNGs; returns the JSON path."""
     from tqdm import tqdm
 
@@ -1129,10 +1488,14 @@ def write_dataset(out_dir, frames: int, seed: int, size: tuple[int, int] = (IMAG
             rel = f"images/{cam}/{f.frame_id}.png"
             img.save(out / rel, compress_level=1)
             paths[cam] = rel
-        scene = data.setdefault(f.scene_id, {
-            "scene_description": f"Synthetic scene {i // FRAMES_PER_SCENE} of seed {seed}: the ego vehicle drives on a "
-                                 "multi-lane road among vehicles, road users and traffic elements.",
-            "key_frames": {}})
+        scene = data.setdefault(
+            f.scene_id,
+            {
+                "scene_description": f"Synthetic scene {i // FRAMES_PER_SCENE} of seed {seed}: the ego vehicle drives on a "
+                "multi-lane road among vehicles, road users and traffic elements.",
+                "key_frames": {},
+            },
+        )
         scene["key_frames"][f.frame_id] = f.to_drivelm(paths)
     path = out / "drivelm.json"
     path.write_text(json.dumps(data, indent=1))

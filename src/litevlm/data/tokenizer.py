@@ -16,7 +16,14 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from litevlm.errors import LiteVLMError
 
-PAD, IM_START, IM_END, IMG_START, IMG_END, IMG_CONTEXT = "<|pad|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>"
+PAD, IM_START, IM_END, IMG_START, IMG_END, IMG_CONTEXT = (
+    "<|pad|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<img>",
+    "</img>",
+    "<IMG_CONTEXT>",
+)
 SPECIAL_TOKENS = (PAD, IM_START, IM_END, IMG_START, IMG_END, IMG_CONTEXT)  # ids 0..5 in a trained tokenizer
 
 
@@ -40,21 +47,29 @@ class Tokenizer:
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
-    def train(cls, texts, vocab_size: int = 1024) -> "Tokenizer":
+    def train(cls, texts, vocab_size: int = 1024) -> Tokenizer:
         """Byte-level BPE on `texts`; deterministic for the same texts and vocab size."""
         if vocab_size < 256 + len(SPECIAL_TOKENS):
-            raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} (the byte alphabet plus specials)")
+            raise ValueError(
+                f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} (the byte alphabet plus specials)"
+            )
         tok = _HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(SPECIAL_TOKENS),
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            min_frequency=2,
+        )
         tok.train_from_iterator(list(texts), trainer=trainer)
         return cls(tok)
 
     @classmethod
-    def from_file(cls, path, pad_token: str | None = None) -> "Tokenizer":
+    def from_file(cls, path, pad_token: str | None = None) -> Tokenizer:
         p = Path(path)
         if not p.is_file():
             raise LiteVLMError(f"no tokenizer file at {p}")
@@ -65,7 +80,7 @@ class Tokenizer:
         return cls(tok, pad_token)
 
     @classmethod
-    def from_dir(cls, path) -> "Tokenizer":
+    def from_dir(cls, path) -> Tokenizer:
         """tokenizer.json of a folder, with the pad token its tokenizer_config.json names (if any)."""
         d = Path(path)
         pad = None
@@ -84,7 +99,9 @@ class Tokenizer:
         self._tok.save(str(out / "tokenizer.json"))
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": IM_START, "eos_token": IM_END, "pad_token": self._pad,
+            "bos_token": IM_START,
+            "eos_token": IM_END,
+            "pad_token": self._pad,
             "additional_special_tokens": [IMG_START, IMG_END, IMG_CONTEXT],
             "clean_up_tokenization_spaces": False,
             "model_max_length": 4096,

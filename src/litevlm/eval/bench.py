@@ -11,7 +11,6 @@ same weights, exported through `litevlm convert`, with the dynamic ("eager") and
 
 from __future__ import annotations
 
-import copy
 import random
 import statistics
 import tempfile
@@ -32,8 +31,12 @@ LITEVLM_KEEP_RATIO = 0.5
 # (`benchmarks/select_threshold.py`), so smaller prompts are not pruned.
 LITEVLM_MIN_SELECT_TOKENS = 48
 # The full LiteVLM configuration (`--litevlm`); the table's LiteVLM rows add a precision to it.
-LITEVLM: dict = {"select_views": True, "select_tokens": LITEVLM_KEEP_RATIO, "min_select_tokens": LITEVLM_MIN_SELECT_TOKENS,
-                 "speculative": True}
+LITEVLM: dict = {
+    "select_views": True,
+    "select_tokens": LITEVLM_KEEP_RATIO,
+    "min_select_tokens": LITEVLM_MIN_SELECT_TOKENS,
+    "speculative": True,
+}
 CONFIGS: dict[str, dict] = {
     "baseline": {},
     "fastv r=0.7": {"fastv_k": 1, "fastv_r": 0.7},
@@ -68,7 +71,19 @@ def configs_named(names: str) -> dict[str, dict]:
     return {name: cfg for name, cfg in known.items() if name in wanted}
 
 
-COLUMNS = ("config", "views", "vit_ms", "input_tokens", "prefill_ms", "extend_one_ms", "decode_ms", "select_ms", "total_ms", "speedup", "score")
+COLUMNS = (
+    "config",
+    "views",
+    "vit_ms",
+    "input_tokens",
+    "prefill_ms",
+    "extend_one_ms",
+    "decode_ms",
+    "select_ms",
+    "total_ms",
+    "speedup",
+    "score",
+)
 
 
 @dataclass
@@ -152,13 +167,32 @@ def _pipelines(model: str, configs: dict[str, dict], max_new_tokens: int, shape:
     from litevlm.pipeline import Pipeline
 
     if shape is None:
-        return {name: Pipeline.from_pretrained(model, max_new_tokens=max_new_tokens, **opts) for name, opts in configs.items()}
-    return {name: random_pipeline(shape, model, max_new_tokens, cuda_graphs=cuda_graphs, **opts) for name, opts in configs.items()}
+        return {
+            name: Pipeline.from_pretrained(model, max_new_tokens=max_new_tokens, **opts)
+            for name, opts in configs.items()
+        }
+    return {
+        name: random_pipeline(shape, model, max_new_tokens, cuda_graphs=cuda_graphs, **opts)
+        for name, opts in configs.items()
+    }
 
 
-def random_pipeline(shape: str, tokenizer_model: str, max_new_tokens: int, *, select_views=False, select_tokens=None,
-                    min_select_tokens: int = 0, fastv_k=None, fastv_r=None, speculative=False, fp8=None, seed: int = 0,
-                    cuda_graphs: bool = False, openings: bool = True):
+def random_pipeline(
+    shape: str,
+    tokenizer_model: str,
+    max_new_tokens: int,
+    *,
+    select_views=False,
+    select_tokens=None,
+    min_select_tokens: int = 0,
+    fastv_k=None,
+    fastv_r=None,
+    speculative=False,
+    fp8=None,
+    seed: int = 0,
+    cuda_graphs: bool = False,
+    openings: bool = True,
+):
     """A pipeline at a real model's shapes with random weights (latency only): `--shape 2b` etc.
 
     The text side borrows drive-tiny's tokenizer (its ids fit every real vocabulary); each camera is cut
@@ -195,10 +229,8 @@ def random_pipeline(shape: str, tokenizer_model: str, max_new_tokens: int, *, se
     if fastv_k is not None:
         parts["fastv"] = (fastv_k, fastv_r)
     if speculative:
-        from litevlm.spec.draft import DraftHead
+        from litevlm.spec.draft import DraftConfig, DraftHead
         from litevlm.spec.tree import TreeConfig
-
-        from litevlm.spec.draft import DraftConfig
 
         parts["draft"] = DraftHead(DraftConfig.for_target(cfg.text), model).to(device=dev, dtype=dtype)
         parts["tree"] = TreeConfig()
@@ -236,24 +268,38 @@ def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int):
 
     def run(s, counted: bool) -> None:
         ids = torch.tensor([build_prompt(tok, s.question, list(CAMERAS), pipe.tokens_per_view).ids], device=dev)
-        pix = torch.cat([image_to_tiles(load_image(s.images[c]), cfg.vision.image_size, cfg.tiles_per_view) for c in CAMERAS]).to(dev, pipe.model.dtype)
+        pix = torch.cat(
+            [image_to_tiles(load_image(s.images[c]), cfg.vision.image_size, cfg.tiles_per_view) for c in CAMERAS]
+        ).to(dev, pipe.model.dtype)
         for name, cache_impl in zip(HF_ROWS, (None, "static")):
             with torch.inference_mode():
-                sync(); t0 = time.perf_counter()
+                sync()
+                t0 = time.perf_counter()
                 feats = hf.model.get_image_features(pixel_values=pix)
-                sync(); t1 = time.perf_counter()
+                sync()
+                t1 = time.perf_counter()
                 feats = getattr(feats, "pooler_output", feats)  # (tiles, tokens, C)
                 embeds = hf.model.get_input_embeddings()(ids)
                 embeds = embeds.masked_scatter((ids == hf.config.image_token_id)[..., None], feats.to(embeds.dtype))
                 hf(inputs_embeds=embeds, cache=DynamicCache(config=hf.config), use_cache=True, logits_to_keep=1)
-                sync(); t2 = time.perf_counter()
+                sync()
+                t2 = time.perf_counter()
                 kw = {"cache_implementation": "static"} if cache_impl else {}
-                out = hf.generate(input_ids=ids, pixel_values=pix, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=max_new_tokens, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **kw)
-                sync(); t3 = time.perf_counter()
+                out = hf.generate(
+                    input_ids=ids,
+                    pixel_values=pix,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=tok.eos_id,
+                    pad_token_id=tok.pad_id,
+                    **kw,
+                )
+                sync()
+                t3 = time.perf_counter()
             if not counted:
                 continue
-            new = out[0, ids.shape[1]:].tolist()
+            new = out[0, ids.shape[1] :].tolist()
             # Vision and prefill (merge + language model) are timed apart; generate holds vision + prefill + decode.
             vit, prefill, gen = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
             logs[name].add(len(CAMERAS), vit, ids.shape[1], prefill, max(0.0, gen - vit - prefill), 0.0, len(new))
@@ -265,13 +311,31 @@ def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int):
 
 
 def _record(s, text: str, views: int) -> dict:
-    return {"id": s.id, "question": s.question, "answer": text, "gt": s.answer, "tag": s.tag, "closed": s.closed,
-            "frame": s.frame_id, "views": views}
+    return {
+        "id": s.id,
+        "question": s.question,
+        "answer": text,
+        "gt": s.answer,
+        "tag": s.tag,
+        "closed": s.closed,
+        "frame": s.frame_id,
+        "views": views,
+    }
 
 
-def run_bench(model: str = "drive-tiny", data=None, n: int = 60, shape: str | None = None, configs=None, hf: bool = True,
-              max_new_tokens: int = 160, warmup: int = 3, seed: int = 1, progress: bool = True,
-              cuda_graphs: bool = False) -> dict:
+def run_bench(
+    model: str = "drive-tiny",
+    data=None,
+    n: int = 60,
+    shape: str | None = None,
+    configs=None,
+    hf: bool = True,
+    max_new_tokens: int = 160,
+    warmup: int = 3,
+    seed: int = 1,
+    progress: bool = True,
+    cuda_graphs: bool = False,
+) -> dict:
     from litevlm.eval.metrics import closed_accuracy, score
 
     if configs is None:
@@ -285,7 +349,9 @@ def run_bench(model: str = "drive-tiny", data=None, n: int = 60, shape: str | No
     logs = {name: RowLog() for name in (*configs, *(HF_ROWS if hf and shape is None else ()))}
     hf_run = None
     if hf and shape is None:
-        hf_run = _hf_runner(pipes["baseline"] if "baseline" in pipes else next(iter(pipes.values())), logs, max_new_tokens)
+        hf_run = _hf_runner(
+            pipes["baseline"] if "baseline" in pipes else next(iter(pipes.values())), logs, max_new_tokens
+        )
     # Each question's rows run in a freshly shuffled order (seeded; the transformers pair counts as one row): a row
     # run right after a similar one finds its weights and images warm in the caches, and a fixed order would hand
     # that to the same rows every time (LiteVLM right after "views + eagle", say).
@@ -302,8 +368,16 @@ def run_bench(model: str = "drive-tiny", data=None, n: int = 60, shape: str | No
                 continue
             t = ans.timings_ms
             log = logs[name]
-            log.add(len(ans.views), t["vit"], ans.input_tokens, t["prefill"], t["decode"], t["select_views"] + t["select_tokens"], len(ans.tokens),
-                    ans.opened_tokens)
+            log.add(
+                len(ans.views),
+                t["vit"],
+                ans.input_tokens,
+                t["prefill"],
+                t["decode"],
+                t["select_views"] + t["select_tokens"],
+                len(ans.tokens),
+                ans.opened_tokens,
+            )
             log.accept += ans.accept_lengths
             log.records.append(_record(s, ans.text, len(ans.views)))
             log.precision = ans.precision
@@ -319,15 +393,37 @@ def run_bench(model: str = "drive-tiny", data=None, n: int = 60, shape: str | No
             row["closed_accuracy"] = closed_accuracy(log.records)
         rows.append(row)
     dev = "cuda" if torch.cuda.is_available() and shape else "cpu"
-    per_question = {name: {"views": log.views, "vit": log.vit, "input_tokens": log.input_tokens, "prefill": log.prefill}
-                    for name, log in logs.items()}
-    return {"model": model if shape is None else f"random weights, {shape} shapes", "device": dev,
-            "threads": torch.get_num_threads(), "cpu_steps": cpu_steps.backend(), "questions": len(samples) - warmup, "rows": rows,
-            "cuda_graphs": cuda_graphs, "capture_ms": {name: round(p.capture_ms, 1) for name, p in pipes.items()}}, per_question
+    per_question = {
+        name: {"views": log.views, "vit": log.vit, "input_tokens": log.input_tokens, "prefill": log.prefill}
+        for name, log in logs.items()
+    }
+    return {
+        "model": model if shape is None else f"random weights, {shape} shapes",
+        "device": dev,
+        "threads": torch.get_num_threads(),
+        "cpu_steps": cpu_steps.backend(),
+        "questions": len(samples) - warmup,
+        "rows": rows,
+        "cuda_graphs": cuda_graphs,
+        "capture_ms": {name: round(p.capture_ms, 1) for name, p in pipes.items()},
+    }, per_question
 
 
 def format_table(result: dict) -> str:
-    cols = ("config", "views", "vit_ms", "input_tokens", "prefill_ms", "extend_one_ms", "decode_ms", "select_ms", "total_ms", "speedup", "score", "tau")
+    cols = (
+        "config",
+        "views",
+        "vit_ms",
+        "input_tokens",
+        "prefill_ms",
+        "extend_one_ms",
+        "decode_ms",
+        "select_ms",
+        "total_ms",
+        "speedup",
+        "score",
+        "tau",
+    )
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in result["rows"]:
         lines.append("| " + " | ".join("n/a" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
@@ -339,7 +435,11 @@ def format_shares(result: dict) -> str:
     lines = ["| config | mean total ms | vision | selection | prefill | decode |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         sh = r["shares"]
-        lines.append(f"| {r['config']} | {r['mean_total_ms']} | " + " | ".join(f"{100 * sh[k]:.1f}%" for k in ("vit", "select", "prefill", "decode")) + " |")
+        lines.append(
+            f"| {r['config']} | {r['mean_total_ms']} | "
+            + " | ".join(f"{100 * sh[k]:.1f}%" for k in ("vit", "select", "prefill", "decode"))
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -355,7 +455,12 @@ def plot(result: dict, path: str, per_question: dict | None = None) -> None:
     names = [r["config"] for r in rows]
     fig, ax = plt.subplots(2, 2, figsize=(13, 9))
     bottom = [0.0] * len(rows)
-    for key, label in (("vit_ms", "vision"), ("select_ms", "selection"), ("prefill_ms", "prefill"), ("decode_ms", "decode")):
+    for key, label in (
+        ("vit_ms", "vision"),
+        ("select_ms", "selection"),
+        ("prefill_ms", "prefill"),
+        ("decode_ms", "decode"),
+    ):
         vals = [r[key] or 0.0 for r in rows]
         ax[0, 0].bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]

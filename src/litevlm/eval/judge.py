@@ -63,9 +63,7 @@ def _chat_url(endpoint_url: str) -> str:
     url = endpoint_url.strip().rstrip("/")
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise LiteVLMError(
-            f"judge endpoint {endpoint_url!r} is not an http(s) URL; pass e.g. http://127.0.0.1:8000/v1"
-        )
+        raise LiteVLMError(f"judge endpoint {endpoint_url!r} is not an http(s) URL; pass e.g. http://127.0.0.1:8000/v1")
     return url if url.endswith("/chat/completions") else url + "/chat/completions"
 
 

@@ -85,12 +85,20 @@ _RULES: list[tuple[str, str, str | None]] = [
     ("cannot", r"(?P<tok>can)not", None),
     ("assim2", r"(?P<tok>gon|got|wan|lem|gim)(?:na|ta|me)(?<=gonna|gotta|wanna|lemme|gimme)", None),
     ("tis", rf"(?P<tok>{_APOS}t)(?:is|was)\b", "'t"),
-    ("sgml", r"</?[a-z][a-z0-9_:.\-]*(?:\s+[a-z][a-z0-9_:.\-]*(?:\s*=\s*(?:'[^']*'|\"[^\"]*\"|[a-z][a-z0-9_:.\-]*))?)*\s*/?>", "sgml"),
+    (
+        "sgml",
+        r"</?[a-z][a-z0-9_:.\-]*(?:\s+[a-z][a-z0-9_:.\-]*(?:\s*=\s*(?:'[^']*'|\"[^\"]*\"|[a-z][a-z0-9_:.\-]*))?)*\s*/?>",
+        "sgml",
+    ),
     ("word_redaux", rf"(?P<tok>{_WORD}){_APOS}(?:[msd]|re|ve|ll)", None),
     ("sword_sredaux", rf"(?P<tok>{_LETTER}*[a-mo-z])n{_APOS}t", None),
     ("word", _WORD, None),
-    ("apoword", rf"{_APOS}n{_APOS}|[ldj]{_APOS}|{_APOS}em|{_APOS}[2-9]0s|{_APOS}till?|{_APOS}cause|"
-                rf"[a-hj-xzn]{_APOS}{_LETTER}{{2,}}", "apos"),
+    (
+        "apoword",
+        rf"{_APOS}n{_APOS}|[ldj]{_APOS}|{_APOS}em|{_APOS}[2-9]0s|{_APOS}till?|{_APOS}cause|"
+        rf"[a-hj-xzn]{_APOS}{_LETTER}{{2,}}",
+        "apos",
+    ),
     ("url", r"(?:https?|ftp|mailto)://[^\s\"<>|(){}\[\]]*[^\s\"'<>|.!?(){},;:&\[\]-]", None),
     ("www", r"www\.(?:[^\s\"<>|.!?(){},/]+\.)+[a-z]{2,4}", None),
     ("email", r"[a-z0-9._%+-]+@[a-z0-9][a-z0-9.-]*[a-z0-9]", None),
@@ -341,7 +349,9 @@ def _check(records: Sequence[dict], gate: bool) -> None:
         if gate and "frame" not in record:
             missing.append("frame")
         if missing:
-            raise LiteVLMError(f"{where}: missing {', '.join(missing)}" + (" (gate=True needs a frame id)" if gate else ""))
+            raise LiteVLMError(
+                f"{where}: missing {', '.join(missing)}" + (" (gate=True needs a frame id)" if gate else "")
+            )
         for key in ("question", "answer", "gt"):
             if not isinstance(record[key], str):
                 raise LiteVLMError(f"{where}: {key} must be a string, got {type(record[key]).__name__}")
@@ -425,7 +435,9 @@ def score(records: Sequence[dict], judge: Judge | None = None, gate: bool = Fals
     language_detail = None
     language = None
     if buckets["language"]:
-        language_detail = language_scores([r["answer"] for r in buckets["language"]], [r["gt"] for r in buckets["language"]])
+        language_detail = language_scores(
+            [r["answer"] for r in buckets["language"]], [r["gt"] for r in buckets["language"]]
+        )
         language = language_score(language_detail)
 
     judge_score = None

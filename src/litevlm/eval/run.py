@@ -10,13 +10,21 @@ from tqdm import tqdm
 from litevlm.eval.metrics import closed_accuracy, score
 
 
-def evaluate(pipe, data: str | Path, images_root=None, limit: int | None = None, blank: bool = False, progress: bool = True, judge=None) -> dict:
+def evaluate(
+    pipe,
+    data: str | Path,
+    images_root=None,
+    limit: int | None = None,
+    blank: bool = False,
+    progress: bool = True,
+    judge=None,
+) -> dict:
     """Answer every question of `data` with `pipe`; return the DriveLM scores, per-question records included.
 
     blank=True replaces every camera image by the same empty road: a model that really looks at
     the images must then lose most of its closed-question accuracy.
     """
-    from litevlm.data.drivelm import load_images, load_samples
+    from litevlm.data.drivelm import load_samples
 
     samples = load_samples(data, images_root=images_root)
     if limit:
@@ -30,11 +38,21 @@ def evaluate(pipe, data: str | Path, images_root=None, limit: int | None = None,
     for s in tqdm(samples, desc="evaluating", disable=not progress):
         images = empty if blank else s.images
         ans = pipe.answer(s.question, images)
-        records.append({
-            "id": s.id, "question": s.question, "answer": ans.text, "gt": s.answer, "tag": s.tag,
-            "closed": s.closed, "category": s.category, "frame": s.frame_id,
-            "views": ans.views, "needed_views": list(s.views), "visual_tokens": ans.num_visual_tokens,
-        })
+        records.append(
+            {
+                "id": s.id,
+                "question": s.question,
+                "answer": ans.text,
+                "gt": s.answer,
+                "tag": s.tag,
+                "closed": s.closed,
+                "category": s.category,
+                "frame": s.frame_id,
+                "views": ans.views,
+                "needed_views": list(s.views),
+                "visual_tokens": ans.num_visual_tokens,
+            }
+        )
         views.append(len(ans.views))
         vtok.append(ans.num_visual_tokens)
         totals.append(ans.timings_ms["total"])

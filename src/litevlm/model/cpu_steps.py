@@ -27,7 +27,7 @@ import functools
 import threading
 import warnings
 from contextlib import contextmanager
-from typing import List, NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +35,20 @@ import torch.nn.functional as F
 from litevlm.model.modules import submodules
 
 
-def layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int, mask: Optional[torch.Tensor],
-           weights: List[List[torch.Tensor]], caches: List[List[torch.Tensor]], hq: int, hkv: int, d: int,
-           eps: float, last_only: bool = False) -> torch.Tensor:
+def layers(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    start: int,
+    mask: torch.Tensor | None,
+    weights: list[list[torch.Tensor]],
+    caches: list[list[torch.Tensor]],
+    hq: int,
+    hkv: int,
+    d: int,
+    eps: float,
+    last_only: bool = False,
+) -> torch.Tensor:
     """x (n, C) at cache slots start..start+n-1 through the layers -> (n, C), before any final norm.
 
     last_only (one layer, mask None): every row writes its K/V, only the last goes on through attention,
@@ -78,10 +89,27 @@ def layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int, ma
     return x
 
 
-def chain(root_hidden: torch.Tensor, position: int, start: int, depth: int, log_min: float, eos: int,
-          cos_table: torch.Tensor, sin_table: torch.Tensor, embed: torch.Tensor, fc_w: torch.Tensor, fc_b: torch.Tensor,
-          head: torch.Tensor, vocab_map: torch.Tensor, weights: List[List[torch.Tensor]], caches: List[List[torch.Tensor]],
-          hq: int, hkv: int, d: int, eps: float) -> torch.Tensor:
+def chain(
+    root_hidden: torch.Tensor,
+    position: int,
+    start: int,
+    depth: int,
+    log_min: float,
+    eos: int,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    embed: torch.Tensor,
+    fc_w: torch.Tensor,
+    fc_b: torch.Tensor,
+    head: torch.Tensor,
+    vocab_map: torch.Tensor,
+    weights: list[list[torch.Tensor]],
+    caches: list[list[torch.Tensor]],
+    hq: int,
+    hkv: int,
+    d: int,
+    eps: float,
+) -> torch.Tensor:
     """A draft head's whole chain in one call -> the drafted token ids (m,), 1 <= m <= depth.
 
     From the root's predicted feature (1, C): take the most likely token; while the chain's summed
@@ -99,8 +127,19 @@ def chain(root_hidden: torch.Tensor, position: int, start: int, depth: int, log_
         if bool(value[0, 0] < log_min) or int(tok[0]) == eos:
             break
         x = torch.addmm(fc_b, torch.cat([embed[tok], hidden], -1), fc_w)
-        hidden = layers(x, cos_table[position + i : position + i + 1], sin_table[position + i : position + i + 1], start + i, None,
-                        weights, caches, hq, hkv, d, eps)
+        hidden = layers(
+            x,
+            cos_table[position + i : position + i + 1],
+            sin_table[position + i : position + i + 1],
+            start + i,
+            None,
+            weights,
+            caches,
+            hq,
+            hkv,
+            d,
+            eps,
+        )
         lp = torch.log_softmax(hidden @ head, -1)
         step_value, idx = lp.topk(1, -1)
         value = value + step_value
@@ -109,11 +148,30 @@ def chain(root_hidden: torch.Tensor, position: int, start: int, depth: int, log_
     return torch.cat(drafted)
 
 
-def draft_cycle(feats: torch.Tensor, nxt: torch.Tensor, pair_pos: torch.Tensor, done: int, root: torch.Tensor, root_pos: int, depth: int,
-                log_min: float, eos: int, cos_table: torch.Tensor, sin_table: torch.Tensor, embed: torch.Tensor,
-                fc_w: torch.Tensor, fc_b: torch.Tensor, head: torch.Tensor, vocab_map: torch.Tensor,
-                weights: List[List[torch.Tensor]], caches: List[List[torch.Tensor]], hq: int, hkv: int, d: int,
-                eps: float) -> torch.Tensor:
+def draft_cycle(
+    feats: torch.Tensor,
+    nxt: torch.Tensor,
+    pair_pos: torch.Tensor,
+    done: int,
+    root: torch.Tensor,
+    root_pos: int,
+    depth: int,
+    log_min: float,
+    eos: int,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    embed: torch.Tensor,
+    fc_w: torch.Tensor,
+    fc_b: torch.Tensor,
+    head: torch.Tensor,
+    vocab_map: torch.Tensor,
+    weights: list[list[torch.Tensor]],
+    caches: list[list[torch.Tensor]],
+    hq: int,
+    hkv: int,
+    d: int,
+    eps: float,
+) -> torch.Tensor:
     """A draft head's side of a speculative cycle in one call -> the chain to verify (1 + m,): the root (1,)
     (the newest token, not cached yet) and the m tokens drafted after it.
 
@@ -125,15 +183,46 @@ def draft_cycle(feats: torch.Tensor, nxt: torch.Tensor, pair_pos: torch.Tensor, 
     """
     x = torch.addmm(fc_b, torch.cat([nxt, feats], -1), fc_w)
     h_root = layers(x, cos_table[pair_pos], sin_table[pair_pos], done, None, weights, caches, hq, hkv, d, eps, True)
-    drafted = chain(h_root, root_pos, done + feats.shape[0], depth, log_min, eos, cos_table, sin_table, embed, fc_w, fc_b,
-                    head, vocab_map, weights, caches, hq, hkv, d, eps)
+    drafted = chain(
+        h_root,
+        root_pos,
+        done + feats.shape[0],
+        depth,
+        log_min,
+        eos,
+        cos_table,
+        sin_table,
+        embed,
+        fc_w,
+        fc_b,
+        head,
+        vocab_map,
+        weights,
+        caches,
+        hq,
+        hkv,
+        d,
+        eps,
+    )
     return torch.cat([root.to(drafted.dtype), drafted])
 
 
-def verify_chain(tokens: torch.Tensor, start: int, root_pos: int, cos_table: torch.Tensor, sin_table: torch.Tensor,
-                 embed: torch.Tensor, weights: List[List[torch.Tensor]], caches: List[List[torch.Tensor]], hq: int,
-                 hkv: int, d: int, eps: float, norm_w: torch.Tensor, head: torch.Tensor
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify_chain(
+    tokens: torch.Tensor,
+    start: int,
+    root_pos: int,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    embed: torch.Tensor,
+    weights: list[list[torch.Tensor]],
+    caches: list[list[torch.Tensor]],
+    hq: int,
+    hkv: int,
+    d: int,
+    eps: float,
+    norm_w: torch.Tensor,
+    head: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's side of a greedy chain cycle in one call: verify root + drafts, accept the longest
     matching prefix -> (the emitted tokens (a+1,): the a accepted drafts and the bonus; the pairs the
     draft's next extend takes in: the features (a+1, C) (the post-norm hidden states of the root and the
@@ -157,13 +246,37 @@ def verify_chain(tokens: torch.Tensor, start: int, root_pos: int, cos_table: tor
     return new, x[: a + 1], embed[new], pos[: a + 1]
 
 
-def decode_logits(token: torch.Tensor, position: int, slot: int, cos_table: torch.Tensor, sin_table: torch.Tensor,
-                  embed: torch.Tensor, weights: List[List[torch.Tensor]], caches: List[List[torch.Tensor]], hq: int, hkv: int,
-                  d: int, eps: float, norm_w: torch.Tensor, head: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def decode_logits(
+    token: torch.Tensor,
+    position: int,
+    slot: int,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    embed: torch.Tensor,
+    weights: list[list[torch.Tensor]],
+    caches: list[list[torch.Tensor]],
+    hq: int,
+    hkv: int,
+    d: int,
+    eps: float,
+    norm_w: torch.Tensor,
+    head: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A plain decode step in one call: token (1,) at RoPE `position`, written at cache `slot` -> (logits (1, V),
     the post-norm hidden state (1, C)). norm_w: the final norm; head (C, V): the LM head, row-major."""
-    x = layers(embed[token], cos_table[position : position + 1], sin_table[position : position + 1], slot, None, weights,
-               caches, hq, hkv, d, eps)
+    x = layers(
+        embed[token],
+        cos_table[position : position + 1],
+        sin_table[position : position + 1],
+        slot,
+        None,
+        weights,
+        caches,
+        hq,
+        hkv,
+        d,
+        eps,
+    )
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_w  # the final RMSNorm
     return x @ head, x
 
@@ -177,13 +290,18 @@ def _scripted_steps() -> tuple | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return (torch.jit.script(layers), torch.jit.script(chain), torch.jit.script(draft_cycle),
-                    torch.jit.script(verify_chain), torch.jit.script(decode_logits))
+            return (
+                torch.jit.script(layers),
+                torch.jit.script(chain),
+                torch.jit.script(draft_cycle),
+                torch.jit.script(verify_chain),
+                torch.jit.script(decode_logits),
+            )
     except Exception:  # a build without TorchScript: the eager path serves
         return None
 
 
-def _flat(groups: List[List[torch.Tensor]]) -> List[torch.Tensor]:
+def _flat(groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return [t for group in groups for t in group]
 
 
@@ -201,7 +319,7 @@ def _without_rotation(t: torch.Tensor, nqk: int) -> torch.Tensor:
     return _kept(t, "_litevlm_unrotated", lambda w: torch.cat([w[..., :nqk], w[..., 2 * nqk :]], -1).contiguous())
 
 
-def _native_layer(w: List[torch.Tensor], nqk: int) -> List[torch.Tensor]:
+def _native_layer(w: list[torch.Tensor], nqk: int) -> list[torch.Tensor]:
     """One layer's weights (`layer_weights`) for the native ops: the q|k|v projection and bias without the rotated copies."""
     return [w[0], _without_rotation(w[1], nqk), _without_rotation(w[2], nqk), *w[3:]]
 
@@ -222,7 +340,7 @@ def _per_list(cache: dict, owners: tuple, make):
 _NATIVE_FLAT: dict = {}  # id(weights list) -> ((that list,), its `_native_flat`)
 
 
-def _native_flat(weights: List[List[torch.Tensor]], hq: int, hkv: int, d: int) -> List[torch.Tensor]:
+def _native_flat(weights: list[list[torch.Tensor]], hq: int, hkv: int, d: int) -> list[torch.Tensor]:
     """`_flat` of the layers' weights for the native ops: each q|k|v projection and bias without its rotated copies
     (made once per weights list: a generation's plan passes the same list to every step)."""
     return _per_list(_NATIVE_FLAT, (weights,), lambda: [t for w in weights for t in _native_layer(w, (hq + hkv) * d)])
@@ -247,15 +365,16 @@ def panels(w: torch.Tensor) -> torch.Tensor:
 _DRAFT_PANELS: dict = {}  # id(weights list) -> ((that list, fc, head), its `_draft_panels`)
 
 
-def _draft_panels(fc_w: torch.Tensor, head: torch.Tensor, weights: List[List[torch.Tensor]], hq: int, hkv: int,
-                  d: int) -> List[torch.Tensor]:
+def _draft_panels(
+    fc_w: torch.Tensor, head: torch.Tensor, weights: list[list[torch.Tensor]], hq: int, hkv: int, d: int
+) -> list[torch.Tensor]:
     """A draft head's products in its native steps, on bf16 panels (cpu_steps.cpp: the draft only proposes, and its
     weights read in half the bytes): [fc, head, then each layer's q|k|v, o, gate|up, down]; empty where the build has
     none. Made once per weights list."""
     if not panels_built():
         return []
 
-    def make() -> List[torch.Tensor]:
+    def make() -> list[torch.Tensor]:
         layers = [_native_layer(w, (hq + hkv) * d) for w in weights]
         return [panels(fc_w), panels(head), *[panels(w[i]) for w in layers for i in (1, 3, 5, 6)]]
 
@@ -272,29 +391,143 @@ def _native_steps() -> tuple | None:
         return None
 
     def native_layers(x, cos, sin, start, mask, weights, caches, hq, hkv, d, eps, last_only=False):
-        return ops.layers(x, cos, sin, start, mask, _native_flat(weights, hq, hkv, d), _flat(caches), hq, hkv, d, eps,
-                          last_only)
+        return ops.layers(
+            x, cos, sin, start, mask, _native_flat(weights, hq, hkv, d), _flat(caches), hq, hkv, d, eps, last_only
+        )
 
-    def native_chain(root_hidden, position, start, depth, log_min, eos, cos_table, sin_table, embed, fc_w, fc_b, head,
-                     vocab_map, weights, caches, hq, hkv, d, eps):
-        return ops.chain(root_hidden, position, start, depth, log_min, eos, cos_table, sin_table, embed, fc_w, fc_b, head,
-                         vocab_map, _native_flat(weights, hq, hkv, d), _flat(caches), hq, hkv, d, eps,
-                         _draft_panels(fc_w, head, weights, hq, hkv, d))
+    def native_chain(
+        root_hidden,
+        position,
+        start,
+        depth,
+        log_min,
+        eos,
+        cos_table,
+        sin_table,
+        embed,
+        fc_w,
+        fc_b,
+        head,
+        vocab_map,
+        weights,
+        caches,
+        hq,
+        hkv,
+        d,
+        eps,
+    ):
+        return ops.chain(
+            root_hidden,
+            position,
+            start,
+            depth,
+            log_min,
+            eos,
+            cos_table,
+            sin_table,
+            embed,
+            fc_w,
+            fc_b,
+            head,
+            vocab_map,
+            _native_flat(weights, hq, hkv, d),
+            _flat(caches),
+            hq,
+            hkv,
+            d,
+            eps,
+            _draft_panels(fc_w, head, weights, hq, hkv, d),
+        )
 
-    def native_cycle(feats, nxt, pair_pos, done, root, root_pos, depth, log_min, eos, cos_table, sin_table, embed, fc_w,
-                     fc_b, head, vocab_map, weights, caches, hq, hkv, d, eps):
-        return ops.draft_cycle(feats, nxt, pair_pos, done, root, root_pos, depth, log_min, eos, cos_table, sin_table,
-                               embed, fc_w, fc_b, head, vocab_map, _native_flat(weights, hq, hkv, d), _flat(caches), hq,
-                               hkv, d, eps, _draft_panels(fc_w, head, weights, hq, hkv, d))
+    def native_cycle(
+        feats,
+        nxt,
+        pair_pos,
+        done,
+        root,
+        root_pos,
+        depth,
+        log_min,
+        eos,
+        cos_table,
+        sin_table,
+        embed,
+        fc_w,
+        fc_b,
+        head,
+        vocab_map,
+        weights,
+        caches,
+        hq,
+        hkv,
+        d,
+        eps,
+    ):
+        return ops.draft_cycle(
+            feats,
+            nxt,
+            pair_pos,
+            done,
+            root,
+            root_pos,
+            depth,
+            log_min,
+            eos,
+            cos_table,
+            sin_table,
+            embed,
+            fc_w,
+            fc_b,
+            head,
+            vocab_map,
+            _native_flat(weights, hq, hkv, d),
+            _flat(caches),
+            hq,
+            hkv,
+            d,
+            eps,
+            _draft_panels(fc_w, head, weights, hq, hkv, d),
+        )
 
-    def native_verify(tokens, start, root_pos, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps, norm_w,
-                      head):
-        return ops.verify_chain(tokens, start, root_pos, cos_table, sin_table, embed, _native_flat(weights, hq, hkv, d),
-                                _flat(caches), hq, hkv, d, eps, norm_w, head)
+    def native_verify(
+        tokens, start, root_pos, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps, norm_w, head
+    ):
+        return ops.verify_chain(
+            tokens,
+            start,
+            root_pos,
+            cos_table,
+            sin_table,
+            embed,
+            _native_flat(weights, hq, hkv, d),
+            _flat(caches),
+            hq,
+            hkv,
+            d,
+            eps,
+            norm_w,
+            head,
+        )
 
-    def native_decode(token, position, slot, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps, norm_w, head):
-        return ops.decode_logits(token, position, slot, cos_table, sin_table, embed, _native_flat(weights, hq, hkv, d),
-                                 _flat(caches), hq, hkv, d, eps, norm_w, head)
+    def native_decode(
+        token, position, slot, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps, norm_w, head
+    ):
+        return ops.decode_logits(
+            token,
+            position,
+            slot,
+            cos_table,
+            sin_table,
+            embed,
+            _native_flat(weights, hq, hkv, d),
+            _flat(caches),
+            hq,
+            hkv,
+            d,
+            eps,
+            norm_w,
+            head,
+        )
 
     return native_layers, native_chain, native_cycle, native_verify, native_decode
 
@@ -308,7 +541,7 @@ def _load() -> None:
         _BACKEND.append(name if steps is not None else None)
 
 
-def backend() -> Optional[str]:
+def backend() -> str | None:
     """Which implementation runs the CPU steps: "native" (cpu_steps.cpp), "torchscript", or None (eager)."""
     _load()
     return _BACKEND[0]
@@ -338,14 +571,21 @@ def step_decode():
     return None if _STEPS[0] is None else _STEPS[0][4]
 
 
-def _native_layers(decoder_layers, cfg) -> List[List[torch.Tensor]]:
+def _native_layers(decoder_layers, cfg) -> list[list[torch.Tensor]]:
     """`_native_layer` of each layer's weights, for a decoder with TextConfig `cfg`."""
     nqk = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
     return [_native_layer(layer_weights(layer), nqk) for layer in decoder_layers]
 
 
-def prompt_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoder_layers, cfg,
-                  bf16: bool = False, tail_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def prompt_layers(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    decoder_layers,
+    cfg,
+    bf16: bool = False,
+    tail_mask: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """A prompt of one sequence, x (T, C) at cache slots 0..T-1 with cos / sin (T, 1, D) at its positions,
     causally through `decoder_layers` (of a decoder with TextConfig `cfg`) in one native call -> (T, C) before any final norm; None where that
     does not apply (the native build is missing, or `usable` says no): the caller runs the layers eagerly.
@@ -358,17 +598,32 @@ def prompt_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decoder
 
     per_layer = _native_layers(decoder_layers, cfg)
     products = bf16_products(per_layer) if bf16 else []
-    return native.ops().prompt_layers(x, cos, sin, _flat(per_layer), _flat(caches(decoder_layers)), cfg.num_heads,
-                                      cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, products, tail_mask)
+    return native.ops().prompt_layers(
+        x,
+        cos,
+        sin,
+        _flat(per_layer),
+        _flat(caches(decoder_layers)),
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.norm_eps,
+        products,
+        tail_mask,
+    )
 
 
-def bf16_products(per_layer: List[List[torch.Tensor]]) -> List[torch.Tensor]:
+def bf16_products(per_layer: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     """The bf16 copies of each layer's four product weights (q|k|v, o, gate|up, down) from `_native_layer` lists: what
     a native prompt multiplies in the CPU library's bf16 GEMM in bf16 mode."""
-    return [_kept(w[i], "_litevlm_bf16", lambda t: t.to(torch.bfloat16).contiguous()) for w in per_layer for i in (1, 3, 5, 6)]
+    return [
+        _kept(w[i], "_litevlm_bf16", lambda t: t.to(torch.bfloat16).contiguous())
+        for w in per_layer
+        for i in (1, 3, 5, 6)
+    ]
 
 
-def native_bf16_products(decoder_layers, cfg) -> List[torch.Tensor]:
+def native_bf16_products(decoder_layers, cfg) -> list[torch.Tensor]:
     """`bf16_products` of these layers, for warming the CPU library's kernels (`VLM.set_bf16_matmul`); empty where the
     native steps do not serve."""
     if backend() != "native":
@@ -376,12 +631,12 @@ def native_bf16_products(decoder_layers, cfg) -> List[torch.Tensor]:
     return bf16_products(_native_layers([layer for layer in decoder_layers if layer.fusable()], cfg))
 
 
-def layer_weights(layer) -> List[torch.Tensor]:
+def layer_weights(layer) -> list[torch.Tensor]:
     """One `DecoderLayer`'s weights in `layers`' order (the fused, cached packing; once per `frozen()` scope)."""
     return remembered(("weights", id(layer)), lambda: _layer_weights(layer))
 
 
-def _layer_weights(layer) -> List[torch.Tensor]:
+def _layer_weights(layer) -> list[torch.Tensor]:
     qkv_w, qkv_b, gate_up, o_t, down_t = layer.fused_weights()
     if qkv_b is None:
         qkv_b = qkv_w.new_zeros(qkv_w.shape[1])
@@ -395,10 +650,10 @@ class Plan(NamedTuple):
     start and reuses it for every step (nothing changes the weights meanwhile). The caches are read at
     each call (`caches`): `setup_cache` may replace them."""
 
-    weights: List[List[torch.Tensor]]
+    weights: list[list[torch.Tensor]]
 
 
-def plan(x: torch.Tensor, decoder_layers) -> Optional[Plan]:
+def plan(x: torch.Tensor, decoder_layers) -> Plan | None:
     """The arguments for running `decoder_layers` as CPU steps on inputs like x, or None where the eager
     path must run (see `usable`)."""
     if not usable(x, decoder_layers):
@@ -406,7 +661,7 @@ def plan(x: torch.Tensor, decoder_layers) -> Optional[Plan]:
     return Plan([layer_weights(layer) for layer in decoder_layers])
 
 
-def caches(decoder_layers) -> List[List[torch.Tensor]]:
+def caches(decoder_layers) -> list[list[torch.Tensor]]:
     """`layers`' cache arguments: each layer's current [K, V] (read through the module dicts: this runs
     every step, and nn.Module attribute lookups would cost about 20 us here)."""
     out = []

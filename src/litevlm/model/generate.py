@@ -58,7 +58,9 @@ def causal_mask(kv_len: int, start: int, n: int, device) -> torch.Tensor:
 def check_prompt_fits(lm, t: int) -> None:
     """A clear error where a prompt of t tokens does not fit the decoder's KV cache."""
     if t > lm.cache_len:
-        raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {lm.cache_len}; shorten the prompt or raise max_len")
+        raise LiteVLMError(
+            f"the prompt has {t} tokens but the KV cache holds {lm.cache_len}; shorten the prompt or raise max_len"
+        )
 
 
 def prefill(model, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +76,9 @@ def prefill(model, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch
 PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
-def _bucket_forward(model, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
+def _bucket_forward(
+    model, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, length: int
+) -> torch.Tensor:
     return model.language_model(embeds, positions, slots=slots, mask=None, kv_len=length)
 
 
@@ -110,7 +114,9 @@ class BucketPrefill:
         b = self.bucket(t)
         pad = b - t
         padded = torch.cat([embeds, embeds.new_zeros(1, pad, embeds.shape[2])], 1)
-        padded_pos = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)[None]], 1)
+        padded_pos = torch.cat(
+            [positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)[None]], 1
+        )
         slots = torch.arange(b, device=embeds.device)
         first = b not in self.compiled
         t0 = time.perf_counter()
@@ -130,7 +136,9 @@ class Prefilled(NamedTuple):
     hidden: torch.Tensor  # (B, T', C) final hidden states of the cached prompt tokens
     embeds: torch.Tensor  # (B, T', C) their input embeddings
     positions: torch.Tensor  # (B, T') their RoPE positions (the last + 1 is the first generated token's)
-    opened: object = None  # `litevlm.spec.openings.Opened`: an answer opening verified with the prompt (greedy speculative)
+    opened: object = (
+        None  # `litevlm.spec.openings.Opened`: an answer opening verified with the prompt (greedy speculative)
+    )
 
 
 @torch.no_grad()
@@ -201,7 +209,8 @@ class GraphedDecodeStep:
         self.position = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)
         self.graph, self.logits, self.capture_ms = capture_cuda_graph(
-            lambda: decode_step_static(model, self.token, self.position, self.slot), dev, warmup)
+            lambda: decode_step_static(model, self.token, self.position, self.slot), dev, warmup
+        )
 
     def valid_for(self, model) -> bool:
         return model is self.model and model.language_model.layers[0].self_attn.kv_cache.k is self.cache

@@ -22,8 +22,8 @@ import os
 import shutil
 import uuid
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -36,10 +36,22 @@ from litevlm.model.vlm import VLM
 SUPPORTED_ACTS = ("gelu", "quick_gelu", "gelu_pytorch_tanh")
 SPECIAL_TOKEN_FIELDS = ("img_start_id", "img_end_id", "eos_token_id", "pad_token_id")
 # Token strings that identify our special ids in a tokenizer's added tokens.
-TOKEN_STRINGS = {"img_start_id": "<img>", "img_end_id": "</img>", "eos_token_id": "<|im_end|>", "image_token_id": "<IMG_CONTEXT>"}
+TOKEN_STRINGS = {
+    "img_start_id": "<img>",
+    "img_end_id": "</img>",
+    "eos_token_id": "<|im_end|>",
+    "image_token_id": "<IMG_CONTEXT>",
+}
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 NATIVE_FORMAT = "litevlm"
@@ -87,7 +99,9 @@ def _text_from_hf(t: dict, field: str = "text_config") -> TextConfig:
     else:
         qkv_bias = bool(t.get("attention_bias", False))
         if qkv_bias:
-            _fail(f"{field}.attention_bias", True, "transformers' Llama then also has an o_proj bias, which litevlm lacks")
+            _fail(
+                f"{field}.attention_bias", True, "transformers' Llama then also has an o_proj bias, which litevlm lacks"
+            )
         if t.get("mlp_bias", False):
             _fail(f"{field}.mlp_bias", True, "the decoder MLP has no biases")
     layer_types = t.get("layer_types") or []
@@ -137,7 +151,9 @@ def _vision_from_hf(v: dict) -> VisionConfig:
     )
 
 
-def _check_connector(downsample_ratio, select_layer, strategy: str, projector_act: str, names: tuple[str, str, str, str]) -> None:
+def _check_connector(
+    downsample_ratio, select_layer, strategy: str, projector_act: str, names: tuple[str, str, str, str]
+) -> None:
     if float(downsample_ratio) != 0.5:
         _fail(names[0], downsample_ratio, "only pixel shuffle 0.5 is supported")
     if select_layer != -1:
@@ -219,7 +235,9 @@ def _config_from_transformers(d: dict, tokenizer_ids: dict, generation: dict) ->
     if not t:
         _fail("text_config", t, "the config must spell out its text model")
     _check_connector(
-        d.get("downsample_ratio", 0.5), d.get("vision_feature_layer", -1), d.get("vision_feature_select_strategy", "default"),
+        d.get("downsample_ratio", 0.5),
+        d.get("vision_feature_layer", -1),
+        d.get("vision_feature_select_strategy", "default"),
         d.get("projector_hidden_act", "gelu"),
         ("downsample_ratio", "vision_feature_layer", "vision_feature_select_strategy", "projector_hidden_act"),
     )
@@ -227,8 +245,26 @@ def _config_from_transformers(d: dict, tokenizer_ids: dict, generation: dict) ->
     # transformers 5 ties on the top-level flag only; 4.x configs lack it and tie on text_config's.
     text.tie_embeddings = bool(d.get("tie_word_embeddings", t.get("tie_word_embeddings", False)))
     config_ids = {
-        "eos_token_id": _first_id(next((x for x in (generation.get("eos_token_id"), t.get("eos_token_id"), d.get("eos_token_id")) if x is not None), None)),
-        "pad_token_id": _first_id(next((x for x in (generation.get("pad_token_id"), t.get("pad_token_id"), d.get("pad_token_id")) if x is not None), None)),
+        "eos_token_id": _first_id(
+            next(
+                (
+                    x
+                    for x in (generation.get("eos_token_id"), t.get("eos_token_id"), d.get("eos_token_id"))
+                    if x is not None
+                ),
+                None,
+            )
+        ),
+        "pad_token_id": _first_id(
+            next(
+                (
+                    x
+                    for x in (generation.get("pad_token_id"), t.get("pad_token_id"), d.get("pad_token_id"))
+                    if x is not None
+                ),
+                None,
+            )
+        ),
     }
     extras = d.get("litevlm") or {}
     ids = _resolve_ids(text, extras, tokenizer_ids, config_ids)
@@ -249,8 +285,13 @@ def _config_from_original(d: dict, tokenizer_ids: dict, generation: dict) -> VLM
     v, llm = d.get("vision_config") or {}, d.get("llm_config") or {}
     if d.get("ps_version", "v2") != "v2":
         _fail("ps_version", d.get("ps_version"), "only pixel shuffle v2 (all InternVL2+ checkpoints) is supported")
-    _check_connector(d.get("downsample_ratio", 0.5), d.get("select_layer", -1), "default", "gelu",
-                     ("downsample_ratio", "select_layer", "", ""))
+    _check_connector(
+        d.get("downsample_ratio", 0.5),
+        d.get("select_layer", -1),
+        "default",
+        "gelu",
+        ("downsample_ratio", "select_layer", "", ""),
+    )
     arch = (llm.get("architectures") or [""])[0]
     if arch == "Qwen2ForCausalLM":
         t = dict(llm, model_type="qwen2")
@@ -261,21 +302,31 @@ def _config_from_original(d: dict, tokenizer_ids: dict, generation: dict) -> VLM
     text = _text_from_hf(t, "llm_config")
     text.tie_embeddings = bool(d.get("tie_word_embeddings", llm.get("tie_word_embeddings", False)))
     image_size = d.get("force_image_size") or v.get("image_size", 448)
-    vision = _vision_from_hf({
-        "hidden_size": v.get("hidden_size", 1024), "num_hidden_layers": v.get("num_hidden_layers", 24),
-        "num_attention_heads": v.get("num_attention_heads", 16), "intermediate_size": v.get("intermediate_size", 4096),
-        "image_size": image_size, "patch_size": v.get("patch_size", 14), "attention_bias": v.get("qkv_bias", True),
-        "use_qk_norm": v.get("qk_normalization", False), "norm_type": v.get("norm_type", "layer_norm"),
-        "layer_norm_eps": v.get("layer_norm_eps", 1e-6), "hidden_act": v.get("hidden_act", "gelu"),
-    })
+    vision = _vision_from_hf(
+        {
+            "hidden_size": v.get("hidden_size", 1024),
+            "num_hidden_layers": v.get("num_hidden_layers", 24),
+            "num_attention_heads": v.get("num_attention_heads", 16),
+            "intermediate_size": v.get("intermediate_size", 4096),
+            "image_size": image_size,
+            "patch_size": v.get("patch_size", 14),
+            "attention_bias": v.get("qkv_bias", True),
+            "use_qk_norm": v.get("qk_normalization", False),
+            "norm_type": v.get("norm_type", "layer_norm"),
+            "layer_norm_eps": v.get("layer_norm_eps", 1e-6),
+            "hidden_act": v.get("hidden_act", "gelu"),
+        }
+    )
     image_token_id = tokenizer_ids.get("image_token_id", _default_ids(text)["image_token_id"])
     if not 0 <= image_token_id < text.vocab_size:
         raise LiteVLMError(
             "the original InternVL config does not store the <IMG_CONTEXT> id and no tokenizer.json names it; "
             "put the checkpoint's tokenizer files beside config.json"
         )
-    config_ids = {"eos_token_id": _first_id(generation.get("eos_token_id", llm.get("eos_token_id"))),
-                  "pad_token_id": _first_id(generation.get("pad_token_id", llm.get("pad_token_id")))}
+    config_ids = {
+        "eos_token_id": _first_id(generation.get("eos_token_id", llm.get("eos_token_id"))),
+        "pad_token_id": _first_id(generation.get("pad_token_id", llm.get("pad_token_id"))),
+    }
     ids = _resolve_ids(text, {}, tokenizer_ids, config_ids)
     return VLMConfig(vision=vision, text=text, image_token_id=int(image_token_id), name="original-import", **ids)
 
@@ -284,9 +335,13 @@ def config_to_hf(cfg: VLMConfig) -> dict:
     """VLMConfig -> a config.json dict that transformers' InternVLForConditionalGeneration loads as is."""
     v, t = cfg.vision, cfg.text
     if t.arch == "qwen2" and not t.qkv_bias:
-        raise LiteVLMError("transformers' Qwen2 always has q/k/v biases: export a qkv_bias=False decoder with arch='llama'")
+        raise LiteVLMError(
+            "transformers' Qwen2 always has q/k/v biases: export a qkv_bias=False decoder with arch='llama'"
+        )
     if t.arch == "llama" and t.qkv_bias:
-        raise LiteVLMError("transformers' Llama attention_bias also adds an o_proj bias: export a qkv_bias=True decoder with arch='qwen2'")
+        raise LiteVLMError(
+            "transformers' Llama attention_bias also adds an o_proj bias: export a qkv_bias=True decoder with arch='qwen2'"
+        )
     text = {
         "model_type": t.arch,
         "vocab_size": t.vocab_size,
@@ -492,8 +547,11 @@ def _copy_tokenizer_files(src: Path | None, dst: Path) -> None:
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
     # Own contiguous copies: safetensors refuses views and shared storage.
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, str(path),
-              metadata={"format": "pt", **(metadata or {})})
+    save_file(
+        {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
+        str(path),
+        metadata={"format": "pt", **(metadata or {})},
+    )
 
 
 # ================================================================================================
@@ -510,9 +568,11 @@ def _same(x: torch.Tensor) -> torch.Tensor:
 
 def _rows(i: int, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """The i-th of n equal row blocks (an unfused q, k or v)."""
+
     def take(x: torch.Tensor) -> torch.Tensor:
         c = x.shape[0] // n
         return x[i * c : (i + 1) * c]
+
     return take
 
 
@@ -526,6 +586,7 @@ def _wqkv(cfg: TextConfig, part: str) -> Callable[[torch.Tensor], torch.Tensor]:
         w = w.reshape(cfg.num_kv_heads, g + 2, d, w.shape[-1])  # (Hkv, g+2, D, C)
         sel = {"q": w[:, :g], "k": w[:, g : g + 1], "v": w[:, g + 1 :]}[part]
         return sel.reshape(-1, w.shape[-1])  # (Hkv*g*D or Hkv*D, C)
+
     return take
 
 
@@ -553,10 +614,10 @@ def _map_hf(key: str, family: str) -> str:
     """One on-disk transformers name -> our name (unknown prefixes pass through and end up 'unexpected')."""
     if family == "new":
         if key.startswith("model."):
-            return key[len("model."):]
+            return key[len("model.") :]
         return key  # lm_head.weight
     if key.startswith("language_model.model."):
-        return "language_model." + key[len("language_model.model."):]
+        return "language_model." + key[len("language_model.model.") :]
     if key == "language_model.lm_head.weight":
         return "lm_head.weight"
     return key
@@ -572,13 +633,21 @@ _ORIG_VIT = (
     ("mlp1.3.", "multi_modal_projector.linear_2."),
 )
 _ORIG_VIT_LAYER = (
-    (".attn.proj.", ".attention.projection_layer."), (".attn.q_norm.", ".attention.q_norm."),
-    (".attn.k_norm.", ".attention.k_norm."), (".norm1.", ".layernorm_before."), (".norm2.", ".layernorm_after."),
-    (".ls1", ".lambda_1"), (".ls2", ".lambda_2"),
+    (".attn.proj.", ".attention.projection_layer."),
+    (".attn.q_norm.", ".attention.q_norm."),
+    (".attn.k_norm.", ".attention.k_norm."),
+    (".norm1.", ".layernorm_before."),
+    (".norm2.", ".layernorm_after."),
+    (".ls1", ".lambda_1"),
+    (".ls2", ".lambda_2"),
 )
 _INTERNLM2 = (
-    (".attention.wo.", ".self_attn.o_proj."), (".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
-    (".feed_forward.w2.", ".mlp.down_proj."), (".attention_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+    (".attention.wo.", ".self_attn.o_proj."),
+    (".feed_forward.w1.", ".mlp.gate_proj."),
+    (".feed_forward.w3.", ".mlp.up_proj."),
+    (".feed_forward.w2.", ".mlp.down_proj."),
+    (".attention_norm.", ".input_layernorm."),
+    (".ffn_norm.", ".post_attention_layernorm."),
 )
 
 
@@ -587,7 +656,7 @@ def _map_original(key: str, cfg: VLMConfig) -> list[tuple[str, Callable]]:
     out = key
     for a, b in _ORIG_VIT:
         if out.startswith(a):
-            out = b + out[len(a):]
+            out = b + out[len(a) :]
             break
     if out.startswith("vision_tower.encoder.layer."):
         if ".attn.qkv." in out:
@@ -598,7 +667,7 @@ def _map_original(key: str, cfg: VLMConfig) -> list[tuple[str, Callable]]:
     if key in ("language_model.lm_head.weight", "language_model.output.weight"):
         return [("lm_head.weight", _same)]
     if key.startswith("language_model.model."):
-        out = "language_model." + key[len("language_model.model."):]
+        out = "language_model." + key[len("language_model.model.") :]
         out = out.replace("language_model.tok_embeddings.", "language_model.embed_tokens.")
         if ".attention.wqkv." in out:
             return [(out.replace(".attention.wqkv.", f".self_attn.{p}_proj."), _wqkv(cfg.text, p)) for p in "qkv"]
@@ -655,7 +724,11 @@ def _load_strict(cfg: VLMConfig, where: dict[str, Path], mapping: Mapping, dtype
     missing = sorted(set(expected) - set(targets))
     problems = []
     if missing:
-        hint = " (a checkpoint without lm_head.weight has a tied head: set tie_word_embeddings true)" if missing == ["lm_head.weight"] else ""
+        hint = (
+            " (a checkpoint without lm_head.weight has a tied head: set tie_word_embeddings true)"
+            if missing == ["lm_head.weight"]
+            else ""
+        )
         problems.append(f"missing tensors ({len(missing)}): {_listing(missing)}{hint}")
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {_listing(sorted(unexpected))}")
@@ -679,7 +752,9 @@ def _load_strict(cfg: VLMConfig, where: dict[str, Path], mapping: Mapping, dtype
                 continue
             if tuple(t.shape) != expected[ours]:
                 name = ours if ours == ck else f"{ours} (checkpoint key {ck})"
-                bad.append(f"tensor {name} has shape {_shape(t.shape)} in the checkpoint but the config expects {_shape(expected[ours])}")
+                bad.append(
+                    f"tensor {name} has shape {_shape(t.shape)} in the checkpoint but the config expects {_shape(expected[ours])}"
+                )
                 continue
             state[ours] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).contiguous()
     if bad:
@@ -744,7 +819,7 @@ def _save_hf_into(model: VLM, d: Path, tokenizer=None) -> None:
                 continue
             tensors["language_model.lm_head.weight"] = v
         elif k.startswith("language_model."):
-            tensors["language_model.model." + k[len("language_model."):]] = v  # (Qwen2|Llama)ForCausalLM layout
+            tensors["language_model.model." + k[len("language_model.") :]] = v  # (Qwen2|Llama)ForCausalLM layout
         else:
             tensors[k] = v
     _save_tensors(tensors, d / "model.safetensors")

@@ -45,7 +45,9 @@ def row_major(lin: nn.Linear) -> torch.Tensor:
 BF16_ROW_BUCKET = 16
 
 
-def mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w16: torch.Tensor | None = None) -> torch.Tensor:
+def mm(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w16: torch.Tensor | None = None
+) -> torch.Tensor:
     """bias + x @ w for a 2-D x. With w16 (`pack_bf16(w)`), x is bf16 (a prompt held in bf16 end to end,
     `TextModel.forward`) and the product runs in bf16 on AMX / AVX512-BF16, about 3x an fp32 one at 100 rows
     (the weights pre-blocked once for the CPU library, so no call re-lays them out); the result is bf16.
@@ -73,8 +75,11 @@ def bf16_matmul_supported() -> bool:
             flags = f.read()
     except OSError:
         return False
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and ("amx_bf16" in flags or "avx512_bf16" in flags)
+    )
 
 
 def _plain(lin: nn.Module) -> bool:
@@ -84,7 +89,9 @@ def _plain(lin: nn.Module) -> bool:
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (B, 1, T, D) for integer positions (B, T), computed in fp32 like transformers."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim)
+    )
     freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, D)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
@@ -199,7 +206,9 @@ class DecoderLayer(nn.Module):
         calibrated) and the MLP a SwiGLU."""
         m = self._modules["mlp"]
         mods = self._modules["self_attn"]._modules, m._modules  # direct dict reads: this runs every prefill
-        return isinstance(m, SwiGLU) and all(_plain(ms[name]) for ms, names in zip(mods, _FUSED_PROJECTIONS) for name in names)
+        return isinstance(m, SwiGLU) and all(
+            _plain(ms[name]) for ms, names in zip(mods, _FUSED_PROJECTIONS) for name in names
+        )
 
     def fused_weights(self) -> tuple:
         """Packed, pre-transposed projections (in, out): rebuilt on every call while training (so
@@ -221,8 +230,13 @@ class DecoderLayer(nn.Module):
         # Reads the projections' parameter dicts directly: nn.Module attribute lookups would cost
         # more than the rest of a CPU decode step's bookkeeping (this runs every step).
         mods = self.self_attn._modules, self.mlp._modules
-        return tuple((p.data_ptr(), p._version) for ms, names in zip(mods, _FUSED_PROJECTIONS) for name in names
-                     for p in ms[name]._parameters.values() if p is not None)
+        return tuple(
+            (p.data_ptr(), p._version)
+            for ms, names in zip(mods, _FUSED_PROJECTIONS)
+            for name in names
+            for p in ms[name]._parameters.values()
+            if p is not None
+        )
 
     def _fused_current(self) -> tuple:
         """The cached packing if no projection changed since it was made, else a new one."""
@@ -240,7 +254,12 @@ class DecoderLayer(nn.Module):
             if attn.q_proj.bias is not None:
                 qk_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias])
                 qkv_b = torch.cat([qk_b, rotate_head_rows(qk_b, d), attn.v_proj.bias])
-            w = [qkv_w.t(), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t(), attn.o_proj.weight.t(), mlp.down_proj.weight.t()]
+            w = [
+                qkv_w.t(),
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t(),
+                attn.o_proj.weight.t(),
+                mlp.down_proj.weight.t(),
+            ]
         if training:
             return (w[0], qkv_b, *w[1:])
         w = tuple(x.detach().contiguous() for x in w)
@@ -312,8 +331,17 @@ class TextModel(nn.Module):
         cache = self.layers[0].self_attn.kv_cache
         return 0 if cache is None else cache.max_len
 
-    def forward(self, embeds, positions, slots=None, mask=None, kv_len=None, start_layer: int = 0, end_layer: int | None = None,
-                tree_tail: torch.Tensor | None = None):
+    def forward(
+        self,
+        embeds,
+        positions,
+        slots=None,
+        mask=None,
+        kv_len=None,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+        tree_tail: torch.Tensor | None = None,
+    ):
         """embeds (B, T, C), positions (B, T) -> hidden (B, T, C) after the final norm.
 
         slots (T,) are the cache slots to write; mask (B or 1, 1, T, S) is True where attention is
@@ -321,7 +349,9 @@ class TextModel(nn.Module):
         tree_tail (m, T) bool, for a prompt from slot 0 without a mask: its last m rows are a tree after the prompt
         (answer openings), row i seeing the slots where tree_tail[i] is True; the other rows stay causal.
         """
-        if embeds.device.type == "cpu":  # the kept table, gathered (the same values; reading the top position syncs a GPU)
+        if (
+            embeds.device.type == "cpu"
+        ):  # the kept table, gathered (the same values; reading the top position syncs a GPU)
             table_cos, table_sin = self.rope_table(int(positions.max()), embeds.dtype, embeds.device)  # (P, 1, D)
             cos, sin = table_cos[positions].transpose(1, 2), table_sin[positions].transpose(1, 2)  # (B, 1, T, D)
         else:
@@ -332,11 +362,17 @@ class TextModel(nn.Module):
         # stream; eagerly, one cast in, one out and everything between in bf16 (the K/V go into the cache in its own
         # dtype), since casting around each product there cost what the products saved
         bf16 = self._bf16_prompt(embeds, layers, slots, mask, kv_len)
-        if embeds.shape[0] == 1 and slots is not None and mask is None and kv_len == embeds.shape[1] \
-                and len(layers) > 0:  # a prompt from slot 0, one sequence: one native call where it applies
+        if (
+            embeds.shape[0] == 1
+            and slots is not None
+            and mask is None
+            and kv_len == embeds.shape[1]
+            and len(layers) > 0
+        ):  # a prompt from slot 0, one sequence: one native call where it applies
             t, d = embeds.shape[1], self.cfg.head_dim
-            out = cpu_steps.prompt_layers(embeds[0], cos.reshape(t, 1, d), sin.reshape(t, 1, d), layers, self.cfg, bf16=bf16,
-                                          tail_mask=tree_tail)
+            out = cpu_steps.prompt_layers(
+                embeds[0], cos.reshape(t, 1, d), sin.reshape(t, 1, d), layers, self.cfg, bf16=bf16, tail_mask=tree_tail
+            )
             if out is not None:
                 return self.norm(out[None]) if end_layer is None else out[None]
         if tree_tail is not None:
@@ -359,9 +395,16 @@ class TextModel(nn.Module):
         """Every layer multiplies these rows in bf16 (`bf16_min_rows`) and they are a prompt written from cache
         slot 0 without a mask (a prefill, or a pruned prefill's later layers), in fp32 CPU inference."""
         rows = embeds.shape[0] * embeds.shape[1]
-        return (embeds.dtype == torch.float32 and embeds.device.type == "cpu" and not torch.is_grad_enabled()
-                and slots is not None and mask is None and kv_len == embeds.shape[1] and len(layers) > 0
-                and all(layer.bf16_min_rows and rows >= layer.bf16_min_rows and layer.fusable() for layer in layers))
+        return (
+            embeds.dtype == torch.float32
+            and embeds.device.type == "cpu"
+            and not torch.is_grad_enabled()
+            and slots is not None
+            and mask is None
+            and kv_len == embeds.shape[1]
+            and len(layers) > 0
+            and all(layer.bf16_min_rows and rows >= layer.bf16_min_rows and layer.fusable() for layer in layers)
+        )
 
     def rope_table(self, top: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_table(self, self.cfg.head_dim, self.cfg.rope_theta, top, dtype, device)
@@ -371,7 +414,9 @@ class TextModel(nn.Module):
         where the eager path runs; build one per generation and pass it to every step."""
         return cpu_steps.plan(self.embed_tokens.weight, self.layers)
 
-    def fast_forward(self, embeds: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None = None, plan=None):
+    def fast_forward(
+        self, embeds: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None = None, plan=None
+    ):
         """A few tokens of one sequence, embeds (n, C) at positions (n,), written at cache slots
         start..start+n-1 -> post-norm hidden (n, C), through the CPU step
         (`litevlm.model.cpu_steps`); None where it does not apply (the caller runs `forward`).
@@ -383,8 +428,19 @@ class TextModel(nn.Module):
         top = int(positions.max()) if positions.numel() > 1 else int(positions)
         cos, sin = self.rope_table(top, embeds.dtype, embeds.device)
         cfg = self.cfg
-        x = cpu_steps.step_layers()(embeds, cos[positions], sin[positions], start, mask, plan.weights, cpu_steps.caches(self.layers),
-                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
+        x = cpu_steps.step_layers()(
+            embeds,
+            cos[positions],
+            sin[positions],
+            start,
+            mask,
+            plan.weights,
+            cpu_steps.caches(self.layers),
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.norm_eps,
+        )
         return self.norm(x)
 
     def head_fusable(self, lm_head: nn.Module) -> bool:
@@ -401,8 +457,22 @@ class TextModel(nn.Module):
             return None
         cos, sin = self.rope_table(position, torch.float32, token.device)
         cfg = self.cfg
-        return fn(token, position, slot, cos, sin, self.embed_tokens.weight.detach(), plan.weights, cpu_steps.caches(self.layers),
-                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, self.norm.weight.detach(), row_major(lm_head))
+        return fn(
+            token,
+            position,
+            slot,
+            cos,
+            sin,
+            self.embed_tokens.weight.detach(),
+            plan.weights,
+            cpu_steps.caches(self.layers),
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.norm_eps,
+            self.norm.weight.detach(),
+            row_major(lm_head),
+        )
 
     def commit(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Move cache entries at src_slots to dst_start.. in every layer (accepting a speculative path)."""

@@ -35,8 +35,13 @@ def enabled() -> bool:
 def build_dir() -> Path:
     """The folder this source, torch and interpreter build into."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(), platform.machine().encode(),
-                 " ".join(CFLAGS).encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        torch.__version__.encode(),
+        sys.version.encode(),
+        platform.machine().encode(),
+        " ".join(CFLAGS).encode(),
+    ):
         key.update(part)
     root = Path(os.environ.get("LITEVLM_CACHE") or Path.home() / ".cache" / "litevlm")
     return root / "native" / key.hexdigest()[:16]
@@ -46,7 +51,9 @@ def build(verbose: bool = False) -> Path:
     """Compile (or find already compiled) and load the library -> its folder. Raises where it cannot."""
     from torch.utils.cpp_extension import load
 
-    scripts = sysconfig.get_path("scripts")  # where pip puts the `ninja` package's binary, off PATH in an unactivated venv
+    scripts = sysconfig.get_path(
+        "scripts"
+    )  # where pip puts the `ninja` package's binary, off PATH in an unactivated venv
     if shutil.which("ninja") is None and scripts and Path(scripts, "ninja").exists():
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     folder = build_dir()
@@ -55,8 +62,14 @@ def build(verbose: bool = False) -> Path:
         print("litevlm: building the native CPU steps (once per machine) ...", file=sys.stderr, flush=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        load(name="litevlm_cpu", sources=[str(SOURCE)], build_directory=str(folder), extra_cflags=CFLAGS,
-             is_python_module=False, verbose=verbose)
+        load(
+            name="litevlm_cpu",
+            sources=[str(SOURCE)],
+            build_directory=str(folder),
+            extra_cflags=CFLAGS,
+            is_python_module=False,
+            verbose=verbose,
+        )
     return folder
 
 

@@ -36,7 +36,13 @@ def view_prefix(tokenizer, views: list[str], tokens_per_view: int) -> PromptLayo
 
 def question_suffix(tokenizer, question_ids: list[int]) -> list[int]:
     """The question, the end of the user turn and the start of the assistant's."""
-    return question_ids + [tokenizer.eos_id] + tokenizer.encode("\n") + [tokenizer.im_start_id] + tokenizer.encode("assistant\n")
+    return (
+        question_ids
+        + [tokenizer.eos_id]
+        + tokenizer.encode("\n")
+        + [tokenizer.im_start_id]
+        + tokenizer.encode("assistant\n")
+    )
 
 
 def build_prompt(tokenizer, question: str, views: list[str], tokens_per_view: int) -> PromptLayout:

@@ -9,8 +9,6 @@ one to one.
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -131,12 +129,30 @@ class Block(nn.Module):
         key = _weights_key(self)
         if self._packed is None or self._packed[0] != key:
             c = a.q_proj.in_features
-            qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else a.q_proj.weight.new_zeros(3 * c)
-            weights = [None if t is None else t.detach().contiguous() for t in (
-                self.layernorm_before.weight, getattr(self.layernorm_before, "bias", None),
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t(), qkv_b, a.projection_layer.weight.t(),
-                a.projection_layer.bias, self.lambda_1, self.layernorm_after.weight, getattr(self.layernorm_after, "bias", None),
-                m.fc1.weight.t(), m.fc1.bias, m.fc2.weight.t(), m.fc2.bias, self.lambda_2)]
+            qkv_b = (
+                torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                if a.q_proj.bias is not None
+                else a.q_proj.weight.new_zeros(3 * c)
+            )
+            weights = [
+                None if t is None else t.detach().contiguous()
+                for t in (
+                    self.layernorm_before.weight,
+                    getattr(self.layernorm_before, "bias", None),
+                    torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t(),
+                    qkv_b,
+                    a.projection_layer.weight.t(),
+                    a.projection_layer.bias,
+                    self.lambda_1,
+                    self.layernorm_after.weight,
+                    getattr(self.layernorm_after, "bias", None),
+                    m.fc1.weight.t(),
+                    m.fc1.bias,
+                    m.fc2.weight.t(),
+                    m.fc2.bias,
+                    self.lambda_2,
+                )
+            ]
             self._packed = (key, weights)
         return self._packed[1]
 
@@ -150,12 +166,28 @@ class Block(nn.Module):
             c = w[2].shape[0]
             half = [None if t is None else t.to(torch.bfloat16) for t in w]
             qkv = [t for i in range(3) for t in (pack_bf16(w[2][:, i * c : (i + 1) * c]), half[3][i * c : (i + 1) * c])]
-            self._packed16 = (w, [half[0], half[1], *qkv, pack_bf16(w[4]), half[5], half[6], half[7], half[8],
-                                  pack_bf16(w[9]), half[10], pack_bf16(w[11]), half[12], half[13]])
+            self._packed16 = (
+                w,
+                [
+                    half[0],
+                    half[1],
+                    *qkv,
+                    pack_bf16(w[4]),
+                    half[5],
+                    half[6],
+                    half[7],
+                    half[8],
+                    pack_bf16(w[9]),
+                    half[10],
+                    pack_bf16(w[11]),
+                    half[12],
+                    half[13],
+                ],
+            )
         return self._packed16[1]
 
 
-def vit_blocks(x: torch.Tensor, weights: List[List[torch.Tensor]], heads: int, eps: float) -> torch.Tensor:
+def vit_blocks(x: torch.Tensor, weights: list[list[torch.Tensor]], heads: int, eps: float) -> torch.Tensor:
     """InternViT blocks (LayerNorm, exact GELU, no qk-norm) on raw weights: x (T, N, C). (TorchScript ran
     this slower than Python at six views, so it stays a plain function.)
     Per block: [norm1 w, b, qkv W (C, 3C) row-major, qkv b, proj W (C, C), proj b, lambda_1, norm2 w, b,
@@ -164,8 +196,10 @@ def vit_blocks(x: torch.Tensor, weights: List[List[torch.Tensor]], heads: int, e
     d = c // heads
     for w in weights:
         h = F.layer_norm(x, [c], w[0], w[1], eps).reshape(t * n, c)
-        q, k, v = (torch.addmm(w[3][i * c : (i + 1) * c], h, w[2][:, i * c : (i + 1) * c]).view(t, n, heads, d).transpose(1, 2)
-                   for i in range(3))  # three products: contiguous q, k, v keep attention on its fast path
+        q, k, v = (
+            torch.addmm(w[3][i * c : (i + 1) * c], h, w[2][:, i * c : (i + 1) * c]).view(t, n, heads, d).transpose(1, 2)
+            for i in range(3)
+        )  # three products: contiguous q, k, v keep attention on its fast path
         y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(t * n, c)
         x = x + w[6] * torch.addmm(w[5], y, w[4]).view(t, n, c)
         h = F.gelu(torch.addmm(w[10], F.layer_norm(x, [c], w[7], w[8], eps).reshape(t * n, c), w[9]))
@@ -173,7 +207,9 @@ def vit_blocks(x: torch.Tensor, weights: List[List[torch.Tensor]], heads: int, e
     return x
 
 
-def vit_blocks_bf16(x: torch.Tensor, weights: List[List[Optional[torch.Tensor]]], heads: int, eps: float) -> torch.Tensor:
+def vit_blocks_bf16(
+    x: torch.Tensor, weights: list[list[torch.Tensor | None]], heads: int, eps: float
+) -> torch.Tensor:
     """`vit_blocks` in bf16 end to end (CPUs with AMX / AVX512-BF16): x (T, N, C) fp32 is cast once, every
     product runs on weights packed for the CPU library (fc1 with its GELU fused), norms, attention and the
     residual stream stay bf16, and the output is cast back once. Casting around each product instead cost
@@ -184,11 +220,17 @@ def vit_blocks_bf16(x: torch.Tensor, weights: List[List[Optional[torch.Tensor]]]
     x = x.to(torch.bfloat16)
     for w in weights:
         h = F.layer_norm(x, [c], w[0], w[1], eps).reshape(t * n, c)
-        q, k, v = (torch.ops.mkldnn._linear_pointwise(h, w[2 + 2 * i], w[3 + 2 * i], "none", [], "").view(t, n, heads, d).transpose(1, 2)
-                   for i in range(3))
+        q, k, v = (
+            torch.ops.mkldnn._linear_pointwise(h, w[2 + 2 * i], w[3 + 2 * i], "none", [], "")
+            .view(t, n, heads, d)
+            .transpose(1, 2)
+            for i in range(3)
+        )
         y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(t * n, c)
         x = x + w[10] * torch.ops.mkldnn._linear_pointwise(y, w[8], w[9], "none", [], "").view(t, n, c)
-        h = torch.ops.mkldnn._linear_pointwise(F.layer_norm(x, [c], w[11], w[12], eps).reshape(t * n, c), w[13], w[14], "gelu", [], "none")
+        h = torch.ops.mkldnn._linear_pointwise(
+            F.layer_norm(x, [c], w[11], w[12], eps).reshape(t * n, c), w[13], w[14], "gelu", [], "none"
+        )
         x = x + w[17] * torch.ops.mkldnn._linear_pointwise(h, w[15], w[16], "none", [], "").view(t, n, c)
     return x.float()
 
@@ -196,15 +238,19 @@ def vit_blocks_bf16(x: torch.Tensor, weights: List[List[Optional[torch.Tensor]]]
 def _weights_key(module: nn.Module) -> tuple:
     """(data_ptr, version) of every parameter of module and below, read through `submodules`
     (`Module.parameters()` costs about 20 us a block, at every vision call)."""
-    return tuple((p.data_ptr(), p._version) for m in submodules(module) for p in m._parameters.values() if p is not None)
+    return tuple(
+        (p.data_ptr(), p._version) for m in submodules(module) for p in m._parameters.values() if p is not None
+    )
 
 
-def _plain_linears(block: "Block") -> bool:
+def _plain_linears(block: Block) -> bool:
     """Every projection of the block an nn.Linear as built (not, say, an FP8Linear) with no hooks
     (calibration observes them): only then may its weights be used raw."""
     a, m = block._modules["attention"]._modules, block._modules["mlp"]._modules  # direct dict reads: every call
-    return all(type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks)
-               for lin in (a["q_proj"], a["k_proj"], a["v_proj"], a["projection_layer"], m["fc1"], m["fc2"]))
+    return all(
+        type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks)
+        for lin in (a["q_proj"], a["k_proj"], a["v_proj"], a["projection_layer"], m["fc1"], m["fc2"])
+    )
 
 
 class Encoder(nn.Module):
@@ -226,7 +272,9 @@ class VisionTower(nn.Module):
         if self._plain_ops(x):  # CPU inference: the blocks as plain ops on packed weights, no module calls
             blocks = list(self.encoder.layer)
             if all(b.bf16_min_rows and x.shape[0] * x.shape[1] >= b.bf16_min_rows for b in blocks):
-                return vit_blocks_bf16(x, [b.bf16_weights() for b in blocks], self.cfg.num_heads, self.cfg.norm_eps)[:, 1:]
+                return vit_blocks_bf16(x, [b.bf16_weights() for b in blocks], self.cfg.num_heads, self.cfg.norm_eps)[
+                    :, 1:
+                ]
             return vit_blocks(x, [b.packed() for b in blocks], self.cfg.num_heads, self.cfg.norm_eps)[:, 1:]
         for block in self.encoder.layer:
             x = block(x)
@@ -235,9 +283,15 @@ class VisionTower(nn.Module):
     def _plain_ops(self, x: torch.Tensor) -> bool:
         """fp32 CPU inference with LayerNorm, exact GELU, no qk-norm and plain projections: `vit_blocks` (or, in
         bf16 mode, `vit_blocks_bf16`) applies; else the blocks run as modules."""
-        return not (x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() or self.cfg.qk_norm
-                    or self.cfg.norm_type != "layer_norm" or self.cfg.hidden_act != "gelu"
-                    or not all(_plain_linears(b) for b in self.encoder.layer))
+        return not (
+            x.device.type != "cpu"
+            or x.dtype != torch.float32
+            or torch.is_grad_enabled()
+            or self.cfg.qk_norm
+            or self.cfg.norm_type != "layer_norm"
+            or self.cfg.hidden_act != "gelu"
+            or not all(_plain_linears(b) for b in self.encoder.layer)
+        )
 
 
 def pixel_shuffle(x: torch.Tensor, grid: int) -> torch.Tensor:

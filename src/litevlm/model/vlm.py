@@ -47,8 +47,11 @@ class VLM(nn.Module):
         from litevlm.model.lm import BF16_ROW_BUCKET, bf16_matmul_supported, mm
 
         if min_rows and (self.device.type != "cpu" or self.dtype != torch.float32 or not bf16_matmul_supported()):
-            raise LiteVLMError("bf16 matmuls are a CPU path for fp32 models on CPUs with AMX or AVX512-BF16; "
-                               f"this model is {self.dtype} on {self.device}" + ("" if bf16_matmul_supported() else ", and this CPU has neither"))
+            raise LiteVLMError(
+                "bf16 matmuls are a CPU path for fp32 models on CPUs with AMX or AVX512-BF16; "
+                f"this model is {self.dtype} on {self.device}"
+                + ("" if bf16_matmul_supported() else ", and this CPU has neither")
+            )
         for block in self.vision_tower.encoder.layer:
             block.bf16_min_rows = min_rows
         for layer in self.language_model.layers:
@@ -60,14 +63,20 @@ class VLM(nn.Module):
             s = self.cfg.vision.image_size
             for views in range(1, 7):
                 self.vision_tower(torch.zeros(views * self.cfg.tiles_per_view, 3, s, s, device=self.device))
-            text = {tuple(w.shape): w for layer in self.language_model.layers if layer.fusable()  # not FP8 or hooked layers
-                    for w in layer.bf16_weights(layer.fused_weights(), torch.bfloat16)}
+            text = {
+                tuple(w.shape): w
+                for layer in self.language_model.layers
+                if layer.fusable()  # not FP8 or hooked layers
+                for w in layer.bf16_weights(layer.fused_weights(), torch.bfloat16)
+            }
             first = -(-min_rows // BF16_ROW_BUCKET) * BF16_ROW_BUCKET
             for (_, k), w in text.items():
                 for rows in range(first, warm_rows + 1, BF16_ROW_BUCKET):
                     mm(torch.zeros(rows, k, dtype=torch.bfloat16), None, None, w)
             # the native prompt's products: plain bf16 weights, the same row buckets
-            plain = {tuple(w.shape): w for w in cpu_steps.native_bf16_products(self.language_model.layers, self.cfg.text)}
+            plain = {
+                tuple(w.shape): w for w in cpu_steps.native_bf16_products(self.language_model.layers, self.cfg.text)
+            }
             for (k, _), w in plain.items():
                 for rows in range(first, warm_rows + 1, BF16_ROW_BUCKET):
                     torch.zeros(rows, k, dtype=torch.bfloat16) @ w
@@ -87,7 +96,9 @@ class VLM(nn.Module):
         if pixels.ndim != 4 or tuple(pixels.shape[1:]) != (3, s, s):
             raise LiteVLMError(f"image tiles must have shape (tiles, 3, {s}, {s}); got {tuple(pixels.shape)}")
         feats = self.vision_tower(pixels.to(self.dtype))  # (T, g*g, Cv)
-        return self.multi_modal_projector(pixel_shuffle(feats, self.cfg.vision.grid)), feats  # (T, g*g/4, C), (T, g*g, Cv)
+        return self.multi_modal_projector(
+            pixel_shuffle(feats, self.cfg.vision.grid)
+        ), feats  # (T, g*g/4, C), (T, g*g, Cv)
 
     # -- text -----------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor, visual: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,7 +157,7 @@ def image_to_tiles(image, image_size: int, tiles_per_view: int) -> torch.Tensor:
     return normalize_tiles(torch.from_numpy(image_to_uint8_tiles(image, image_size, tiles_per_view)))
 
 
-def load_image(source) -> "Image.Image":
+def load_image(source) -> Image.Image:
     """A path, PIL image or HxWx3 uint8 array -> RGB PIL image, or a LiteVLMError naming the problem."""
     from PIL import Image, UnidentifiedImageError
 

@@ -13,6 +13,13 @@ from litevlm.quant.fp8 import (
 )
 
 __all__ = [
-    "FP8Linear", "FP8Recipe", "QuantReport", "calibrate", "load_fp8", "precision_of", "quantize_model",
-    "read_fp8_meta", "save_fp8",
+    "FP8Linear",
+    "FP8Recipe",
+    "QuantReport",
+    "calibrate",
+    "load_fp8",
+    "precision_of",
+    "quantize_model",
+    "read_fp8_meta",
+    "save_fp8",
 ]

@@ -40,9 +40,9 @@ from __future__ import annotations
 import fnmatch
 import re
 import shutil
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -131,7 +131,9 @@ def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor
         raise ValueError(f"FP8 GEMM operands must be float8_e4m3fn; got {a.dtype} and {b.dtype}")
     (m, k), (k2, n) = a.shape, b.shape
     if k != k2 or k % 16 or n % 16:
-        raise ValueError(f"FP8 GEMM needs matching K and K, N multiples of 16; got A {tuple(a.shape)}, B {tuple(b.shape)}")
+        raise ValueError(
+            f"FP8 GEMM needs matching K and K, N multiples of 16; got A {tuple(a.shape)}, B {tuple(b.shape)}"
+        )
     if a.stride(1) != 1 or b.stride(0) != 1:
         raise ValueError("FP8 GEMM needs A row-major and B column-major (pass weight.t() of a contiguous weight)")
     if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
@@ -149,12 +151,21 @@ def fp8_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, fast_acc
     """(a * scale_a) @ (b * scale_b) + bias with the real FP8 GEMM. a (M, K) row-major, b (K, N) column-major."""
     check_scaled_mm_args(a, b, scale_a, scale_b)
     fused = bias is not None and out_dtype == torch.bfloat16  # the epilogue bias path measured on H200
-    y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias.to(out_dtype) if fused else None,
-                         out_dtype=out_dtype, use_fast_accum=fast_accum)
+    y = torch._scaled_mm(
+        a,
+        b,
+        scale_a=scale_a,
+        scale_b=scale_b,
+        bias=bias.to(out_dtype) if fused else None,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
     return y + bias.to(out_dtype) if bias is not None and not fused else y
 
 
-def fp8_mm_reference(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, fast_accum: bool = False) -> torch.Tensor:
+def fp8_mm_reference(
+    a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, fast_accum: bool = False
+) -> torch.Tensor:
     """The same product on any device: dequantise the float8 operands exactly, accumulate in fp32.
 
     The bias is added where `fp8_mm` adds it (before the output rounding for bf16, after otherwise),
@@ -188,8 +199,18 @@ class FP8Linear(nn.Module):
     to False to force the reference path on a capable GPU.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, per_row: bool, static: bool,
-                 recipe: str = RECIPES[0], fast_accum: bool = False, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        per_row: bool,
+        static: bool,
+        recipe: str = RECIPES[0],
+        fast_accum: bool = False,
+        device=None,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.recipe, self.fast_accum = recipe, fast_accum
@@ -204,8 +225,16 @@ class FP8Linear(nn.Module):
         if recipe.static and input_amax is None:
             raise ValueError("a static recipe needs the layer's calibrated input amax")
         n, k = linear.weight.shape
-        m = cls(k, n, bias=linear.bias is not None, per_row=not recipe.static, static=recipe.static,
-                recipe=recipe.name, fast_accum=recipe.fast_accum, device=linear.weight.device)
+        m = cls(
+            k,
+            n,
+            bias=linear.bias is not None,
+            per_row=not recipe.static,
+            static=recipe.static,
+            recipe=recipe.name,
+            fast_accum=recipe.fast_accum,
+            device=linear.weight.device,
+        )
         m.weight, m.weight_scale = quantize_weight(linear.weight, per_row=not recipe.static)
         if recipe.static:
             m.input_scale = scale_from_amax(torch.tensor(float(input_amax), device=linear.weight.device))
@@ -235,8 +264,10 @@ class FP8Linear(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"recipe={self.recipe}, kernel={self.use_kernel}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"recipe={self.recipe}, kernel={self.use_kernel}"
+        )
 
 
 # ================================================================================================
@@ -259,8 +290,10 @@ class QuantReport:
         return cls(d["recipe"], list(d["quantized"]), dict(d["kept"]), dict(d["unsupported"]))
 
     def summary(self) -> str:
-        lines = [f"{self.recipe}: {len(self.quantized)} linear layers quantised to FP8, "
-                 f"{len(self.kept)} modules kept in high precision, {len(self.unsupported)} of unsupported shape"]
+        lines = [
+            f"{self.recipe}: {len(self.quantized)} linear layers quantised to FP8, "
+            f"{len(self.kept)} modules kept in high precision, {len(self.unsupported)} of unsupported shape"
+        ]
         reasons: dict[str, int] = {}
         for why in self.kept.values():
             reasons[why] = reasons.get(why, 0) + 1
@@ -351,6 +384,7 @@ def calibrate(
             if x.numel():
                 a = x.detach().abs().amax().float()
                 amax[name] = a if name not in amax else torch.maximum(amax[name], a)  # stays on device: no sync
+
         return hook
 
     handles = [m.register_forward_pre_hook(observer(n)) for n, m in model.named_modules() if layer_filter(n, m)]
@@ -368,12 +402,15 @@ def calibrate(
     out = {n: float(a) for n, a in amax.items()}
     bad = sorted(n for n, a in out.items() if not torch.isfinite(torch.tensor(a)))
     if bad:
-        raise LiteVLMError(f"calibration saw non-finite inputs (inf/NaN) at {', '.join(bad)}: check the model and inputs")
+        raise LiteVLMError(
+            f"calibration saw non-finite inputs (inf/NaN) at {', '.join(bad)}: check the model and inputs"
+        )
     return out
 
 
-def quantize_model(model: nn.Module, recipe: FP8Recipe | None = None, amax: dict[str, float] | None = None,
-                   *, strict: bool = False) -> QuantReport:
+def quantize_model(
+    model: nn.Module, recipe: FP8Recipe | None = None, amax: dict[str, float] | None = None, *, strict: bool = False
+) -> QuantReport:
     """Replace the selected nn.Linear modules in place with FP8Linear; return what was done and why.
 
     The static recipe needs `amax` from `calibrate` (ignored by the dynamic recipe). Layers of a shape
@@ -383,14 +420,18 @@ def quantize_model(model: nn.Module, recipe: FP8Recipe | None = None, amax: dict
     recipe = recipe or FP8Recipe()
     report = plan(model, recipe)
     if strict and report.unsupported:
-        raise LiteVLMError("layers of unsupported shape: " + "; ".join(f"{n}: {w}" for n, w in report.unsupported.items()))
+        raise LiteVLMError(
+            "layers of unsupported shape: " + "; ".join(f"{n}: {w}" for n, w in report.unsupported.items())
+        )
     if recipe.static:
         if amax is None:
             raise LiteVLMError(f"the {recipe.name} recipe needs calibrated input ranges: call calibrate(...) first")
         missing = [n for n in report.quantized if n not in amax]
         if missing:
-            raise LiteVLMError(f"no calibration data reached {len(missing)} layers ({', '.join(missing[:6])}...): "
-                               "calibrate with the same recipe over inputs that run the whole model")
+            raise LiteVLMError(
+                f"no calibration data reached {len(missing)} layers ({', '.join(missing[:6])}...): "
+                "calibrate with the same recipe over inputs that run the whole model"
+            )
     for name in report.quantized:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -454,9 +495,19 @@ def load_fp8(path, device="cpu", dtype: torch.dtype | None = None):
         for name in report.quantized:
             parent_name, _, child = name.rpartition(".")
             lin = model.get_submodule(name)
-            setattr(model.get_submodule(parent_name), child, FP8Linear(
-                lin.in_features, lin.out_features, bias=lin.bias is not None, per_row=not recipe.static,
-                static=recipe.static, recipe=recipe.name, fast_accum=recipe.fast_accum))
+            setattr(
+                model.get_submodule(parent_name),
+                child,
+                FP8Linear(
+                    lin.in_features,
+                    lin.out_features,
+                    bias=lin.bias is not None,
+                    per_row=not recipe.static,
+                    static=recipe.static,
+                    recipe=recipe.name,
+                    fast_accum=recipe.fast_accum,
+                ),
+            )
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     tied = cfg.text.tie_embeddings
     if tied:

@@ -22,8 +22,10 @@ from tqdm import tqdm
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
 
-SYSTEM_PROMPT = ("You label driving questions for a car with six cameras (the nuScenes rig). You say which "
-                 "camera images are needed to answer a question. Reply with a JSON list of camera names only.")
+SYSTEM_PROMPT = (
+    "You label driving questions for a car with six cameras (the nuScenes rig). You say which "
+    "camera images are needed to answer a question. Reply with a JSON list of camera names only."
+)
 USER_PROMPT = """The six cameras and what they see:
 - CAM_FRONT: straight ahead of the ego vehicle
 - CAM_FRONT_LEFT: ahead and to the left
@@ -45,8 +47,9 @@ _CAMERA_NAME = re.compile(r"\bcam[ _-]?(front|back)(?:[ _-](left|right))?\b", re
 _DIRECTION = re.compile(r"\b(front|back|rear)(?:[ _-]?(left|right))?\b", re.IGNORECASE)
 _ALL = re.compile(r"\ball (?:six|6|the cameras|cameras|views|camera views|of them)\b", re.IGNORECASE)
 # A bare list of direction words ("front left, back left"): nothing else in the reply.
-_ONLY_DIRECTIONS = re.compile(r"^(?:\s|[,;.\-_/&]|\b(?:and|or|the|front|back|rear|left|right|cam|camera|cameras|view|views)\b)*$",
-                              re.IGNORECASE)
+_ONLY_DIRECTIONS = re.compile(
+    r"^(?:\s|[,;.\-_/&]|\b(?:and|or|the|front|back|rear|left|right|cam|camera|cameras|view|views)\b)*$", re.IGNORECASE
+)
 
 
 def _camera(end: str, side: str | None) -> str:
@@ -90,7 +93,10 @@ def parse_views(reply: str | None) -> tuple[str, ...] | None:
 
 
 def messages(question: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": USER_PROMPT.format(question=question)}]
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": USER_PROMPT.format(question=question)},
+    ]
 
 
 def _read_jsonl(path: Path, what: str, repair: bool = False) -> list[dict]:
@@ -111,7 +117,7 @@ def _read_jsonl(path: Path, what: str, repair: bool = False) -> list[dict]:
                 break
             raise LiteVLMError(f"{path}:{n}: not a JSON line; is this a {what} file?") from None
         if not isinstance(item, dict) or not isinstance(item.get("question"), str):
-            raise LiteVLMError(f"{path}:{n}: expected an object with a \"question\" string ({what} file)")
+            raise LiteVLMError(f'{path}:{n}: expected an object with a "question" string ({what} file)')
         items.append(item)
     return items
 
@@ -122,9 +128,19 @@ def _append(path: Path, item: dict) -> None:
         f.flush()
 
 
-def label_views(endpoint: str, model: str, in_path: str | Path, out_path: str | Path, api_key: str | None = None,
-                cache_path: str | Path | None = None, *, ask_all: bool = False, timeout: float = 60.0,
-                retry_delay: float = 1.0, progress: bool = False) -> dict:
+def label_views(
+    endpoint: str,
+    model: str,
+    in_path: str | Path,
+    out_path: str | Path,
+    api_key: str | None = None,
+    cache_path: str | Path | None = None,
+    *,
+    ask_all: bool = False,
+    timeout: float = 60.0,
+    retry_delay: float = 1.0,
+    progress: bool = False,
+) -> dict:
     """Label every question of `in_path` (`{"question": ...}` lines) into `out_path` (`{"question", "views"}`).
 
     Questions already in `out_path` are skipped (resume). Explicit questions are labelled by the
@@ -139,14 +155,17 @@ def label_views(endpoint: str, model: str, in_path: str | Path, out_path: str | 
     src, out = Path(in_path), Path(out_path)
     cache = Path(cache_path) if cache_path is not None else out.with_name(out.name + ".cache.jsonl")
     if not src.is_file():
-        raise LiteVLMError(f"no questions at {src}: expected a JSONL file of {{\"question\": ...}} lines")
+        raise LiteVLMError(f'no questions at {src}: expected a JSONL file of {{"question": ...}} lines')
     questions = []
     for item in _read_jsonl(src, "questions"):
         if item["question"] not in questions:
             questions.append(item["question"])
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {item["question"] for item in _read_jsonl(out, "view labels", repair=True)}
-    replies = {(item.get("model"), item["question"]): item.get("replies", []) for item in _read_jsonl(cache, "reply cache", repair=True)}
+    replies = {
+        (item.get("model"), item["question"]): item.get("replies", [])
+        for item in _read_jsonl(cache, "reply cache", repair=True)
+    }
     client = Judge(endpoint, model, api_key, timeout=timeout, retry_delay=retry_delay)
     counts = {"total": len(questions), "skipped": 0, "lexical": 0, "llm": 0, "cached": 0, "unparsed": 0, "calls": 0}
 
@@ -155,7 +174,10 @@ def label_views(endpoint: str, model: str, in_path: str | Path, out_path: str | 
         got = [client.complete(messages(question))]
         counts["calls"] += 1
         if parse_views(got[0]) is None:
-            retry = messages(question) + [{"role": "assistant", "content": got[0]}, {"role": "user", "content": RETRY_PROMPT}]
+            retry = messages(question) + [
+                {"role": "assistant", "content": got[0]},
+                {"role": "user", "content": RETRY_PROMPT},
+            ]
             got.append(client.complete(retry))
             counts["calls"] += 1
         return got
@@ -177,8 +199,10 @@ def label_views(endpoint: str, model: str, in_path: str | Path, out_path: str | 
                 try:
                     got = ask(question)
                 except LiteVLMError as e:
-                    raise LiteVLMError(f"label-views stopped at question {questions.index(question) + 1} of {len(questions)}; "
-                                       f"{out} holds the finished ones and the same command resumes: {e}") from None
+                    raise LiteVLMError(
+                        f"label-views stopped at question {questions.index(question) + 1} of {len(questions)}; "
+                        f"{out} holds the finished ones and the same command resumes: {e}"
+                    ) from None
                 replies[key] = got
                 _append(cache, {"model": model, "question": question, "replies": got})
             views = next((v for v in map(parse_views, got) if v is not None), None)
@@ -199,26 +223,41 @@ def cmd_label_views(args) -> None:
     import os
 
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
-    counts = label_views(args.endpoint, args.model, args.in_path, args.out, api_key=key, cache_path=args.cache,
-                         ask_all=args.ask_all, timeout=args.timeout, progress=not args.json)
+    counts = label_views(
+        args.endpoint,
+        args.model,
+        args.in_path,
+        args.out,
+        api_key=key,
+        cache_path=args.cache,
+        ask_all=args.ask_all,
+        timeout=args.timeout,
+        progress=not args.json,
+    )
     if args.json:
         print(json.dumps(counts, separators=(",", ":")))
     else:
-        print(f"labelled {counts['total'] - counts['skipped']} questions into {args.out} ({counts['lexical']} lexical, "
-              f"{counts['llm']} by {args.model}: {counts['cached']} cached, {counts['unparsed']} unparsed -> all six; "
-              f"{counts['skipped']} already done)")
+        print(
+            f"labelled {counts['total'] - counts['skipped']} questions into {args.out} ({counts['lexical']} lexical, "
+            f"{counts['llm']} by {args.model}: {counts['cached']} cached, {counts['unparsed']} unparsed -> all six; "
+            f"{counts['skipped']} already done)"
+        )
 
 
 def add_label_views_parser(sub) -> None:
     """Register `label-views` on the top-level subparsers of the litevlm CLI."""
-    p = sub.add_parser("label-views", help="label which cameras each question needs with any OpenAI-compatible chat model")
+    p = sub.add_parser(
+        "label-views", help="label which cameras each question needs with any OpenAI-compatible chat model"
+    )
     p.add_argument("--endpoint", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", required=True, help="the chat model's name at that endpoint")
     p.add_argument("--in", dest="in_path", required=True, help='JSONL of {"question": ...} lines')
     p.add_argument("--out", required=True, help='JSONL of {"question", "views"} lines (appended; a rerun resumes)')
     p.add_argument("--cache", default=None, help="raw-reply cache (default OUT.cache.jsonl)")
     p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key, if any")
-    p.add_argument("--ask-all", action="store_true", help="ask the model about explicit questions too (default: lexical labels)")
+    p.add_argument(
+        "--ask-all", action="store_true", help="ask the model about explicit questions too (default: lexical labels)"
+    )
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--json", action="store_true", help="print the counts as one JSON line")
     p.set_defaults(func=cmd_label_views)

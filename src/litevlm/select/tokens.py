@@ -35,13 +35,13 @@ import json
 import math
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import List, NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
 from litevlm.config import TextConfig
@@ -80,7 +80,9 @@ def view_sizes(view_spans: Sequence[Span]) -> list[int]:
     return [e - s for _, s, e in view_spans]
 
 
-def select_by_scores(scores: torch.Tensor, sizes: Sequence[int], keep_ratio: float, min_per_view: int = 0) -> torch.Tensor:
+def select_by_scores(
+    scores: torch.Tensor, sizes: Sequence[int], keep_ratio: float, min_per_view: int = 0
+) -> torch.Tensor:
     """Indices (ascending, into the visual tokens) of the kept ones: a quota per view, then global top score.
 
     Exactly keep_count(N, r) tokens are kept, so methods compare at equal token counts; the quota
@@ -120,11 +122,15 @@ def prune_prompt(embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequ
     return embeds[:, kept], positions[:, kept], kept
 
 
-def random_select(embeds, positions, view_spans, keep_ratio: float, min_per_view: int = 0, generator: torch.Generator | None = None):
+def random_select(
+    embeds, positions, view_spans, keep_ratio: float, min_per_view: int = 0, generator: torch.Generator | None = None
+):
     """Baseline: a uniformly random subset of the visual tokens (with the same per-view quota rule)."""
     n = int(sum(view_sizes(view_spans)))
     scores = torch.rand(n, generator=generator)
-    return prune_prompt(embeds, positions, view_spans, select_by_scores(scores, view_sizes(view_spans), keep_ratio, min_per_view))
+    return prune_prompt(
+        embeds, positions, view_spans, select_by_scores(scores, view_sizes(view_spans), keep_ratio, min_per_view)
+    )
 
 
 def uniform_select(embeds, positions, view_spans, keep_ratio: float):
@@ -181,8 +187,14 @@ def tag_points(question: str | None, grid: int, tiles_per_view: int) -> list[tup
     """(camera, column, row) of the token cell each DriveLM c-tag <cK,CAM,x,y> points at (x, y in
     1600x900 pixels; columns run over the view's tiles_per_view * grid columns)."""
     cols = grid * tiles_per_view
-    return [(cam, min(cols - 1, max(0, int(float(xs) * cols / IMAGE_WIDTH))), min(grid - 1, max(0, int(float(ys) * grid / IMAGE_HEIGHT))))
-            for cam, xs, ys in C_TAG.findall(question or "")]
+    return [
+        (
+            cam,
+            min(cols - 1, max(0, int(float(xs) * cols / IMAGE_WIDTH))),
+            min(grid - 1, max(0, int(float(ys) * grid / IMAGE_HEIGHT))),
+        )
+        for cam, xs, ys in C_TAG.findall(question or "")
+    ]
 
 
 def tag_features(question: str, view_spans: Sequence[Span], grid: int, tiles_per_view: int) -> torch.Tensor:
@@ -215,7 +227,9 @@ def tag_features(question: str, view_spans: Sequence[Span], grid: int, tiles_per
 # ---------------------------------------------------------------------------------------------
 
 
-def row_logits(q_proj: nn.Linear, k_proj: nn.Linear, xn: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, cfg: TextConfig) -> torch.Tensor:
+def row_logits(
+    q_proj: nn.Linear, k_proj: nn.Linear, xn: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, cfg: TextConfig
+) -> torch.Tensor:
     """Attention logits (B, H, n, T), fp32, of the query tokens `rows` (n,) against every key, causal by index.
 
     xn is the normed layer input (B, T, C). q and k get RoPE at their own positions; the GQA
@@ -252,8 +266,19 @@ def attention_rows(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor
 # ---------------------------------------------------------------------------------------------
 
 
-def _head_ops(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first_row: int, vis: torch.Tensor, tags: torch.Tensor,
-              w: List[torch.Tensor], hq: int, hkv: int, d: int, eps: float) -> torch.Tensor:
+def _head_ops(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    first_row: int,
+    vis: torch.Tensor,
+    tags: torch.Tensor,
+    w: list[torch.Tensor],
+    hq: int,
+    hkv: int,
+    d: int,
+    eps: float,
+) -> torch.Tensor:
     """The TokenSelector's head on one prompt x (T, C) -> log-scores (N,) of the visual tokens `vis`.
 
     The question rows are the contiguous tail from `first_row`. One matmul gives their [q | rot(q) | gate],
@@ -267,7 +292,9 @@ def _head_ops(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first_row: 
     n, g = t - first_row, hq // hkv
     h = torch.rms_norm(x, [c], w[0], eps)  # (T, C)
     qg = torch.addmm(w[2], h[first_row:], w[1])  # (n, 2 Hq D + 1)
-    q = torch.addcmul(qg[:, : hq * d].view(n, hq, d) * cos[first_row:], qg[:, hq * d : 2 * hq * d].view(n, hq, d), sin[first_row:])
+    q = torch.addcmul(
+        qg[:, : hq * d].view(n, hq, d) * cos[first_row:], qg[:, hq * d : 2 * hq * d].view(n, hq, d), sin[first_row:]
+    )
     kk = torch.addmm(w[4], h, w[3])  # (T, 2 Hkv D)
     k = torch.addcmul(kk[:, : hkv * d].view(t, hkv, d) * cos, kk[:, hkv * d :].view(t, hkv, d), sin)  # (T, Hkv, D)
     q = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # (Hkv, n G, D): row = i G + g
@@ -312,7 +339,9 @@ class FastVPrefill(NamedTuple):
 
     def prefilled(self, embeds: torch.Tensor, positions: torch.Tensor) -> Prefilled:
         """What `generate` / speculative decoding continue from, given the unpruned embeds and positions."""
-        return Prefilled(self.logits, self.hidden, embeds[:, self.kept_index], positions[:, self.kept_index], self.opened)
+        return Prefilled(
+            self.logits, self.hidden, embeds[:, self.kept_index], positions[:, self.kept_index], self.opened
+        )
 
 
 @torch.no_grad()
@@ -325,8 +354,19 @@ def fastv_scores(model, x: torch.Tensor, positions: torch.Tensor, view_spans: Se
 
 @torch.no_grad()
 def pruned_prefill(
-    model, embeds, positions, view_spans: Sequence[Span], k: int, score, keep_ratio: float, min_per_view: int = 0,
-    timer: StageTimer | None = None, score_stage: str = "prefill", opening=None, eos_id: int | None = None, limit: int = 0,
+    model,
+    embeds,
+    positions,
+    view_spans: Sequence[Span],
+    k: int,
+    score,
+    keep_ratio: float,
+    min_per_view: int = 0,
+    timer: StageTimer | None = None,
+    score_stage: str = "prefill",
+    opening=None,
+    eos_id: int | None = None,
+    limit: int = 0,
 ) -> FastVPrefill:
     """Prefill that prunes visual tokens inside the decoder (batch 1): layers [0, k) on the whole prompt,
     `score(x)` -> (N,) ranks the visual tokens from layer k's input x, layers [k, L) run on the kept tokens.
@@ -360,33 +400,77 @@ def pruned_prefill(
         for layer in lm.layers[:k]:  # compact layers < k to the kept tokens, slots 0..n-1
             layer.self_attn.kv_cache.commit(kept, 0)
         if opening is None or n + len(opening) > lm.cache_len:  # an opening is verified only where the cache has room
-            hidden = lm(x[:, kept], positions[:, kept], slots=torch.arange(n, device=dev), mask=None, kv_len=n, start_layer=k)
+            hidden = lm(
+                x[:, kept], positions[:, kept], slots=torch.arange(n, device=dev), mask=None, kv_len=n, start_layer=k
+            )
             return FastVPrefill(linear(hidden[:, -1], model.lm_head), n, kept, int(positions[0, -1]) + 1, hidden)
         from litevlm.spec.openings import opening_inputs, verify_opening
 
         m = len(opening)
         node_pos, tail = opening_inputs(opening, n, int(positions[0, -1]) + 1, dev)
         slots = torch.arange(n + m, device=dev)
-        nodes = lm(lm.embed_tokens(opening.tokens.to(dev))[None], node_pos[None], slots=slots[n:], mask=tail[None, None],
-                   kv_len=n + m, end_layer=k)  # layers [0, k) for the nodes, over the compacted prompt
-        hidden = lm(torch.cat([x[:, kept], nodes], 1), torch.cat([positions[:, kept], node_pos[None]], 1), slots=slots,
-                    kv_len=n + m, start_layer=k, tree_tail=tail)
+        nodes = lm(
+            lm.embed_tokens(opening.tokens.to(dev))[None],
+            node_pos[None],
+            slots=slots[n:],
+            mask=tail[None, None],
+            kv_len=n + m,
+            end_layer=k,
+        )  # layers [0, k) for the nodes, over the compacted prompt
+        hidden = lm(
+            torch.cat([x[:, kept], nodes], 1),
+            torch.cat([positions[:, kept], node_pos[None]], 1),
+            slots=slots,
+            kv_len=n + m,
+            start_layer=k,
+            tree_tail=tail,
+        )
         opened = verify_opening(model, opening, hidden[0, n - 1 :], n, eos_id, limit)
-        return FastVPrefill(linear(hidden[:, n - 1], model.lm_head), n, kept, int(positions[0, -1]) + 1, hidden[:, :n], opened)
+        return FastVPrefill(
+            linear(hidden[:, n - 1], model.lm_head), n, kept, int(positions[0, -1]) + 1, hidden[:, :n], opened
+        )
 
 
-def fastv_prefill(model, embeds, positions, view_spans: Sequence[Span], k: int, keep_ratio: float, min_per_view: int = 0,
-                  timer: StageTimer | None = None) -> FastVPrefill:
+def fastv_prefill(
+    model,
+    embeds,
+    positions,
+    view_spans: Sequence[Span],
+    k: int,
+    keep_ratio: float,
+    min_per_view: int = 0,
+    timer: StageTimer | None = None,
+) -> FastVPrefill:
     """FastV prefill (batch 1): rank at layer k by the last prompt token's attention. min_per_view=0 is
     FastV's own global top-k; keep_ratio=1 reproduces plain prefill."""
-    return pruned_prefill(model, embeds, positions, view_spans, k, lambda x: fastv_scores(model, x, positions, view_spans, k),
-                          keep_ratio, min_per_view, timer)
+    return pruned_prefill(
+        model,
+        embeds,
+        positions,
+        view_spans,
+        k,
+        lambda x: fastv_scores(model, x, positions, view_spans, k),
+        keep_ratio,
+        min_per_view,
+        timer,
+    )
 
 
 @torch.no_grad()
 def fastv_generate(
-    model, embeds, positions, view_spans: Sequence[Span], k: int, keep_ratio: float, max_new_tokens: int, eos_id: int | None,
-    temperature: float = 0.0, top_p: float = 1.0, generator=None, timer: StageTimer | None = None, min_per_view: int = 0,
+    model,
+    embeds,
+    positions,
+    view_spans: Sequence[Span],
+    k: int,
+    keep_ratio: float,
+    max_new_tokens: int,
+    eos_id: int | None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator=None,
+    timer: StageTimer | None = None,
+    min_per_view: int = 0,
 ) -> Generation:
     """`litevlm.model.generate.generate` with FastV's prefill: same decoding, `prompt_len` = kept tokens."""
     timer = timer or StageTimer(embeds.device)
@@ -395,8 +479,18 @@ def fastv_generate(
             f"prompt ({embeds.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the KV cache ({model.language_model.cache_len})"
         )
     pre = fastv_prefill(model, embeds, positions, view_spans, k, keep_ratio, min_per_view, timer)
-    return generate(model, embeds, positions, max_new_tokens, eos_id, temperature, top_p, generator, timer,
-                    prefilled=pre.prefilled(embeds, positions))
+    return generate(
+        model,
+        embeds,
+        positions,
+        max_new_tokens,
+        eos_id,
+        temperature,
+        top_p,
+        generator,
+        timer,
+        prefilled=pre.prefilled(embeds, positions),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,7 +560,7 @@ class TokenSelector(nn.Module):
         nn.init.zeros_(self.mlp[2].bias)
 
     @classmethod
-    def from_model(cls, model, cfg: SelectorConfig | None = None) -> "TokenSelector":
+    def from_model(cls, model, cfg: SelectorConfig | None = None) -> TokenSelector:
         """Initialised from `model`: layer 0 copied, the scoring q/k and norm from layer 1 (or 0 for a 1-layer LLM)."""
         lm = model.language_model
         sel = cls(lm.cfg, cfg)
@@ -480,7 +574,7 @@ class TokenSelector(nn.Module):
         sel.k_proj.load_state_dict(src.self_attn.k_proj.state_dict())
         return sel.to(device=model.device, dtype=model.dtype)
 
-    def bind(self, model) -> "TokenSelector":
+    def bind(self, model) -> TokenSelector:
         """Read `model`'s own decoder layer 0 (shared_layer); a no-op for a selector with its own copy."""
         if self.cfg.shared_layer:
             self._shared = [model.language_model.layers[0]]
@@ -495,7 +589,15 @@ class TokenSelector(nn.Module):
 
     def _check(self, model) -> None:
         mine, theirs = self.text_cfg, model.language_model.cfg
-        for f in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rope_theta", "qkv_bias"):
+        for f in (
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "rope_theta",
+            "qkv_bias",
+        ):
             if getattr(mine, f) != getattr(theirs, f):
                 raise LiteVLMError(
                     f"this TokenSelector was made for a decoder with {f}={getattr(mine, f)}, the model has {getattr(theirs, f)}: "
@@ -508,13 +610,23 @@ class TokenSelector(nn.Module):
             return None
         return tag_features(question, view_spans, model.cfg.vision.grid // 2, model.cfg.tiles_per_view).to(model.device)
 
-    def scores(self, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], tags: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        view_spans: Sequence[Span],
+        tags: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Log-scores (B, N) of the visual tokens, view after view; differentiable (training). tags: (2, N) or None."""
         cfg = self.text_cfg
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, embeds.dtype)
-        return self.head_scores(self.decoder_layer()(embeds, cos, sin), positions, view_spans, tags)  # causal SDPA, no cache
+        return self.head_scores(
+            self.decoder_layer()(embeds, cos, sin), positions, view_spans, tags
+        )  # causal SDPA, no cache
 
-    def head_scores(self, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], tags: torch.Tensor | None = None) -> torch.Tensor:
+    def head_scores(
+        self, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], tags: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The scoring head alone: log-scores (B, N) from decoder layer 0's output x (B, T, C)."""
         cfg = self.text_cfg
         b, t, _ = x.shape
@@ -540,8 +652,14 @@ class TokenSelector(nn.Module):
             s = s + (self.tag_weight.float()[:, None] * tags.float()).sum(0)
         return s
 
-    def _head_scores_one(self, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], first_row: int,
-                         tags: torch.Tensor | None) -> torch.Tensor:
+    def _head_scores_one(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        view_spans: Sequence[Span],
+        first_row: int,
+        tags: torch.Tensor | None,
+    ) -> torch.Tensor:
         """`head_scores` for one fp32 prompt x (T, C) at inference: `_head_ops` on packed weights in one call, native
         (cpu_steps.cpp) where the native steps serve, else TorchScript (equal to the differentiable head, a test)."""
         cfg = self.text_cfg
@@ -550,10 +668,32 @@ class TokenSelector(nn.Module):
         tags = x.new_empty(0) if tags is None else tags.float()
         ops = native.ops() if x.device.type == "cpu" and cpu_steps.backend() == "native" else None
         if ops is not None:  # the same head as native loops (cpu_steps.cpp), one call
-            return ops.token_scores(x, cos[:, 0], sin[:, 0], first_row, vis, tags, self._head_weights(), cfg.num_heads,
-                                    cfg.num_kv_heads, cfg.head_dim, self.norm.eps)
-        return _head_fn()(x, cos, sin, first_row, vis, tags, self._head_weights(), cfg.num_heads, cfg.num_kv_heads,
-                          cfg.head_dim, self.norm.eps)
+            return ops.token_scores(
+                x,
+                cos[:, 0],
+                sin[:, 0],
+                first_row,
+                vis,
+                tags,
+                self._head_weights(),
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                self.norm.eps,
+            )
+        return _head_fn()(
+            x,
+            cos,
+            sin,
+            first_row,
+            vis,
+            tags,
+            self._head_weights(),
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.norm.eps,
+        )
 
     def _head_weights(self) -> list:
         """`_head_ops`' weight list, contiguous (`_packed` projections, the MLP's first layer split into its token half,
@@ -565,9 +705,24 @@ class TokenSelector(nn.Module):
             return cache[1]
         wq, bq, wk, bk = self._packed()
         c = self.text_cfg.hidden_size
-        w1, b1, w2, b2 = (t.detach() for t in (self.mlp[0].weight, self.mlp[0].bias, self.mlp[2].weight, self.mlp[2].bias))
-        weights = [self.norm.weight.detach(), wq, bq, wk, bk, self.last_bonus.detach().reshape(1), self.head_logits.detach(),
-                   w1[:, :c].t().contiguous(), b1, w1[:, c:].contiguous(), w2[0].contiguous(), b2, self.tag_weight.detach()]
+        w1, b1, w2, b2 = (
+            t.detach() for t in (self.mlp[0].weight, self.mlp[0].bias, self.mlp[2].weight, self.mlp[2].bias)
+        )
+        weights = [
+            self.norm.weight.detach(),
+            wq,
+            bq,
+            wk,
+            bk,
+            self.last_bonus.detach().reshape(1),
+            self.head_logits.detach(),
+            w1[:, :c].t().contiguous(),
+            b1,
+            w1[:, c:].contiguous(),
+            w2[0].contiguous(),
+            b2,
+            self.tag_weight.detach(),
+        ]
         self.__dict__["_head_cache"] = (key, weights)
         return weights
 
@@ -596,8 +751,14 @@ class TokenSelector(nn.Module):
 
     @torch.no_grad()
     def select(
-        self, model, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span],
-        keep_ratio: float | None = None, min_per_view: int | None = None, question: str | None = None,
+        self,
+        model,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        view_spans: Sequence[Span],
+        keep_ratio: float | None = None,
+        min_per_view: int | None = None,
+        question: str | None = None,
     ):
         """Keep a fraction r of the visual tokens (batch 1): (embeds_kept, positions_kept, kept_index).
 
@@ -621,9 +782,18 @@ class TokenSelector(nn.Module):
 
     @torch.no_grad()
     def prefill(
-        self, model, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], keep_ratio: float | None = None,
-        min_per_view: int | None = None, question: str | None = None, timer: StageTimer | None = None, opening=None,
-        eos_id: int | None = None, limit: int = 0,
+        self,
+        model,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        view_spans: Sequence[Span],
+        keep_ratio: float | None = None,
+        min_per_view: int | None = None,
+        question: str | None = None,
+        timer: StageTimer | None = None,
+        opening=None,
+        eos_id: int | None = None,
+        limit: int = 0,
     ) -> FastVPrefill:
         """Select inside the decoder (shared_layer, batch 1): decoder layer 0 runs once on the whole
         prompt, the head ranks from its output, layers 1.. run on the kept tokens (`pruned_prefill`).
@@ -640,11 +810,25 @@ class TokenSelector(nn.Module):
             raise LiteVLMError("this TokenSelector is bound to another model's decoder layer 0")
         r = self.cfg.keep_ratio if keep_ratio is None else keep_ratio
         quota = self.cfg.min_per_view if min_per_view is None else min_per_view
+
         def score(x: torch.Tensor) -> torch.Tensor:  # timed as select_tokens, the c-tags read included
             return self.head_scores(x, positions, view_spans, self.tag_features(model, question, view_spans))[0]
 
-        return pruned_prefill(model, embeds, positions, view_spans, 1, score, r, quota, timer, score_stage="select_tokens",
-                              opening=opening, eos_id=eos_id, limit=limit)
+        return pruned_prefill(
+            model,
+            embeds,
+            positions,
+            view_spans,
+            1,
+            score,
+            r,
+            quota,
+            timer,
+            score_stage="select_tokens",
+            opening=opening,
+            eos_id=eos_id,
+            limit=limit,
+        )
 
     # -- checkpoint -----------------------------------------------------------------------------
     def save(self, model_dir: str | Path, recipe: dict | None = None, extra: dict | None = None) -> Path:
@@ -659,8 +843,11 @@ class TokenSelector(nn.Module):
         d = Path(model_dir) / SELECTOR_DIR
         d.mkdir(parents=True, exist_ok=True)
         meta = {
-            "format": SELECTOR_FORMAT, "text": asdict(self.text_cfg), "selector": asdict(self.cfg),
-            "recipe": recipe or {}, **(extra or {}),
+            "format": SELECTOR_FORMAT,
+            "text": asdict(self.text_cfg),
+            "selector": asdict(self.cfg),
+            "recipe": recipe or {},
+            **(extra or {}),
         }
         text = json.dumps(meta, indent=2)  # fails before anything is written if the recipe is not JSON
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
@@ -671,7 +858,7 @@ class TokenSelector(nn.Module):
         return d
 
     @classmethod
-    def load(cls, model_dir: str | Path, model) -> "TokenSelector":
+    def load(cls, model_dir: str | Path, model) -> TokenSelector:
         """Load from `model_dir/token_selector/` (or that folder itself), checked against `model`'s decoder."""
         from safetensors.torch import load_file
 
@@ -679,7 +866,9 @@ class TokenSelector(nn.Module):
         if not (d / "config.json").is_file() or not (d / "selector.safetensors").is_file():
             d = d / SELECTOR_DIR
         if not (d / "config.json").is_file() or not (d / "selector.safetensors").is_file():
-            raise LiteVLMError(f"no TokenSelector at {model_dir}: expected {SELECTOR_DIR}/config.json and selector.safetensors; train one with `litevlm train tokens`")
+            raise LiteVLMError(
+                f"no TokenSelector at {model_dir}: expected {SELECTOR_DIR}/config.json and selector.safetensors; train one with `litevlm train tokens`"
+            )
         meta = json.loads((d / "config.json").read_text())
         if meta.get("format") != SELECTOR_FORMAT:
             raise LiteVLMError(f"{d}/config.json is not a TokenSelector checkpoint (format {meta.get('format')!r})")
@@ -696,7 +885,9 @@ class TokenSelector(nn.Module):
         missing = set(sel.state_dict()) - set(state)
         extra = set(state) - set(sel.state_dict())
         if missing or extra:
-            raise LiteVLMError(f"{d}/selector.safetensors does not match the TokenSelector: missing {sorted(missing)}, unexpected {sorted(extra)}")
+            raise LiteVLMError(
+                f"{d}/selector.safetensors does not match the TokenSelector: missing {sorted(missing)}, unexpected {sorted(extra)}"
+            )
         sel.load_state_dict(state)
         sel.meta = meta
         return sel.bind(model).to(device=model.device, dtype=model.dtype).eval()

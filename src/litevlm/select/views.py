@@ -29,10 +29,10 @@ import json
 import re
 import warnings
 import zlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from pathlib import Path
-from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -59,9 +59,40 @@ _PLACE = r"(?:the|our|its)"
 _FRONT_PLACE = r"(?:ahead|in front|to the front|at the front)"
 _BACK_PLACE = r"(?:behind|in the back|at the back|to the back|to the rear|in the rear|at the rear)"
 # Words before "to the left" that make it a motion, not a place ("steering to the left").
-_MOTION = {"turn", "turns", "turning", "turned", "steer", "steers", "steering", "go", "goes", "going", "move", "moves",
-           "moving", "drive", "drives", "driving", "swerve", "swerving", "merge", "merging", "change", "changing",
-           "veer", "veering", "pull", "pulling", "head", "heading", "back", "backing", "reverse", "reversing"}
+_MOTION = {
+    "turn",
+    "turns",
+    "turning",
+    "turned",
+    "steer",
+    "steers",
+    "steering",
+    "go",
+    "goes",
+    "going",
+    "move",
+    "moves",
+    "moving",
+    "drive",
+    "drives",
+    "driving",
+    "swerve",
+    "swerving",
+    "merge",
+    "merging",
+    "change",
+    "changing",
+    "veer",
+    "veering",
+    "pull",
+    "pulling",
+    "head",
+    "heading",
+    "back",
+    "backing",
+    "reverse",
+    "reversing",
+}
 
 
 def _cam(end: str, side: str | None = None) -> set[str]:
@@ -80,51 +111,68 @@ def _side_place(m: re.Match) -> set[str]:
 
 def _unless_motion(cams):
     """A handler that ignores the match when the word before it is a motion verb."""
+
     def handler(m: re.Match) -> set[str]:
         before = m.string[: m.start()].split()
         return set() if before and before[-1] in _MOTION else cams(m)
+
     return handler
 
 
 # Ordered: each rule consumes its matches, so a later, looser rule never re-reads them
 # ("on the left side ahead" is one camera, not "left side" plus "ahead").
-_RULES: list[tuple[re.Pattern, object]] = [(re.compile(p), h) for p, h in [
-    # camera names: CAM_FRONT_LEFT, cam front left
-    (r"\bcam (front|back)(?: (left|right))?\b", lambda m: _cam(m.group(1), m.group(2))),
-    # asking for every view outright
-    (r"\b(?:all|every|each)(?: (?:of )?(?:the )?(?:six|6))? (?:camera views|cameras|views|camera|view|images)\b"
-     r"|\bsurround(?:ing)? views?\b|\b360\b|\ball around\b|\bin all directions\b", lambda m: set(CAMERAS)),
-    (rf"\bin front of {_EGO}\b|\bin front\b(?! of)", lambda m: _cam("front")),
-    (r"\bin front of\b", lambda m: set()),  # in front of another object: no camera
-    # side and end both given: "on the left side ahead", "to the right behind"
-    (rf"\b(?:on|to) {_PLACE} (left|right)(?: hand)?(?: side)?,? ({_FRONT_PLACE}|{_BACK_PLACE})\b", _side_place),
-    # "ahead on the left", "ahead of us to the right", "behind us on the right"
-    (rf"(?<!go )(?<!goes )(?<!going )(?<!went )\b(ahead|behind)(?: of {_EGO}| {_EGO})?,? (?:on|to) {_PLACE} (left|right)\b",
-     lambda m: _cam("front" if m.group(1) == "ahead" else "back", m.group(2))),
-    # end then side: "front left", "back-right", "rear right camera"
-    (r"\b(front|back|rear) ?(left|right)\b", _unless_motion(lambda m: _cam(m.group(1), m.group(2)))),
-    # side then end: "left rear camera", "right front side"
-    (r"\b(left|right) (front|back|rear)\b(?= (?:view|camera|cam|side|corner|quarter|of)\b|\s*[?.,!;:]|\s*$)",
-     lambda m: _cam(m.group(2), m.group(1))),
-    # an end alone, as a place: "to the back of the ego car", "in the front view", "rear camera"
-    (r"\b(?:to|in|at|on|from|towards?) the (front|back|rear)\b", lambda m: _cam(m.group(1))),
-    (r"\b(front|back|rear|forward|backward|rearward)s?(?: facing)? (?:view|views|camera|cameras|cam|image|images)\b",
-     lambda m: _cam(m.group(1))),
-    (r"\brear\b(?! end)", lambda m: _cam("back")),
-    (r"(?<!go )(?<!goes )(?<!going )(?<!went )\bahead\b", lambda m: _cam("front")),
-    (rf"\bbehind {_EGO}\b|\bfrom behind\b|\bbehind(?=\s*(?:[?.,!;:]|$))", lambda m: _cam("back")),
-    # a side alone, as a place: both cameras of that side
-    (r"\b(?:on|to) (?:the|our|its) (left|right)(?: hand)? side\b", _unless_motion(lambda m: _pair(m.group(1)))),
-    (rf"\bto the (left|right) of {_EGO}\b", lambda m: _pair(m.group(1))),
-    (r"\bon (?:the|our|its) (left|right)\b(?! (?:lane|turn|turns|hand lane))", lambda m: _pair(m.group(1))),
-    (r"\b(left|right)(?: hand)? side (?:of|view|views|camera|cameras)\b"
-     r"|\b(left|right) (?:view|views|camera|cameras|cam|mirror)\b", lambda m: _pair(m.group(1) or m.group(2))),
-]]
+_RULES: list[tuple[re.Pattern, object]] = [
+    (re.compile(p), h)
+    for p, h in [
+        # camera names: CAM_FRONT_LEFT, cam front left
+        (r"\bcam (front|back)(?: (left|right))?\b", lambda m: _cam(m.group(1), m.group(2))),
+        # asking for every view outright
+        (
+            r"\b(?:all|every|each)(?: (?:of )?(?:the )?(?:six|6))? (?:camera views|cameras|views|camera|view|images)\b"
+            r"|\bsurround(?:ing)? views?\b|\b360\b|\ball around\b|\bin all directions\b",
+            lambda m: set(CAMERAS),
+        ),
+        (rf"\bin front of {_EGO}\b|\bin front\b(?! of)", lambda m: _cam("front")),
+        (r"\bin front of\b", lambda m: set()),  # in front of another object: no camera
+        # side and end both given: "on the left side ahead", "to the right behind"
+        (rf"\b(?:on|to) {_PLACE} (left|right)(?: hand)?(?: side)?,? ({_FRONT_PLACE}|{_BACK_PLACE})\b", _side_place),
+        # "ahead on the left", "ahead of us to the right", "behind us on the right"
+        (
+            rf"(?<!go )(?<!goes )(?<!going )(?<!went )\b(ahead|behind)(?: of {_EGO}| {_EGO})?,? (?:on|to) {_PLACE} (left|right)\b",
+            lambda m: _cam("front" if m.group(1) == "ahead" else "back", m.group(2)),
+        ),
+        # end then side: "front left", "back-right", "rear right camera"
+        (r"\b(front|back|rear) ?(left|right)\b", _unless_motion(lambda m: _cam(m.group(1), m.group(2)))),
+        # side then end: "left rear camera", "right front side"
+        (
+            r"\b(left|right) (front|back|rear)\b(?= (?:view|camera|cam|side|corner|quarter|of)\b|\s*[?.,!;:]|\s*$)",
+            lambda m: _cam(m.group(2), m.group(1)),
+        ),
+        # an end alone, as a place: "to the back of the ego car", "in the front view", "rear camera"
+        (r"\b(?:to|in|at|on|from|towards?) the (front|back|rear)\b", lambda m: _cam(m.group(1))),
+        (
+            r"\b(front|back|rear|forward|backward|rearward)s?(?: facing)? (?:view|views|camera|cameras|cam|image|images)\b",
+            lambda m: _cam(m.group(1)),
+        ),
+        (r"\brear\b(?! end)", lambda m: _cam("back")),
+        (r"(?<!go )(?<!goes )(?<!going )(?<!went )\bahead\b", lambda m: _cam("front")),
+        (rf"\bbehind {_EGO}\b|\bfrom behind\b|\bbehind(?=\s*(?:[?.,!;:]|$))", lambda m: _cam("back")),
+        # a side alone, as a place: both cameras of that side
+        (r"\b(?:on|to) (?:the|our|its) (left|right)(?: hand)? side\b", _unless_motion(lambda m: _pair(m.group(1)))),
+        (rf"\bto the (left|right) of {_EGO}\b", lambda m: _pair(m.group(1))),
+        (r"\bon (?:the|our|its) (left|right)\b(?! (?:lane|turn|turns|hand lane))", lambda m: _pair(m.group(1))),
+        (
+            r"\b(left|right)(?: hand)? side (?:of|view|views|camera|cameras)\b"
+            r"|\b(left|right) (?:view|views|camera|cameras|cam|mirror)\b",
+            lambda m: _pair(m.group(1) or m.group(2)),
+        ),
+    ]
+]
 
 
 def _split_options(question: str) -> tuple[str, str]:
     m = MC_RE.search(question)
-    return (question, "") if m is None else (question[: m.start()], question[m.start():])
+    return (question, "") if m is None else (question[: m.start()], question[m.start() :])
 
 
 def lexical_views(question: str) -> dict[str, float]:
@@ -160,7 +208,7 @@ def question_words(question: str) -> list[str]:
     words = ["[q]"]
     pos = 0
     for m in TAG_RE.finditer(body):
-        words += _plain_words(body[pos: m.start()]) + ["[tag]", m.group(1).lower()]
+        words += _plain_words(body[pos : m.start()]) + ["[tag]", m.group(1).lower()]
         pos = m.end()
     words += _plain_words(body[pos:])
     if options:
@@ -171,8 +219,11 @@ def question_words(question: str) -> list[str]:
 
 
 def _plain_words(text: str) -> list[str]:
-    text = re.sub(r"\bcam_(front|back)(?:_(left|right))?\b",
-                  lambda m: f" cam_{m.group(1)}" + (f"_{m.group(2)}" if m.group(2) else "") + " ", text.lower())
+    text = re.sub(
+        r"\bcam_(front|back)(?:_(left|right))?\b",
+        lambda m: f" cam_{m.group(1)}" + (f"_{m.group(2)}" if m.group(2) else "") + " ",
+        text.lower(),
+    )
     out = []
     for piece in text.split():
         if piece.startswith("cam_") and piece.upper() in CAMERAS:
@@ -185,13 +236,14 @@ def _plain_words(text: str) -> list[str]:
 @lru_cache(maxsize=1 << 16)
 def word_ids(word: str, buckets: int, max_ngrams: int) -> tuple[int, ...]:
     """Bucket ids (1..buckets-1; 0 is padding) of a word and of its character trigrams."""
+
     def h(s: str) -> int:
         return zlib.crc32(s.encode("utf-8")) % (buckets - 1) + 1
 
     ids = [h("w:" + word)]
     if not (word.startswith("[") or word.startswith("cam_")) and word.isalpha():
         padded = f"<{word}>"
-        ids += [h("g:" + padded[i: i + 3]) for i in range(len(padded) - 2)][:max_ngrams]
+        ids += [h("g:" + padded[i : i + 3]) for i in range(len(padded) - 2)][:max_ngrams]
     return tuple(ids)
 
 
@@ -221,13 +273,15 @@ class ViewSelectorConfig:
 
     def features(self, questions: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids (B, T, K) long, mask (B, T) bool) for a batch of questions, padded with bucket 0."""
-        rows = [[word_ids(w, self.buckets, self.max_ngrams) for w in question_words(q)[: self.max_words]]
-                for q in questions]
+        rows = [
+            [word_ids(w, self.buckets, self.max_ngrams) for w in question_words(q)[: self.max_words]] for q in questions
+        ]
         t = max(len(r) for r in rows)
         k = max(len(ids) for r in rows for ids in r)
         pad_word = [0] * k
-        ids = torch.tensor([[list(w) + [0] * (k - len(w)) for w in r] + [pad_word] * (t - len(r)) for r in rows],
-                           dtype=torch.long)  # (B, T, K)
+        ids = torch.tensor(
+            [[list(w) + [0] * (k - len(w)) for w in r] + [pad_word] * (t - len(r)) for r in rows], dtype=torch.long
+        )  # (B, T, K)
         mask = torch.tensor([[True] * len(r) + [False] * (t - len(r)) for r in rows], dtype=torch.bool)  # (B, T)
         return ids, mask
 
@@ -240,8 +294,17 @@ def fuse(lexical: torch.Tensor, probs: torch.Tensor, weight: float) -> torch.Ten
     return weight * lexical + (1.0 - weight) * probs
 
 
-def _mha_ops(query: torch.Tensor, kv: torch.Tensor, allowed: Optional[torch.Tensor], in_w: torch.Tensor, in_b: torch.Tensor,
-             out_w: torch.Tensor, out_b: torch.Tensor, heads: int, self_attention: bool) -> torch.Tensor:
+def _mha_ops(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    allowed: torch.Tensor | None,
+    in_w: torch.Tensor,
+    in_b: torch.Tensor,
+    out_w: torch.Tensor,
+    out_b: torch.Tensor,
+    heads: int,
+    self_attention: bool,
+) -> torch.Tensor:
     """`nn.MultiheadAttention(query, kv, kv)` without dropout or weights, on raw weights (in_w (3C, C) =
     [q; k; v] as the module packs them): (B, Q, C), (B, T, C), allowed (B, 1, 1, T) bool or None (every
     key) -> (B, Q, C)."""
@@ -259,8 +322,15 @@ def _mha_ops(query: torch.Tensor, kv: torch.Tensor, allowed: Optional[torch.Tens
     return F.linear(y.transpose(1, 2).reshape(b, nq, c), out_w, out_b)
 
 
-def _logits_ops(x: torch.Tensor, allowed: Optional[torch.Tensor], q: torch.Tensor, encoder: List[List[torch.Tensor]], tail: List[torch.Tensor],
-                heads: int, eps: float) -> torch.Tensor:
+def _logits_ops(
+    x: torch.Tensor,
+    allowed: torch.Tensor | None,
+    q: torch.Tensor,
+    encoder: list[list[torch.Tensor]],
+    tail: list[torch.Tensor],
+    heads: int,
+    eps: float,
+) -> torch.Tensor:
     """The module's inference from the embedded words x (B, T, C) and the latent queries q (B, N, C) on
     raw weights, in one call (scripted by `ViewSelector._scripted`): the encoder's pre-norm layers, its
     output norm, the latents' cross-attention and the head -> logits (B, N)."""
@@ -271,7 +341,9 @@ def _logits_ops(x: torch.Tensor, allowed: Optional[torch.Tensor], q: torch.Tenso
         h = F.layer_norm(x, [c], w[6], w[7], eps)
         x = x + F.linear(F.gelu(F.linear(h, w[8], w[9])), w[10], w[11])
     x = F.layer_norm(x, [c], tail[0], tail[1], eps)  # [norm, latent_norm, cross in / out, head norm, head linears]
-    z = q + _mha_ops(F.layer_norm(q, [c], tail[2], tail[3], eps), x, allowed, tail[4], tail[5], tail[6], tail[7], heads, False)
+    z = q + _mha_ops(
+        F.layer_norm(q, [c], tail[2], tail[3], eps), x, allowed, tail[4], tail[5], tail[6], tail[7], heads, False
+    )
     h = F.gelu(F.linear(F.layer_norm(z, [c], tail[8], tail[9], eps), tail[10], tail[11]))
     return F.linear(h, tail[12], tail[13]).squeeze(-1)
 
@@ -299,8 +371,15 @@ class ViewSelector(nn.Module):
     and travel with the checkpoint. weight = 1 is the lexical map alone (the module is not run).
     """
 
-    def __init__(self, cfg: ViewSelectorConfig | None = None, *, weight: float = 0.5, threshold: float = 0.5,
-                 target_recall: float = 0.995, cameras: Sequence[str] = CAMERAS):
+    def __init__(
+        self,
+        cfg: ViewSelectorConfig | None = None,
+        *,
+        weight: float = 0.5,
+        threshold: float = 0.5,
+        target_recall: float = 0.995,
+        cameras: Sequence[str] = CAMERAS,
+    ):
         super().__init__()
         self.cfg = cfg or ViewSelectorConfig()
         self.cameras = tuple(cameras)
@@ -309,8 +388,9 @@ class ViewSelector(nn.Module):
         c, n = self.cfg.width, len(self.cameras)
         self.embed = nn.EmbeddingBag(self.cfg.buckets, c, mode="mean", padding_idx=0)
         self.pos = nn.Parameter(torch.randn(self.cfg.max_words, c) * 0.02)
-        layer = nn.TransformerEncoderLayer(c, self.cfg.heads, self.cfg.ffn, self.cfg.dropout, activation="gelu",
-                                           batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            c, self.cfg.heads, self.cfg.ffn, self.cfg.dropout, activation="gelu", batch_first=True, norm_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, self.cfg.layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(c)
         # One learned query per camera, at unit scale: each view's identity must survive the
@@ -322,10 +402,11 @@ class ViewSelector(nn.Module):
         self.head = nn.Sequential(nn.LayerNorm(c), nn.Linear(c, c), nn.GELU(), nn.Linear(c, 1))
 
     @classmethod
-    def lexical_only(cls) -> "ViewSelector":
+    def lexical_only(cls) -> ViewSelector:
         """The lexical map alone (weight 1, threshold 0.5): for a model without a trained selector."""
-        return cls(ViewSelectorConfig(width=8, layers=1, heads=1, ffn=8, buckets=2, max_words=1),
-                   weight=1.0, threshold=0.5).eval()
+        return cls(
+            ViewSelectorConfig(width=8, layers=1, heads=1, ffn=8, buckets=2, max_words=1), weight=1.0, threshold=0.5
+        ).eval()
 
     # -- the module ---------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, lexical: torch.Tensor) -> torch.Tensor:
@@ -340,8 +421,9 @@ class ViewSelector(nn.Module):
         fast = self._scripted() if inference else None
         named = lexical.to(x.dtype)  # (B, N)
         other = (named.sum(-1, keepdim=True) > 0).to(x.dtype) * (1.0 - named)  # (B, N)
-        q = (self.latents + named[..., None] * self.lexical_query[0]
-             + other[..., None] * self.lexical_query[1])  # (B, N, C)
+        q = (
+            self.latents + named[..., None] * self.lexical_query[0] + other[..., None] * self.lexical_query[1]
+        )  # (B, N, C)
         if fast is not None:  # inference in one call on raw weights (a question is ~100 tiny ops)
             fn, encoder, tail, eps = fast
             allowed = None if bool(mask.all()) else mask[:, None, None]
@@ -358,13 +440,19 @@ class ViewSelector(nn.Module):
             return None
         ops, packed, eps = native
         cfg = self.cfg
-        return ops.view_logits(ids, lexical, packed, cfg.layers, cfg.width, cfg.ffn, cfg.heads, cfg.buckets, cfg.max_words, eps)
+        return ops.view_logits(
+            ids, lexical, packed, cfg.layers, cfg.width, cfg.ffn, cfg.heads, cfg.buckets, cfg.max_words, eps
+        )
 
     def _uniform_eps(self) -> float | None:
         """The norms' one eps where every encoder layer is GELU (what `_logits_ops` and the native code
         describe), else None (the modules run)."""
         layers = list(self.encoder.layers)
-        norms = [m for layer in layers for m in (layer.norm1, layer.norm2)] + [self.norm, self.latent_norm, self.head[0]]
+        norms = [m for layer in layers for m in (layer.norm1, layer.norm2)] + [
+            self.norm,
+            self.latent_norm,
+            self.head[0],
+        ]
         if len({n.eps for n in norms}) != 1 or any(layer.activation_relu_or_gelu != 2 for layer in layers):
             return None
         return norms[0].eps
@@ -375,15 +463,39 @@ class ViewSelector(nn.Module):
         tensors = [self.embed.weight, self.pos, self.latents, self.lexical_query]
         for layer in self.encoder.layers:
             attn = layer.self_attn
-            tensors += [layer.norm1.weight, layer.norm1.bias, attn.in_proj_weight.t(), attn.in_proj_bias,
-                        attn.out_proj.weight.t(), attn.out_proj.bias, layer.norm2.weight, layer.norm2.bias,
-                        layer.linear1.weight.t(), layer.linear1.bias, layer.linear2.weight.t(), layer.linear2.bias]
+            tensors += [
+                layer.norm1.weight,
+                layer.norm1.bias,
+                attn.in_proj_weight.t(),
+                attn.in_proj_bias,
+                attn.out_proj.weight.t(),
+                attn.out_proj.bias,
+                layer.norm2.weight,
+                layer.norm2.bias,
+                layer.linear1.weight.t(),
+                layer.linear1.bias,
+                layer.linear2.weight.t(),
+                layer.linear2.bias,
+            ]
         c = self.cfg.width
         cross_in = self.cross.in_proj_weight  # (3C, C): the q rows, then the k|v rows
-        return tensors + [self.norm.weight, self.norm.bias, self.latent_norm.weight, self.latent_norm.bias,
-                          cross_in[:c].t(), cross_in[c:].t(), self.cross.in_proj_bias, self.cross.out_proj.weight.t(),
-                          self.cross.out_proj.bias, self.head[0].weight, self.head[0].bias, self.head[1].weight.t(),
-                          self.head[1].bias, self.head[3].weight.t(), self.head[3].bias]
+        return tensors + [
+            self.norm.weight,
+            self.norm.bias,
+            self.latent_norm.weight,
+            self.latent_norm.bias,
+            cross_in[:c].t(),
+            cross_in[c:].t(),
+            self.cross.in_proj_bias,
+            self.cross.out_proj.weight.t(),
+            self.cross.out_proj.bias,
+            self.head[0].weight,
+            self.head[0].bias,
+            self.head[1].weight.t(),
+            self.head[1].bias,
+            self.head[3].weight.t(),
+            self.head[3].bias,
+        ]
 
     def _native(self):
         """(torch.ops.litevlm_cpu, every weight packed into one fp32 buffer, eps) for the native inference, the
@@ -420,12 +532,39 @@ class ViewSelector(nn.Module):
         if eps is None:
             return None
         layers = list(self.encoder.layers)
-        encoder = [[layer.norm1.weight, layer.norm1.bias, layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias,
-                    layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias, layer.norm2.weight, layer.norm2.bias,
-                    layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias] for layer in layers]
-        tail = [self.norm.weight, self.norm.bias, self.latent_norm.weight, self.latent_norm.bias, self.cross.in_proj_weight,
-                self.cross.in_proj_bias, self.cross.out_proj.weight, self.cross.out_proj.bias, self.head[0].weight,
-                self.head[0].bias, self.head[1].weight, self.head[1].bias, self.head[3].weight, self.head[3].bias]
+        encoder = [
+            [
+                layer.norm1.weight,
+                layer.norm1.bias,
+                layer.self_attn.in_proj_weight,
+                layer.self_attn.in_proj_bias,
+                layer.self_attn.out_proj.weight,
+                layer.self_attn.out_proj.bias,
+                layer.norm2.weight,
+                layer.norm2.bias,
+                layer.linear1.weight,
+                layer.linear1.bias,
+                layer.linear2.weight,
+                layer.linear2.bias,
+            ]
+            for layer in layers
+        ]
+        tail = [
+            self.norm.weight,
+            self.norm.bias,
+            self.latent_norm.weight,
+            self.latent_norm.bias,
+            self.cross.in_proj_weight,
+            self.cross.in_proj_bias,
+            self.cross.out_proj.weight,
+            self.cross.out_proj.bias,
+            self.head[0].weight,
+            self.head[0].bias,
+            self.head[1].weight,
+            self.head[1].bias,
+            self.head[3].weight,
+            self.head[3].bias,
+        ]
         params = [p for group in encoder for p in group] + tail
         args = (_SCRIPTED_LOGITS[0], [[p.detach() for p in g] for g in encoder], [p.detach() for p in tail], eps)
         self.__dict__["_script_args"] = (tuple((p.data_ptr(), p._version) for p in params), params, args)
@@ -436,7 +575,9 @@ class ViewSelector(nn.Module):
         maps = [lexical_views(q) for q in questions]
         return torch.tensor([[m[c] for c in self.cameras] for m in maps]).reshape(-1, len(self.cameras))
 
-    def probabilities(self, questions: Sequence[str], lexical: torch.Tensor | None = None, batch: int = 256) -> torch.Tensor:
+    def probabilities(
+        self, questions: Sequence[str], lexical: torch.Tensor | None = None, batch: int = 256
+    ) -> torch.Tensor:
         """The module's probability (B, N) that each view is needed (call .eval() first)."""
         lexical = self.lexical(questions) if lexical is None else lexical
         dev = self.latents.device
@@ -450,8 +591,8 @@ class ViewSelector(nn.Module):
         out = []
         with torch.inference_mode():
             for i in range(0, len(questions), batch):
-                ids, mask = self.cfg.features(questions[i: i + batch])
-                logits = self(ids.to(dev), mask.to(dev), lexical[i: i + batch].to(dev))
+                ids, mask = self.cfg.features(questions[i : i + batch])
+                logits = self(ids.to(dev), mask.to(dev), lexical[i : i + batch].to(dev))
                 out.append(torch.sigmoid(logits.float()).cpu())
         return torch.cat(out) if out else torch.zeros(0, len(self.cameras))
 
@@ -480,16 +621,23 @@ class ViewSelector(nn.Module):
 
         d = Path(model_dir) / SELECTOR_DIR
         d.mkdir(parents=True, exist_ok=True)
-        meta = {"format": SELECTOR_FORMAT, "cameras": list(self.cameras), "config": asdict(self.cfg),
-                "weight": self.weight, "threshold": self.threshold, "target_recall": self.target_recall,
-                "recipe": recipe or {}, **(extra or {})}
+        meta = {
+            "format": SELECTOR_FORMAT,
+            "cameras": list(self.cameras),
+            "config": asdict(self.cfg),
+            "weight": self.weight,
+            "threshold": self.threshold,
+            "target_recall": self.target_recall,
+            "recipe": recipe or {},
+            **(extra or {}),
+        }
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
         save_file(tensors, str(d / WEIGHTS_FILE), metadata={"format": SELECTOR_FORMAT})
         (d / "config.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         return d
 
     @classmethod
-    def load(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> "ViewSelector":
+    def load(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> ViewSelector:
         """Load from `model_dir/view_selector/` (or that folder itself); a mismatch names the tensor."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -498,14 +646,18 @@ class ViewSelector(nn.Module):
         if not (d / WEIGHTS_FILE).is_file():
             d = d / SELECTOR_DIR
         if not (d / WEIGHTS_FILE).is_file() or not (d / "config.json").is_file():
-            raise LiteVLMError(f"no ViewSelector at {model_dir}: expected {SELECTOR_DIR}/config.json and {WEIGHTS_FILE}; "
-                               "train one with `litevlm train views --out MODEL_DIR`")
+            raise LiteVLMError(
+                f"no ViewSelector at {model_dir}: expected {SELECTOR_DIR}/config.json and {WEIGHTS_FILE}; "
+                "train one with `litevlm train views --out MODEL_DIR`"
+            )
         try:
             meta = json.loads((d / "config.json").read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise LiteVLMError(f"{d / 'config.json'} is not valid JSON: {e}") from None
         if not isinstance(meta, dict) or meta.get("format") != SELECTOR_FORMAT:
-            raise LiteVLMError(f"{d / 'config.json'} is not a ViewSelector checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r})")
+            raise LiteVLMError(
+                f"{d / 'config.json'} is not a ViewSelector checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r})"
+            )
         if tuple(meta.get("cameras", ())) != CAMERAS:
             raise LiteVLMError(f"{d} was trained for cameras {meta.get('cameras')}, this rig has {list(CAMERAS)}")
         try:
@@ -523,8 +675,10 @@ class ViewSelector(nn.Module):
             if name not in state:
                 raise LiteVLMError(f"{d / WEIGHTS_FILE} lacks tensor {name!r}: it does not match its config.json")
             if tuple(state[name].shape) != tuple(tensor.shape):
-                raise LiteVLMError(f"{d / WEIGHTS_FILE}: tensor {name!r} has shape {tuple(state[name].shape)}, "
-                                   f"config.json implies {tuple(tensor.shape)}")
+                raise LiteVLMError(
+                    f"{d / WEIGHTS_FILE}: tensor {name!r} has shape {tuple(state[name].shape)}, "
+                    f"config.json implies {tuple(tensor.shape)}"
+                )
         unexpected = sorted(set(state) - set(expected))
         if unexpected:
             raise LiteVLMError(f"{d / WEIGHTS_FILE} has tensor {unexpected[0]!r} that a ViewSelector does not")
@@ -550,7 +704,9 @@ def cmd_views(args) -> None:
     selector = load_for_model(args.model)
     views, scores = selector.select(args.question)
     if args.json:
-        print(json.dumps({"views": views, "scores": {c: round(s, 4) for c, s in scores.items()}}, separators=(",", ":")))
+        print(
+            json.dumps({"views": views, "scores": {c: round(s, 4) for c, s in scores.items()}}, separators=(",", ":"))
+        )
         return
     for c in selector.cameras:
         print(f"{'*' if c in views else ' '} {c:<16} {scores[c]:.3f}")
@@ -561,7 +717,10 @@ def add_views_parser(sub) -> None:
     """Register `views` on the top-level subparsers of the litevlm CLI."""
     p = sub.add_parser("views", help="which cameras a question needs, with per-camera scores")
     p.add_argument("--question", required=True)
-    p.add_argument("--model", default="drive-tiny", help="bundled model name, model directory (with view_selector/) "
-                   "or a view_selector directory")
+    p.add_argument(
+        "--model",
+        default="drive-tiny",
+        help="bundled model name, model directory (with view_selector/) or a view_selector directory",
+    )
     p.add_argument("--json", action="store_true", help='print {"views": [...], "scores": {camera: score}}')
     p.set_defaults(func=cmd_views)

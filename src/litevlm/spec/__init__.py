@@ -16,6 +16,19 @@ from litevlm.spec.tree import (
 )
 
 __all__ = [
-    "DRAFT_SUBDIR", "DraftConfig", "DraftHead", "Tree", "TreeConfig", "accept_greedy", "accept_sampled", "ancestor_mask",
-    "commit_path", "draft_dir", "draft_tree", "speculative_generate", "target_probs", "tree_from_pool", "verify_tree",
+    "DRAFT_SUBDIR",
+    "DraftConfig",
+    "DraftHead",
+    "Tree",
+    "TreeConfig",
+    "accept_greedy",
+    "accept_sampled",
+    "ancestor_mask",
+    "commit_path",
+    "draft_dir",
+    "draft_tree",
+    "speculative_generate",
+    "target_probs",
+    "tree_from_pool",
+    "verify_tree",
 ]

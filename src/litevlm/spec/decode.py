@@ -18,7 +18,14 @@ from litevlm.errors import LiteVLMError
 from litevlm.model.generate import Generation, Prefilled, StageTimer, decode_step, prefill, sample_token
 from litevlm.spec.openings import Opened, Opening, opening_inputs, verify_opening
 from litevlm.spec.tree import (
-    TreeConfig, accept_greedy, accept_sampled, chain_tree, commit_path, draft_tree, verify_chain_greedy, verify_tree,
+    TreeConfig,
+    accept_greedy,
+    accept_sampled,
+    chain_tree,
+    commit_path,
+    draft_tree,
+    verify_chain_greedy,
+    verify_tree,
 )
 
 
@@ -65,7 +72,11 @@ def speculative_generate(
     live = embeds.device.type != "cuda"  # eager CPU: attend over the live prefix; GPU: fixed shapes
     next_pos = int(positions[0, -1]) + 1  # RoPE position of the first generated token (slot t)
 
-    opening = opening if prefilled is None and temperature <= 0 and opening is not None and 0 < len(opening) <= cap - t else None
+    opening = (
+        opening
+        if prefilled is None and temperature <= 0 and opening is not None and 0 < len(opening) <= cap - t
+        else None
+    )
     context = getattr(getattr(draft, "cfg", None), "context", 0)
     c0 = max(0, t - context) if context else 0
     opened = prefilled.opened if prefilled is not None and temperature <= 0 else None
@@ -88,18 +99,27 @@ def speculative_generate(
     with timer("decode"):
         if finished():  # the whole answer came with the prompt's pass
             return Generation(out, t, dict(timer.ms), accept, opened.accepted)
-        draft.prepare(cap + (tree.depth - 1) * tree.top_k, next_pos + max_new_tokens + tree.depth + 1)  # per generation: timed
+        draft.prepare(
+            cap + (tree.depth - 1) * tree.top_k, next_pos + max_new_tokens + tree.depth + 1
+        )  # per generation: timed
         # The first extend covers the prompt (its last `context` pairs when the draft is windowed) and the opening
         # tokens accepted with it: pair j = (f_j, what the target consumed at j+1), at the position of token j.
         a = opened.accepted
         feats = torch.cat([hidden[0, c0:], opened.hidden])  # (t - c0 + a, C)
-        nxt = torch.cat([embeds[0, c0 + 1 :], lm.embed_tokens(torch.tensor(out, device=embeds.device))])  # (t - c0 + a, C)
+        nxt = torch.cat(
+            [embeds[0, c0 + 1 :], lm.embed_tokens(torch.tensor(out, device=embeds.device))]
+        )  # (t - c0 + a, C)
         pair_pos = torch.cat([positions[0, c0:], torch.arange(next_pos, next_pos + a, device=embeds.device)])
         done, L = 0, t + a  # pairs in the draft cache (its slots 0..done-1), tokens in the target cache
         plan = lm.step_plan() if live else None  # the CPU steps' arguments, gathered once
         # A greedy chain on the CPU runs each side of a cycle as one CPU call (draft_cycle, verify_chain_greedy).
-        fused = plan is not None and temperature <= 0 and tree.top_k == 1 and tree.total_tokens == tree.depth + 1 \
+        fused = (
+            plan is not None
+            and temperature <= 0
+            and tree.top_k == 1
+            and tree.total_tokens == tree.depth + 1
             and hasattr(draft, "draft_cycle")
+        )
         while not finished():
             root_pos = next_pos + L - t
             if L + n_tree > cap:  # no room for a tree: finish with plain steps (the cache is exact)
@@ -110,10 +130,16 @@ def speculative_generate(
                 L += 1
                 continue
             with timer("draft"):
-                chain = draft.draft_cycle(feats, nxt, pair_pos, done, root, root_pos, tree.depth, tree.min_value, eos_id) if fused else None
+                chain = (
+                    draft.draft_cycle(feats, nxt, pair_pos, done, root, root_pos, tree.depth, tree.min_value, eos_id)
+                    if fused
+                    else None
+                )
                 if chain is None:
                     h_root = draft.extend(feats, nxt, pair_pos, done, last_only=True)  # (1, C): predicted f_L
-                    tr = draft_tree(draft, root, h_root, done + feats.shape[0], root_pos, tree, eos_id)  # scratch from there
+                    tr = draft_tree(
+                        draft, root, h_root, done + feats.shape[0], root_pos, tree, eos_id
+                    )  # scratch from there
                 done += feats.shape[0]
             with timer("verify"):
                 fast = verify_chain_greedy(model, chain, L, root_pos, plan) if chain is not None else None
@@ -153,8 +179,15 @@ def speculative_generate(
     return Generation(out, t, dict(timer.ms), accept, opened.accepted)
 
 
-def _prefill_with_opening(model, embeds: torch.Tensor, positions: torch.Tensor, opening: Opening, next_pos: int,
-                          eos_id: int | None, max_new_tokens: int) -> tuple[torch.Tensor, Opened]:
+def _prefill_with_opening(
+    model,
+    embeds: torch.Tensor,
+    positions: torch.Tensor,
+    opening: Opening,
+    next_pos: int,
+    eos_id: int | None,
+    max_new_tokens: int,
+) -> tuple[torch.Tensor, Opened]:
     """The prompt (1, T, C) and the opening trie's N nodes in one target pass (prompt at cache slots 0..T-1, nodes
     at T..T+N-1 under the trie mask), then greedy acceptance (`verify_opening`) -> (the prompt's post-norm hidden
     states (1, T, C), what the opening gave)."""

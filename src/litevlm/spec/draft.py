@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
-from litevlm.model.kv_cache import KVCache
 from litevlm.model import cpu_steps
+from litevlm.model.kv_cache import KVCache
 from litevlm.model.lm import DecoderLayer, linear, rope_cos_sin, rope_table, row_major
 from litevlm.spec.openings import Openings
 
@@ -50,7 +50,9 @@ class DraftConfig:
     qkv_bias: bool = True
     input_norm: bool = True
     draft_vocab: int = 0  # > 0: draft only among this many target tokens (a cheaper LM head, as EAGLE-3's d2t)
-    context: int = 0  # > 0: the draft sees only the last `context` prompt pairs (cheaper steps), then all generated ones
+    context: int = (
+        0  # > 0: the draft sees only the last `context` prompt pairs (cheaper steps), then all generated ones
+    )
 
     def __post_init__(self) -> None:
         self.layer_config()  # validates heads / head_dim like the target's config does
@@ -60,24 +62,40 @@ class DraftConfig:
             raise LiteVLMError("draft config field 'context': must be >= 0 (0 = the whole prompt)")
 
     @classmethod
-    def for_target(cls, text: TextConfig, intermediate_size: int | None = None, draft_vocab: int = 0, context: int = 0) -> "DraftConfig":
+    def for_target(
+        cls, text: TextConfig, intermediate_size: int | None = None, draft_vocab: int = 0, context: int = 0
+    ) -> DraftConfig:
         """The target's layer shapes (EAGLE), optionally with a narrower MLP and a reduced draft vocabulary."""
         return cls(
-            hidden_size=text.hidden_size, vocab_size=text.vocab_size, num_heads=text.num_heads,
-            num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
-            intermediate_size=intermediate_size or text.intermediate_size, rope_theta=text.rope_theta,
-            norm_eps=text.norm_eps, qkv_bias=text.qkv_bias, draft_vocab=draft_vocab, context=context,
+            hidden_size=text.hidden_size,
+            vocab_size=text.vocab_size,
+            num_heads=text.num_heads,
+            num_kv_heads=text.num_kv_heads,
+            head_dim=text.head_dim,
+            intermediate_size=intermediate_size or text.intermediate_size,
+            rope_theta=text.rope_theta,
+            norm_eps=text.norm_eps,
+            qkv_bias=text.qkv_bias,
+            draft_vocab=draft_vocab,
+            context=context,
         )
 
     def layer_config(self) -> TextConfig:
         return TextConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=1, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, intermediate_size=self.intermediate_size, head_dim=self.head_dim,
-            rope_theta=self.rope_theta, norm_eps=self.norm_eps, qkv_bias=self.qkv_bias,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_layers=1,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            norm_eps=self.norm_eps,
+            qkv_bias=self.qkv_bias,
         )
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DraftConfig":
+    def from_dict(cls, d: dict) -> DraftConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         if set(d) - known:
             raise LiteVLMError(f"draft config has unknown fields {sorted(set(d) - known)}; re-train the draft head")
@@ -103,15 +121,20 @@ class DraftHead(nn.Module):
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, 1, D) cos / sin tables
         self._plan: cpu_steps.Plan | None = None  # the CPU step's arguments, made by `prepare`
         self._chain_args: tuple | None = None  # and the one-call chain's: embedding, fc, head, vocabulary map
-        self.openings: Openings | None = None  # answer openings verified with the prompt (openings.json beside the head)
+        self.openings: Openings | None = (
+            None  # answer openings verified with the prompt (openings.json beside the head)
+        )
         if target is not None:
             self.attach(target)
 
     # -- the target's shared modules --------------------------------------------------------------
-    def attach(self, target) -> "DraftHead":
+    def attach(self, target) -> DraftHead:
         """Share `target`'s embedding table and LM head (a VLM, or anything with the same attributes)."""
         emb, head = target.language_model.embed_tokens, target.lm_head
-        if emb.weight.shape != (self.cfg.vocab_size, self.cfg.hidden_size) or head.weight.shape != (self.cfg.vocab_size, self.cfg.hidden_size):
+        if emb.weight.shape != (self.cfg.vocab_size, self.cfg.hidden_size) or head.weight.shape != (
+            self.cfg.vocab_size,
+            self.cfg.hidden_size,
+        ):
             raise LiteVLMError(
                 f"this draft head was built for hidden_size={self.cfg.hidden_size}, vocab_size={self.cfg.vocab_size}; "
                 f"the target has embeddings {tuple(emb.weight.shape)}: train a draft head for this model"
@@ -159,11 +182,15 @@ class DraftHead(nn.Module):
         """The target ids the draft may propose (e.g. the most frequent answer tokens)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.fc.weight.device)
         if ids.shape != (self.cfg.draft_vocab,) or int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
-            raise LiteVLMError(f"a draft vocabulary needs {self.cfg.draft_vocab} distinct token ids below {self.cfg.vocab_size}")
+            raise LiteVLMError(
+                f"a draft vocabulary needs {self.cfg.draft_vocab} distinct token ids below {self.cfg.vocab_size}"
+            )
         self.vocab_map.copy_(ids)
 
     # -- the layer: DecoderLayer's fused kernels (CPU decode is op-overhead bound) ----------------
-    def _layer(self, x, cos, sin, cache: KVCache | None = None, start: int = 0, mask=None, last_only: bool = False) -> torch.Tensor:
+    def _layer(
+        self, x, cos, sin, cache: KVCache | None = None, start: int = 0, mask=None, last_only: bool = False
+    ) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C). cos / sin (B or 1, T, 1, D). With a cache: write slots start..start+T-1
         and attend over slots 0..start+T-1 where `mask` (1, 1, T, S) allows (None: everything);
         last_only (with a cache, no mask): every row writes its K/V, only the last goes on -> (B, 1, C)."""
@@ -178,7 +205,9 @@ class DraftHead(nn.Module):
             cache.v[:, :, start:end] = v
             if last_only:  # the last row sees every slot before it
                 q, x = q[:, :, -1:], x[:, -1:]
-            y = F.scaled_dot_product_attention(q, cache.k[:, :, :end], cache.v[:, :, :end], attn_mask=mask, enable_gqa=True)
+            y = F.scaled_dot_product_attention(
+                q, cache.k[:, :, :end], cache.v[:, :, :end], attn_mask=mask, enable_gqa=True
+            )
         return layer.fused_out(x, y, w)
 
     def _cached_layer(self, x: torch.Tensor, cos, sin, start: int, mask=None, last_only: bool = False) -> torch.Tensor:
@@ -188,8 +217,20 @@ class DraftHead(nn.Module):
         plan = self._plan
         if plan is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
             cfg = self.cfg
-            return cpu_steps.step_layers()(x, cos, sin, start, mask, plan.weights, cpu_steps.caches((self.layer,)),
-                                        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps, last_only)
+            return cpu_steps.step_layers()(
+                x,
+                cos,
+                sin,
+                start,
+                mask,
+                plan.weights,
+                cpu_steps.caches((self.layer,)),
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                cfg.norm_eps,
+                last_only,
+            )
         return self._layer(x[None], cos, sin, self.layer.self_attn.kv_cache, start, mask, last_only)[0]
 
     def _fuse(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
@@ -199,13 +240,17 @@ class DraftHead(nn.Module):
         return linear(torch.cat([next_embeds, features], -1), self.fc)  # [embedding ; feature] -> H
 
     # -- training ---------------------------------------------------------------------------------
-    def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, mask=None
+    ) -> torch.Tensor:
         """Teacher-forced pairs: features f_j (B, T, C), embeddings of x_{j+1} (B, T, C), positions of
         token j (B, T) -> predicted f_{j+1} (B, T, C). Causal attention unless `mask` (B, 1, T, T) is given."""
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, features.dtype)
         return self._layer(self._fuse(features, next_embeds), cos.transpose(1, 2), sin.transpose(1, 2), mask=mask)
 
-    def forward_unrolled(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, passes: int) -> list[torch.Tensor]:
+    def forward_unrolled(
+        self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, passes: int
+    ) -> list[torch.Tensor]:
         """Training-time test (EAGLE-3, arXiv 2503.01840, section 3): pass 1 is `forward`; in pass s
         the input feature of pair i is pass s-1's prediction at pair i-1, i.e. what the head feeds on
         when it drafts s tokens ahead. As in a draft tree, pair i of pass s attends to the teacher-forced
@@ -229,7 +274,9 @@ class DraftHead(nn.Module):
             values.append(v)
             blocks = [j <= i - s + 1] + [j == i - s + r for r in range(2, s + 1)]  # (T, T) each
             mask = torch.cat(blocks, 1)[None, None]  # (1, 1, T, s T)
-            y = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=True)
+            y = F.scaled_dot_product_attention(
+                q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=True
+            )
             preds.append(layer.fused_out(x, y, w))
         return preds
 
@@ -252,7 +299,9 @@ class DraftHead(nn.Module):
         cache = self.layer.self_attn.kv_cache
         if cache is None or cache.max_len < cache_len or cache.k.dtype != w.dtype or cache.k.device != w.device:
             self.setup_cache(cache_len)
-        self._rope = rope_table(self, self.cfg.head_dim, self.cfg.rope_theta, max_position, w.dtype, w.device)  # (P, 1, D)
+        self._rope = rope_table(
+            self, self.cfg.head_dim, self.cfg.rope_theta, max_position, w.dtype, w.device
+        )  # (P, 1, D)
         with torch.no_grad():
             self._plan = cpu_steps.plan(w, (self.layer,))
             self._chain_args = None
@@ -261,7 +310,13 @@ class DraftHead(nn.Module):
                     head, vmap = self._draft_head(), self.vocab_map
                 else:
                     head, vmap = row_major(self._target()[1]), torch.empty(0, dtype=torch.long, device=w.device)
-                self._chain_args = (self._target()[0].weight.detach(), row_major(self.fc), self.fc.bias.detach(), head, vmap)
+                self._chain_args = (
+                    self._target()[0].weight.detach(),
+                    row_major(self.fc),
+                    self.fc.bias.detach(),
+                    head,
+                    vmap,
+                )
 
     def _cos_sin(self, positions: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin (T, 1, D) for positions (T,), or (1, 1, D) for one int position shared by all rows."""
@@ -273,8 +328,14 @@ class DraftHead(nn.Module):
         return cos[positions], sin[positions]
 
     @torch.no_grad()
-    def extend(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, start: int,
-               last_only: bool = False) -> torch.Tensor:
+    def extend(
+        self,
+        features: torch.Tensor,
+        next_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        start: int,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         """Committed pairs (n of them) into draft slots start..start+n-1, causally -> predicted features (n, C).
 
         features: the target's true features (n, C); next_embeds: what the target consumed at the
@@ -287,11 +348,15 @@ class DraftHead(nn.Module):
         mask = None
         if n > 1 and not last_only:
             rows = torch.arange(start, start + n, device=features.device)[:, None]
-            mask = (torch.arange(start + n, device=features.device)[None, :] <= rows)[None, None]  # (1, 1, n, start + n)
+            mask = (torch.arange(start + n, device=features.device)[None, :] <= rows)[
+                None, None
+            ]  # (1, 1, n, start + n)
         return self._cached_layer(self._fuse(features, next_embeds), cos, sin, start, mask, last_only)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, position: int, start: int, mask: torch.Tensor) -> torch.Tensor:
+    def step(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, position: int, start: int, mask: torch.Tensor
+    ) -> torch.Tensor:
         """k tree nodes at one draft position: tokens (k,), their parents' predicted features (k, C),
         mask (k, S) over draft slots 0..S-1 (S = start + k; None: all) -> predicted features (k, C)."""
         cos, sin = self._cos_sin(position)
@@ -299,8 +364,9 @@ class DraftHead(nn.Module):
         return self._cached_layer(x, cos, sin, start, None if mask is None else mask[None, None])
 
     @torch.no_grad()
-    def draft_chain(self, root_hidden: torch.Tensor, position: int, start: int, depth: int, min_value: float,
-                    eos_id: int | None) -> torch.Tensor | None:
+    def draft_chain(
+        self, root_hidden: torch.Tensor, position: int, start: int, depth: int, min_value: float, eos_id: int | None
+    ) -> torch.Tensor | None:
         """The chain `litevlm.spec.tree.draft_tree` drafts (top-1 tokens until the summed log-probability
         falls below log(min_value), a drafted EOS, or `depth` tokens) in one CPU call on the CPU:
         drafted ids (m,). None where the eager loop runs (no `prepare`d plan, another dtype, no TorchScript)."""
@@ -308,25 +374,71 @@ class DraftHead(nn.Module):
             return None
         cfg, (cos, sin) = self.cfg, self._rope
         log_min = math.log(min_value) if min_value > 0 else -math.inf
-        return cpu_steps.step_chain()(root_hidden, position, start, depth, log_min, -1 if eos_id is None else eos_id, cos, sin,
-                                          *self._chain_args, self._plan.weights, cpu_steps.caches((self.layer,)),
-                                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
+        return cpu_steps.step_chain()(
+            root_hidden,
+            position,
+            start,
+            depth,
+            log_min,
+            -1 if eos_id is None else eos_id,
+            cos,
+            sin,
+            *self._chain_args,
+            self._plan.weights,
+            cpu_steps.caches((self.layer,)),
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.norm_eps,
+        )
 
     @torch.no_grad()
-    def draft_cycle(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, start: int,
-                    root: torch.Tensor, root_position: int, depth: int, min_value: float, eos_id: int | None) -> torch.Tensor | None:
+    def draft_cycle(
+        self,
+        features: torch.Tensor,
+        next_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        start: int,
+        root: torch.Tensor,
+        root_position: int,
+        depth: int,
+        min_value: float,
+        eos_id: int | None,
+    ) -> torch.Tensor | None:
         """`extend(features, next_embeds, positions, start, last_only=True)` and then `draft_chain` from its
         output at slot start + n, in one CPU call on the CPU -> the chain to verify (1 + m,): the root,
         then the m drafted ids; None where the eager path runs (as `draft_chain`)."""
         fns = cpu_steps.step_cycle()
-        if fns is None or self._chain_args is None or self._plan is None or features.dtype != torch.float32 \
-                or next_embeds.dtype != torch.float32:
+        if (
+            fns is None
+            or self._chain_args is None
+            or self._plan is None
+            or features.dtype != torch.float32
+            or next_embeds.dtype != torch.float32
+        ):
             return None
         cfg, (cos, sin) = self.cfg, self._rope
         log_min = math.log(min_value) if min_value > 0 else -math.inf
-        return fns[0](features, next_embeds, positions, start, root.reshape(1), root_position, depth, log_min, -1 if eos_id is None else eos_id,
-                      cos, sin, *self._chain_args, self._plan.weights, cpu_steps.caches((self.layer,)),
-                      cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
+        return fns[0](
+            features,
+            next_embeds,
+            positions,
+            start,
+            root.reshape(1),
+            root_position,
+            depth,
+            log_min,
+            -1 if eos_id is None else eos_id,
+            cos,
+            sin,
+            *self._chain_args,
+            self._plan.weights,
+            cpu_steps.caches((self.layer,)),
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.norm_eps,
+        )
 
     # -- checkpoints ------------------------------------------------------------------------------
     def num_parameters(self) -> int:
@@ -339,13 +451,21 @@ class DraftHead(nn.Module):
 
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(out / "model.safetensors"))
-        meta = {"format": DRAFT_FORMAT, "version": 1, "config": asdict(self.cfg), "recipe": self.recipe, "metrics": self.metrics}
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(out / "model.safetensors")
+        )
+        meta = {
+            "format": DRAFT_FORMAT,
+            "version": 1,
+            "config": asdict(self.cfg),
+            "recipe": self.recipe,
+            "metrics": self.metrics,
+        }
         (out / "config.json").write_text(json.dumps(meta, indent=1))
         return out
 
     @classmethod
-    def load(cls, path: str | Path, target) -> "DraftHead":
+    def load(cls, path: str | Path, target) -> DraftHead:
         """Load a draft head for `target` from its folder (or from a model folder holding draft/)."""
         from safetensors import safe_open
 

@@ -50,7 +50,7 @@ class Opening:
         return self.tokens.numel()
 
     @classmethod
-    def from_sequences(cls, sequences: list[list[int]]) -> "Opening":
+    def from_sequences(cls, sequences: list[list[int]]) -> Opening:
         tokens, parents, depth, index = [], [], [], {}
         for seq in sequences:
             for d in range(len(seq)):
@@ -61,8 +61,12 @@ class Opening:
                     parents.append(index[prefix[:-1]] if d else -1)
                     depth.append(d)
         parents_t = torch.tensor(parents, dtype=torch.long)
-        return cls(torch.tensor(tokens, dtype=torch.long), parents_t, torch.tensor(depth, dtype=torch.long),
-                   ancestor_mask(parents_t, max(depth, default=0)))
+        return cls(
+            torch.tensor(tokens, dtype=torch.long),
+            parents_t,
+            torch.tensor(depth, dtype=torch.long),
+            ancestor_mask(parents_t, max(depth, default=0)),
+        )
 
 
 class Openings:
@@ -70,21 +74,41 @@ class Openings:
     ending early at EOS), as a trie of at most `max_nodes` nodes per key. Keys are a question's first `key_words[0]`
     words, then (for questions whose longer key was not seen in training) its first `key_words[1]`, and so on."""
 
-    def __init__(self, table: dict[str, list[list[int]]], *, depth: int, max_nodes: int, vocab_size: int,
-                 key_words: tuple[int, ...] = (2,), recipe: dict | None = None):
+    def __init__(
+        self,
+        table: dict[str, list[list[int]]],
+        *,
+        depth: int,
+        max_nodes: int,
+        vocab_size: int,
+        key_words: tuple[int, ...] = (2,),
+        recipe: dict | None = None,
+    ):
         self.table, self.depth, self.max_nodes, self.vocab_size = table, depth, max_nodes, vocab_size
         self.key_words = tuple(key_words)
         self.recipe = recipe or {}
         self._tries: dict[str, Opening] = {}
 
     @classmethod
-    def build(cls, pairs, *, eos_id: int, vocab_size: int, depth: int = 3, max_nodes: int = 8, min_share: float = 0.05,
-              key_words: tuple[int, ...] = (2,), recipe: dict | None = None) -> "Openings":
+    def build(
+        cls,
+        pairs,
+        *,
+        eos_id: int,
+        vocab_size: int,
+        depth: int = 3,
+        max_nodes: int = 8,
+        min_share: float = 0.05,
+        key_words: tuple[int, ...] = (2,),
+        recipe: dict | None = None,
+    ) -> Openings:
         """From (question, answer token ids) pairs: per question key (of each length in `key_words`), the most frequent
         openings (the answer's tokens and EOS, cut at `depth`) that make up at least `min_share` of its answers, most
         frequent first, while their trie stays within `max_nodes` nodes."""
         if depth < 1 or max_nodes < 1 or not key_words or min(key_words) < 1:
-            raise LiteVLMError(f"openings need depth, max_nodes and key words >= 1; got {depth}, {max_nodes}, {key_words}")
+            raise LiteVLMError(
+                f"openings need depth, max_nodes and key words >= 1; got {depth}, {max_nodes}, {key_words}"
+            )
         counts: dict[str, Counter] = defaultdict(Counter)
         for question, ids in pairs:
             for words in key_words:
@@ -117,13 +141,21 @@ class Openings:
     # -- files ----------------------------------------------------------------------------------
     def save(self, folder: str | Path) -> Path:
         out = Path(folder) / OPENINGS_FILE
-        meta = {"format": OPENINGS_FORMAT, "version": 1, "depth": self.depth, "max_nodes": self.max_nodes,
-                "key_words": list(self.key_words), "vocab_size": self.vocab_size, "recipe": self.recipe, "table": self.table}
+        meta = {
+            "format": OPENINGS_FORMAT,
+            "version": 1,
+            "depth": self.depth,
+            "max_nodes": self.max_nodes,
+            "key_words": list(self.key_words),
+            "vocab_size": self.vocab_size,
+            "recipe": self.recipe,
+            "table": self.table,
+        }
         out.write_text(json.dumps(meta, indent=1))
         return out
 
     @classmethod
-    def load(cls, folder: str | Path, vocab_size: int) -> "Openings | None":
+    def load(cls, folder: str | Path, vocab_size: int) -> Openings | None:
         """The table in `folder` (a draft head's folder), None where it has none; an error names a file that is not
         one or that was built for another vocabulary."""
         path = Path(folder) / OPENINGS_FILE
@@ -139,11 +171,22 @@ class Openings:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise LiteVLMError(f"cannot read the answer openings {path}: {e}") from None
         if vocab != vocab_size:
-            raise LiteVLMError(f"the answer openings {path} were built for a vocabulary of {vocab}; the model has {vocab_size}")
+            raise LiteVLMError(
+                f"the answer openings {path} were built for a vocabulary of {vocab}; the model has {vocab_size}"
+            )
         bad = [t for seqs in table.values() for seq in seqs for t in seq if not 0 <= t < vocab_size]
         if bad or any(not seq or len(seq) > depth for seqs in table.values() for seq in seqs):
-            raise LiteVLMError(f"the answer openings {path} hold sequences outside the vocabulary or longer than {depth}")
-        return cls(table, depth=depth, max_nodes=max_nodes, vocab_size=vocab, key_words=key_words, recipe=meta.get("recipe", {}))
+            raise LiteVLMError(
+                f"the answer openings {path} hold sequences outside the vocabulary or longer than {depth}"
+            )
+        return cls(
+            table,
+            depth=depth,
+            max_nodes=max_nodes,
+            vocab_size=vocab,
+            key_words=key_words,
+            recipe=meta.get("recipe", {}),
+        )
 
 
 def opening_inputs(opening: Opening, prompt_len: int, next_position: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +213,9 @@ class Opened:
         return self.hidden.shape[0]
 
 
-def verify_opening(model, opening: Opening, rows: torch.Tensor, prompt_len: int, eos_id: int | None, limit: int) -> Opened:
+def verify_opening(
+    model, opening: Opening, rows: torch.Tensor, prompt_len: int, eos_id: int | None, limit: int
+) -> Opened:
     """Greedy acceptance of a trie run with a prompt of `prompt_len` cached tokens: rows (1 + N, C) = the prompt's last
     post-norm hidden state, then the N nodes' (cache slots prompt_len..); the accepted nodes' K/V are moved to slots
     prompt_len, prompt_len + 1, ..."""
@@ -181,7 +226,9 @@ def verify_opening(model, opening: Opening, rows: torch.Tensor, prompt_len: int,
     return Opened(emitted, rows[1 + torch.tensor(path, dtype=torch.long, device=rows.device)])
 
 
-def accept_opening(opening: Opening, first: int, node_logits: torch.Tensor, eos_id: int | None, limit: int) -> tuple[list[int], list[int]]:
+def accept_opening(
+    opening: Opening, first: int, node_logits: torch.Tensor, eos_id: int | None, limit: int
+) -> tuple[list[int], list[int]]:
     """Greedy acceptance of a trie verified with the prompt: first = the prompt's own next token (its argmax),
     node_logits (N, V) the target's logits at the nodes -> (the accepted nodes in order, the emitted tokens: `first`,
     then the argmax after each accepted node; at most `limit` tokens, stopping at EOS). A node is accepted when its
@@ -201,8 +248,17 @@ def accept_opening(opening: Opening, first: int, node_logits: torch.Tensor, eos_
     return path, emitted
 
 
-def build_openings(model_dir: str | Path, *, frames: int = 3000, seed: int = 0, depth: int = 4, max_nodes: int = 12,
-                   min_share: float = 0.03, key_words: tuple[int, ...] = (4, 2), progress: bool = True) -> Path:
+def build_openings(
+    model_dir: str | Path,
+    *,
+    frames: int = 3000,
+    seed: int = 0,
+    depth: int = 4,
+    max_nodes: int = 12,
+    min_share: float = 0.03,
+    key_words: tuple[int, ...] = (4, 2),
+    progress: bool = True,
+) -> Path:
     """The answer openings of a model, from the questions and reference answers of synthetic training frames (seed, 0..frames-1;
     the held-out split is seed 1), saved beside its draft head (MODEL_DIR/draft/openings.json)."""
     from tqdm import tqdm
@@ -215,14 +271,34 @@ def build_openings(model_dir: str | Path, *, frames: int = 3000, seed: int = 0, 
     path = resolve_model_dir(model_dir)
     folder = draft_dir(path)
     if not (folder / "config.json").is_file():
-        raise LiteVLMError(f"{path} has no draft head: answer openings are kept beside it (train one with `litevlm train draft`)")
+        raise LiteVLMError(
+            f"{path} has no draft head: answer openings are kept beside it (train one with `litevlm train draft`)"
+        )
     if frames < 1:
         raise LiteVLMError(f"--frames must be >= 1; got {frames}")
     tok = Tokenizer.from_dir(path)
-    pairs = [(qa.question, tok.encode(qa.answer)) for i in tqdm(range(frames), desc="frames", disable=not progress)
-             for qa in make_frame(seed, i).qas]
-    table = Openings.build(pairs, eos_id=tok.eos_id, vocab_size=tok.vocab_size, depth=depth, max_nodes=max_nodes,
-                           min_share=min_share, key_words=key_words,
-                           recipe={"frames": frames, "seed": seed, "depth": depth, "max_nodes": max_nodes, "min_share": min_share,
-                                   "key_words": list(key_words), "answers": "reference", "questions": len(pairs)})
+    pairs = [
+        (qa.question, tok.encode(qa.answer))
+        for i in tqdm(range(frames), desc="frames", disable=not progress)
+        for qa in make_frame(seed, i).qas
+    ]
+    table = Openings.build(
+        pairs,
+        eos_id=tok.eos_id,
+        vocab_size=tok.vocab_size,
+        depth=depth,
+        max_nodes=max_nodes,
+        min_share=min_share,
+        key_words=key_words,
+        recipe={
+            "frames": frames,
+            "seed": seed,
+            "depth": depth,
+            "max_nodes": max_nodes,
+            "min_share": min_share,
+            "key_words": list(key_words),
+            "answers": "reference",
+            "questions": len(pairs),
+        },
+    )
     return table.save(folder)

@@ -79,14 +79,17 @@ class TreeConfig:
         return self.top_k + (self.depth - 1) * self.top_k**2
 
     @classmethod
-    def chain(cls, depth: int, min_value: float = 0.0) -> "TreeConfig":
+    def chain(cls, depth: int, min_value: float = 0.0) -> TreeConfig:
         """A chain of `depth` draft tokens (top_k = 1), cut short where its draft probability < min_value."""
         return cls(top_k=1, depth=depth, total_tokens=depth + 1, min_value=min_value)
 
     def label(self) -> str:
         if self.top_k == 1:
-            return (f"chain d{self.depth}" + ("" if self.total_tokens == self.depth + 1 else f" n{self.total_tokens}")
-                    + (f" v{self.min_value:g}" if self.min_value else ""))
+            return (
+                f"chain d{self.depth}"
+                + ("" if self.total_tokens == self.depth + 1 else f" n{self.total_tokens}")
+                + (f" v{self.min_value:g}" if self.min_value else "")
+            )
         return f"tree k{self.top_k} d{self.depth} n{self.total_tokens}"
 
 
@@ -177,8 +180,15 @@ def tree_from_pool(
     return Tree(node_tokens, node_parents, depth, ancestor_mask(node_parents, min(max_depth, n)))
 
 
-def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start: int, position: int, cfg: TreeConfig,
-               eos_id: int | None = None) -> Tree:
+def draft_tree(
+    draft,
+    root_token: torch.Tensor,
+    root_hidden: torch.Tensor,
+    start: int,
+    position: int,
+    cfg: TreeConfig,
+    eos_id: int | None = None,
+) -> Tree:
     """Expand a draft tree below `root_token` (EAGLE-2 4.1) and rerank it.
 
     `draft` provides `topk(hidden (n, C), k) -> (log-probs (n, k), token ids (n, k))` and
@@ -234,8 +244,13 @@ def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start
         hidden = out[row]
         tmask = torch.cat([tmask[row], eye], 1)  # inherit the parent's ancestors, add self
     return tree_from_pool(
-        root_token, torch.cat(pool_scores), torch.cat(pool_tokens), torch.cat(pool_parents),
-        _pool_levels(k, levels, dev), cfg.total_tokens, levels,
+        root_token,
+        torch.cat(pool_scores),
+        torch.cat(pool_tokens),
+        torch.cat(pool_parents),
+        _pool_levels(k, levels, dev),
+        cfg.total_tokens,
+        levels,
     )
 
 
@@ -243,7 +258,9 @@ def draft_tree(draft, root_token: torch.Tensor, root_hidden: torch.Tensor, start
 # Verification
 # ------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def verify_tree(model, tree: Tree, start: int, root_position: int, live_prefix: bool = True, plan=None) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_tree(
+    model, tree: Tree, start: int, root_position: int, live_prefix: bool = True, plan=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over the flattened tree -> (logits (N, V), hidden (N, C)).
 
     Node i is written at cache slot start + i, at RoPE position root_position + depth[i], and sees
@@ -276,7 +293,9 @@ def static_mask(tree: Tree, start: int, cache_len: int) -> torch.Tensor:
     return mask[None, None]
 
 
-def verify_static(model, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple:
+def verify_static(
+    model, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
+) -> tuple:
     """`verify_tree` with every shape fixed and no host values: tokens (N,), positions (1, N), cache slots (N,) and
     mask (1, 1, N, cache_len) are tensors and attention spans the whole static cache, so one CUDA graph replays it
     for every tree of N nodes (`GraphedVerify`) -> (logits (N, V), hidden (N, C))."""
@@ -306,7 +325,8 @@ class GraphedVerify:
         self.slots = torch.arange(n, device=dev)
         self.mask = torch.ones(1, 1, n, lm.cache_len, dtype=torch.bool, device=dev)
         self.graph, (self.logits, self.hidden), self.capture_ms = capture_cuda_graph(
-            lambda: verify_static(model, self.tokens, self.positions, self.slots, self.mask), dev, warmup)
+            lambda: verify_static(model, self.tokens, self.positions, self.slots, self.mask), dev, warmup
+        )
 
     def valid_for(self, model, n: int) -> bool:
         return model is self.model and n == self.n and model.language_model.layers[0].self_attn.kv_cache.k is self.cache
@@ -338,9 +358,22 @@ def verify_chain_greedy(model, tokens: torch.Tensor, start: int, root_position: 
         return None
     cfg = lm.cfg
     cos, sin = lm.rope_table(root_position + tokens.numel(), torch.float32, tokens.device)
-    return fns[1](tokens, start, root_position, cos, sin, lm.embed_tokens.weight.detach(), plan.weights,
-                  cpu_steps.caches(lm.layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps,
-                  lm.norm.weight.detach(), row_major(model.lm_head))
+    return fns[1](
+        tokens,
+        start,
+        root_position,
+        cos,
+        sin,
+        lm.embed_tokens.weight.detach(),
+        plan.weights,
+        cpu_steps.caches(lm.layers),
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.norm_eps,
+        lm.norm.weight.detach(),
+        row_major(model.lm_head),
+    )
 
 
 def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,14 +75,18 @@ class Sequence:
     answer: list[int] = field(default_factory=list)  # the answer's token ids (the last n - prompt_len tokens)
     offset: int = 0  # position of the first token (> 0 once the prompt is windowed)
 
-    def window(self, context: int) -> "Sequence":
+    def window(self, context: int) -> Sequence:
         """Only the last `context` prompt tokens (what a windowed draft sees), positions kept."""
         start = max(0, self.prompt_len - context) if context else 0
-        return Sequence(self.embeds[start:], self.features[start:], self.prompt_len - start, self.answer, self.offset + start)
+        return Sequence(
+            self.embeds[start:], self.features[start:], self.prompt_len - start, self.answer, self.offset + start
+        )
 
 
 @torch.no_grad()
-def greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, eos_id: int) -> list[tuple[list[int], torch.Tensor]]:
+def greedy_batch(
+    model, prompts: list[torch.Tensor], max_new_tokens: int, eos_id: int
+) -> list[tuple[list[int], torch.Tensor]]:
     """Greedy answers for several prompts at once (left-padded, one static cache).
 
     prompts: embeddings (T_r, C) each -> per prompt (answer tokens up to and including EOS,
@@ -101,7 +105,9 @@ def greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, eos_id
     valid = cols[None, :] >= offset[:, None]  # (B, S): real (non-pad) slots
     positions = (torch.arange(t, device=dev)[None] - offset[:, None]).clamp(min=0)  # (B, T)
     causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-    mask = (causal[None] & valid[:, None, :t]) | torch.eye(t, dtype=torch.bool, device=dev)[None]  # pad rows see themselves
+    mask = (causal[None] & valid[:, None, :t]) | torch.eye(t, dtype=torch.bool, device=dev)[
+        None
+    ]  # pad rows see themselves
     lm.setup_cache(b, t + max_new_tokens)
     hidden = lm(x, positions, slots=torch.arange(t, device=dev), mask=mask[:, None], kv_len=t)  # (B, T, C)
     tok = model.lm_head(hidden[:, -1]).argmax(-1)  # (B,)
@@ -111,8 +117,13 @@ def greedy_batch(model, prompts: list[torch.Tensor], max_new_tokens: int, eos_id
         if bool(done.all()):
             break
         pos = (torch.tensor(lengths, device=dev) + i)[:, None]  # (B, 1)
-        h = lm(lm.embed_tokens(tok[:, None]), pos, slots=torch.tensor([t + i], device=dev),
-               mask=valid[:, None, None, : t + i + 1], kv_len=t + i + 1)  # (B, 1, C)
+        h = lm(
+            lm.embed_tokens(tok[:, None]),
+            pos,
+            slots=torch.tensor([t + i], device=dev),
+            mask=valid[:, None, None, : t + i + 1],
+            kv_len=t + i + 1,
+        )  # (B, 1, C)
         steps.append(h[:, 0])
         tok = model.lm_head(h[:, 0]).argmax(-1)
         answers.append(tok)
@@ -164,7 +175,9 @@ def build_sequences(model, tokenizer, recipe: DraftRecipe, frames: range, progre
                 cams = [c for c in CAMERAS if c in keep]
             ids = build_prompt(tokenizer, qa.question, cams, tpv).ids
             vis = visual[[CAMERAS.index(c) for c in cams]]
-            pending.append((len(tokenizer.encode(qa.answer)), model.embed(torch.tensor([ids], device=model.device), vis)[0]))
+            pending.append(
+                (len(tokenizer.encode(qa.answer)), model.embed(torch.tensor([ids], device=model.device), vis)[0])
+            )
         if len(pending) >= 8 * recipe.gen_batch:
             flush()
     if pending:
@@ -192,10 +205,14 @@ def collate(seqs: list[Sequence], device) -> dict[str, torch.Tensor]:
         # pair j predicts f_{j+1}, whose LM head gives x_{j+2}: answer pairs are j = T-1 .. n_r-3
         mask[r, s.prompt_len - 1 : m - 1] = True
     positions = torch.arange(n)[None] + torch.tensor([s.offset for s in seqs])[:, None]  # (B, T)
-    return {k: v.to(device) for k, v in dict(feats=feats, nxt=nxt, target=target, mask=mask, positions=positions).items()}
+    return {
+        k: v.to(device) for k, v in dict(feats=feats, nxt=nxt, target=target, mask=mask, positions=positions).items()
+    }
 
 
-def draft_loss(head: DraftHead, batch: dict, noise: float = 0.0, ce_weight: float = 0.1, passes: int = 1) -> tuple[torch.Tensor, dict]:
+def draft_loss(
+    head: DraftHead, batch: dict, noise: float = 0.0, ce_weight: float = 0.1, passes: int = 1
+) -> tuple[torch.Tensor, dict]:
     """SmoothL1 on the predicted feature + ce_weight x soft cross-entropy through the frozen LM head.
 
     passes > 1 adds the training-time-test passes (`DraftHead.forward_unrolled`), weighted 0.8^(s-1);
@@ -267,7 +284,11 @@ def evaluate(head: DraftHead, seqs: list[Sequence], batch: int, device, chain: i
             m = s.features.shape[0]
             tok = s.embeds  # (n, C)
             for start in range(s.prompt_len - 1, m - 1, 3):
-                feats, nxt, pos = b["feats"][r : r + 1, : start + 1], b["nxt"][r : r + 1, : start + 1], b["positions"][r : r + 1, : start + 1]
+                feats, nxt, pos = (
+                    b["feats"][r : r + 1, : start + 1],
+                    b["nxt"][r : r + 1, : start + 1],
+                    b["positions"][r : r + 1, : start + 1],
+                )
                 ok = 0
                 for d in range(chain):
                     j = start + d  # the pair predicting f_{j+1} and x_{j+2}
@@ -287,7 +308,9 @@ def evaluate(head: DraftHead, seqs: list[Sequence], batch: int, device, chain: i
     return {"top1": hits / max(1, total), "chain_accept": run_len / max(1, runs)}
 
 
-def train_draft(model_dir: str | Path, out_dir: str | Path | None = None, recipe: DraftRecipe | None = None, progress: bool = True) -> Path:
+def train_draft(
+    model_dir: str | Path, out_dir: str | Path | None = None, recipe: DraftRecipe | None = None, progress: bool = True
+) -> Path:
     """Train a draft head for the model in `model_dir`; saved to out_dir (default model_dir/draft)."""
     from litevlm.data.tokenizer import Tokenizer
     from litevlm.model.hf import load_native
@@ -307,7 +330,9 @@ def train_draft(model_dir: str | Path, out_dir: str | Path | None = None, recipe
     return train_draft_for(model, tokenizer, out, recipe, progress, source=model_dir.name)
 
 
-def train_draft_for(model, tokenizer, out: str | Path, recipe: DraftRecipe, progress: bool = True, source: str = "") -> Path:
+def train_draft_for(
+    model, tokenizer, out: str | Path, recipe: DraftRecipe, progress: bool = True, source: str = ""
+) -> Path:
     """The recipe on an already-loaded target (fp32, frozen) and its tokenizer."""
     t0 = time.time()
     torch.manual_seed(recipe.seed)
@@ -328,8 +353,11 @@ def train_draft_for(model, tokenizer, out: str | Path, recipe: DraftRecipe, prog
     head.train()
     decay = [p for p in head.parameters() if p.ndim >= 2]
     rest = [p for p in head.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=recipe.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=recipe.lr,
+        betas=(0.9, 0.95),
+    )
     steps_per_epoch = math.ceil(len(train) / recipe.batch)
     total = recipe.epochs * steps_per_epoch
     deadline = time.time() + recipe.minutes * 60
@@ -345,7 +373,9 @@ def train_draft_for(model, tokenizer, out: str | Path, recipe: DraftRecipe, prog
                 break
             for g in opt.param_groups:
                 g["lr"] = _lr(step, total, recipe)
-            loss, stats = draft_loss(head, collate([train[i] for i in idx], dev), recipe.feature_noise, recipe.ce_weight, recipe.passes)
+            loss, stats = draft_loss(
+                head, collate([train[i] for i in idx], dev), recipe.feature_noise, recipe.ce_weight, recipe.passes
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_value_(head.parameters(), recipe.grad_clip)
@@ -359,16 +389,27 @@ def train_draft_for(model, tokenizer, out: str | Path, recipe: DraftRecipe, prog
             bar.update(1)
             if step % 10 == 0:
                 last = hist[-20:]
-                bar.set_postfix(reg=f"{sum(h['reg'] for h in last) / len(last):.3f}", acc=f"{sum(h['acc'] for h in last) / len(last):.3f}")
+                bar.set_postfix(
+                    reg=f"{sum(h['reg'] for h in last) / len(last):.3f}",
+                    acc=f"{sum(h['acc'] for h in last) / len(last):.3f}",
+                )
     bar.close()
     head.eval()
     metrics = evaluate(head, val, recipe.batch, dev)
-    metrics.update(steps=step, train_sequences=len(train), val_sequences=len(val), data_seconds=round(gen_s, 1),
-                   train_seconds=round(time.time() - t0 - gen_s, 1), parameters=head.num_parameters())
+    metrics.update(
+        steps=step,
+        train_sequences=len(train),
+        val_sequences=len(val),
+        data_seconds=round(gen_s, 1),
+        train_seconds=round(time.time() - t0 - gen_s, 1),
+        parameters=head.num_parameters(),
+    )
     head.recipe = {**asdict(recipe), "target": source}
     head.metrics = metrics
-    metrics["loss_curve"] = [round(sum(h["reg"] + recipe.ce_weight * h["ce"] for h in hist[i : i + 50]) / len(hist[i : i + 50]), 4)
-                             for i in range(0, len(hist), max(50, len(hist) // 20))]
+    metrics["loss_curve"] = [
+        round(sum(h["reg"] + recipe.ce_weight * h["ce"] for h in hist[i : i + 50]) / len(hist[i : i + 50]), 4)
+        for i in range(0, len(hist), max(50, len(hist) // 20))
+    ]
     return head.save(out)
 
 

@@ -24,9 +24,9 @@ import json
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +34,15 @@ from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
-from litevlm.select.tokens import (SelectorConfig, TokenSelector, attention_rows, box_cells, fastv_scores, keep_count,
-                                   visual_index)
-
+from litevlm.select.tokens import (
+    SelectorConfig,
+    TokenSelector,
+    attention_rows,
+    box_cells,
+    fastv_scores,
+    keep_count,
+    visual_index,
+)
 
 
 @dataclass
@@ -70,7 +76,9 @@ class TokenRecipe:
 # ---------------------------------------------------------------------------------------------
 
 
-def box_prior(boxes_by_view: dict[str, list[Sequence[float]]], views: Sequence[str], grid: int, tiles_per_view: int) -> torch.Tensor:
+def box_prior(
+    boxes_by_view: dict[str, list[Sequence[float]]], views: Sequence[str], grid: int, tiles_per_view: int
+) -> torch.Tensor:
     """(N,) distribution over the visual tokens of `views` (prompt order) covered by the boxes; zeros if none."""
     per_view = grid * grid * tiles_per_view
     prior = torch.zeros(len(views) * per_view)
@@ -94,8 +102,16 @@ def frame_boxes(frame, question: str, answer: str, needed: Sequence[str]) -> dic
 
 
 @torch.no_grad()
-def teacher_attention(model, embeds, positions, view_spans, answer_ids: Sequence[int], band: tuple[int, int] | None, last_row_weight: float,
-                      row_norm: bool = False) -> torch.Tensor:
+def teacher_attention(
+    model,
+    embeds,
+    positions,
+    view_spans,
+    answer_ids: Sequence[int],
+    band: tuple[int, int] | None,
+    last_row_weight: float,
+    row_norm: bool = False,
+) -> torch.Tensor:
     """(N,) distribution: the full model's attention to the visual tokens from the last prompt token and the answer.
 
     The answer (with its end token) is appended teacher-forced; the rows are the tokens that
@@ -172,7 +188,9 @@ def prompt_embeds(model, tokenizer, visual_by_cam: dict[str, torch.Tensor], ques
     return layout.ids, embeds, torch.arange(ids.shape[1], device=model.device)[None], layout.view_spans
 
 
-def build_items(model, tokenizer, recipe: TokenRecipe, frame_range: range, rng: random.Random, deadline: float, progress: bool):
+def build_items(
+    model, tokenizer, recipe: TokenRecipe, frame_range: range, rng: random.Random, deadline: float, progress: bool
+):
     """Render, encode and label frames: (visual bank [frames] of {cam: (tokens, C)}, items)."""
     from litevlm.data.synthetic import make_frame, render_views
     from litevlm.model.vlm import image_to_tiles
@@ -185,18 +203,28 @@ def build_items(model, tokenizer, recipe: TokenRecipe, frame_range: range, rng: 
             break
         frame = make_frame(recipe.seed, i)
         images = render_views(frame, size=tuple(recipe.render_size))
-        pixels = torch.cat([image_to_tiles(images[c], cfg.vision.image_size, cfg.tiles_per_view) for c in CAMERAS]).to(model.device)
+        pixels = torch.cat([image_to_tiles(images[c], cfg.vision.image_size, cfg.tiles_per_view) for c in CAMERAS]).to(
+            model.device
+        )
         with torch.no_grad():
-            visual = model.encode_tiles(pixels).reshape(len(CAMERAS), -1, cfg.text.hidden_size)  # (6, tokens per view, C)
+            visual = model.encode_tiles(pixels).reshape(
+                len(CAMERAS), -1, cfg.text.hidden_size
+            )  # (6, tokens per view, C)
         bank.append({c: visual[j] for j, c in enumerate(CAMERAS)})
         qas = rng.sample(frame.qas, min(recipe.questions_per_frame, len(frame.qas)))
         for qa in qas:
             views = pick_views(rng, qa.views, recipe)
             ids, embeds, positions, spans = prompt_embeds(model, tokenizer, bank[-1], qa.question, views)
             answer = tokenizer.encode(qa.answer) + [tokenizer.eos_id]
-            attn = teacher_attention(model, embeds, positions, spans, answer, recipe.band, recipe.last_row_weight, recipe.row_norm).cpu()
+            attn = teacher_attention(
+                model, embeds, positions, spans, answer, recipe.band, recipe.last_row_weight, recipe.row_norm
+            ).cpu()
             prior = box_prior(frame_boxes(frame, qa.question, qa.answer, qa.views), views, grid, cfg.tiles_per_view)
-            items.append(Item(len(bank) - 1, views, qa.question, ids, spans, label(attn, prior, recipe.prior_weight), attn, prior))
+            items.append(
+                Item(
+                    len(bank) - 1, views, qa.question, ids, spans, label(attn, prior, recipe.prior_weight), attn, prior
+                )
+            )
     return bank, items
 
 
@@ -252,7 +280,9 @@ def agreement(model, selector: TokenSelector | None, bank, items: list[Item], ra
     return res
 
 
-def train_token_selector(model_dir: str | Path, recipe: TokenRecipe | None = None, progress: bool = True, out_dir: str | Path | None = None) -> Path:
+def train_token_selector(
+    model_dir: str | Path, recipe: TokenRecipe | None = None, progress: bool = True, out_dir: str | Path | None = None
+) -> Path:
     """Train and save a TokenSelector for the model at `model_dir` (into `out_dir or model_dir`/token_selector)."""
     from litevlm.data.tokenizer import Tokenizer
     from litevlm.model.hf import load_native
@@ -273,11 +303,21 @@ def train_token_selector(model_dir: str | Path, recipe: TokenRecipe | None = Non
     # Labels take about a third of the budget at most; training gets the rest.
     label_deadline = t_start + recipe.minutes * 60 * 0.4
     bank, items = build_items(model, tokenizer, recipe, range(recipe.frames), rng, label_deadline, progress)
-    vbank, val = build_items(model, tokenizer, recipe, range(recipe.frames, recipe.frames + recipe.val_frames), rng, math.inf, progress)
+    vbank, val = build_items(
+        model, tokenizer, recipe, range(recipe.frames, recipe.frames + recipe.val_frames), rng, math.inf, progress
+    )
     if not items:
         raise LiteVLMError("no training items were labelled within the time budget; raise --minutes")
-    selector = TokenSelector.from_model(model, SelectorConfig(recipe.keep_ratio, recipe.min_per_view, recipe.mlp_hidden, use_tags=recipe.use_tags,
-                                                         shared_layer=recipe.shared_layer)).float()
+    selector = TokenSelector.from_model(
+        model,
+        SelectorConfig(
+            recipe.keep_ratio,
+            recipe.min_per_view,
+            recipe.mlp_hidden,
+            use_tags=recipe.use_tags,
+            shared_layer=recipe.shared_layer,
+        ),
+    ).float()
     before = {"fastv_k1": agreement(model, None, vbank, val), "selector_init": agreement(model, selector, vbank, val)}
 
     params = [p for p in selector.parameters() if p.requires_grad]
@@ -318,7 +358,10 @@ def train_token_selector(model_dir: str | Path, recipe: TokenRecipe | None = Non
     selector.eval()
     after = agreement(model, selector, vbank, val)
     meta = {
-        "steps": step, "items": len(items), "frames_labelled": len(bank), "train_seconds": round(time.time() - t_start, 1),
+        "steps": step,
+        "items": len(items),
+        "frames_labelled": len(bank),
+        "train_seconds": round(time.time() - t_start, 1),
         "final_kl": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4) if losses else None,
         "validation": {**before, "selector": after},
     }

@@ -31,9 +31,9 @@ import math
 import random
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,15 @@ from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS, check_camera
 from litevlm.errors import LiteVLMError
-from litevlm.select.views import TAG_RE, ViewSelector, ViewSelectorConfig, fuse, keep_mask, lexical_views, question_words
+from litevlm.select.views import (
+    TAG_RE,
+    ViewSelector,
+    ViewSelectorConfig,
+    fuse,
+    keep_mask,
+    lexical_views,
+    question_words,
+)
 
 HELD_OUT_SEED = 1  # the synthetic test split
 
@@ -73,10 +81,14 @@ class ViewRecipe:
 
     def __post_init__(self) -> None:
         if HELD_OUT_SEED in (self.seed, self.val_seed):
-            raise ValueError(f"recipe field {'seed' if self.seed == HELD_OUT_SEED else 'val_seed'!r}: seed "
-                             f"{HELD_OUT_SEED} is the held-out test split; train and calibrate on other seeds")
+            raise ValueError(
+                f"recipe field {'seed' if self.seed == HELD_OUT_SEED else 'val_seed'!r}: seed "
+                f"{HELD_OUT_SEED} is the held-out test split; train and calibrate on other seeds"
+            )
         if self.seed == self.val_seed:
-            raise ValueError("recipe field 'val_seed': must differ from 'seed' (calibration frames are held out from training)")
+            raise ValueError(
+                "recipe field 'val_seed': must differ from 'seed' (calibration frames are held out from training)"
+            )
         if not 0.0 < self.target_recall <= 1.0:
             raise ValueError(f"recipe field 'target_recall': must be in (0, 1]; got {self.target_recall}")
         for name in ("frames", "val_frames", "steps", "batch"):
@@ -84,8 +96,14 @@ class ViewRecipe:
                 raise ValueError(f"recipe field {name!r}: must be positive; got {getattr(self, name)}")
 
     def selector_config(self) -> ViewSelectorConfig:
-        return ViewSelectorConfig(width=self.width, layers=self.layers, heads=self.heads, ffn=self.ffn,
-                                  buckets=self.buckets, dropout=self.dropout)
+        return ViewSelectorConfig(
+            width=self.width,
+            layers=self.layers,
+            heads=self.heads,
+            ffn=self.ffn,
+            buckets=self.buckets,
+            dropout=self.dropout,
+        )
 
 
 Example = tuple[str, tuple[str, ...]]  # (question, needed views in CAMERAS order)
@@ -120,7 +138,9 @@ def read_labels(path: str | Path) -> list[Example]:
                 raise TypeError
             named = {check_camera(str(v)) for v in views}
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise LiteVLMError(f"{p}:{n}: expected {{\"question\": str, \"views\": [camera, ...]}} ({type(e).__name__})") from None
+            raise LiteVLMError(
+                f'{p}:{n}: expected {{"question": str, "views": [camera, ...]}} ({type(e).__name__})'
+            ) from None
         except LiteVLMError as e:
             raise LiteVLMError(f"{p}:{n}: {e}") from None
         out.append((q, tuple(c for c in CAMERAS if c in named)))
@@ -136,8 +156,8 @@ def augment_tags(examples: Sequence[Example]) -> list[Example]:
         if len(tags) == 1 and views == (tags[0].upper(),):
             m = TAG_RE.search(q)
             for cam in CAMERAS:
-                tag = m.group(0)[: m.start(1) - m.start()] + cam + m.group(0)[m.end(1) - m.start():]
-                out.append((q[: m.start()] + tag + q[m.end():], (cam,)))
+                tag = m.group(0)[: m.start(1) - m.start()] + cam + m.group(0)[m.end(1) - m.start() :]
+                out.append((q[: m.start()] + tag + q[m.end() :], (cam,)))
         else:
             out.append((q, views))
     return out
@@ -156,9 +176,41 @@ def dedupe(examples: Sequence[Example]) -> list[Example]:
     return dedupe_counts(examples)[0]
 
 
-CUE_WORDS = {"front", "back", "rear", "left", "right", "ahead", "behind", "forward", "forwards", "backward", "backwards",
-             "rearward", "side", "sides", "view", "views", "camera", "cameras", "cam", "turn", "turns", "turning", "turned",
-             "lane", "lanes", "all", "every", "each", "six", "surround", "around", "direction", "directions"}
+CUE_WORDS = {
+    "front",
+    "back",
+    "rear",
+    "left",
+    "right",
+    "ahead",
+    "behind",
+    "forward",
+    "forwards",
+    "backward",
+    "backwards",
+    "rearward",
+    "side",
+    "sides",
+    "view",
+    "views",
+    "camera",
+    "cameras",
+    "cam",
+    "turn",
+    "turns",
+    "turning",
+    "turned",
+    "lane",
+    "lanes",
+    "all",
+    "every",
+    "each",
+    "six",
+    "surround",
+    "around",
+    "direction",
+    "directions",
+}
 
 
 def salad_examples(questions: Sequence[str], n: int, rng: random.Random) -> list[Example]:
@@ -172,7 +224,10 @@ def salad_examples(questions: Sequence[str], n: int, rng: random.Random) -> list
         words = [rng.choice(vocab) for _ in range(rng.randint(3, 40))]
         if len(out) % 2:
             cam = rng.choice(CAMERAS)
-            cue = rng.choice(DIR_PHRASES[cam] + (f"<c{rng.randint(1, 6)},{cam},{rng.uniform(0, 1600):.1f},{rng.uniform(0, 900):.1f}>",))
+            cue = rng.choice(
+                DIR_PHRASES[cam]
+                + (f"<c{rng.randint(1, 6)},{cam},{rng.uniform(0, 1600):.1f},{rng.uniform(0, 900):.1f}>",)
+            )
             words.insert(rng.randint(0, len(words)), cue)
         text = " ".join(words) + "?"
         named = tuple(c for c, v in lexical_views(text).items() if v)
@@ -197,7 +252,9 @@ def is_validation_label(question: str) -> bool:
 
 def label_matrix(examples: Sequence[Example]) -> torch.Tensor:
     """(M, N) float: 1 where a view is needed."""
-    return torch.tensor([[1.0 if c in views else 0.0 for c in CAMERAS] for _, views in examples]).reshape(-1, len(CAMERAS))
+    return torch.tensor([[1.0 if c in views else 0.0 for c in CAMERAS] for _, views in examples]).reshape(
+        -1, len(CAMERAS)
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -215,8 +272,14 @@ def selection_metrics(keep: torch.Tensor, labels: torch.Tensor) -> dict:
     }
 
 
-def calibrate(lexical: torch.Tensor, probs: torch.Tensor, labels: torch.Tensor, target_recall: float,
-              weights: Sequence[float] | None = None, thresholds: Sequence[float] | None = None) -> dict:
+def calibrate(
+    lexical: torch.Tensor,
+    probs: torch.Tensor,
+    labels: torch.Tensor,
+    target_recall: float,
+    weights: Sequence[float] | None = None,
+    thresholds: Sequence[float] | None = None,
+) -> dict:
     """The (weight, threshold) reaching `target_recall` with the fewest views per question.
 
     Only pairs with weight >= threshold are considered, so a camera the lexical map names always
@@ -242,6 +305,7 @@ def calibrate(lexical: torch.Tensor, probs: torch.Tensor, labels: torch.Tensor, 
         return {"weight": w, "threshold": t, "reached": False, **m}
     best = min(r[2]["views_per_question"] for r in ok)
     near = [r for r in ok if r[2]["views_per_question"] <= best + 0.005]
+
     def bar(w: float, t: float) -> float:  # what the module alone must reach to add a view
         return t / (1.0 - w) if w < 1.0 else math.inf
 
@@ -259,8 +323,12 @@ def _lr(step: int, recipe: ViewRecipe) -> float:
     return recipe.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
 
 
-def train_view_selector(out_dir: str | Path, recipe: ViewRecipe | None = None, extra_labels: Sequence[str | Path] = (),
-                        progress: bool = True) -> Path:
+def train_view_selector(
+    out_dir: str | Path,
+    recipe: ViewRecipe | None = None,
+    extra_labels: Sequence[str | Path] = (),
+    progress: bool = True,
+) -> Path:
     """Train, calibrate and save a ViewSelector to `out_dir/view_selector/`; returns that folder."""
     recipe = recipe or ViewRecipe()
     torch.manual_seed(recipe.torch_seed)
@@ -295,7 +363,9 @@ def train_view_selector(out_dir: str | Path, recipe: ViewRecipe | None = None, e
             texts = [with_unseen_words(q, rng) if rng.random() < recipe.noise_words else q for q in texts]
             ids, mask = sel.cfg.features(texts)
             logits = sel(ids, mask, lexical[idx])  # (B, N)
-            loss = F.binary_cross_entropy_with_logits(logits, labels[idx], reduction="none").sum(1).mean()  # BCE summed over views
+            loss = (
+                F.binary_cross_entropy_with_logits(logits, labels[idx], reduction="none").sum(1).mean()
+            )  # BCE summed over views
             for group in opt.param_groups:
                 group["lr"] = _lr(step, recipe)
             opt.zero_grad(set_to_none=True)
@@ -322,8 +392,14 @@ def train_view_selector(out_dir: str | Path, recipe: ViewRecipe | None = None, e
         extra = {
             "validation": cal,
             "validation_lexical_only": lexical_alone,
-            "data": {"train_questions": len(train), "train_unique": len(train_set), "extra_train": len(extra_train),
-                     "val_questions": len(val), "extra_val": len(extra_val), "extra_labels": [str(p) for p in extra_labels]},
+            "data": {
+                "train_questions": len(train),
+                "train_unique": len(train_set),
+                "extra_train": len(extra_train),
+                "val_questions": len(val),
+                "extra_val": len(extra_val),
+                "extra_labels": [str(p) for p in extra_labels],
+            },
             "steps_done": steps_done,
             "final_loss": ema,
         }
@@ -331,9 +407,11 @@ def train_view_selector(out_dir: str | Path, recipe: ViewRecipe | None = None, e
     finally:
         torch.set_num_threads(threads)
     if progress:
-        print(f"validation: recall {cal['recall']:.4f} with {cal['views_per_question']:.3f} views/question "
-              f"(needed {cal['needed_per_question']:.3f}); weight {cal['weight']}, threshold {cal['threshold']}"
-              + ("" if cal["reached"] else f"  [target recall {recipe.target_recall} NOT reached]"))
+        print(
+            f"validation: recall {cal['recall']:.4f} with {cal['views_per_question']:.3f} views/question "
+            f"(needed {cal['needed_per_question']:.3f}); weight {cal['weight']}, threshold {cal['threshold']}"
+            + ("" if cal["reached"] else f"  [target recall {recipe.target_recall} NOT reached]")
+        )
     return out
 
 
@@ -341,13 +419,29 @@ def train_view_selector(out_dir: str | Path, recipe: ViewRecipe | None = None, e
 # Command line: `litevlm train views --out DIR`
 # ------------------------------------------------------------------------------------------------
 def cmd_train_views(args) -> None:
-    recipe = ViewRecipe(frames=args.frames, val_frames=args.val_frames, steps=args.steps, minutes=args.minutes,
-                        torch_seed=args.seed, target_recall=args.target_recall, threads=args.threads)
+    recipe = ViewRecipe(
+        frames=args.frames,
+        val_frames=args.val_frames,
+        steps=args.steps,
+        minutes=args.minutes,
+        torch_seed=args.seed,
+        target_recall=args.target_recall,
+        threads=args.threads,
+    )
     out = train_view_selector(args.out, recipe, extra_labels=args.labels, progress=not args.json)
     meta = json.loads((out / "config.json").read_text())
     if args.json:
-        print(json.dumps({"path": str(out), "weight": meta["weight"], "threshold": meta["threshold"],
-                          "validation": meta["validation"]}, separators=(",", ":")))
+        print(
+            json.dumps(
+                {
+                    "path": str(out),
+                    "weight": meta["weight"],
+                    "threshold": meta["threshold"],
+                    "validation": meta["validation"],
+                },
+                separators=(",", ":"),
+            )
+        )
     else:
         print(f"saved to {out}")
 
@@ -356,7 +450,9 @@ def add_train_views_parser(train_sub) -> None:
     """Register `views` on the `litevlm train` subparsers."""
     p = train_sub.add_parser("views", help="train the ViewSelector (which cameras a question needs) and calibrate it")
     p.add_argument("--out", required=True, help="model directory; the selector is written to OUT/view_selector/")
-    p.add_argument("--labels", nargs="*", default=[], help='extra JSONL of {"question", "views"} lines (litevlm label-views)')
+    p.add_argument(
+        "--labels", nargs="*", default=[], help='extra JSONL of {"question", "views"} lines (litevlm label-views)'
+    )
     p.add_argument("--frames", type=int, default=ViewRecipe.frames, help="synthetic training frames (seed 0)")
     p.add_argument("--val-frames", type=int, default=ViewRecipe.val_frames, help="calibration frames (seed 2)")
     p.add_argument("--steps", type=int, default=ViewRecipe.steps)

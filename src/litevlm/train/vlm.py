@@ -59,13 +59,28 @@ IGNORE = -100
 def drive_tiny_config(tokenizer) -> VLMConfig:
     """The embedded default model's shapes: a few million parameters, 16 visual tokens per 112 px tile."""
     return VLMConfig(
-        vision=VisionConfig(hidden_size=192, num_layers=4, num_heads=6, intermediate_size=576, image_size=112, patch_size=14),
-        text=TextConfig(
-            vocab_size=tokenizer.vocab_size, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-            intermediate_size=640, rope_theta=10000.0, qkv_bias=True, tie_embeddings=True, max_position_embeddings=4096,
+        vision=VisionConfig(
+            hidden_size=192, num_layers=4, num_heads=6, intermediate_size=576, image_size=112, patch_size=14
         ),
-        image_token_id=tokenizer.image_id, img_start_id=tokenizer.img_start_id, img_end_id=tokenizer.img_end_id,
-        eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, tiles_per_view=1, name="drive-tiny",
+        text=TextConfig(
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=256,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=640,
+            rope_theta=10000.0,
+            qkv_bias=True,
+            tie_embeddings=True,
+            max_position_embeddings=4096,
+        ),
+        image_token_id=tokenizer.image_id,
+        img_start_id=tokenizer.img_start_id,
+        img_end_id=tokenizer.img_end_id,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+        tiles_per_view=1,
+        name="drive-tiny",
     )
 
 
@@ -101,7 +116,9 @@ class VLMRecipe:
     letter_weight: float = 0.0  # weight of the letter-attention objective (0: off)
     letter_layer: int = 1  # decoder layer whose head 0 learns to look from an option's text at its letter
     readout_weight: float = 0.0  # weight of the answer-readout objective (0: off)
-    readout_layer: int = 3  # decoder layer whose input, at a multiple-choice answer row, names the right option's first word
+    readout_layer: int = (
+        3  # decoder layer whose input, at a multiple-choice answer row, names the right option's first word
+    )
     answer_mean: bool = True  # loss = mean over answers of each answer's mean token loss (else mean over tokens)
     init: str | None = None  # continue from this checkpoint (its tokenizer and weights)
     reinit_vision: bool = False  # with init: keep the decoder, start the vision tower and projector afresh
@@ -133,8 +150,14 @@ def aux_fields() -> list[str]:
     """Names of the per-cell binary targets, in order."""
     from litevlm.data.synthetic import CLASSES, COLOURS, LIGHT_STATES, MOVING_STATUSES, SIGN_KINDS
 
-    return ([f"class:{c}" for c in CLASSES] + [f"colour:{c}" for c in COLOURS] + ["moving"]
-            + [f"motion:{m}" for m in MOVING_STATUSES] + [f"light:{l}" for l in LIGHT_STATES] + [f"sign:{k}" for k in SIGN_KINDS])
+    return (
+        [f"class:{c}" for c in CLASSES]
+        + [f"colour:{c}" for c in COLOURS]
+        + ["moving"]
+        + [f"motion:{m}" for m in MOVING_STATUSES]
+        + [f"light:{l}" for l in LIGHT_STATES]
+        + [f"sign:{k}" for k in SIGN_KINDS]
+    )
 
 
 def object_fields(o) -> list[str]:
@@ -172,7 +195,11 @@ def tag_cells(question: str, grid: int, tiles_per_view: int) -> tuple[tuple[str,
     """(camera, token cell within its view) of every DriveLM c-tag <cK,CAM,x,y> in a question."""
     from litevlm.select.tokens import cell_index, tag_points
 
-    return tuple((cam, cell_index(col, row, grid)) for cam, col, row in tag_points(question, grid, tiles_per_view) if cam in CAMERAS)
+    return tuple(
+        (cam, cell_index(col, row, grid))
+        for cam, col, row in tag_points(question, grid, tiles_per_view)
+        if cam in CAMERAS
+    )
 
 
 _OPTIONS_RE = re.compile(r"(?:^|\s)A\. (.+?) B\. (.+?) C\. (.+?) D\. (.+?)\s*$")
@@ -181,7 +208,7 @@ _OPTIONS_RE = re.compile(r"(?:^|\s)A\. (.+?) B\. (.+?) C\. (.+?) D\. (.+?)\s*$")
 def option_spans(question: str, tokenizer) -> list[tuple[int, int, int]] | None:
     """Per option A-D of a multiple-choice question: (its letter's token, first and end token of its
     text, the closing full stop left out) in the question's token ids; None for a question that does
-    not end in four lettered options "A. ... B. ... C. ... D. ...". """
+    not end in four lettered options "A. ... B. ... C. ... D. ..."."""
     m = _OPTIONS_RE.search(question)
     if m is None:
         return None
@@ -246,11 +273,16 @@ class FrameBank:
         # per QA: question ids, answer ids, needed views, closed, family, (camera, cell) of each c-tag,
         # index of the right option or None, (letter token, first and end token) of every option or None
         self.qas: list[list[tuple]] = []
-        self.aux = torch.empty(recipe.frames, len(CAMERAS), cfg.tokens_per_tile * tpv, len(aux_fields()), dtype=torch.uint8)
+        self.aux = torch.empty(
+            recipe.frames, len(CAMERAS), cfg.tokens_per_tile * tpv, len(aux_fields()), dtype=torch.uint8
+        )
         patches = cfg.vision.grid * cfg.vision.grid * tpv
-        self.patch_aux = (torch.empty(recipe.frames, len(CAMERAS), patches, len(aux_fields()), dtype=torch.uint8)
-                          if recipe.patch_aux_weight > 0 else None)
-        self.token_aux = (torch.empty_like(self.aux) if recipe.token_probe_weight > 0 else None)
+        self.patch_aux = (
+            torch.empty(recipe.frames, len(CAMERAS), patches, len(aux_fields()), dtype=torch.uint8)
+            if recipe.patch_aux_weight > 0
+            else None
+        )
+        self.token_aux = torch.empty_like(self.aux) if recipe.token_probe_weight > 0 else None
         self.steer = torch.empty(recipe.frames, dtype=torch.long)
         for i in tqdm(range(recipe.frames), desc="rendering frames", disable=not progress):
             frame = make_frame(recipe.seed, recipe.first_frame + i)
@@ -258,11 +290,27 @@ class FrameBank:
             self.tiles[i] = torch.from_numpy(np.concatenate([image_to_uint8_tiles(views[c], s, tpv) for c in CAMERAS]))
             pairs = [(q, q.question, q.answer) for q in frame.qas]
             if recipe.light_contrast:
-                pairs += [(q, question, answer) for q in frame.qas if q.family == "light_is"
-                          for question, answer in light_contrasts(frame, q)]
-            self.qas.append([(tokenizer.encode(question), tokenizer.encode(answer), tuple(q.views), q.closed, q.family,
-                              tag_cells(question, cfg.vision.grid // 2, tpv), right_option(answer),
-                              option_spans(question, tokenizer)) for q, question, answer in pairs])
+                pairs += [
+                    (q, question, answer)
+                    for q in frame.qas
+                    if q.family == "light_is"
+                    for question, answer in light_contrasts(frame, q)
+                ]
+            self.qas.append(
+                [
+                    (
+                        tokenizer.encode(question),
+                        tokenizer.encode(answer),
+                        tuple(q.views),
+                        q.closed,
+                        q.family,
+                        tag_cells(question, cfg.vision.grid // 2, tpv),
+                        right_option(answer),
+                        option_spans(question, tokenizer),
+                    )
+                    for q, question, answer in pairs
+                ]
+            )
             self.aux[i] = aux_targets(frame, cfg.vision.grid // 2, tpv)
             if self.patch_aux is not None:
                 self.patch_aux[i] = aux_targets(frame, cfg.vision.grid, tpv, trails=True)
@@ -319,7 +367,19 @@ def block_mask(block: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rng: random.Random):
     frames = rng.sample(range(len(bank.qas)), recipe.batch_frames)
     tpv_tokens = cfg.tokens_per_tile * cfg.tiles_per_view
-    seqs, pixels, keeps, aux, front, steer, looks, options, letters, patch_aux, token_aux = [], [], [], [], [], [], [], [], [], [], []
+    seqs, pixels, keeps, aux, front, steer, looks, options, letters, patch_aux, token_aux = (
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+    )
     for f in frames:
         qas = bank.qas[f]
         views = list(CAMERAS)
@@ -336,7 +396,9 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         if rng.random() < recipe.token_drop_prob:
             seq, keep = drop_visual_tokens(seq, tokenizer.image_id, len(views), tpv_tokens, rng)
         else:
-            looks += [(len(seqs), *target) for target in tag_targets(seq, chosen, views, tokenizer.image_id, tpv_tokens)]
+            looks += [
+                (len(seqs), *target) for target in tag_targets(seq, chosen, views, tokenizer.image_id, tpv_tokens)
+            ]
         options += [(len(seqs), *target) for target in option_targets(seq, chosen)]
         letters += [(len(seqs), *target) for target in letter_targets(seq, chosen)]
         seqs.append(seq)
@@ -360,15 +422,35 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
     valid = torch.zeros((b, t), dtype=torch.bool)
     for i, (a, l, p, bl) in enumerate(seqs):
         n = len(a)
-        ids[i, :n], labels[i, :n], pos[i, :n], block[i, :n] = torch.tensor(a), torch.tensor(l), torch.tensor(p), torch.tensor(bl)
+        ids[i, :n], labels[i, :n], pos[i, :n], block[i, :n] = (
+            torch.tensor(a),
+            torch.tensor(l),
+            torch.tensor(p),
+            torch.tensor(bl),
+        )
         valid[i, :n] = True
-    return Batch(ids, labels, pos, block_mask(block, valid), torch.cat(pixels), torch.cat(keeps), torch.cat(aux).float(),
-                 torch.tensor(front, dtype=torch.long), torch.tensor(steer, dtype=torch.long), answer_weights(labels, block), looks,
-                 options, letters, torch.cat(patch_aux).float() if patch_aux else None,
-                 torch.cat(token_aux).float() if token_aux else None)
+    return Batch(
+        ids,
+        labels,
+        pos,
+        block_mask(block, valid),
+        torch.cat(pixels),
+        torch.cat(keeps),
+        torch.cat(aux).float(),
+        torch.tensor(front, dtype=torch.long),
+        torch.tensor(steer, dtype=torch.long),
+        answer_weights(labels, block),
+        looks,
+        options,
+        letters,
+        torch.cat(patch_aux).float() if patch_aux else None,
+        torch.cat(token_aux).float() if token_aux else None,
+    )
 
 
-def tag_targets(seq, chosen, views: list[str], image_id: int, tokens_per_view: int) -> list[tuple[int, list[int], list[int]]]:
+def tag_targets(
+    seq, chosen, views: list[str], image_id: int, tokens_per_view: int
+) -> list[tuple[int, list[int], list[int]]]:
     """For each packed question with a c-tag in a shown view: (the row that predicts its first answer
     token, the sequence positions of every visual token, those of the tagged cells)."""
     ids, labels, _, block = seq
@@ -396,7 +478,13 @@ def option_targets(seq, chosen) -> list[tuple[int, list[int], list[int]]]:
         row = next(i for i, (lb, bl) in enumerate(zip(labels, block)) if bl == b and lb != IGNORE)
         target = list(range(start + lo, start + hi))
         j = _first_difference(qa[0], (lo, hi), [s[1:] for s in qa[7]])
-        out.append((row, list(range(start + qa[7][0][0], start + len(qa[0]))), target[j:j + 1] + target[:j] + target[j + 1:]))
+        out.append(
+            (
+                row,
+                list(range(start + qa[7][0][0], start + len(qa[0]))),
+                target[j : j + 1] + target[:j] + target[j + 1 :],
+            )
+        )
     return out
 
 
@@ -426,7 +514,7 @@ def letter_targets(seq, chosen, per_option: int = 3) -> list[tuple[int, list[int
     return out
 
 
-def readout_loss(model: VLM, layer_input: torch.Tensor, batch: "Batch") -> tuple[torch.Tensor, float]:
+def readout_loss(model: VLM, layer_input: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, float]:
     """Cross-entropy of the LM head read straight off the residual stream entering a layer (a logit
     lens), at each multiple-choice answer row, toward the right option's first distinguishing token
     (the first of `option_targets`' targets): the row must hold the answer's content before it names
@@ -437,7 +525,9 @@ def readout_loss(model: VLM, layer_input: torch.Tensor, batch: "Batch") -> tuple
     return F.cross_entropy(logits, target), float((logits.argmax(-1) == target).float().mean())
 
 
-def tag_attention_loss(model: VLM, layer_input: torch.Tensor, batch: "Batch", layer: int, looks=None) -> tuple[torch.Tensor, float]:
+def tag_attention_loss(
+    model: VLM, layer_input: torch.Tensor, batch: Batch, layer: int, looks=None
+) -> tuple[torch.Tensor, float]:
     """Cross-entropy of head 0 of decoder layer `layer`, from each tagged question's answer row, over
     the frame's visual tokens toward the cells its c-tags point at -> (loss, share of rows whose
     argmax is a tagged cell). layer_input: that layer's input (B, T, C). `looks` (default
@@ -452,7 +542,9 @@ def tag_attention_loss(model: VLM, layer_input: torch.Tensor, batch: "Batch", la
     k = apply_rope(dec.self_attn.k_proj(xn)[..., :d], cos[:, 0], sin[:, 0])  # (B, T, D): kv head 0
     b_idx = torch.tensor([b for b, *_ in looks])
     r_idx = torch.tensor([r for _, r, *_ in looks])
-    q = apply_rope(dec.self_attn.q_proj(xn[b_idx, r_idx])[:, :d], cos[b_idx, 0, r_idx], sin[b_idx, 0, r_idx])  # (M, D): head 0
+    q = apply_rope(
+        dec.self_attn.q_proj(xn[b_idx, r_idx])[:, :d], cos[b_idx, 0, r_idx], sin[b_idx, 0, r_idx]
+    )  # (M, D): head 0
     losses, hits = [], 0
     for m, (b, _, visual, cells) in enumerate(looks):
         logits = (k[b, visual] @ q[m]) * d**-0.5  # (N,)
@@ -486,10 +578,16 @@ class Batch:
     steer: torch.Tensor  # (M,) its frame's steering class
     weight: torch.Tensor  # (B, T) per-label-token weight: 1 / the length of its answer
     looks: list = field(default_factory=list)  # (row in batch, answer row, visual positions, tagged positions)
-    options: list = field(default_factory=list)  # (row in batch, answer row, option positions, right option's positions)
-    letters: list = field(default_factory=list)  # (row in batch, option-text row, positions up to it, its letter's position)
+    options: list = field(
+        default_factory=list
+    )  # (row in batch, answer row, option positions, right option's positions)
+    letters: list = field(
+        default_factory=list
+    )  # (row in batch, option-text row, positions up to it, its letter's position)
     patch_aux: torch.Tensor | None = None  # (P, F) per-patch targets of the patch objective, or None when it is off
-    token_aux: torch.Tensor | None = None  # (N, F) per-token targets of the token probe (trails marked), or None when it is off
+    token_aux: torch.Tensor | None = (
+        None  # (N, F) per-token targets of the token probe (trails marked), or None when it is off
+    )
 
 
 class AuxHeads(nn.Module):
@@ -536,8 +634,14 @@ def field_words(tokenizer) -> list[list[int]]:
     out = []
     for f in aux_fields():
         kind, _, value = f.partition(":")
-        phrase = {"class": value, "colour": value, "moving": "moving", "motion": STATUS_WORD.get(value, value),
-                  "light": f"{value} light", "sign": SIGN_NAMES.get(value, value)}[kind]
+        phrase = {
+            "class": value,
+            "colour": value,
+            "moving": "moving",
+            "motion": STATUS_WORD.get(value, value),
+            "light": f"{value} light",
+            "sign": SIGN_NAMES.get(value, value),
+        }[kind]
         out.append(tokenizer.encode(" " + phrase))
     return out
 
@@ -585,8 +689,10 @@ def init_vision(model: VLM, seed: int) -> None:
     """Fresh vision tower and projector; the projector's last layer starts small, so visual tokens
     enter the decoder at the scale of its text embeddings instead of swamping them."""
     g = torch.Generator().manual_seed(seed + 1)
-    for name, p in [*model.vision_tower.named_parameters(prefix="vision_tower"),
-                    *model.multi_modal_projector.named_parameters(prefix="multi_modal_projector")]:
+    for name, p in [
+        *model.vision_tower.named_parameters(prefix="vision_tower"),
+        *model.multi_modal_projector.named_parameters(prefix="multi_modal_projector"),
+    ]:
         _init_param(name, p, g)
     model.multi_modal_projector.linear_2.weight.data.mul_(0.25)
 
@@ -594,7 +700,10 @@ def init_vision(model: VLM, seed: int) -> None:
 def init_language(model: VLM, seed: int) -> None:
     """A fresh decoder (embeddings, layers, final norm; the LM head is tied or re-drawn too)."""
     g = torch.Generator().manual_seed(seed + 2)
-    for name, p in [*model.language_model.named_parameters(prefix="language_model"), *model.lm_head.named_parameters(prefix="lm_head")]:
+    for name, p in [
+        *model.language_model.named_parameters(prefix="language_model"),
+        *model.lm_head.named_parameters(prefix="lm_head"),
+    ]:
         _init_param(name, p, g)
 
 
@@ -617,7 +726,12 @@ def grow_decoder(model: VLM, after: tuple[int, ...]) -> VLM:
     state = {k: v for k, v in model.state_dict().items() if not k.startswith("language_model.layers.")}
     for j, (i, fresh) in enumerate(order):
         for k, v in old[i].state_dict().items():
-            zero = fresh and k in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight", "mlp.down_proj.bias")
+            zero = fresh and k in (
+                "self_attn.o_proj.weight",
+                "self_attn.o_proj.bias",
+                "mlp.down_proj.weight",
+                "mlp.down_proj.bias",
+            )
             state[f"language_model.layers.{j}.{k}"] = torch.zeros_like(v) if zero else v.clone()
     grown.load_state_dict(state)
     return grown
@@ -635,7 +749,7 @@ def _init_param(name: str, p: torch.Tensor, g: torch.Generator) -> None:
 
 
 @torch.no_grad()
-def rescale_visual(model: VLM, bank: "FrameBank", norm: float) -> None:
+def rescale_visual(model: VLM, bank: FrameBank, norm: float) -> None:
     """Scale the projector's last layer so visual tokens leave it with at most `norm` mean L2 norm.
 
     The decoder's first norm makes its input blind to this scale, but the residual stream is not:
@@ -678,8 +792,17 @@ class LooksProbe:
                 blocks = [(tokenizer.encode(q.question), tokenizer.encode(q.answer)) for q in qs]
                 ids, labels, pos, block = pack_frame(tokenizer, views, cfg.tokens_per_tile * tpv, blocks)
                 t = torch.tensor
-                prompts.append((suffix, t([CAMERAS.index(c) for c in views]), t(ids)[None], t(labels)[None], t(pos)[None],
-                                block_mask(t(block)[None], torch.ones(1, len(ids), dtype=torch.bool)), t(block)))
+                prompts.append(
+                    (
+                        suffix,
+                        t([CAMERAS.index(c) for c in views]),
+                        t(ids)[None],
+                        t(labels)[None],
+                        t(pos)[None],
+                        block_mask(t(block)[None], torch.ones(1, len(ids), dtype=torch.bool)),
+                        t(block),
+                    )
+                )
             self.frames.append((torch.cat([image_to_tiles(rendered[c], s, tpv) for c in CAMERAS]), prompts))
 
     @torch.no_grad()
@@ -722,7 +845,9 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
 
     unknown = sorted(set(recipe.family_weights) - set(FAMILIES))
     if unknown:
-        raise ValueError(f"unknown QA family {', '.join(map(repr, unknown))} in family weights (known: {', '.join(FAMILIES)})")
+        raise ValueError(
+            f"unknown QA family {', '.join(map(repr, unknown))} in family weights (known: {', '.join(FAMILIES)})"
+        )
     if recipe.store_dtype not in STORE_DTYPES:  # checked here, not at the first save minutes into training
         raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {recipe.store_dtype!r}")
     torch.manual_seed(recipe.seed)
@@ -746,7 +871,9 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     elif recipe.grow_after:
         raise ValueError("grow_after needs a checkpoint to grow (init)")
     else:
-        tokenizer = train_default(question_corpus(n_frames=recipe.tokenizer_frames, seed=recipe.seed), vocab_size=recipe.vocab_size)
+        tokenizer = train_default(
+            question_corpus(n_frames=recipe.tokenizer_frames, seed=recipe.seed), vocab_size=recipe.vocab_size
+        )
         cfg = drive_tiny_config(tokenizer)
         model = VLM(cfg)
         init_weights(model, recipe.seed)
@@ -754,18 +881,28 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     model.float()
     for name in HEAD_OBJECTIVES:
         if getattr(recipe, f"{name}_weight") > 0 and not 0 <= getattr(recipe, f"{name}_layer") < cfg.text.num_layers:
-            raise ValueError(f"{name}_layer must name one of the {cfg.text.num_layers} decoder layers "
-                             f"(0-{cfg.text.num_layers - 1}), got {getattr(recipe, f'{name}_layer')}")
+            raise ValueError(
+                f"{name}_layer must name one of the {cfg.text.num_layers} decoder layers "
+                f"(0-{cfg.text.num_layers - 1}), got {getattr(recipe, f'{name}_layer')}"
+            )
     bank = FrameBank(recipe, cfg, tokenizer, progress)
     if recipe.visual_norm > 0:
         rescale_visual(model, bank, recipe.visual_norm)
     probe = LooksProbe(recipe, cfg, tokenizer) if recipe.probe_frames else None
-    heads = AuxHeads(cfg.text.hidden_size, field_words(tokenizer), len(STEERS), cfg.tokens_per_tile * cfg.tiles_per_view, recipe.aux_scale)
+    heads = AuxHeads(
+        cfg.text.hidden_size,
+        field_words(tokenizer),
+        len(STEERS),
+        cfg.tokens_per_tile * cfg.tiles_per_view,
+        recipe.aux_scale,
+    )
     params = [*model.named_parameters(), *heads.named_parameters(prefix="aux")]
     patch_head = None  # the patch objective's probe: training-only, like the heads
     if recipe.patch_aux_weight > 0:
         patch_head = nn.Linear(cfg.vision.hidden_size, len(aux_fields()))
-        nn.init.constant_(patch_head.bias, -4.0)  # start at "nothing here" (most patches are road), like the token heads
+        nn.init.constant_(
+            patch_head.bias, -4.0
+        )  # start at "nothing here" (most patches are road), like the token heads
         params += list(patch_head.named_parameters(prefix="patch"))
     token_head = None  # the token probe: training-only too
     if recipe.token_probe_weight > 0:
@@ -774,12 +911,23 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         params += list(token_head.named_parameters(prefix="token_probe"))
     decay = [p for n, p in params if p.ndim >= 2]
     no_decay = [p for n, p in params if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=recipe.lr,
+        betas=(0.9, 0.95),
+    )
     rng = random.Random(recipe.seed)
     deadline = time.time() + recipe.minutes * 60
     total = recipe.steps  # re-planned to the time budget after a short timing
     bar = tqdm(total=recipe.steps, desc="training vlm", disable=not progress)
-    log = {"loss": [], "aux": [], "patch": [], "token_probe": [], "probe": [], **{k: [] for name in HEAD_OBJECTIVES for k in (name, f"{name}_hit")}}
+    log = {
+        "loss": [],
+        "aux": [],
+        "patch": [],
+        "token_probe": [],
+        "probe": [],
+        **{k: [] for name in HEAD_OBJECTIVES for k in (name, f"{name}_hit")},
+    }
     step, t_loop, last_save = 0, time.time(), time.time()
     model.train()
     while step < total and time.time() < deadline:
@@ -812,17 +960,25 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
             for layer in sorted(probes):
                 x, at = lm_model(x, batch.pos, mask=batch.mask, start_layer=at, end_layer=layer), layer
                 for name, looks in probes[layer]:
-                    attn[name], hit = readout_loss(model, x, batch) if name == "readout" else tag_attention_loss(model, x, batch, layer, looks)
+                    attn[name], hit = (
+                        readout_loss(model, x, batch)
+                        if name == "readout"
+                        else tag_attention_loss(model, x, batch, layer, looks)
+                    )
                     log[name].append(attn[name].item())
                     log[f"{name}_hit"].append(hit)
             hidden = lm_model(x, batch.pos, mask=batch.mask, start_layer=at)
             sel = batch.labels != IGNORE
             if recipe.answer_mean:
                 w = batch.weight[sel]
-                lm = (F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel], reduction="none") * w).sum() / w.sum()
+                lm = (
+                    F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel], reduction="none") * w
+                ).sum() / w.sum()
             else:
                 lm = F.cross_entropy(model.lm_head(hidden[sel]), batch.labels[sel])
-            loss = lm + recipe.aux_weight * aux + recipe.patch_aux_weight * patch + recipe.token_probe_weight * token_probe
+            loss = (
+                lm + recipe.aux_weight * aux + recipe.patch_aux_weight * patch + recipe.token_probe_weight * token_probe
+            )
             for name in HEAD_OBJECTIVES:
                 loss = loss + getattr(recipe, f"{name}_weight") * attn[name]
             log["loss"].append(lm.item())
@@ -835,11 +991,15 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         loss.backward()
         # Clipped apart: the dense objective's gradients must not shrink the decoder's step.
         torch.nn.utils.clip_grad_norm_(model.language_model.parameters(), 1.0)
-        torch.nn.utils.clip_grad_norm_([*model.vision_tower.parameters(), *model.multi_modal_projector.parameters(), *heads.parameters()], 1.0)
+        torch.nn.utils.clip_grad_norm_(
+            [*model.vision_tower.parameters(), *model.multi_modal_projector.parameters(), *heads.parameters()], 1.0
+        )
         opt.step()
         step += 1
         if step == recipe.vision_warmup + 20:  # plan the schedule to the time budget (full steps)
-            total = bar.total = replan(recipe.steps, step - recipe.vision_warmup, time.time() - t_loop, deadline - time.time(), step)
+            total = bar.total = replan(
+                recipe.steps, step - recipe.vision_warmup, time.time() - t_loop, deadline - time.time(), step
+            )
         if step == recipe.vision_warmup:
             t_loop = time.time()
         bar.update(1)
@@ -851,13 +1011,20 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
             model.train()
             last_save = time.time()
             if step > recipe.vision_warmup + 20:  # re-plan at the mean pace so far: machine load changes
-                total = bar.total = replan(recipe.steps, step - recipe.vision_warmup, last_save - t_loop, deadline - last_save, step)
+                total = bar.total = replan(
+                    recipe.steps, step - recipe.vision_warmup, last_save - t_loop, deadline - last_save, step
+                )
         if step % 10 == 0:
-            post = {"loss": f"{np.mean(log['loss'][-50:]) if log['loss'] else float('nan'):.3f}", "aux": f"{np.mean(log['aux'][-50:]):.3f}"}
+            post = {
+                "loss": f"{np.mean(log['loss'][-50:]) if log['loss'] else float('nan'):.3f}",
+                "aux": f"{np.mean(log['aux'][-50:]):.3f}",
+            }
             if log["attn"]:
                 post.update(attn=f"{np.mean(log['attn'][-50:]):.3f}", hit=f"{np.mean(log['attn_hit'][-50:]):.2f}")
             if log["option"]:
-                post.update(opt=f"{np.mean(log['option'][-50:]):.3f}", opt_hit=f"{np.mean(log['option_hit'][-50:]):.2f}")
+                post.update(
+                    opt=f"{np.mean(log['option'][-50:]):.3f}", opt_hit=f"{np.mean(log['option_hit'][-50:]):.2f}"
+                )
             if log["letter"]:
                 post.update(let_hit=f"{np.mean(log['letter_hit'][-50:]):.2f}")
             if log["patch"]:
@@ -865,7 +1032,9 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
             if log["token_probe"]:
                 post.update(tok=f"{np.mean(log['token_probe'][-50:]):.3f}")
             if log["readout"]:
-                post.update(read=f"{np.mean(log['readout'][-50:]):.3f}", read_hit=f"{np.mean(log['readout_hit'][-50:]):.2f}")
+                post.update(
+                    read=f"{np.mean(log['readout'][-50:]):.3f}", read_hit=f"{np.mean(log['readout_hit'][-50:]):.2f}"
+                )
             bar.set_postfix(**post)
     bar.close()
     if probe:
@@ -885,8 +1054,13 @@ def lineage_of(checkpoint: str | Path) -> list[dict]:
         earlier = meta["lineage"]
     else:  # written before lineage was recorded: follow its --init while the folders exist
         earlier = lineage_of(recipe["init"]) if recipe.get("init") else []
-    stage = {"checkpoint": str(checkpoint), "steps": meta.get("steps"), "train_seconds": meta.get("train_seconds"),
-             "recipe": recipe, "looks_probe": meta.get("looks_probe")}
+    stage = {
+        "checkpoint": str(checkpoint),
+        "steps": meta.get("steps"),
+        "train_seconds": meta.get("train_seconds"),
+        "recipe": recipe,
+        "looks_probe": meta.get("looks_probe"),
+    }
     if "averaged" in meta:  # `average_checkpoints`: the mean of these stages, each continued from `earlier`
         stage["averaged"] = meta["averaged"]
     return [*earlier, stage]
@@ -897,9 +1071,14 @@ def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, 
 
     model.eval()
     losses = log["loss"]
-    meta = {"recipe": asdict(recipe), "steps": step, "train_seconds": round(time.time() - t_start, 1),
-            "final_loss": float(np.mean(losses[-100:])) if losses else None, "looks_probe": log["probe"][-1:] or None,
-            "lineage": lineage_of(recipe.init) if recipe.init else []}
+    meta = {
+        "recipe": asdict(recipe),
+        "steps": step,
+        "train_seconds": round(time.time() - t_start, 1),
+        "final_loss": float(np.mean(losses[-100:])) if losses else None,
+        "looks_probe": log["probe"][-1:] or None,
+        "lineage": lineage_of(recipe.init) if recipe.init else [],
+    }
     save_native(model, out, extra_meta=meta, dtype=STORE_DTYPES[recipe.store_dtype])
     tokenizer.save(out)
     curves = {"loss": losses[::10], "aux": log["aux"][::10], "probe": log["probe"]}
@@ -926,12 +1105,21 @@ def average_checkpoints(out: str | Path, checkpoints: list[str | Path]) -> Path:
     metas = [read_native_meta(c) for c in checkpoints]
     for c, m in zip(checkpoints[1:], metas[1:]):
         if m["litevlm"] != metas[0]["litevlm"]:
-            diff = sorted(k for k in {*m["litevlm"], *metas[0]["litevlm"]} if m["litevlm"].get(k) != metas[0]["litevlm"].get(k))
-            raise LiteVLMError(f"{c} has another model config than {checkpoints[0]} (differs in {', '.join(diff)}): only checkpoints of one shape average")
-    tokenizers = [(Path(c) / "tokenizer.json").read_bytes() if (Path(c) / "tokenizer.json").is_file() else None for c in checkpoints]
+            diff = sorted(
+                k for k in {*m["litevlm"], *metas[0]["litevlm"]} if m["litevlm"].get(k) != metas[0]["litevlm"].get(k)
+            )
+            raise LiteVLMError(
+                f"{c} has another model config than {checkpoints[0]} (differs in {', '.join(diff)}): only checkpoints of one shape average"
+            )
+    tokenizers = [
+        (Path(c) / "tokenizer.json").read_bytes() if (Path(c) / "tokenizer.json").is_file() else None
+        for c in checkpoints
+    ]
     if any(t != tokenizers[0] for t in tokenizers):
         raise LiteVLMError("the checkpoints' tokenizer.json files differ: the same ids would mean other tokens in each")
-    models = [load_native(c) for c in checkpoints]  # in their stored dtype: the mean is stored in it (fp32 where they differ)
+    models = [
+        load_native(c) for c in checkpoints
+    ]  # in their stored dtype: the mean is stored in it (fp32 where they differ)
     stored = {next(m.parameters()).dtype for m in models}
     dtype = stored.pop() if len(stored) == 1 else torch.float32
     models = [m.float() for m in models]
@@ -946,8 +1134,12 @@ def average_checkpoints(out: str | Path, checkpoints: list[str | Path]) -> Path:
         if any(e != earlier[0] for e in earlier):
             break
         shared.append(earlier[0])
-    meta = {"averaged": [s[-1] for s in stages], "lineage": shared, "steps": sum(m.get("steps") or 0 for m in metas),
-            "train_seconds": sum(m.get("train_seconds") or 0 for m in metas)}
+    meta = {
+        "averaged": [s[-1] for s in stages],
+        "lineage": shared,
+        "steps": sum(m.get("steps") or 0 for m in metas),
+        "train_seconds": sum(m.get("train_seconds") or 0 for m in metas),
+    }
     save_native(models[0], out, extra_meta=meta, dtype=dtype)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         src = Path(checkpoints[0]) / name
