@@ -4,7 +4,7 @@
 
 Times the draft head's side of a greedy chain cycle (`DraftHead.draft_cycle`: the extend over the pairs
 committed last cycle, then the chain) at chain depths 1, 2, 4, 8, 16 with no cut, after an extend of 1 and
-of 5 pairs, and the parts of one chain step alone: the draft layer's CPU step (native or TorchScript, as
+of 5 pairs, and the parts of one chain step alone: the draft layer's CPU step (native or eager, as
 `litevlm.model.cpu_steps.backend()` says) on one token and the head with
 its log-softmax and top-1. The per-step cost is the slope over depth; the fixed part is the intercept.
 Medians over --k calls; the last stdout line is one JSON object.
@@ -37,12 +37,10 @@ def main() -> None:
 
     pipe = Pipeline.from_pretrained(args.model, speculative=True)
     model, draft = pipe.model, pipe.draft
-    if cpu_steps.step_cycle() is None:
-        raise SystemExit(
-            "neither the native nor the TorchScript CPU steps are available: the one-call draft cycle cannot be timed"
-        )
     width = model.cfg.text.hidden_size
     draft.prepare(512, 600)
+    if draft._plan is None:
+        raise SystemExit("the CPU steps do not apply to this draft head: the one-call draft cycle cannot be timed")
     embed = model.language_model.embed_tokens.weight
     gen = torch.Generator().manual_seed(0)
 
@@ -67,7 +65,7 @@ def main() -> None:
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
         fits[pairs] = {"per_step_ms": round(slope, 4), "fixed_ms": round(my - slope * mx, 4)}
 
-    layer, cfg = cpu_steps.step_layers(), draft.cfg
+    layer, cfg = draft.steps.layers, draft.cfg
     x = torch.randn(1, width, generator=gen)
     cos, sin = draft._rope
     weights, caches = draft._plan.weights, cpu_steps.caches((draft.layer,))

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from litevlm.eval.bench import BF16_CONFIGS, CONFIGS, HF_ROWS, RowLog, format_shares, format_table, plot, run_bench
-from litevlm.model.lm import bf16_matmul_supported
+from litevlm.model.layers import bf16_matmul_supported
 
 
 def test_bench_rows_are_consistent(full_model_dir, tmp_path):

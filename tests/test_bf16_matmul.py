@@ -6,9 +6,9 @@ import torch
 from test_spec import prompt, tiny_vlm
 
 from litevlm.errors import LiteVLMError
-from litevlm.model import lm as lm_module
+from litevlm.model import layers as layers_module
 from litevlm.model.generate import decode_step, prefill
-from litevlm.model.lm import bf16_matmul_supported, mm, pack_bf16
+from litevlm.model.layers import bf16_matmul_supported, mm, pack_bf16
 
 needs_bf16 = pytest.mark.skipif(not bf16_matmul_supported(), reason="this CPU has no AMX / AVX512-BF16")
 
@@ -31,16 +31,16 @@ def test_mm_matches_addmm_within_bf16_rounding(rows):
 
 
 @needs_bf16
-@pytest.mark.parametrize("scripted", [True, False])
-def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32(scripted, monkeypatch):
+@pytest.mark.parametrize("cpu_steps_apply", [True, False])
+def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32(cpu_steps_apply, monkeypatch):
     """Decode steps and tree verifications (any number of rows: a 20-node chain here, over the 8-row
     threshold) stay fp32, so speculative decoding stays lossless against plain decoding in bf16 mode too;
-    on the CPU steps and on the eager path alike."""
+    on the CPU steps and on the module path alike."""
     from litevlm.model import cpu_steps
     from litevlm.spec.tree import chain_tree, verify_tree
 
-    if not scripted:
-        monkeypatch.setattr(cpu_steps, "_STEPS", [None])
+    if not cpu_steps_apply:
+        monkeypatch.setattr(cpu_steps, "usable", lambda *args: False)  # every step runs the modules
     model = tiny_vlm(layers=2)
     pixels = torch.randn(3, 3, 28, 28, generator=torch.Generator().manual_seed(1))
     embeds, pos = prompt(model, seed=2, n=40)
@@ -77,7 +77,7 @@ def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32(scripted, monkey
 
 def test_bf16_matmul_is_refused_where_the_cpu_lacks_it(monkeypatch):
     model = tiny_vlm()
-    monkeypatch.setattr(lm_module, "bf16_matmul_supported", lambda: False)
+    monkeypatch.setattr(layers_module, "bf16_matmul_supported", lambda: False)
     with pytest.raises(LiteVLMError, match="AMX"):
         model.set_bf16_matmul(32)
     model.set_bf16_matmul(0)  # turning it off always works

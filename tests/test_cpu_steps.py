@@ -1,6 +1,6 @@
-"""The CPU steps (`litevlm.model.cpu_steps`), native (cpu_steps.cpp) and TorchScript alike: the same
-logits, hidden states and cache contents as the eager path for a decode step, a tree verification and a
-draft step, and out of the way wherever they do not apply."""
+"""The CPU steps (`litevlm.model.cpu_steps`), on either backend (native cpu_steps.cpp, eager ops): the same logits,
+hidden states and cache contents as the modules for a decode step, a tree verification and a draft step, and out of
+the way wherever they do not apply."""
 
 import shutil
 
@@ -12,45 +12,67 @@ from litevlm.model import cpu_steps, native
 from litevlm.model.generate import decode_step, prefill
 from litevlm.spec.tree import Tree, ancestor_mask, verify_tree
 
-pytestmark = pytest.mark.skipif(cpu_steps.step_layers() is None, reason="this torch build has no TorchScript")
-
 
 def backend_steps(name: str):
-    """The four step functions of one backend, or a skip where it is unavailable here."""
-    steps = cpu_steps._native_steps() if name == "native" else cpu_steps._scripted_steps()
-    if steps is None:
-        why = native.error() if name == "native" else "no TorchScript"
-        pytest.skip(f"the {name} CPU steps are unavailable here ({why})")
-    return steps
+    """One backend's steps object, or a skip where it is unavailable here."""
+    if name == "eager":
+        return cpu_steps.EagerSteps()
+    if native.ops() is None:
+        pytest.skip(f"the native CPU steps are unavailable here ({native.error()})")
+    return cpu_steps.NativeSteps(native.ops())
+
+
+class Counted:
+    """A backend whose method calls are recorded by name in `calls` (and whose keyword arguments in `kwargs`)."""
+
+    def __init__(self, steps, calls: list, kwargs: list | None = None):
+        self.steps, self.calls, self.kwargs, self.name = steps, calls, kwargs, steps.name
+
+    def __getattr__(self, method):
+        fn = getattr(self.steps, method)
+
+        def call(*args, **kw):
+            self.calls.append(method)
+            if self.kwargs is not None:
+                self.kwargs.append(kw)
+            return fn(*args, **kw)
+
+        return call
 
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler here")
 def test_the_native_steps_build_where_a_compiler_is_present():
     """A machine with a compiler runs the native steps: a broken build fails here instead of quietly
-    falling back to TorchScript."""
+    falling back to the eager steps."""
     if not native.enabled():
         pytest.skip("LITEVLM_NATIVE disables the native steps")
     assert native.ops() is not None, native.error()
     assert cpu_steps.backend() == "native"
+    assert tiny_vlm().language_model.steps.name == "native"
 
 
-@pytest.fixture(params=["native", "torchscript"])
+def test_the_native_build_folder_depends_on_the_cpu_and_the_flags():
+    """A build cache shared between machines: another instruction set or other compile flags build elsewhere."""
+    base = native.build_dir(cpu="fpu sse2 avx2 | AVX2", cflags=["-O3", "-march=native"])
+    assert base == native.build_dir(cpu="fpu sse2 avx2 | AVX2", cflags=["-O3", "-march=native"])
+    assert base != native.build_dir(cpu="fpu sse2 avx2 avx512f | AVX512", cflags=["-O3", "-march=native"])
+    assert base != native.build_dir(cpu="fpu sse2 avx2 | AVX2", cflags=["-O2", "-march=native"])
+    assert native.build_dir() == native.build_dir(cpu=native.cpu_features(), cflags=native.CFLAGS)
+
+
+@pytest.fixture(params=["native", "eager"])
 def eager(request, monkeypatch):
-    """Runs the step functions of one backend (native, TorchScript) and counts their calls until
-    `use_eager()` (so a test knows that path ran), after which the eager path runs, as in a torch build
-    with neither."""
-    real, calls = backend_steps(request.param), []
-
-    def counted(i, fn):
-        return lambda *args: calls.append(i) or fn(*args)
-
-    monkeypatch.setattr(cpu_steps, "_STEPS", [tuple(counted(i, fn) for i, fn in enumerate(real))])
+    """Gives the models made in a test one backend (native, eager ops) and records its calls until `use_eager()`
+    (so a test knows that path ran), after which the steps no longer apply and the modules run."""
+    calls = []
+    steps = Counted(backend_steps(request.param), calls)
+    monkeypatch.setattr(cpu_steps, "default_steps", lambda: steps)
 
     def use_eager():
         assert calls, "the CPU step path did not run"
-        monkeypatch.setattr(cpu_steps, "_STEPS", [None])
+        monkeypatch.setattr(cpu_steps, "usable", lambda *args: False)
 
-    use_eager.calls = calls  # indices into the step tuple: 2 = draft_cycle, 3 = verify_chain, 4 = decode_logits
+    use_eager.calls = calls
     return use_eager
 
 
@@ -62,7 +84,7 @@ def caches(model):
 
 
 def both_paths(eager, run):
-    """run() on the CPU step path, then on the eager one: (fast result, eager result)."""
+    """run() on the CPU step path, then through the modules: (step result, module result)."""
     with torch.no_grad():
         fast = run()
         eager()
@@ -84,7 +106,7 @@ def assert_all_close(a, b):
 
 
 @pytest.mark.parametrize("with_plan", [True, False])
-def test_a_cpu_step_decode_step_equals_the_eager_one(eager, with_plan):
+def test_a_cpu_step_decode_step_equals_the_modules(eager, with_plan):
     """With a generation's plan the whole step (layers, final norm, LM head) is one call (`decode_logits`);
     without one, the layers are (`layers`) and the head runs in Python."""
     model = tiny_vlm(layers=3)
@@ -101,10 +123,10 @@ def test_a_cpu_step_decode_step_equals_the_eager_one(eager, with_plan):
         return out, caches(model)
 
     assert_all_close(*both_paths(eager, run))
-    assert (4 in eager.calls) == with_plan  # 4 = decode_logits
+    assert ("decode" in eager.calls) == with_plan
 
 
-def test_a_cpu_step_tree_verification_equals_the_eager_one(eager):
+def test_a_cpu_step_tree_verification_equals_the_modules(eager):
     model = tiny_vlm(layers=2)
     embeds, pos = prompt(model, seed=4)
     t = embeds.shape[1]
@@ -120,7 +142,7 @@ def test_a_cpu_step_tree_verification_equals_the_eager_one(eager):
 
 
 @pytest.mark.parametrize("input_norm", [True, False])
-def test_a_cpu_step_draft_step_equals_the_eager_one(eager, input_norm):
+def test_a_cpu_step_draft_step_equals_the_modules(eager, input_norm):
     model = tiny_vlm()
     head = random_draft(model)
     if not input_norm:
@@ -143,7 +165,7 @@ def test_a_cpu_step_draft_step_equals_the_eager_one(eager, input_norm):
 
 
 def test_the_cpu_step_stays_out_of_the_way():
-    """Training (gradients), another dtype, a batch of sequences, a hooked projection: the eager path runs."""
+    """Training (gradients), another dtype, a batch of sequences, a hooked projection: the modules run."""
     model = tiny_vlm()
     layers = model.language_model.layers
     x = torch.randn(1, 32)
@@ -182,13 +204,13 @@ def test_a_frozen_scope_checks_once_and_the_next_scope_sees_changes():
         with cpu_steps.frozen():
             assert cpu_steps.usable(x, layers)
             changed = cpu_steps.layer_weights(layers[0])
-        assert not torch.equal(changed[2], w[2])  # the packed qkv bias follows the change
+        assert not torch.equal(changed.qkv_bias, w.qkv_bias)  # the packed qkv bias follows the change
     assert cpu_steps.remembered("k", lambda: 7) == 7  # outside any scope: computed each time
 
 
 @pytest.mark.parametrize("min_value,eos", [(0.0, None), (0.3, None), (0.0, "drafted")])
 @pytest.mark.parametrize("draft_vocab", [0, 40])
-def test_a_cpu_step_draft_chain_equals_the_eager_loop(eager, min_value, eos, draft_vocab):
+def test_a_cpu_step_draft_chain_equals_the_module_loop(eager, min_value, eos, draft_vocab):
     """One CPU call drafts the chain the Python loop drafts: same tokens, same draft cache. (The native chain's
     one-row products read the draft's weights rounded to bf16, `cpu_steps.panels`; weights that bf16 holds exactly
     make the two paths comparable, the target's embedding and head included.)"""
@@ -251,9 +273,9 @@ def test_the_vision_blocks_on_packed_weights_equal_the_modules():
     assert not torch.allclose(changed, fast)
 
 
-def test_a_cpu_step_greedy_chain_cycle_equals_the_eager_one(eager):
+def test_a_cpu_step_greedy_chain_cycle_equals_the_modules(eager):
     """Each side of a greedy chain cycle in one CPU call (`draft_cycle`, `verify_chain_greedy`): the
-    same tokens, the same accepted lengths, the same target and draft caches as the eager cycle."""
+    same tokens, the same accepted lengths, the same target and draft caches as the modules' cycle."""
     from litevlm.spec import speculative_generate
     from litevlm.spec.tree import TreeConfig
 
@@ -267,7 +289,7 @@ def test_a_cpu_step_greedy_chain_cycle_equals_the_eager_one(eager):
         return out.tokens, out.accept_lengths, caches(model), head.layer.self_attn.kv_cache.k.clone()
 
     (tok_a, acc_a, *rest_a), (tok_b, acc_b, *rest_b) = both_paths(eager, run)
-    assert {2, 3} <= set(eager.calls)  # both fused calls ran
+    assert {"draft_cycle", "verify_chain"} <= set(eager.calls)  # both one-call sides ran
     assert tok_a == tok_b and acc_a == acc_b
     assert max(acc_a) >= 2  # drafts were accepted
     n = embeds.shape[1] + 30
@@ -276,20 +298,17 @@ def test_a_cpu_step_greedy_chain_cycle_equals_the_eager_one(eager):
     )
 
 
-def test_a_native_prompt_equals_the_eager_one(monkeypatch):
+def test_a_native_prompt_equals_the_modules():
     """A prompt from slot 0 (a prefill, and a pruned prefill's two halves at skipping positions) runs as one
-    native call: the same hidden states and cache contents as the eager layers; hooked layers stay eager."""
-    backend_steps("native")
+    native call: the same hidden states and cache contents as the modules; hooked layers run the modules."""
+    steps = backend_steps("native")
     model = tiny_vlm(layers=3)
     lm = model.language_model
     embeds, pos = prompt(model, seed=5, n=20, pruned=True)
     t = embeds.shape[1]
     kept = torch.tensor([0, 1, 4, 5, 9, 12, 13, 17, 19])
     calls = []
-    real = cpu_steps.prompt_layers
-    monkeypatch.setattr(
-        cpu_steps, "prompt_layers", lambda *a, **k: (lambda r: calls.append(r is not None) or r)(real(*a, **k))
-    )
+    cpu_steps.use(lm, Counted(steps, calls))
 
     def run():
         with torch.no_grad():
@@ -306,48 +325,42 @@ def test_a_native_prompt_equals_the_eager_one(monkeypatch):
             return full, first, rest, caches(model)
 
     fast = run()
-    assert calls == [True, True, True]  # each of the three prompts ran natively
-    monkeypatch.setattr(cpu_steps, "_BACKEND", ["torchscript"])  # prompt_layers now declines: the eager layers run
+    assert calls == ["prompt"] * 3  # each of the three prompts ran natively
+    cpu_steps.use(lm, cpu_steps.EagerSteps())  # its prompt declines: the modules run
     assert_all_close(fast, run())
-    monkeypatch.setattr(cpu_steps, "_BACKEND", ["native"])
     hook = lm.layers[1].mlp.register_forward_hook(lambda *a: None)
     try:
-        assert cpu_steps.prompt_layers(embeds[0], *lm.rope_table(t, torch.float32, "cpu"), lm.layers, lm.cfg) is None
+        assert steps.prompt(embeds[0], *lm.rope_table(t, torch.float32, "cpu"), lm.layers, lm.cfg) is None
     finally:
         hook.remove()
 
 
-def test_a_native_bf16_prompt_multiplies_in_bf16_around_an_fp32_stream(monkeypatch):
+def test_a_native_bf16_prompt_multiplies_in_bf16_around_an_fp32_stream():
     """In bf16 mode (`set_bf16_matmul`) a prompt still runs as one native call, its four products per layer in bf16:
     close to fp32, and not equal to it."""
-    from litevlm.model.lm import bf16_matmul_supported
+    from litevlm.model.layers import bf16_matmul_supported
 
-    backend_steps("native")
+    steps = backend_steps("native")
     if not bf16_matmul_supported():
         pytest.skip("this CPU multiplies bf16 neither with AMX nor with AVX512-BF16")
     model = tiny_vlm(layers=3)
     lm = model.language_model
     embeds, pos = prompt(model, seed=5, n=40)
     t = embeds.shape[1]
-    modes = []
-    real = cpu_steps.prompt_layers
-    monkeypatch.setattr(
-        cpu_steps,
-        "prompt_layers",
-        lambda *a, **k: (lambda r: modes.append((k.get("bf16"), r is not None)) or r)(real(*a, **k)),
-    )
+    calls, kwargs = [], []
+    cpu_steps.use(lm, Counted(steps, calls, kwargs))
     with torch.no_grad():
         fp32 = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t)
         model.set_bf16_matmul(8)
         bf16 = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t)
-    assert modes == [(False, True), (True, True)]  # both ran natively, the second with bf16 products
+    assert calls == ["prompt", "prompt"] and [k["bf16"] for k in kwargs] == [False, True]  # the second in bf16
     assert not torch.equal(bf16, fp32)
     assert ((bf16 - fp32).norm() / fp32.norm()) < 6e-2  # a random decoder with large weights amplifies rounding
 
 
-def test_a_failed_native_build_falls_back_to_torchscript_and_says_why(monkeypatch, capsys):
+def test_a_failed_native_build_falls_back_to_the_eager_steps_and_says_why(monkeypatch, capsys):
     """No compiler (or a broken build): `native.ops()` is None with the reason on stderr and in `error()`, and
-    the CPU steps run in TorchScript, still equal to the eager path."""
+    models get the eager steps."""
 
     def broken(verbose=False):
         raise RuntimeError("ninja: build stopped\nfoo.cpp:1:1: error: no compiler here")
@@ -355,25 +368,10 @@ def test_a_failed_native_build_falls_back_to_torchscript_and_says_why(monkeypatc
     monkeypatch.setattr(native, "build", broken)
     monkeypatch.setattr(native, "_LOADED", [])
     monkeypatch.setattr(native, "_ERROR", [])
-    monkeypatch.setattr(cpu_steps, "_STEPS", [])
-    monkeypatch.setattr(cpu_steps, "_BACKEND", [])
     assert native.ops() is None
     assert "error: no compiler here" in native.error()
     assert "native CPU steps unavailable" in capsys.readouterr().err
-    if cpu_steps._scripted_steps() is None:
-        pytest.skip("no TorchScript either")
-    assert cpu_steps.backend() == "torchscript"
-    model = tiny_vlm(layers=2)
-    embeds, pos = prompt(model, seed=6)
-    t = embeds.shape[1]
-    with torch.no_grad():
-        prefill(model, embeds, pos)
-        plan = model.language_model.step_plan()
-        fast = decode_step(model, torch.tensor([[9]]), t, t, plan)
-        monkeypatch.setattr(cpu_steps, "_STEPS", [None])  # the eager path
-        prefill(model, embeds, pos)
-        assert model.language_model.step_plan() is None
-        assert_all_close(fast, decode_step(model, torch.tensor([[9]]), t, t, None))
+    assert cpu_steps.default_steps.__wrapped__().name == "eager"  # the choice, made afresh
 
 
 def test_litevlm_native_0_turns_the_native_steps_off(monkeypatch):
@@ -405,6 +403,7 @@ def test_a_draft_steps_bf16_panels_multiply_like_its_fp32_weights_rounded():
     with torch.no_grad():
         head.prepare(32, 64)
     weights = head._plan.weights
-    listed = cpu_steps._draft_panels(head._chain_args[1], head._chain_args[3], weights, 4, 2, 8)
+    steps = cpu_steps.default_steps()
+    listed = steps._draft_panels(head._chain_args[1], head._chain_args[3], weights, 4, 2, 8)
     assert len(listed) == 2 + 4 * len(weights)
-    assert cpu_steps._draft_panels(head._chain_args[1], head._chain_args[3], weights, 4, 2, 8) is listed
+    assert steps._draft_panels(head._chain_args[1], head._chain_args[3], weights, 4, 2, 8) is listed

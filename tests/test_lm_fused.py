@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 
 from litevlm.config import TextConfig
-from litevlm.model.lm import DecoderLayer, linear, rope_cos_sin
+from litevlm.model.layers import linear, rope_cos_sin
+from litevlm.model.lm import DecoderLayer
 
 CFG = TextConfig(
     vocab_size=64,

@@ -108,7 +108,7 @@ def test_an_opening_verified_in_the_prefill_is_lossless(native, monkeypatch):
     """Against plain greedy decoding of the same prompt: an opening that is the answer to its EOS (no decode step
     follows), one right for two tokens then wrong, and one wrong from the first token."""
     if not native:
-        monkeypatch.setattr(cpu_steps, "prompt_layers", lambda *args, **kwargs: None)  # the eager layers under a mask
+        monkeypatch.setattr(cpu_steps.NativeSteps, "prompt", lambda *args, **kwargs: None)  # the modules under a mask
     model = tiny_vlm(vocab=48)
     head = random_draft(model)
     for seed in range(4):

@@ -585,7 +585,7 @@ def test_draft_layer_matches_the_decoder_layer_and_the_cached_path():
     pos = torch.tensor([[0, 1, 2, 5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
         got = head(feats, nxt, pos)
-        from litevlm.model.lm import rope_cos_sin
+        from litevlm.model.layers import rope_cos_sin
 
         cos, sin = rope_cos_sin(pos, head.cfg.head_dim, head.cfg.rope_theta, torch.float32)
         ref = head.layer(head.fc(torch.cat([nxt, feats], -1)), cos, sin)  # the target's own layer code

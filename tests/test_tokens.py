@@ -84,7 +84,7 @@ def full_attention_rows(layer, x, positions, rows):
     """Reference: the full causal T x T attention of `layer` (head mean), then the wanted rows."""
     attn = layer.self_attn
     cfg = attn.cfg
-    from litevlm.model.lm import rope_cos_sin
+    from litevlm.model.layers import rope_cos_sin
 
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
     q, k, _ = attn.qkv(layer.input_layernorm(x), cos, sin)  # (B, H, T, D), (B, Hkv, T, D)
@@ -447,10 +447,10 @@ def test_train_token_selector_smoke(tmp_path):
     assert "fastv_k1" in sel.meta["training"]["validation"]
 
 
-@pytest.mark.parametrize("path", ["native", "scripted", "python"])
+@pytest.mark.parametrize("path", ["native", "eager"])
 def test_the_inference_head_equals_the_training_head(path, monkeypatch):
-    """`head_scores` at inference (one prompt, no grad: one native call, one TorchScript call, or plain Python
-    where neither is available) equals its differentiable form."""
+    """`head_scores` at inference (one prompt, no grad: one native call, or `_head_ops` eagerly where the native
+    build is unavailable) equals its differentiable form."""
     from litevlm.model import cpu_steps, native
     from litevlm.select import tokens
 
@@ -461,9 +461,7 @@ def test_the_inference_head_equals_the_training_head(path, monkeypatch):
         real = native.ops()
         monkeypatch.setattr(tokens.native, "ops", lambda: calls.append(1) or real)
     else:
-        monkeypatch.setattr(tokens.cpu_steps, "backend", lambda: "torchscript")
-    if path == "python":
-        monkeypatch.setattr(tokens, "_HEAD_FN", [tokens._head_ops])
+        monkeypatch.setattr(tokens.cpu_steps, "backend", lambda: "eager")
     model = tiny_vlm()
     embeds, positions, spans = tiny_prompt(model)
     sel = trained_looking_selector(model)

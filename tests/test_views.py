@@ -341,18 +341,12 @@ def train_without_dropout(sel: ViewSelector) -> None:
             m.dropout = 0.0
 
 
-@pytest.mark.parametrize("scripted", [True, False])
-def test_inference_path_equals_the_module_path(trained, scripted, monkeypatch):
-    """The eval-mode inference (one call on raw weights: scripted, or the same function in Python where
-    TorchScript is missing) gives the training modules' logits, padded batches included (dropout is the
-    only difference, and it is off in eval)."""
-    from litevlm.select import views
-
-    if not scripted:
-        monkeypatch.setattr(views, "_SCRIPTED_LOGITS", [views._logits_ops])
+def test_inference_path_equals_the_module_path(trained):
+    """The eval-mode inference (one call of `_logits_ops` on raw weights) gives the training modules' logits, padded
+    batches included (dropout is the only difference, and it is off in eval)."""
     sel = ViewSelector.load(trained[0])
     with torch.no_grad():
-        assert sel._scripted() is not None
+        assert sel._packed_logits() is not None
     questions = [q for q, _ in EXPLICIT[:3]] + SCENE_WIDE[:2] + ["Is <c1,CAM_BACK,700.0,500.0> moving?"]
     ids, mask = sel.cfg.features(questions)
     lex = sel.lexical(questions)

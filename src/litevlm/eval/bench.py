@@ -339,7 +339,7 @@ def run_bench(
     from litevlm.eval.metrics import closed_accuracy, score
 
     if configs is None:
-        from litevlm.model.lm import bf16_matmul_supported
+        from litevlm.model.layers import bf16_matmul_supported
 
         configs = {**CONFIGS, **(BF16_CONFIGS if shape is None and bf16_matmul_supported() else {})}
     samples = _samples(data, n + warmup, seed)

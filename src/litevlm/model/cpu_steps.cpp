@@ -1,15 +1,14 @@
 // Decoder steps over a few tokens of one sequence on the CPU, as native ops (torch.ops.litevlm_cpu).
 //
-// The same computations as the TorchScript functions of cpu_steps.py (`layers`, `chain`, `draft_cycle`,
+// The same computations as the eager step functions of cpu_steps.py (`layers`, `chain`, `draft_cycle`,
 // `verify_chain`, `decode_logits`), with the same arguments except that the per-layer weight and cache lists come flat
-// (7 weights and 2 caches a layer, in cpu_steps.py's order) and that the q|k|v projection comes without the rotated
-// copies of q and k that the TorchScript steps fold into it: RoPE's rotation is a loop here, and the copies would
-// add 37% to that product (12% of a layer's weights, read at every step). A one-row matmul is an own loop (`product`), larger
-// ones go to ATen (MKL), and a draft head's run on bf16 panels of its weights (`pack_panels`); everything between them (RMSNorm, RoPE, the cache writes, attention over the cached
-// slots, SiLU-gating, the draft's log-softmax top-1 and the acceptance test) is one loop each over fp32 rows, with
-// no dispatch per op.
-// A decode step of a small decoder is otherwise about a hundred dispatched ops, which on a CPU cost
-// more than the arithmetic between its weight reads.
+// (7 weights and 2 caches a layer, in the order of cpu_steps.py's `LayerWeights`) and that the q|k|v projection comes
+// without the rotated copies of q and k that the eager steps fold into it: RoPE's rotation is a loop here, and the
+// copies would make that product larger, read at every step. A one-row matmul is an own loop (`row_product`), larger
+// ones go to ATen (MKL), and a draft head's run on bf16 panels of its weights (`pack_panels`); everything between
+// them (RMSNorm, RoPE, the cache writes, attention over the cached slots, SiLU-gating, the draft's log-softmax top-1
+// and the acceptance test) is one loop each over fp32 rows, with no dispatch per op. A decode step of a small decoder
+// is otherwise about a hundred dispatched ops, which on a CPU cost more than the arithmetic between its weight reads.
 
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -69,8 +68,8 @@ void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int
 
 
 // The product of one row with a weight held row-major, (in, out): a decode step's or a draft step's. An own loop
-// streams the weight once in storage order, four weight rows at a time, into the output row: about 5% faster than the
-// BLAS call (whose dispatch it also skips). Several rows go to the BLAS: at six rows (a verification) a plain loop
+// streams the weight once in storage order, four weight rows at a time, into the output row, ahead of the
+// BLAS call (whose dispatch it also skips). Several rows go to the BLAS: at a verification's few rows a plain loop
 // that reads each weight element once for all of them only matched it.
 void row_product(const float* x, int64_t in, const float* w, int64_t out, float* y) {
   int64_t k = 0;
@@ -92,8 +91,8 @@ void row_product(const float* x, int64_t in, const float* w, int64_t out, float*
 }
 
 // ---- a draft step's one-row products on bf16 weight panels -----------------------------------------------------
-// A draft step is a few one-row products over the draft head's weights (about 1.9 MB on drive-tiny, fc, its layer
-// and its head), which sit just past the core's own cache: the step waits on them. The draft only proposes (the
+// A draft step is a few one-row products over the draft head's weights (fc, its layer and its
+// head), which sit just past the core's own cache: the step waits on them. The draft only proposes (the
 // target's verification decides every token), so its weights may be rounded: here they are kept in bf16 as panels
 // of 64 columns, each (in, 64) contiguous (`pack_panels`), half the bytes, read in storage order and widened to fp32
 // in registers, where one input row (fp32) sums a panel's columns over two interleaved halves of the input. The
@@ -261,9 +260,9 @@ at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor
 // base + x (n, in) @ w16 (in, out) with w16 a bf16 copy of the weight: x rounded to bf16 and multiplied in the CPU
 // library's bf16 GEMM (AMX / AVX512-BF16, fp32 accumulation), the product returned in fp32 and the base added there.
 // A prompt's products in bf16 mode (`prompt_layers` with bf16 weights); the residual stream stays fp32.
-// The rows are padded to a multiple of 16: the CPU library builds a kernel for each new shape (about 1.5 ms, more than
+// The rows are padded to a multiple of 16: the CPU library builds a kernel for each new shape (which costs more than
 // the product), and prompts come in every length (`VLM.set_bf16_matmul` builds the buckets' kernels up front).
-constexpr int64_t kBf16RowBucket = 16;  // litevlm.model.lm.BF16_ROW_BUCKET
+constexpr int64_t kBf16RowBucket = 16;  // litevlm.model.layers.BF16_ROW_BUCKET
 
 at::Tensor product_bf16(const at::Tensor& base, const at::Tensor& x, const at::Tensor& w16) {
   const int64_t m = x.size(0), pad = (kBf16RowBucket - m % kBf16RowBucket) % kBf16RowBucket;

@@ -1,31 +1,26 @@
-"""Decoder steps over a few tokens on the CPU, outside the eager interpreter.
+"""Decoder steps over a few tokens of one sequence on the CPU, outside the module tree.
 
-A decode step of a small decoder is about a hundred tiny ops (norms, a few matmuls, RoPE, a cache
-write and attention per layer). Eagerly, each pays Python dispatch, which on a CPU costs several
-times its arithmetic: drive-tiny's 12 MB of decoder weights multiply in about 0.75 ms, while an eager
-step takes 2-2.5 ms. `layers` is the fused `DecoderLayer` path (`litevlm.model.lm`) written for one
-sequence of n tokens at contiguous cache slots start..start+n-1, which covers a plain decode step
-(n = 1), a tree verification (n nodes, ancestor mask) and a draft step (one layer). `chain` drafts a
-whole chain in one call; a greedy chain's speculative cycle is two calls, one per side (`draft_cycle`:
-the draft's extend and chain; `verify_chain`: the target's verification and acceptance).
+A decode step of a small decoder is about a hundred tiny ops (norms, a few matmuls, RoPE, a cache write and
+attention per layer); eagerly, each pays Python dispatch, which on a CPU costs more than its arithmetic. `layers` is
+the fused `DecoderLayer` path (`litevlm.model.lm`) written for one sequence of n tokens at contiguous cache slots
+start..start+n-1, which covers a plain decode step (n = 1), a tree verification (n nodes, ancestor mask) and a draft
+step (one layer). `chain` drafts a whole chain in one call; a greedy chain's speculative cycle is two calls, one per
+side (`draft_cycle`: the draft's extend and chain; `verify_chain`: the target's verification and acceptance).
 
-Two implementations run them, chosen once per process (`backend()`):
-- "native": the same four functions in C++ (cpu_steps.cpp, built on first use by
-  `litevlm.model.native`): the matmuls go to ATen and everything between them is one loop each, so a
-  step is its matmuls plus about 20 us a layer (drive-tiny on one core: a plain decode step 0.92 ms
-  against 1.44 ms in TorchScript, a 6-step draft cycle 0.51 against 1.22 ms, a 6-token verification
-  1.20 against 1.91 ms; a 186-token prefill about 2.6 ms faster than the eager layers).
-- "torchscript": the Python functions below, run by TorchScript's interpreter, where the native
-  build is unavailable or disabled (LITEVLM_NATIVE=0).
-Where neither is available, the accessors return None and callers keep the eager path. Tests pin both
-to the eager path.
+A model's steps run on one backend object, chosen once per model (`steps_for`) with the same methods:
+- `NativeSteps`: the same functions in C++ (cpu_steps.cpp, built on first use by `litevlm.model.native`): the
+  matmuls go to ATen and everything between them is one loop each.
+- `EagerSteps`: the Python functions below, op by op, where the native build is unavailable or disabled
+  (LITEVLM_NATIVE=0).
+Where the steps do not apply (another device or dtype, gradients, hooks, a quantised layer: `usable`), `plan` is None
+and the callers run the modules, the reference path. benchmarks/compile_vs_native.py measures these steps against
+`torch.compile` and AOTInductor builds of the same functions.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-import warnings
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -35,13 +30,26 @@ import torch.nn.functional as F
 from litevlm.model.modules import submodules
 
 
+class LayerWeights(NamedTuple):
+    """One decoder layer's weights as the steps take them, row-major (in, out) products (`DecoderLayer.fused_weights`).
+    qkv packs [q k | rot q rot k | v] (C, 2 nqk + Hkv D), nqk = (Hq + Hkv) D, rot = rotate_half per head."""
+
+    input_norm: torch.Tensor  # (C,), or empty where the layer has no input norm (a draft head)
+    qkv: torch.Tensor  # (C, 2 nqk + Hkv D)
+    qkv_bias: torch.Tensor  # (2 nqk + Hkv D,), zeros where the projections have none
+    o_proj: torch.Tensor  # (Hq D, C)
+    post_norm: torch.Tensor  # (C,)
+    gate_up: torch.Tensor  # (C, 2 I)
+    down: torch.Tensor  # (I, C)
+
+
 def layers(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     start: int,
     mask: torch.Tensor | None,
-    weights: list[list[torch.Tensor]],
+    weights: list[LayerWeights],
     caches: list[list[torch.Tensor]],
     hq: int,
     hkv: int,
@@ -55,11 +63,8 @@ def layers(
     the output projection and the MLP -> (1, C); a draft head's extend needs no more.
 
     cos / sin (n, 1, D) at the tokens' positions; mask (1, 1, n, start + n) where attention is
-    allowed, or None when each token may see every slot up to start + n (one token). Per layer,
-    weights = [input norm (C,) or empty for none, packed [q k | rot q rot k | v] (C, 2 nqk + Hkv D),
-    its bias, o_proj (Hq D, C), post-attention norm (C,), [gate | up] (C, 2 I), down (I, C)], all
-    row-major as `DecoderLayer.fused_weights`; caches = [K, V] (1, Hkv, S, D) per layer, written in
-    place.
+    allowed, or None when each token may see every slot up to start + n (one token). weights: one
+    `LayerWeights` per layer; caches = [K, V] (1, Hkv, S, D) per layer, written in place.
     """
     if last_only and len(weights) != 1:
         raise RuntimeError("last_only runs one layer: the next layer would need every row")
@@ -69,8 +74,8 @@ def layers(
     end = start + n
     for i in range(len(weights)):
         w = weights[i]
-        xn = torch.rms_norm(x, [c], w[0], eps) if w[0].numel() > 0 else x
-        qkv = torch.addmm(w[2], xn, w[1])
+        xn = torch.rms_norm(x, [c], w.input_norm, eps) if w.input_norm.numel() > 0 else x
+        qkv = torch.addmm(w.qkv_bias, xn, w.qkv)
         qk = torch.addcmul(qkv[:, :nqk].view(n, hq + hkv, d) * cos, qkv[:, nqk : 2 * nqk].view(n, hq + hkv, d), sin)
         k_cache = caches[i][0]
         v_cache = caches[i][1]
@@ -82,10 +87,10 @@ def layers(
             n = 1
         q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
         y = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, enable_gqa=True)
-        x = torch.addmm(x, y[0].transpose(0, 1).reshape(n, hq * d), w[3])
-        gu = torch.rms_norm(x, [c], w[4], eps) @ w[5]
+        x = torch.addmm(x, y[0].transpose(0, 1).reshape(n, hq * d), w.o_proj)
+        gu = torch.rms_norm(x, [c], w.post_norm, eps) @ w.gate_up
         half = gu.shape[1] // 2
-        x = torch.addmm(x, F.silu(gu[:, :half]) * gu[:, half:], w[6])
+        x = torch.addmm(x, F.silu(gu[:, :half]) * gu[:, half:], w.down)
     return x
 
 
@@ -103,7 +108,7 @@ def chain(
     fc_b: torch.Tensor,
     head: torch.Tensor,
     vocab_map: torch.Tensor,
-    weights: list[list[torch.Tensor]],
+    weights: list[LayerWeights],
     caches: list[list[torch.Tensor]],
     hq: int,
     hkv: int,
@@ -165,7 +170,7 @@ def draft_cycle(
     fc_b: torch.Tensor,
     head: torch.Tensor,
     vocab_map: torch.Tensor,
-    weights: list[list[torch.Tensor]],
+    weights: list[LayerWeights],
     caches: list[list[torch.Tensor]],
     hq: int,
     hkv: int,
@@ -214,7 +219,7 @@ def verify_chain(
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
     embed: torch.Tensor,
-    weights: list[list[torch.Tensor]],
+    weights: list[LayerWeights],
     caches: list[list[torch.Tensor]],
     hq: int,
     hkv: int,
@@ -253,7 +258,7 @@ def decode_logits(
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
     embed: torch.Tensor,
-    weights: list[list[torch.Tensor]],
+    weights: list[LayerWeights],
     caches: list[list[torch.Tensor]],
     hq: int,
     hkv: int,
@@ -281,121 +286,40 @@ def decode_logits(
     return x @ head, x
 
 
-_STEPS: list = []  # [(layers, chain, draft_cycle, verify_chain, decode_logits) or None], filled on first use by `_load`
-_BACKEND: list = []  # ["native" | "torchscript" | None], beside it
+# ------------------------------------------------------------------------------------------------
+# The backends: one object per model, chosen once (`steps_for`)
+# ------------------------------------------------------------------------------------------------
+class EagerSteps:
+    """The step functions of this module, op by op: the fallback where the native build is unavailable."""
 
+    name = "eager"
+    layers = staticmethod(layers)
+    chain = staticmethod(chain)
+    draft_cycle = staticmethod(draft_cycle)
+    verify_chain = staticmethod(verify_chain)
+    decode = staticmethod(decode_logits)
 
-def _scripted_steps() -> tuple | None:
-    """The five functions above compiled by TorchScript, or None where that is unavailable."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return (
-                torch.jit.script(layers),
-                torch.jit.script(chain),
-                torch.jit.script(draft_cycle),
-                torch.jit.script(verify_chain),
-                torch.jit.script(decode_logits),
-            )
-    except Exception:  # a build without TorchScript: the eager path serves
+    def prompt(self, x, cos, sin, decoder_layers, cfg, bf16: bool = False, tail_mask=None) -> None:
+        """A prompt runs through the modules here (their bf16 mode and batched attention): None, always."""
         return None
 
 
-def _flat(groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    return [t for group in groups for t in group]
+class NativeSteps:
+    """The same steps as the native ops of cpu_steps.cpp, taking the same arguments: the weights become the flat list
+    the C++ reads (`native_weights`) at this boundary only."""
 
+    name = "native"
 
-def _kept(t: torch.Tensor, name: str, make) -> torch.Tensor:
-    """make(t), made once per packed weight and kept on it under `name` (packings are rebuilt, never changed in place)."""
-    derived = t.__dict__.get(name)
-    if derived is None:
-        derived = t.__dict__[name] = make(t)
-    return derived
+    def __init__(self, ops):
+        self.ops = ops
 
-
-def _without_rotation(t: torch.Tensor, nqk: int) -> torch.Tensor:
-    """A packed q|k|v projection (C, 2 nqk + Hkv D) or its bias, [q k | rot q rot k | v], as [q k | v] for the native
-    steps (which rotate in a loop)."""
-    return _kept(t, "_litevlm_unrotated", lambda w: torch.cat([w[..., :nqk], w[..., 2 * nqk :]], -1).contiguous())
-
-
-def _native_layer(w: list[torch.Tensor], nqk: int) -> list[torch.Tensor]:
-    """One layer's weights (`layer_weights`) for the native ops: the q|k|v projection and bias without the rotated copies."""
-    return [w[0], _without_rotation(w[1], nqk), _without_rotation(w[2], nqk), *w[3:]]
-
-
-def _per_list(cache: dict, owners: tuple, make):
-    """make(), kept in `cache` for these exact objects (the first a generation's weights list, passed at every step);
-    only the lists of the live generations are worth keeping (the target's and the draft's plans)."""
-    hit = cache.get(id(owners[0]))
-    if hit is not None and all(a is b for a, b in zip(hit[0], owners)):
-        return hit[1]
-    out = make()
-    if len(cache) >= 4:  # lists of past generations
-        cache.clear()
-    cache[id(owners[0])] = (owners, out)
-    return out
-
-
-_NATIVE_FLAT: dict = {}  # id(weights list) -> ((that list,), its `_native_flat`)
-
-
-def _native_flat(weights: list[list[torch.Tensor]], hq: int, hkv: int, d: int) -> list[torch.Tensor]:
-    """`_flat` of the layers' weights for the native ops: each q|k|v projection and bias without its rotated copies
-    (made once per weights list: a generation's plan passes the same list to every step)."""
-    return _per_list(_NATIVE_FLAT, (weights,), lambda: [t for w in weights for t in _native_layer(w, (hq + hkv) * d)])
-
-
-@functools.cache
-def panels_built() -> bool:
-    """The native build has the panel products (an AVX-512 machine)."""
-    from litevlm.model import native
-
-    return native.ops() is not None and bool(native.ops().panels_built())
-
-
-def panels(w: torch.Tensor) -> torch.Tensor:
-    """A row-major (in, out) product weight as the native ops' bf16 panels (`pack_panels` in cpu_steps.cpp), made once
-    per weight."""
-    from litevlm.model import native
-
-    return _kept(w, "_litevlm_panels", native.ops().pack_panels)
-
-
-_DRAFT_PANELS: dict = {}  # id(weights list) -> ((that list, fc, head), its `_draft_panels`)
-
-
-def _draft_panels(
-    fc_w: torch.Tensor, head: torch.Tensor, weights: list[list[torch.Tensor]], hq: int, hkv: int, d: int
-) -> list[torch.Tensor]:
-    """A draft head's products in its native steps, on bf16 panels (cpu_steps.cpp: the draft only proposes, and its
-    weights read in half the bytes): [fc, head, then each layer's q|k|v, o, gate|up, down]; empty where the build has
-    none. Made once per weights list."""
-    if not panels_built():
-        return []
-
-    def make() -> list[torch.Tensor]:
-        layers = [_native_layer(w, (hq + hkv) * d) for w in weights]
-        return [panels(fc_w), panels(head), *[panels(w[i]) for w in layers for i in (1, 3, 5, 6)]]
-
-    return _per_list(_DRAFT_PANELS, (weights, fc_w, head), make)
-
-
-def _native_steps() -> tuple | None:
-    """The five functions as the native ops of cpu_steps.cpp (`litevlm.model.native`), taking the same
-    arguments, or None where they cannot be built here."""
-    from litevlm.model import native
-
-    ops = native.ops()
-    if ops is None:
-        return None
-
-    def native_layers(x, cos, sin, start, mask, weights, caches, hq, hkv, d, eps, last_only=False):
-        return ops.layers(
-            x, cos, sin, start, mask, _native_flat(weights, hq, hkv, d), _flat(caches), hq, hkv, d, eps, last_only
+    def layers(self, x, cos, sin, start, mask, weights, caches, hq, hkv, d, eps, last_only=False):
+        return self.ops.layers(
+            x, cos, sin, start, mask, native_weights(weights, hq, hkv, d), _flat(caches), hq, hkv, d, eps, last_only
         )
 
-    def native_chain(
+    def chain(
+        self,
         root_hidden,
         position,
         start,
@@ -416,7 +340,9 @@ def _native_steps() -> tuple | None:
         d,
         eps,
     ):
-        return ops.chain(
+        flat = native_weights(weights, hq, hkv, d)
+        panels = self._draft_panels(fc_w, head, weights, hq, hkv, d)
+        return self.ops.chain(
             root_hidden,
             position,
             start,
@@ -430,16 +356,17 @@ def _native_steps() -> tuple | None:
             fc_b,
             head,
             vocab_map,
-            _native_flat(weights, hq, hkv, d),
+            flat,
             _flat(caches),
             hq,
             hkv,
             d,
             eps,
-            _draft_panels(fc_w, head, weights, hq, hkv, d),
+            panels,
         )
 
-    def native_cycle(
+    def draft_cycle(
+        self,
         feats,
         nxt,
         pair_pos,
@@ -463,7 +390,9 @@ def _native_steps() -> tuple | None:
         d,
         eps,
     ):
-        return ops.draft_cycle(
+        flat = native_weights(weights, hq, hkv, d)
+        panels = self._draft_panels(fc_w, head, weights, hq, hkv, d)
+        return self.ops.draft_cycle(
             feats,
             nxt,
             pair_pos,
@@ -480,146 +409,178 @@ def _native_steps() -> tuple | None:
             fc_b,
             head,
             vocab_map,
-            _native_flat(weights, hq, hkv, d),
+            flat,
             _flat(caches),
             hq,
             hkv,
             d,
             eps,
-            _draft_panels(fc_w, head, weights, hq, hkv, d),
+            panels,
         )
 
-    def native_verify(
-        tokens, start, root_pos, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps, norm_w, head
+    def verify_chain(
+        self, tokens, start, root_pos, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps, norm_w, head
     ):
-        return ops.verify_chain(
-            tokens,
-            start,
-            root_pos,
-            cos_table,
-            sin_table,
-            embed,
-            _native_flat(weights, hq, hkv, d),
-            _flat(caches),
-            hq,
-            hkv,
-            d,
-            eps,
-            norm_w,
-            head,
+        flat = native_weights(weights, hq, hkv, d)
+        return self.ops.verify_chain(
+            tokens, start, root_pos, cos_table, sin_table, embed, flat, _flat(caches), hq, hkv, d, eps, norm_w, head
         )
 
-    def native_decode(
-        token, position, slot, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps, norm_w, head
+    def decode(
+        self, token, position, slot, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps, norm_w, head
     ):
-        return ops.decode_logits(
-            token,
-            position,
-            slot,
-            cos_table,
-            sin_table,
-            embed,
-            _native_flat(weights, hq, hkv, d),
-            _flat(caches),
-            hq,
-            hkv,
-            d,
-            eps,
-            norm_w,
-            head,
+        flat = native_weights(weights, hq, hkv, d)
+        return self.ops.decode_logits(
+            token, position, slot, cos_table, sin_table, embed, flat, _flat(caches), hq, hkv, d, eps, norm_w, head
         )
 
-    return native_layers, native_chain, native_cycle, native_verify, native_decode
+    def prompt(self, x, cos, sin, decoder_layers, cfg, bf16: bool = False, tail_mask=None) -> torch.Tensor | None:
+        """A prompt of one sequence, x (T, C) at cache slots 0..T-1 with cos / sin (T, 1, D) at its positions, causally
+        through `decoder_layers` (of a decoder with TextConfig `cfg`) in one call -> (T, C) before any final norm; None
+        where `usable` says no (the caller runs the modules). bf16: the four products of each layer in bf16 around an
+        fp32 residual stream. tail_mask (m, T): the last m rows are a tree after the prompt (answer openings), each
+        seeing where its row allows."""
+        if not usable(x, decoder_layers):
+            return None
+        per_layer = [
+            unrotated(layer_weights(layer), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) for layer in decoder_layers
+        ]
+        products = bf16_products(per_layer) if bf16 else []
+        caches_ = _flat(caches(decoder_layers))
+        return self.ops.prompt_layers(
+            x,
+            cos,
+            sin,
+            _flat_layers(per_layer),
+            caches_,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.norm_eps,
+            products,
+            tail_mask,
+        )
+
+    def _draft_panels(self, fc_w, head, weights, hq, hkv, d) -> list[torch.Tensor]:
+        """A draft head's products on bf16 panels (cpu_steps.cpp: the draft only proposes, and its weights read in
+        half the bytes): [fc, head, then each layer's q|k|v, o, gate|up, down]; empty where the build has none. Made
+        once per weights list."""
+        if not self.ops.panels_built():
+            return []
+
+        def make() -> list[torch.Tensor]:
+            per_layer = [unrotated(w, hq, hkv, d) for w in weights]
+            products = [p for w in per_layer for p in (w.qkv, w.o_proj, w.gate_up, w.down)]
+            return [panels(fc_w), panels(head), *[panels(p) for p in products]]
+
+        return _per_list(_DRAFT_PANELS, (weights, fc_w, head), make)
 
 
-def _load() -> None:
-    if not _STEPS:
-        steps, name = _native_steps(), "native"
-        if steps is None:
-            steps, name = _scripted_steps(), "torchscript"
-        _STEPS.append(steps)
-        _BACKEND.append(name if steps is not None else None)
-
-
-def backend() -> str | None:
-    """Which implementation runs the CPU steps: "native" (cpu_steps.cpp), "torchscript", or None (eager)."""
-    _load()
-    return _BACKEND[0]
-
-
-def step_layers():
-    """`layers` as run here (native or TorchScript, once per process), or None where neither is available."""
-    _load()
-    return None if _STEPS[0] is None else _STEPS[0][0]
-
-
-def step_chain():
-    """`chain` as run here, or None."""
-    _load()
-    return None if _STEPS[0] is None else _STEPS[0][1]
-
-
-def step_cycle():
-    """(`draft_cycle`, `verify_chain`) as run here, or None."""
-    _load()
-    return None if _STEPS[0] is None else _STEPS[0][2:4]
-
-
-def step_decode():
-    """`decode_logits` as run here, or None."""
-    _load()
-    return None if _STEPS[0] is None else _STEPS[0][4]
-
-
-def _native_layers(decoder_layers, cfg) -> list[list[torch.Tensor]]:
-    """`_native_layer` of each layer's weights, for a decoder with TextConfig `cfg`."""
-    nqk = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
-    return [_native_layer(layer_weights(layer), nqk) for layer in decoder_layers]
-
-
-def prompt_layers(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    decoder_layers,
-    cfg,
-    bf16: bool = False,
-    tail_mask: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """A prompt of one sequence, x (T, C) at cache slots 0..T-1 with cos / sin (T, 1, D) at its positions,
-    causally through `decoder_layers` (of a decoder with TextConfig `cfg`) in one native call -> (T, C) before any final norm; None where that
-    does not apply (the native build is missing, or `usable` says no): the caller runs the layers eagerly.
-    tail_mask (m, T): the last m rows are a tree after the prompt (answer openings), each seeing where its row allows.
-    The eager prompt path costs about 0.4 ms a layer more on drive-tiny (its norms, RoPE, cache writes and
-    attention dispatched op by op)."""
-    if backend() != "native" or not usable(x, decoder_layers):
-        return None
+@functools.cache
+def default_steps() -> NativeSteps | EagerSteps:
+    """The backend a model gets: native where cpu_steps.cpp builds and loads here, else eager (decided once)."""
     from litevlm.model import native
 
-    per_layer = _native_layers(decoder_layers, cfg)
-    products = bf16_products(per_layer) if bf16 else []
-    return native.ops().prompt_layers(
-        x,
-        cos,
-        sin,
-        _flat(per_layer),
-        _flat(caches(decoder_layers)),
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.norm_eps,
-        products,
-        tail_mask,
+    ops = native.ops()
+    return EagerSteps() if ops is None else NativeSteps(ops)
+
+
+def steps_for(module) -> NativeSteps | EagerSteps:
+    """module's backend (a decoder or a draft head): `default_steps()` on first use, kept on the module; `use` sets
+    another."""
+    chosen = module.__dict__.get("_cpu_steps")
+    if chosen is None:
+        chosen = module.__dict__["_cpu_steps"] = default_steps()
+    return chosen
+
+
+def use(module, steps: NativeSteps | EagerSteps) -> None:
+    """Run module's CPU steps on `steps` from now on (tests pin a backend this way)."""
+    module.__dict__["_cpu_steps"] = steps
+
+
+def backend() -> str:
+    """The backend models get here: "native" (cpu_steps.cpp) or "eager"."""
+    return default_steps().name
+
+
+# ------------------------------------------------------------------------------------------------
+# The native boundary: named weights -> the flat lists cpu_steps.cpp reads
+# ------------------------------------------------------------------------------------------------
+def _flat(groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    return [t for group in groups for t in group]
+
+
+def _flat_layers(weights: list[LayerWeights]) -> list[torch.Tensor]:
+    """The flat per-layer list cpu_steps.cpp reads (kWeightsPerLayer a layer, in `LayerWeights`' field order)."""
+    return [t for w in weights for t in w]
+
+
+def _kept(t: torch.Tensor, name: str, make) -> torch.Tensor:
+    """make(t), made once per packed weight and kept on it under `name` (packings are rebuilt, never changed in place)."""
+    derived = t.__dict__.get(name)
+    if derived is None:
+        derived = t.__dict__[name] = make(t)
+    return derived
+
+
+def unrotated(w: LayerWeights, hq: int, hkv: int, d: int) -> LayerWeights:
+    """w with its q|k|v projection and bias as [q k | v], without the rotated copies (the native steps rotate in a
+    loop); each made once per packed weight."""
+    nqk = (hq + hkv) * d
+
+    def drop(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[..., :nqk], t[..., 2 * nqk :]], -1).contiguous()
+
+    return w._replace(
+        qkv=_kept(w.qkv, "_litevlm_unrotated", drop), qkv_bias=_kept(w.qkv_bias, "_litevlm_unrotated", drop)
     )
 
 
-def bf16_products(per_layer: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """The bf16 copies of each layer's four product weights (q|k|v, o, gate|up, down) from `_native_layer` lists: what
-    a native prompt multiplies in the CPU library's bf16 GEMM in bf16 mode."""
+def _per_list(cache: dict, owners: tuple, make):
+    """make(), kept in `cache` for these exact objects (the first a generation's weights list, passed at every step);
+    only the lists of the live generations are worth keeping (the target's and the draft's plans)."""
+    hit = cache.get(id(owners[0]))
+    if hit is not None and all(a is b for a, b in zip(hit[0], owners)):
+        return hit[1]
+    out = make()
+    if len(cache) >= 4:  # lists of past generations
+        cache.clear()
+    cache[id(owners[0])] = (owners, out)
+    return out
+
+
+_NATIVE_FLAT: dict = {}  # id(weights list) -> ((that list,), its `native_weights`)
+_DRAFT_PANELS: dict = {}  # id(weights list) -> ((that list, fc, head), its draft panels)
+
+
+def native_weights(weights: list[LayerWeights], hq: int, hkv: int, d: int) -> list[torch.Tensor]:
+    """The layers' weights as the flat list the native ops read, q|k|v `unrotated` (made once per weights list: a
+    generation's plan passes the same list to every step)."""
+    return _per_list(_NATIVE_FLAT, (weights,), lambda: _flat_layers([unrotated(w, hq, hkv, d) for w in weights]))
+
+
+def panels_built() -> bool:
+    """The native build has the panel products (an AVX-512 machine)."""
+    steps = default_steps()
+    return steps.name == "native" and bool(steps.ops.panels_built())
+
+
+def panels(w: torch.Tensor) -> torch.Tensor:
+    """A row-major (in, out) product weight as the native ops' bf16 panels (`pack_panels` in cpu_steps.cpp), made once
+    per weight."""
+    from litevlm.model import native
+
+    return _kept(w, "_litevlm_panels", native.ops().pack_panels)
+
+
+def bf16_products(per_layer: list[LayerWeights]) -> list[torch.Tensor]:
+    """The bf16 copies of each layer's four products (q|k|v, o, gate|up, down) from `unrotated` weights: what a native
+    prompt multiplies in the CPU library's bf16 GEMM in bf16 mode."""
     return [
-        _kept(w[i], "_litevlm_bf16", lambda t: t.to(torch.bfloat16).contiguous())
+        _kept(p, "_litevlm_bf16", lambda t: t.to(torch.bfloat16).contiguous())
         for w in per_layer
-        for i in (1, 3, 5, 6)
+        for p in (w.qkv, w.o_proj, w.gate_up, w.down)
     ]
 
 
@@ -628,21 +589,24 @@ def native_bf16_products(decoder_layers, cfg) -> list[torch.Tensor]:
     native steps do not serve."""
     if backend() != "native":
         return []
-    return bf16_products(_native_layers([layer for layer in decoder_layers if layer.fusable()], cfg))
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return bf16_products([unrotated(layer_weights(layer), hq, hkv, d) for layer in decoder_layers if layer.fusable()])
 
 
-def layer_weights(layer) -> list[torch.Tensor]:
-    """One `DecoderLayer`'s weights in `layers`' order (the fused, cached packing; once per `frozen()` scope)."""
+# ------------------------------------------------------------------------------------------------
+# Plans: a generation's weight arguments, gathered once
+# ------------------------------------------------------------------------------------------------
+def layer_weights(layer) -> LayerWeights:
+    """One `DecoderLayer`'s weights for the steps (the fused, cached packing; once per `frozen()` scope)."""
     return remembered(("weights", id(layer)), lambda: _layer_weights(layer))
 
 
-def _layer_weights(layer) -> list[torch.Tensor]:
-    qkv_w, qkv_b, gate_up, o_t, down_t = layer.fused_weights()
-    if qkv_b is None:
-        qkv_b = qkv_w.new_zeros(qkv_w.shape[1])
+def _layer_weights(layer) -> LayerWeights:
+    w = layer.fused_weights()
+    qkv_bias = w.qkv_bias if w.qkv_bias is not None else w.qkv.new_zeros(w.qkv.shape[1])
     norm = layer.input_layernorm
-    in_norm = norm.weight if hasattr(norm, "weight") else qkv_w.new_empty(0)
-    return [in_norm, qkv_w, qkv_b, o_t, layer.post_attention_layernorm.weight, gate_up, down_t]
+    input_norm = norm.weight if hasattr(norm, "weight") else w.qkv.new_empty(0)
+    return LayerWeights(input_norm, w.qkv, qkv_bias, w.o_proj, layer.post_attention_layernorm.weight, w.gate_up, w.down)
 
 
 class Plan(NamedTuple):
@@ -650,12 +614,12 @@ class Plan(NamedTuple):
     start and reuses it for every step (nothing changes the weights meanwhile). The caches are read at
     each call (`caches`): `setup_cache` may replace them."""
 
-    weights: list[list[torch.Tensor]]
+    weights: list[LayerWeights]
 
 
 def plan(x: torch.Tensor, decoder_layers) -> Plan | None:
-    """The arguments for running `decoder_layers` as CPU steps on inputs like x, or None where the eager
-    path must run (see `usable`)."""
+    """The arguments for running `decoder_layers` as CPU steps on inputs like x, or None where the modules
+    must run (see `usable`)."""
     if not usable(x, decoder_layers):
         return None
     return Plan([layer_weights(layer) for layer in decoder_layers])
@@ -663,7 +627,7 @@ def plan(x: torch.Tensor, decoder_layers) -> Plan | None:
 
 def caches(decoder_layers) -> list[list[torch.Tensor]]:
     """`layers`' cache arguments: each layer's current [K, V] (read through the module dicts: this runs
-    every step, and nn.Module attribute lookups would cost about 20 us here)."""
+    every step, and nn.Module attribute lookups cost more than the rest of its bookkeeping)."""
     out = []
     for layer in decoder_layers:
         buffers = layer._modules["self_attn"]._modules["kv_cache"]._buffers
@@ -700,12 +664,12 @@ def remembered(key, compute):
 
 def _hooks_in(module: torch.nn.Module) -> bool:
     """A forward (pre-)hook on module or below it (`submodules`: this runs at every generation, where
-    `Module.modules()` would cost about 70 us for drive-tiny's decoder)."""
+    `Module.modules()` is slower)."""
     return any(m._forward_hooks or m._forward_pre_hooks for m in submodules(module))
 
 
 def _hooked(decoder_layers) -> bool:
-    """Forward hooks would see nothing of a step run outside the modules: such layers keep the eager path."""
+    """Forward hooks would see nothing of a step run outside the modules: such layers run the modules."""
     from torch.nn.modules import module
 
     if module._global_forward_hooks or module._global_forward_pre_hooks:
@@ -724,4 +688,4 @@ def usable(x: torch.Tensor, decoder_layers) -> bool:
         k = cache._buffers["k"]
         if k.shape[0] != 1 or k.dtype != torch.float32 or not layer.fusable():
             return False
-    return step_layers() is not None
+    return True

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from litevlm.errors import LiteVLMError
-from litevlm.model.lm import linear
+from litevlm.model.layers import linear
 
 
 def sync(device) -> None:

@@ -9,6 +9,8 @@ transformers' Qwen2/Llama so checkpoints map one to one.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -17,112 +19,17 @@ from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
 from litevlm.model.kv_cache import KVCache
-from litevlm.model.vision import RMSNorm
-
-
-def linear(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
-    """`lin(x)`, faster for a few rows at CPU inference: there a row-major (in, out) copy of the
-    weight, kept until the weight changes, multiplies about twice as fast as the (out, in) one."""
-    if x.device.type != "cpu" or (torch.is_grad_enabled() and lin.weight.requires_grad) or not _plain(lin):
-        return lin(x)
-    w_t = row_major(lin)
-    x2 = x.reshape(-1, x.shape[-1])
-    y = x2 @ w_t if lin.bias is None else torch.addmm(lin.bias, x2, w_t)
-    return y.view(*x.shape[:-1], -1)
-
-
-def row_major(lin: nn.Linear) -> torch.Tensor:
-    """lin's weight as a row-major (in, out) copy, kept on the module until the weight changes."""
-    w = lin.weight
-    key = (w.data_ptr(), w._version)
-    hit = lin.__dict__.get("_row_major")  # (weight version, weight.t().contiguous())
-    if hit is None or hit[0] != key:
-        hit = (key, w.detach().t().contiguous())
-        lin.__dict__["_row_major"] = hit
-    return hit[1]
-
-
-BF16_ROW_BUCKET = 16
-
-
-def mm(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w16: torch.Tensor | None = None
-) -> torch.Tensor:
-    """bias + x @ w for a 2-D x. With w16 (`pack_bf16(w)`), x is bf16 (a prompt held in bf16 end to end,
-    `TextModel.forward`) and the product runs in bf16 on AMX / AVX512-BF16, about 3x an fp32 one at 100 rows
-    (the weights pre-blocked once for the CPU library, so no call re-lays them out); the result is bf16.
-
-    The bf16 rows are padded to a multiple of BF16_ROW_BUCKET: the CPU library builds a kernel for each
-    new shape (about 1.5 ms here, more than the product), and prompts come in every length."""
-    if w16 is None:
-        return x @ w if bias is None else torch.addmm(bias, x, w)
-    m, k = x.shape
-    pad = -m % BF16_ROW_BUCKET
-    y = torch.ops.mkldnn._linear_pointwise(torch.cat([x, x.new_zeros(pad, k)]) if pad else x, w16, None, "none", [], "")
-    y = y[:m] if pad else y
-    return y if bias is None else y.add_(bias)
-
-
-def pack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """A row-major (in, out) fp32 weight as `mm`'s w16: bf16, in the CPU library's blocked layout."""
-    return torch.ops.mkldnn._reorder_linear_weight(w.t().to(torch.bfloat16), 4 * BF16_ROW_BUCKET)
-
-
-def bf16_matmul_supported() -> bool:
-    """This CPU multiplies bf16 natively (AMX or AVX512-BF16), so `mm` with bf16 weights pays."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and ("amx_bf16" in flags or "avx512_bf16" in flags)
-    )
-
-
-def _plain(lin: nn.Module) -> bool:
-    """An nn.Linear as built (not, say, an FP8Linear) that nobody observes through hooks."""
-    return type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (B, 1, T, D) for integer positions (B, T), computed in fp32 like transformers."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim)
-    )
-    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, D)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def rope_table(owner, head_dim: int, theta: float, top: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (P, 1, D) for positions 0..P-1, P > top (the same values as `rope_cos_sin` there), kept on
-    `owner` between calls and grown when a position passes its end."""
-    table = owner.__dict__.get("_rope_table")
-    if table is None or table[0].shape[0] <= top or table[0].dtype != dtype or table[0].device != torch.device(device):
-        size = max(top + 1, 4096)
-        cos, sin = rope_cos_sin(torch.arange(size, device=device)[None], head_dim, theta, dtype)
-        table = (cos[0, 0, :, None], sin[0, 0, :, None])
-        owner.__dict__["_rope_table"] = table
-    return table
-
-
-def rotate_head_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """A projection's output rows (weight or bias) re-ordered per head as [-second half, first half]:
-    x @ rotate_head_rows(W, D).T == rotate_half(x @ W.T) per head, so RoPE's rotation folds into packed weights."""
-    w = w.view(-1, head_dim, *w.shape[1:])  # (heads, D, ...)
-    return torch.cat([-w[:, head_dim // 2 :], w[:, : head_dim // 2]], 1).reshape(-1, *w.shape[2:])
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+from litevlm.model.layers import (
+    RMSNorm,
+    apply_rope,
+    mm,
+    pack_bf16,
+    plain_linear,
+    rope_cos_sin,
+    rope_table,
+    rotate_head_rows,
+    row_major,
+)
 
 
 class SelfAttention(nn.Module):
@@ -176,6 +83,26 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class FusedWeights(NamedTuple):
+    """A decoder layer's projections packed for few, large kernels (`DecoderLayer.fused_weights`), row-major (in, out).
+    qkv is [q k | rot q rot k | v] (C, 2 nqk + Hkv D), nqk = (Hq + Hkv) D, rot = rotate_half per head."""
+
+    qkv: torch.Tensor  # (C, 2 nqk + Hkv D)
+    qkv_bias: torch.Tensor | None  # (2 nqk + Hkv D,), None without q/k/v biases
+    gate_up: torch.Tensor  # (C, 2 I)
+    o_proj: torch.Tensor  # (Hq D, C)
+    down: torch.Tensor  # (I, C)
+
+
+class Bf16Weights(NamedTuple):
+    """`FusedWeights`' four products packed for the CPU library's bf16 GEMM (`pack_bf16`), or all None."""
+
+    qkv: torch.Tensor | None
+    gate_up: torch.Tensor | None
+    o_proj: torch.Tensor | None
+    down: torch.Tensor | None
+
+
 _FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"))
 
 
@@ -207,18 +134,18 @@ class DecoderLayer(nn.Module):
         m = self._modules["mlp"]
         mods = self._modules["self_attn"]._modules, m._modules  # direct dict reads: this runs every prefill
         return isinstance(m, SwiGLU) and all(
-            _plain(ms[name]) for ms, names in zip(mods, _FUSED_PROJECTIONS) for name in names
+            plain_linear(ms[name]) for ms, names in zip(mods, _FUSED_PROJECTIONS) for name in names
         )
 
-    def fused_weights(self) -> tuple:
+    def fused_weights(self) -> FusedWeights:
         """Packed, pre-transposed projections (in, out): rebuilt on every call while training (so
         gradients flow), otherwise cached until a weight changes (in place or replaced).
 
         One matmul yields [q k | rot(q) rot(k) | v], where rot(x) = rotate_half(x): rotating is a
         signed permutation of output rows, so it folds into the weights and RoPE becomes
         qk * cos + rot(qk) * sin (two kernels instead of six). gate and up share a matmul too. On
-        the CPU a row-major (in, out) weight multiplies a few rows about twice as fast as
-        nn.Linear's transposed (out, in) one.
+        the CPU a row-major (in, out) weight multiplies a few rows faster than nn.Linear's transposed
+        (out, in) one.
         """
         training = self.training and torch.is_grad_enabled()
         if training or self._fused is None:
@@ -238,12 +165,12 @@ class DecoderLayer(nn.Module):
             if p is not None
         )
 
-    def _fused_current(self) -> tuple:
+    def _fused_current(self) -> FusedWeights:
         """The cached packing if no projection changed since it was made, else a new one."""
         key = self._fused_key()
         return self._fused[1] if self._fused[0] == key else self._pack_fused(key, False)
 
-    def _pack_fused(self, key: tuple | None, training: bool) -> tuple:
+    def _pack_fused(self, key: tuple | None, training: bool) -> FusedWeights:
         attn, mlp = self.self_attn, self.mlp
         d = attn.cfg.head_dim
 
@@ -254,25 +181,27 @@ class DecoderLayer(nn.Module):
             if attn.q_proj.bias is not None:
                 qk_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias])
                 qkv_b = torch.cat([qk_b, rotate_head_rows(qk_b, d), attn.v_proj.bias])
-            w = [
-                qkv_w.t(),
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t(),
-                attn.o_proj.weight.t(),
-                mlp.down_proj.weight.t(),
-            ]
+            w = FusedWeights(
+                qkv=qkv_w.t(),
+                qkv_bias=qkv_b,
+                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t(),
+                o_proj=attn.o_proj.weight.t(),
+                down=mlp.down_proj.weight.t(),
+            )
         if training:
-            return (w[0], qkv_b, *w[1:])
-        w = tuple(x.detach().contiguous() for x in w)
-        self._fused = (key, (w[0], None if qkv_b is None else qkv_b.detach(), *w[1:]))
-        return self._fused[1]
+            return w
+        w = FusedWeights(*(None if t is None else t.detach().contiguous() for t in w))
+        self._fused = (key, w)
+        return w
 
-    def bf16_weights(self, w: tuple, dtype: torch.dtype) -> tuple:
-        """The packed (qkv, gate_up, o, down) weights for bf16 `mm` when the rows are a prompt held in bf16
-        (dtype bf16; `TextModel.forward` decides), else Nones; made once per packing."""
-        if dtype != torch.bfloat16 or not self.bf16_min_rows or w[0].requires_grad:
-            return (None, None, None, None)
+    def bf16_weights(self, w: FusedWeights, dtype: torch.dtype) -> Bf16Weights:
+        """The packed products for bf16 `mm` when the rows are a prompt held in bf16 (dtype bf16;
+        `TextModel.forward` decides), else Nones; made once per packing."""
+        if dtype != torch.bfloat16 or not self.bf16_min_rows or w.qkv.requires_grad:
+            return Bf16Weights(None, None, None, None)
         if self._fused16 is None or self._fused16[0] is not w:
-            self._fused16 = (w, tuple(pack_bf16(w[i]) for i in (0, 2, 3, 4)))
+            packed = Bf16Weights(pack_bf16(w.qkv), pack_bf16(w.gate_up), pack_bf16(w.o_proj), pack_bf16(w.down))
+            self._fused16 = (w, packed)
         return self._fused16[1]
 
     def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -282,31 +211,29 @@ class DecoderLayer(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), norm.weight.to(torch.bfloat16), norm.eps)
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps) if x.dtype == torch.float32 else norm(x)
 
-    def fused_qkv(self, x, cos, sin, w: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def fused_qkv(self, x, cos, sin, w: FusedWeights | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, C), cos / sin (B or 1, T, 1, D) -> RoPE'd q (B, Hq, T, D), k (B, Hkv, T, D), v (B, Hkv, T, D).
         w: `fused_weights()` when the caller already holds them."""
         cfg = self.self_attn.cfg
         b, t, c = x.shape
         h_q, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         nqk = (h_q + h_kv) * d
-        w = w or self.fused_weights()
-        qkv_w, qkv_b = w[:2]
+        w = self.fused_weights() if w is None else w
         h = self._norm(x, self.input_layernorm).reshape(b * t, c)
-        qkv = mm(h, qkv_w, qkv_b, self.bf16_weights(w, x.dtype)[0]).view(b, t, -1)  # (B, T, 2 nqk + Hkv D)
+        qkv = mm(h, w.qkv, w.qkv_bias, self.bf16_weights(w, x.dtype).qkv).view(b, t, -1)  # (B, T, 2 nqk + Hkv D)
         qk, qk_rot, v = qkv.split((nqk, nqk, h_kv * d), -1)
         qk = torch.addcmul(qk.view(b, t, -1, d) * cos, qk_rot.view(b, t, -1, d), sin)  # (B, T, Hq + Hkv, D) RoPE'd
         v = v.view(b, t, h_kv, d).transpose(1, 2)  # (B, Hkv, T, D)
         return qk[:, :, :h_q].transpose(1, 2), qk[:, :, h_q:].transpose(1, 2), v
 
-    def fused_out(self, x, y, w: tuple | None = None) -> torch.Tensor:
+    def fused_out(self, x, y, w: FusedWeights | None = None) -> torch.Tensor:
         """Residual + o_proj(attention output y (B, Hq, T, D)), then the MLP block -> (B, T, C)."""
         b, t, c = x.shape
-        w = w or self.fused_weights()
-        _, _, gate_up, o_t, down_t = w
-        _, gate_up16, o16, down16 = self.bf16_weights(w, x.dtype)
-        x = mm(y.transpose(1, 2).reshape(b * t, -1), o_t, x.reshape(b * t, c), o16)  # (B T, C): x + o_proj(y)
-        g, u = mm(self._norm(x, self.post_attention_layernorm), gate_up, None, gate_up16).chunk(2, -1)
-        return mm(F.silu(g) * u, down_t, x, down16).view(b, t, c)  # + down_proj(silu(gate) * up)
+        w = self.fused_weights() if w is None else w
+        w16 = self.bf16_weights(w, x.dtype)
+        x = mm(y.transpose(1, 2).reshape(b * t, -1), w.o_proj, x.reshape(b * t, c), w16.o_proj)  # (B T, C): x + o(y)
+        g, u = mm(self._norm(x, self.post_attention_layernorm), w.gate_up, None, w16.gate_up).chunk(2, -1)
+        return mm(F.silu(g) * u, w.down, x, w16.down).view(b, t, c)  # + down_proj(silu(gate) * up)
 
 
 class TextModel(nn.Module):
@@ -349,9 +276,7 @@ class TextModel(nn.Module):
         tree_tail (m, T) bool, for a prompt from slot 0 without a mask: its last m rows are a tree after the prompt
         (answer openings), row i seeing the slots where tree_tail[i] is True; the other rows stay causal.
         """
-        if (
-            embeds.device.type == "cpu"
-        ):  # the kept table, gathered (the same values; reading the top position syncs a GPU)
+        if embeds.device.type == "cpu":  # the kept table, gathered (the same values; reading its top syncs a GPU)
             table_cos, table_sin = self.rope_table(int(positions.max()), embeds.dtype, embeds.device)  # (P, 1, D)
             cos, sin = table_cos[positions].transpose(1, 2), table_sin[positions].transpose(1, 2)  # (B, 1, T, D)
         else:
@@ -370,7 +295,7 @@ class TextModel(nn.Module):
             and len(layers) > 0
         ):  # a prompt from slot 0, one sequence: one native call where it applies
             t, d = embeds.shape[1], self.cfg.head_dim
-            out = cpu_steps.prompt_layers(
+            out = self.steps.prompt(
                 embeds[0], cos.reshape(t, 1, d), sin.reshape(t, 1, d), layers, self.cfg, bf16=bf16, tail_mask=tree_tail
             )
             if out is not None:
@@ -409,6 +334,11 @@ class TextModel(nn.Module):
     def rope_table(self, top: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_table(self, self.cfg.head_dim, self.cfg.rope_theta, top, dtype, device)
 
+    @property
+    def steps(self) -> cpu_steps.NativeSteps | cpu_steps.EagerSteps:
+        """The backend of this decoder's one-sequence CPU steps (`cpu_steps.steps_for`), chosen once."""
+        return cpu_steps.steps_for(self)
+
     def step_plan(self):
         """The CPU step's arguments for this decoder (`litevlm.model.cpu_steps.Plan`), or None
         where the eager path runs; build one per generation and pass it to every step."""
@@ -428,7 +358,7 @@ class TextModel(nn.Module):
         top = int(positions.max()) if positions.numel() > 1 else int(positions)
         cos, sin = self.rope_table(top, embeds.dtype, embeds.device)
         cfg = self.cfg
-        x = cpu_steps.step_layers()(
+        x = self.steps.layers(
             embeds,
             cos[positions],
             sin[positions],
@@ -452,12 +382,11 @@ class TextModel(nn.Module):
         """A plain decode step of one sequence in one CPU call (`litevlm.model.cpu_steps.decode_logits`): token (1,)
         at RoPE `position`, written at cache `slot` -> (logits (1, V), post-norm hidden (1, C)); None where it does
         not apply (no plan, a head with a bias or a norm it does not know: the caller runs the layers alone)."""
-        fn = cpu_steps.step_decode()
-        if fn is None or plan is None or torch.is_grad_enabled() or not self.head_fusable(lm_head):
+        if plan is None or torch.is_grad_enabled() or not self.head_fusable(lm_head):
             return None
         cos, sin = self.rope_table(position, torch.float32, token.device)
         cfg = self.cfg
-        return fn(
+        return self.steps.decode(
             token,
             position,
             slot,

@@ -14,20 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from litevlm.config import VisionConfig, VLMConfig
+from litevlm.model.layers import RMSNorm, pack_bf16
 from litevlm.model.modules import submodules
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 def _act(name: str):
@@ -159,8 +147,6 @@ class Block(nn.Module):
     def bf16_weights(self) -> list:
         """`vit_blocks_bf16`' weights: `packed()` in bf16, its projections packed for the CPU library (q, k and v
         apart) with bf16 biases; made once per packing."""
-        from litevlm.model.lm import pack_bf16
-
         w = self.packed()
         if self._packed16 is None or self._packed16[0] is not w:
             c = w[2].shape[0]
@@ -188,8 +174,7 @@ class Block(nn.Module):
 
 
 def vit_blocks(x: torch.Tensor, weights: list[list[torch.Tensor]], heads: int, eps: float) -> torch.Tensor:
-    """InternViT blocks (LayerNorm, exact GELU, no qk-norm) on raw weights: x (T, N, C). (TorchScript ran
-    this slower than Python at six views, so it stays a plain function.)
+    """InternViT blocks (LayerNorm, exact GELU, no qk-norm) on raw weights: x (T, N, C).
     Per block: [norm1 w, b, qkv W (C, 3C) row-major, qkv b, proj W (C, C), proj b, lambda_1, norm2 w, b,
     fc1 W (C, I), fc1 b, fc2 W (I, C), fc2 b, lambda_2]."""
     t, n, c = x.shape
@@ -207,9 +192,7 @@ def vit_blocks(x: torch.Tensor, weights: list[list[torch.Tensor]], heads: int, e
     return x
 
 
-def vit_blocks_bf16(
-    x: torch.Tensor, weights: list[list[torch.Tensor | None]], heads: int, eps: float
-) -> torch.Tensor:
+def vit_blocks_bf16(x: torch.Tensor, weights: list[list[torch.Tensor | None]], heads: int, eps: float) -> torch.Tensor:
     """`vit_blocks` in bf16 end to end (CPUs with AMX / AVX512-BF16): x (T, N, C) fp32 is cast once, every
     product runs on weights packed for the CPU library (fc1 with its GELU fused), norms, attention and the
     residual stream stay bf16, and the output is cast back once. Casting around each product instead cost
@@ -237,7 +220,7 @@ def vit_blocks_bf16(
 
 def _weights_key(module: nn.Module) -> tuple:
     """(data_ptr, version) of every parameter of module and below, read through `submodules`
-    (`Module.parameters()` costs about 20 us a block, at every vision call)."""
+    (`Module.parameters()` is slower, and this runs at every vision call)."""
     return tuple(
         (p.data_ptr(), p._version) for m in submodules(module) for p in m._parameters.values() if p is not None
     )

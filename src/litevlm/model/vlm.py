@@ -44,7 +44,7 @@ class VLM(nn.Module):
         weight shape and row count the model will see (1-6 views; decoder row buckets up to `warm_rows`) is
         built here (about 1.5 ms each, under a second in all for drive-tiny) rather than inside the first
         prompts of each length."""
-        from litevlm.model.lm import BF16_ROW_BUCKET, bf16_matmul_supported, mm
+        from litevlm.model.layers import BF16_ROW_BUCKET, bf16_matmul_supported, mm
 
         if min_rows and (self.device.type != "cpu" or self.dtype != torch.float32 or not bf16_matmul_supported()):
             raise LiteVLMError(

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -48,8 +47,8 @@ from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps, native
 from litevlm.model.generate import Generation, Prefilled, StageTimer, check_prompt_fits, generate
-from litevlm.model.lm import DecoderLayer, apply_rope, linear, rope_cos_sin, rope_table, rotate_head_rows
-from litevlm.model.vision import RMSNorm
+from litevlm.model.layers import RMSNorm, apply_rope, linear, rope_cos_sin, rope_table, rotate_head_rows
+from litevlm.model.lm import DecoderLayer
 
 SELECTOR_DIR = "token_selector"
 SELECTOR_FORMAT = "litevlm-token-selector"
@@ -313,20 +312,6 @@ def _head_ops(
     if tags.numel() > 0:
         s = s + (w[12][:, None] * tags).sum(0)
     return s
-
-
-_HEAD_FN: list = []  # [scripted `_head_ops`, or `_head_ops` itself where TorchScript is missing]
-
-
-def _head_fn():
-    if not _HEAD_FN:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                _HEAD_FN.append(torch.jit.script(_head_ops))
-        except Exception:
-            _HEAD_FN.append(_head_ops)
-    return _HEAD_FN[0]
 
 
 class FastVPrefill(NamedTuple):
@@ -661,7 +646,7 @@ class TokenSelector(nn.Module):
         tags: torch.Tensor | None,
     ) -> torch.Tensor:
         """`head_scores` for one fp32 prompt x (T, C) at inference: `_head_ops` on packed weights in one call, native
-        (cpu_steps.cpp) where the native steps serve, else TorchScript (equal to the differentiable head, a test)."""
+        (cpu_steps.cpp) where the native steps serve, else eagerly (equal to the differentiable head, a test)."""
         cfg = self.text_cfg
         cos, sin = self._rope(positions[0], x.dtype)  # (T, 1, D)
         vis = visual_index(view_spans, x.device)
@@ -681,7 +666,7 @@ class TokenSelector(nn.Module):
                 cfg.head_dim,
                 self.norm.eps,
             )
-        return _head_fn()(
+        return _head_ops(
             x,
             cos,
             sin,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -332,7 +331,7 @@ def _logits_ops(
     eps: float,
 ) -> torch.Tensor:
     """The module's inference from the embedded words x (B, T, C) and the latent queries q (B, N, C) on
-    raw weights, in one call (scripted by `ViewSelector._scripted`): the encoder's pre-norm layers, its
+    raw weights, in one call (`ViewSelector._packed_logits`): the encoder's pre-norm layers, its
     output norm, the latents' cross-attention and the head -> logits (B, N)."""
     c = x.shape[-1]
     for w in encoder:  # [norm1 w, b, in_proj w, b, out_proj w, b, norm2 w, b, linear1 w, b, linear2 w, b]
@@ -353,9 +352,6 @@ def native_ops():
     from litevlm.model import native
 
     return native.ops()
-
-
-_SCRIPTED_LOGITS: list = []  # [scripted `_logits_ops`, or `_logits_ops` itself where TorchScript is missing]
 
 
 def keep_mask(scores: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -418,7 +414,7 @@ class ViewSelector(nn.Module):
             if logits is not None:
                 return logits
         x = self.embed(ids.reshape(b * t, k)).reshape(b, t, -1) + self.pos[:t]  # (B, T, C)
-        fast = self._scripted() if inference else None
+        fast = self._packed_logits() if inference else None
         named = lexical.to(x.dtype)  # (B, N)
         other = (named.sum(-1, keepdim=True) > 0).to(x.dtype) * (1.0 - named)  # (B, N)
         q = (
@@ -514,17 +510,9 @@ class ViewSelector(nn.Module):
         self.__dict__["_native_pack"] = (tuple((p.data_ptr(), p._version) for p in params), params, args)
         return args
 
-    def _scripted(self):
-        """(scripted `_logits_ops`, encoder weights, tail weights, eps) for inference, rebuilt when a
-        weight changes (`_logits_ops` itself where TorchScript is missing); None for a module `_logits_ops` does
-        not describe (mixed norm eps, a non-GELU encoder), which then runs its modules."""
-        if not _SCRIPTED_LOGITS:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    _SCRIPTED_LOGITS.append(torch.jit.script(_logits_ops))
-            except Exception:  # a build without TorchScript: the same function, in Python
-                _SCRIPTED_LOGITS.append(_logits_ops)
+    def _packed_logits(self):
+        """(`_logits_ops`, encoder weights, tail weights, eps) for inference, rebuilt when a weight changes; None for
+        a module `_logits_ops` does not describe (mixed norm eps, a non-GELU encoder), which then runs its modules."""
         cache = self.__dict__.get("_script_args")
         if cache is not None and cache[0] == tuple((p.data_ptr(), p._version) for p in cache[1]):
             return cache[2]
@@ -566,7 +554,7 @@ class ViewSelector(nn.Module):
             self.head[3].bias,
         ]
         params = [p for group in encoder for p in group] + tail
-        args = (_SCRIPTED_LOGITS[0], [[p.detach() for p in g] for g in encoder], [p.detach() for p in tail], eps)
+        args = (_logits_ops, [[p.detach() for p in g] for g in encoder], [p.detach() for p in tail], eps)
         self.__dict__["_script_args"] = (tuple((p.data_ptr(), p._version) for p in params), params, args)
         return args
 

@@ -30,7 +30,8 @@ from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
 from litevlm.model.kv_cache import KVCache
-from litevlm.model.lm import DecoderLayer, linear, rope_cos_sin, rope_table, row_major
+from litevlm.model.layers import linear, rope_cos_sin, rope_table, row_major
+from litevlm.model.lm import DecoderLayer
 from litevlm.spec.openings import Openings
 
 DRAFT_FORMAT = "litevlm-draft"
@@ -127,6 +128,11 @@ class DraftHead(nn.Module):
         if target is not None:
             self.attach(target)
 
+    @property
+    def steps(self) -> cpu_steps.NativeSteps | cpu_steps.EagerSteps:
+        """The backend of the draft's one-sequence CPU steps (`cpu_steps.steps_for`), chosen once."""
+        return cpu_steps.steps_for(self)
+
     # -- the target's shared modules --------------------------------------------------------------
     def attach(self, target) -> DraftHead:
         """Share `target`'s embedding table and LM head (a VLM, or anything with the same attributes)."""
@@ -217,7 +223,7 @@ class DraftHead(nn.Module):
         plan = self._plan
         if plan is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
             cfg = self.cfg
-            return cpu_steps.step_layers()(
+            return self.steps.layers(
                 x,
                 cos,
                 sin,
@@ -305,7 +311,7 @@ class DraftHead(nn.Module):
         with torch.no_grad():
             self._plan = cpu_steps.plan(w, (self.layer,))
             self._chain_args = None
-            if self._plan is not None and cpu_steps.step_chain() is not None:
+            if self._plan is not None:
                 if self.cfg.draft_vocab:
                     head, vmap = self._draft_head(), self.vocab_map
                 else:
@@ -369,12 +375,12 @@ class DraftHead(nn.Module):
     ) -> torch.Tensor | None:
         """The chain `litevlm.spec.tree.draft_tree` drafts (top-1 tokens until the summed log-probability
         falls below log(min_value), a drafted EOS, or `depth` tokens) in one CPU call on the CPU:
-        drafted ids (m,). None where the eager loop runs (no `prepare`d plan, another dtype, no TorchScript)."""
+        drafted ids (m,). None where the modules run (no `prepare`d plan, another dtype)."""
         if self._chain_args is None or self._plan is None or root_hidden.dtype != torch.float32:
             return None
         cfg, (cos, sin) = self.cfg, self._rope
         log_min = math.log(min_value) if min_value > 0 else -math.inf
-        return cpu_steps.step_chain()(
+        return self.steps.chain(
             root_hidden,
             position,
             start,
@@ -408,10 +414,8 @@ class DraftHead(nn.Module):
         """`extend(features, next_embeds, positions, start, last_only=True)` and then `draft_chain` from its
         output at slot start + n, in one CPU call on the CPU -> the chain to verify (1 + m,): the root,
         then the m drafted ids; None where the eager path runs (as `draft_chain`)."""
-        fns = cpu_steps.step_cycle()
         if (
-            fns is None
-            or self._chain_args is None
+            self._chain_args is None
             or self._plan is None
             or features.dtype != torch.float32
             or next_embeds.dtype != torch.float32
@@ -419,7 +423,7 @@ class DraftHead(nn.Module):
             return None
         cfg, (cos, sin) = self.cfg, self._rope
         log_min = math.log(min_value) if min_value > 0 else -math.inf
-        return fns[0](
+        return self.steps.draft_cycle(
             features,
             next_embeds,
             positions,

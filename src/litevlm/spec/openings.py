@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from litevlm.errors import LiteVLMError
-from litevlm.model.lm import linear
+from litevlm.model.layers import linear
 from litevlm.spec.tree import ancestor_mask
 
 OPENINGS_FILE = "openings.json"

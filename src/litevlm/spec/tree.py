@@ -27,7 +27,7 @@ import torch
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
 from litevlm.model.generate import capture_cuda_graph
-from litevlm.model.lm import linear, row_major
+from litevlm.model.layers import linear, row_major
 
 
 @dataclass(frozen=True)
@@ -352,13 +352,12 @@ def verify_chain_greedy(model, tokens: torch.Tensor, start: int, root_position: 
     the target's hidden states at the root and the accepted drafts (a+1, C), the embeddings of the tokens
     after them (a+1, C), their positions (a+1,)). A chain's accepted path is a prefix, so nothing needs
     committing. None where the eager path runs (no `plan`, or a head or final norm it does not know)."""
-    fns = cpu_steps.step_cycle()
     lm = model.language_model
-    if fns is None or plan is None or not lm.head_fusable(model.lm_head):
+    if plan is None or not lm.head_fusable(model.lm_head):
         return None
     cfg = lm.cfg
     cos, sin = lm.rope_table(root_position + tokens.numel(), torch.float32, tokens.device)
-    return fns[1](
+    return lm.steps.verify_chain(
         tokens,
         start,
         root_position,

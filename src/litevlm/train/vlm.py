@@ -533,7 +533,7 @@ def tag_attention_loss(
     argmax is a tagged cell). layer_input: that layer's input (B, T, C). `looks` (default
     batch.looks) may name other rows, domains and targets: (row in batch, answer row, domain, target)."""
     looks = batch.looks if looks is None else looks
-    from litevlm.model.lm import apply_rope, rope_cos_sin
+    from litevlm.model.layers import apply_rope, rope_cos_sin
 
     dec = model.language_model.layers[layer]
     d = model.cfg.text.head_dim
