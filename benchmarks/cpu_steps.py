@@ -1,4 +1,4 @@
-"""The one-sequence CPU steps side by side: native (cpu_steps.cpp), TorchScript and the eager modules.
+"""The one-sequence CPU steps side by side: native (cpu_steps.cpp), the eager steps and the modules.
 
     python benchmarks/cpu_steps.py --model drive-tiny
 
@@ -6,8 +6,9 @@ On the model's decoder with a cache filled to --context slots (random K/V): a pl
 final norm, LM head), a chain verification of 6 and 17 tokens, a draft cycle (extend of 5 pairs, then a
 6-step chain, no cut), and a prompt's prefill at 84 and 186 tokens (drive-tiny's LiteVLM and six-view
 prompts). Each backend runs the same calls in turn; medians over --k calls. Where a backend has no such
-call (the eager path drafts and verifies through other functions; TorchScript prefills eagerly) the cell
-is left empty. The last stdout line is one JSON object.
+call (the modules draft and verify through other functions; the eager steps prefill through the modules) the
+cell is left empty. benchmarks/compile_vs_native.py compares the native steps with compiled ones. The last stdout
+line is one JSON object.
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ def median_ms(fn, k: int) -> float:
     return timing.median_ms(fn, k, warmup=max(3, k // 10))
 
 
-def use(backend: str | None) -> None:
-    """Route the CPU steps through one backend (None: the eager path)."""
-    steps = (
-        {"native": cpu_steps._native_steps, "torchscript": cpu_steps._scripted_steps}[backend]() if backend else None
-    )
-    if backend and steps is None:
-        raise SystemExit(f"the {backend} CPU steps are unavailable here")
-    cpu_steps._STEPS[:] = [steps]
-    cpu_steps._BACKEND[:] = [backend]
+def use(modules: list, layers: list, backend: str | None) -> list:
+    """Run the CPU steps of these modules (a decoder, a draft head) on one backend, or with None keep them out (a
+    no-op forward pre-hook on each of their decoder layers: the steps never run under hooks, so every call goes
+    through the modules) -> the hooks' handles."""
+    if backend == "native" and cpu_steps.backend() != "native":
+        raise SystemExit("the native CPU steps are unavailable here")
+    steps = cpu_steps.default_steps() if backend == "native" else cpu_steps.EagerSteps()
+    for module in modules:
+        cpu_steps.use(module, steps)
+    return [] if backend else [layer.register_forward_pre_hook(lambda *args: None) for layer in layers]
 
 
 def main() -> None:
@@ -69,11 +71,12 @@ def main() -> None:
     draft.prepare(512, 600)
 
     rows = []
-    for backend in ("native", "torchscript", None):
-        use(backend)
+    for backend in ("native", "eager", None):
+        hooks = use([lm, draft], [*lm.layers, draft.layer], backend)
+        draft.prepare(512, 600)
         plan = lm.step_plan()
         row = {
-            "backend": backend or "eager",
+            "backend": backend or "modules",
             "decode_step_ms": median_ms(lambda: decode_step(model, token, at, at, plan), args.k),
         }
         for n, chain in chains.items():
@@ -93,9 +96,8 @@ def main() -> None:
         for t, (embeds, pos) in prompts.items():
             row[f"prefill_{t}_ms"] = median_ms(lambda: prefill(model, embeds, pos), max(20, args.k // 10))
         rows.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
-    use(None)
-    cpu_steps._STEPS.clear()
-    cpu_steps._BACKEND.clear()
+        for hook in hooks:
+            hook.remove()
 
     keys = [k for k in rows[0] if k != "backend"]
     print(f"{'':>20}" + "".join(f"{r['backend']:>13}" for r in rows))
