@@ -312,6 +312,7 @@ class NativeSteps:
 
     def __init__(self, ops):
         self.ops = ops
+        self.has_panels = bool(ops.panels_built())  # the build has the bf16 panel products (an AVX-512 machine)
 
     def layers(self, x, cos, sin, start, mask, weights, caches, hq, hkv, d, eps, last_only=False):
         return self.ops.layers(
@@ -465,7 +466,7 @@ class NativeSteps:
         """A draft head's products on bf16 panels (cpu_steps.cpp: the draft only proposes, and its weights read in
         half the bytes): [fc, head, then each layer's q|k|v, o, gate|up, down]; empty where the build has none. Made
         once per weights list."""
-        if not self.ops.panels_built():
+        if not self.has_panels:
             return []
 
         def make() -> list[torch.Tensor]:
@@ -563,7 +564,7 @@ def native_weights(weights: list[LayerWeights], hq: int, hkv: int, d: int) -> li
 def panels_built() -> bool:
     """The native build has the panel products (an AVX-512 machine)."""
     steps = default_steps()
-    return steps.name == "native" and bool(steps.ops.panels_built())
+    return steps.name == "native" and steps.has_panels
 
 
 def panels(w: torch.Tensor) -> torch.Tensor:

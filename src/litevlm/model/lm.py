@@ -341,7 +341,7 @@ class TextModel(nn.Module):
 
     def step_plan(self):
         """The CPU step's arguments for this decoder (`litevlm.model.cpu_steps.Plan`), or None
-        where the eager path runs; build one per generation and pass it to every step."""
+        where the modules run; build one per generation and pass it to every step."""
         return cpu_steps.plan(self.embed_tokens.weight, self.layers)
 
     def fast_forward(
