@@ -518,7 +518,8 @@ def _flat_layers(weights: list[LayerWeights]) -> list[torch.Tensor]:
 
 
 def _kept(t: torch.Tensor, name: str, make) -> torch.Tensor:
-    """make(t), made once per packed weight and kept on it under `name` (packings are rebuilt, never changed in place)."""
+    """make(t), made once per packed weight and kept on it under `name` (packings are rebuilt, never changed in
+    place)."""
     derived = t.__dict__.get(name)
     if derived is None:
         derived = t.__dict__[name] = make(t)
