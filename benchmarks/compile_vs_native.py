@@ -33,6 +33,7 @@ from litevlm.spec.tree import TreeConfig, accept_greedy, chain_tree, draft_tree
 
 RULE = "a library path replaces the C++ where it is within 10% of it"
 PAIRS = 5  # committed pairs the draft's extend takes in
+CALL_INPUTS = ("token", "tokens", "feats", "nxt", "pair_pos", "root", "caches")  # what changes from call to call
 
 
 class Step:
@@ -157,14 +158,6 @@ def setup(model, draft, context: int, depth: int, gen: torch.Generator) -> list[
     ]
 
 
-def tensors_of(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in tensors_of(v)]
-    return []
-
-
 class Exported(torch.nn.Module):
     """A step function with its fixed arguments (weights, sizes) held, for torch.export: the forward takes the
     tensors a call changes (inputs and caches, written in place) and the dynamic integers."""
@@ -172,7 +165,7 @@ class Exported(torch.nn.Module):
     def __init__(self, step: Step):
         super().__init__()
         self.step = step
-        self.inputs = [k for k, v in step.args.items() if k in step.dynamic or k in ("caches",) or _is_input(k, v)]
+        self.inputs = [k for k in step.args if k in step.dynamic or k in CALL_INPUTS]
 
     def forward(self, *values):
         args = dict(self.step.args)
@@ -180,12 +173,8 @@ class Exported(torch.nn.Module):
         return self.step.fn(**args)
 
 
-def _is_input(name: str, value) -> bool:
-    return isinstance(value, torch.Tensor) and name in ("token", "tokens", "feats", "nxt", "pair_pos", "root")
-
-
 def compile_inductor(step: Step):
-    """torch.compile (inductor) -> (the compiled callable, seconds to compile, or the error)."""
+    """torch.compile (inductor) -> (the compiled callable, seconds to compile: its first calls)."""
     compiled = torch.compile(step.fn, backend="inductor")
     t0 = time.perf_counter()
     compiled(**step.args)
