@@ -591,8 +591,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--records",
-        "--predictions",
-        dest="records",
         default=None,
         help="write per-question records (answer, GT, tags, views, visual tokens, stage times) to this JSON file",
     )
