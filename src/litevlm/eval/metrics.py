@@ -391,10 +391,10 @@ def score(records: Sequence[dict], judge: Judge | None = None, gate: bool = Fals
     `closed_accuracy`. `judge` is a `litevlm.eval.judge.Judge` (or anything with
     `.score(question, gt, pred) -> float | None` on 0..100).
 
-    gate=False by default: the official evaluator's graph gate drops every later question of a
-    frame about an object whose coordinates the frame's first answer missed. That only makes sense
-    when the questions of a frame are asked in one conversation; our synthetic evaluation asks each
-    question independently, so we score every record. gate=True reproduces the official behaviour.
+    gate=False by default (the synthetic benchmarks score every record): the official evaluator's
+    graph gate, gate=True, drops every later question of a frame about an object whose coordinates
+    the frame's first answer missed (records need a `frame`; each frame's first record in order
+    opens its graph).
 
     renormalise=True by default: a part that cannot be computed (no judge, a bucket without items)
     has its weight spread over the others. renormalise=False keeps the official weights and counts
