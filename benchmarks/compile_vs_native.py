@@ -8,7 +8,8 @@ On the model's decoder with a cache filled to --context slots (random K/V), the 
 depth + 1 tokens) with its greedy acceptance; (c) a draft cycle: the draft head's extend over 5 committed pairs,
 then its chain at the default depth, uncut. Medians after warm-up, at 1 thread and at the machine's default count.
 The compiled paths see the step's integers (cache slot, position) as dynamic, as a generation would. A compile that
-fails is reported with its error. The rule: a library path replaces the C++ for a step where it is within 10% of it.
+fails is reported with its error. The rule: a library path replaces the C++ for a step where it is within 10% of it
+at every thread count measured.
 The last stdout line is one JSON object.
 """
 
