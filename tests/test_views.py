@@ -8,18 +8,17 @@ must not count as directions, and scene-wide questions that need every view.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 
 from litevlm.cameras import CAMERAS
+from litevlm.cli import build_parser
 from litevlm.errors import LiteVLMError
 from litevlm.select.views import (
     ViewSelector,
     ViewSelectorConfig,
-    add_views_parser,
     keep_mask,
     lexical_views,
     question_words,
@@ -290,9 +289,7 @@ def test_save_load_round_trip_and_mismatch(trained, tmp_path):
 
 
 def test_views_command_prints_json_last(trained, capsys):
-    parser = argparse.ArgumentParser()
-    add_views_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
+    args = build_parser().parse_args(
         [
             "views",
             "--model",
@@ -309,15 +306,13 @@ def test_views_command_prints_json_last(trained, capsys):
 
 
 def test_recipe_guards_the_held_out_split():
-    from litevlm.train.views import ViewRecipe, add_train_views_parser
+    from litevlm.train.views import ViewRecipe
 
     with pytest.raises(ValueError, match="held-out"):
         ViewRecipe(val_seed=1)
     with pytest.raises(ValueError, match="held-out"):
         ViewRecipe(seed=1)
-    parser = argparse.ArgumentParser()
-    add_train_views_parser(parser.add_subparsers(dest="train_command"))
-    args = parser.parse_args(["views", "--out", "x", "--labels", "a.jsonl", "b.jsonl", "--steps", "5"])
+    args = build_parser().parse_args(["train", "views", "--out", "x", "--labels", "a.jsonl", "b.jsonl", "--steps", "5"])
     assert args.labels == ["a.jsonl", "b.jsonl"] and args.steps == 5 and callable(args.func)
 
 

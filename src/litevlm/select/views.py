@@ -698,29 +698,3 @@ def load_for_model(model: str | Path) -> ViewSelector:
     from litevlm.pipeline import resolve_model_dir
 
     return ViewSelector.load(resolve_model_dir(model))
-
-
-def cmd_views(args) -> None:
-    selector = load_for_model(args.model)
-    views, scores = selector.select(args.question)
-    if args.json:
-        print(
-            json.dumps({"views": views, "scores": {c: round(s, 4) for c, s in scores.items()}}, separators=(",", ":"))
-        )
-        return
-    for c in selector.cameras:
-        print(f"{'*' if c in views else ' '} {c:<16} {scores[c]:.3f}")
-    print(f"views: {', '.join(views)}   (threshold {selector.threshold:.2f}, lexical weight {selector.weight:.2f})")
-
-
-def add_views_parser(sub) -> None:
-    """Register `views` on the top-level subparsers of the litevlm CLI."""
-    p = sub.add_parser("views", help="which cameras a question needs, with per-camera scores")
-    p.add_argument("--question", required=True)
-    p.add_argument(
-        "--model",
-        default="drive-tiny",
-        help="bundled model name, model directory (with view_selector/) or a view_selector directory",
-    )
-    p.add_argument("--json", action="store_true", help='print {"views": [...], "scores": {camera: score}}')
-    p.set_defaults(func=cmd_views)

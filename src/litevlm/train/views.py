@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS, check_camera
+from litevlm.config import flag
 from litevlm.errors import LiteVLMError
 from litevlm.select.views import (
     TAG_RE,
@@ -56,22 +57,22 @@ HELD_OUT_SEED = 1  # the synthetic test split
 
 @dataclass
 class ViewRecipe:
-    frames: int = 3000  # training frames: seed `seed`, indices 0..frames-1
+    frames: int = flag(3000, "synthetic training frames (seed `seed`, 0..frames-1)")
     seed: int = 0
-    val_frames: int = 500  # calibration frames: seed `val_seed`, indices 0..val_frames-1
+    val_frames: int = flag(500, "calibration frames (seed `val_seed`, 0..val-frames-1)")
     val_seed: int = 2
-    steps: int = 1000
+    steps: int = flag(1000, "optimisation steps")
     batch: int = 64
     lr: float = 2e-3
     weight_decay: float = 0.01
     warmup: int = 100
-    minutes: float = 10.0  # wall-clock cap on the optimisation
+    minutes: float = flag(10.0, "wall-clock cap on the optimisation")
     tag_augment: bool = True
     salads: int = 800  # word-salad examples, half without a cue (all six), half with one (0: none)
     noise_words: float = 0.3  # share of training questions given 1-4 random unseen words
-    target_recall: float = 0.995  # on the validation split
-    torch_seed: int = 0
-    threads: int = 1
+    target_recall: float = flag(0.995, "camera recall the threshold is calibrated to, on the calibration frames")
+    torch_seed: int = flag(0, "torch / sampling seed", flag="--seed")
+    threads: int = flag(1, "torch threads")
     width: int = 64
     layers: int = 4
     heads: int = 4
@@ -413,52 +414,3 @@ def train_view_selector(
             + ("" if cal["reached"] else f"  [target recall {recipe.target_recall} NOT reached]")
         )
     return out
-
-
-# ------------------------------------------------------------------------------------------------
-# Command line: `litevlm train views --out DIR`
-# ------------------------------------------------------------------------------------------------
-def cmd_train_views(args) -> None:
-    recipe = ViewRecipe(
-        frames=args.frames,
-        val_frames=args.val_frames,
-        steps=args.steps,
-        minutes=args.minutes,
-        torch_seed=args.seed,
-        target_recall=args.target_recall,
-        threads=args.threads,
-    )
-    out = train_view_selector(args.out, recipe, extra_labels=args.labels, progress=not args.json)
-    meta = json.loads((out / "config.json").read_text())
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "path": str(out),
-                    "weight": meta["weight"],
-                    "threshold": meta["threshold"],
-                    "validation": meta["validation"],
-                },
-                separators=(",", ":"),
-            )
-        )
-    else:
-        print(f"saved to {out}")
-
-
-def add_train_views_parser(train_sub) -> None:
-    """Register `views` on the `litevlm train` subparsers."""
-    p = train_sub.add_parser("views", help="train the ViewSelector (which cameras a question needs) and calibrate it")
-    p.add_argument("--out", required=True, help="model directory; the selector is written to OUT/view_selector/")
-    p.add_argument(
-        "--labels", nargs="*", default=[], help='extra JSONL of {"question", "views"} lines (litevlm label-views)'
-    )
-    p.add_argument("--frames", type=int, default=ViewRecipe.frames, help="synthetic training frames (seed 0)")
-    p.add_argument("--val-frames", type=int, default=ViewRecipe.val_frames, help="calibration frames (seed 2)")
-    p.add_argument("--steps", type=int, default=ViewRecipe.steps)
-    p.add_argument("--minutes", type=float, default=ViewRecipe.minutes)
-    p.add_argument("--target-recall", type=float, default=ViewRecipe.target_recall)
-    p.add_argument("--seed", type=int, default=0, help="torch / sampling seed")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_train_views)
