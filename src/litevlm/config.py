@@ -147,7 +147,7 @@ def _internvit_300m() -> VisionConfig:
     return VisionConfig()  # the defaults are InternViT-300M-448px-V2_5
 
 
-# Real shapes from research/internvl_hf.md section 2, and the embedded default model.
+# Real shapes, from the transformers InternVL checkpoints' config.json files.
 PRESETS: dict[str, callable] = {
     "internvl2.5-1b": lambda: VLMConfig(
         vision=_internvit_300m(),

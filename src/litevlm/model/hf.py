@@ -2,7 +2,7 @@
 from our `VLM`, plus litevlm's own checkpoint directory format.
 
 Our module names are transformers' in-memory names with the leading ``model.`` removed, so converting
-is a matter of mapping key prefixes (research/internvl_hf.md section 4): on disk, `save_pretrained`
+is a matter of mapping key prefixes (transformers' InternVL conversion mapping): on disk, `save_pretrained`
 writes the legacy family (``vision_tower.``, ``multi_modal_projector.``, ``language_model.model.``,
 ``language_model.lm_head.``), newer files may use ``model.vision_tower.`` ... ``lm_head.``, and the
 original OpenGVLab checkpoints use ``vision_model.`` / ``mlp1.`` with a fused ViT qkv (and, for

@@ -1,7 +1,7 @@
 """View selection: LiteVLM's Patch Selection Module (`ViewSelector`), run on the question text alone.
 
 Most driving questions concern one or two of the six cameras, so the paper (arXiv 2506.07416,
-section 3, "Patch Selection Module"; research/token_pruning.md section 1.2) decides which views to
+section 3, "Patch Selection Module") decides which views to
 encode before any pixel is touched. Two scorers are fused per view:
   1. a lexical map (`lexical_views`): DriveLM c-tags `<c1,CAM_BACK,x,y>` (any number), camera names,
      DriveLM direction phrases ("to the back left of the ego car", "front view") and their common
