@@ -64,7 +64,8 @@ def tiny_vlm(seed: int = 0, layers: int = 3) -> VLM:
 
 
 def tiny_prompt(model: VLM, seed: int = 0, views=VIEWS, question_len: int = 9):
-    """embeds (1, T, C), positions (1, T), view_spans: a marker + <img> + TPV visual + </img> per view, then a question."""
+    """embeds (1, T, C), positions (1, T), view_spans: a marker + <img> + TPV visual + </img> per view, then a
+    question."""
     g = torch.Generator().manual_seed(seed)
     ids, spans = [1, 2], []
     for i, cam in enumerate(views):

@@ -118,7 +118,8 @@ def test_the_probe_heads_learn_what_the_cells_hold(tiny_bank):
 
 
 def test_train_vlm_end_to_end(tmp_path):
-    """A few steps of the whole recipe: vision warm-up, answers + dense objective, the looks-probe, a loadable checkpoint."""
+    """A few steps of the whole recipe: vision warm-up, answers + dense objective, the looks-probe, a loadable
+    checkpoint."""
     from litevlm.model.hf import load_native
 
     recipe = VLMRecipe(
@@ -279,7 +280,10 @@ def test_option_spans_find_each_option_text(tiny_bank):
     from litevlm.train.vlm import option_spans, right_option
 
     tok = tiny_bank[0]
-    q = "What is <c1,CAM_FRONT,800,450> doing? Please select the correct answer from the following options: A. Turn left. B. Stopped. C. Going ahead. D. Back up."
+    q = (
+        "What is <c1,CAM_FRONT,800,450> doing? Please select the correct answer from the following options: "
+        "A. Turn left. B. Stopped. C. Going ahead. D. Back up."
+    )
     ids = tok.encode(q)
     spans = option_spans(q, tok)
     first = spans[0][0]
@@ -652,13 +656,16 @@ def test_averaging_two_stages_from_one_checkpoint_keeps_the_shared_lineage(tmp_p
 
 def test_the_model_card_lists_an_averaged_checkpoints_stages(tmp_path, benchmark_script):
     card = benchmark_script("drive_tiny_eval")
-    stage = lambda steps, lr, init: {
-        "checkpoint": f"/runs/{steps}",
-        "steps": steps,
-        "train_seconds": 60.0 * steps,  # noqa: E731
-        "recipe": {"lr": lr, "init": init, "frames": 10, "seed": 0, "closed_weight": 3.0},
-        "looks_probe": None,
-    }
+
+    def stage(steps, lr, init):
+        return {
+            "checkpoint": f"/runs/{steps}",
+            "steps": steps,
+            "train_seconds": 60.0 * steps,
+            "recipe": {"lr": lr, "init": init, "frames": 10, "seed": 0, "closed_weight": 3.0},
+            "looks_probe": None,
+        }
+
     meta = {
         "litevlm": {"name": "x"},
         "format": "litevlm",

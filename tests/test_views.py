@@ -38,10 +38,10 @@ EXPLICIT = [
     # "front view"
     ("Is there any traffic element in the front view?", [F]),
     (
-        "Identify all the traffic elements in the front view, categorize them, determine their status, and predict the "
-        "bounding box around each one. The output should be a list formatted as (c, s, x1, y1, x2, y2), where c represents "
-        "the category, s denotes the status, and x1, y1, x2, y2 are the offsets of the top-left and bottom-right corners of "
-        "the box relative to the center point.",
+        "Identify all the traffic elements in the front view, categorize them, determine their status, and predict "
+        "the bounding box around each one. The output should be a list formatted as (c, s, x1, y1, x2, y2), where c "
+        "represents the category, s denotes the status, and x1, y1, x2, y2 are the offsets of the top-left and "
+        "bottom-right corners of the box relative to the center point.",
         [F],
     ),
     # c-tags: one, two (different cameras), three
@@ -61,8 +61,8 @@ EXPLICIT = [
     ("What is the visual description of <c4,CAM_BACK_RIGHT,322.5,520.8>?", [BR]),
     ("Is <c2,CAM_FRONT_LEFT,402.0,455.5> a traffic sign or a road barrier?", [FL]),
     (
-        "What actions could the ego vehicle take based on <c1,CAM_FRONT,812.4,470.0>? Why take this action and what's the "
-        "probability?",
+        "What actions could the ego vehicle take based on <c1,CAM_FRONT,812.4,470.0>? Why take this action and what's "
+        "the probability?",
         [F],
     ),
     ("What actions taken by the ego vehicle can lead to a collision with <c2,CAM_FRONT_LEFT,402.0,455.5>?", [FL]),
@@ -94,21 +94,21 @@ EXPLICIT = [
 ]
 
 SCENE_WIDE = [
-    "What are the important objects in the current scene? Those objects will be considered for the future reasoning and "
-    "driving decision.",
+    "What are the important objects in the current scene? Those objects will be considered for the future reasoning "
+    "and driving decision.",
     "In this scenario, what are safe actions to take for the ego vehicle?",
     "In this scenario, what are dangerous actions to take for the ego vehicle?",
     "Predict the behavior of the ego vehicle.",
     "Predict the behavior of the ego vehicle. Please select the correct answer from the following options: A. The ego "
     "vehicle is steering to the left. The ego vehicle is driving fast. B. The ego vehicle is going straight. The ego "
-    "vehicle is not moving. C. The ego vehicle is slightly steering to the right. The ego vehicle is driving slowly. D. "
-    "The ego vehicle is steering to the right. The ego vehicle is driving with normal speed.",
-    "What object should the ego vehicle notice first when the ego vehicle is getting to the next possible location? What "
-    "is the state of the object that is first noticed by the ego vehicle and what action should the ego vehicle take? "
-    "What object should the ego vehicle notice second when the ego vehicle is getting to the next possible location? "
-    "What is the state of the object perceived by the ego vehicle as second and what action should the ego vehicle take? "
-    "What object should the ego vehicle notice third? What is the state of the object perceived by the ego vehicle as "
-    "third and what action should the ego vehicle take?",
+    "vehicle is not moving. C. The ego vehicle is slightly steering to the right. The ego vehicle is driving slowly. "
+    "D. The ego vehicle is steering to the right. The ego vehicle is driving with normal speed.",
+    "What object should the ego vehicle notice first when the ego vehicle is getting to the next possible location? "
+    "What is the state of the object that is first noticed by the ego vehicle and what action should the ego vehicle "
+    "take? What object should the ego vehicle notice second when the ego vehicle is getting to the next possible "
+    "location? What is the state of the object perceived by the ego vehicle as second and what action should the ego "
+    "vehicle take? What object should the ego vehicle notice third? What is the state of the object perceived by the "
+    "ego vehicle as third and what action should the ego vehicle take?",
     "Please describe the relative positioning of the important objects in the current scene.",
     "What is the target action of the ego vehicle?",
     "Describe the current scene.",

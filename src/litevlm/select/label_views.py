@@ -38,7 +38,9 @@ Questions about the whole scene, the ego vehicle's own behavior, or which action
 
 Question: {question}
 
-Which cameras are needed to answer this question? Reply with a JSON list, for example ["CAM_FRONT", "CAM_FRONT_LEFT"]."""
+Which cameras are needed to answer this question? Reply with a JSON list, for example """ + (
+    '["CAM_FRONT", "CAM_FRONT_LEFT"].'
+)
 RETRY_PROMPT = 'Reply with a JSON list of camera names only, for example ["CAM_BACK"] or all six names.'
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)

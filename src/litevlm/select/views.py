@@ -138,7 +138,8 @@ _RULES: list[tuple[re.Pattern, object]] = [
         (rf"\b(?:on|to) {_PLACE} (left|right)(?: hand)?(?: side)?,? ({_FRONT_PLACE}|{_BACK_PLACE})\b", _side_place),
         # "ahead on the left", "ahead of us to the right", "behind us on the right"
         (
-            rf"(?<!go )(?<!goes )(?<!going )(?<!went )\b(ahead|behind)(?: of {_EGO}| {_EGO})?,? (?:on|to) {_PLACE} (left|right)\b",
+            rf"(?<!go )(?<!goes )(?<!going )(?<!went )"
+            rf"\b(ahead|behind)(?: of {_EGO}| {_EGO})?,? (?:on|to) {_PLACE} (left|right)\b",
             lambda m: _cam("front" if m.group(1) == "ahead" else "back", m.group(2)),
         ),
         # end then side: "front left", "back-right", "rear right camera"
@@ -151,7 +152,8 @@ _RULES: list[tuple[re.Pattern, object]] = [
         # an end alone, as a place: "to the back of the ego car", "in the front view", "rear camera"
         (r"\b(?:to|in|at|on|from|towards?) the (front|back|rear)\b", lambda m: _cam(m.group(1))),
         (
-            r"\b(front|back|rear|forward|backward|rearward)s?(?: facing)? (?:view|views|camera|cameras|cam|image|images)\b",
+            r"\b(front|back|rear|forward|backward|rearward)s?(?: facing)? "
+            r"(?:view|views|camera|cameras|cam|image|images)\b",
             lambda m: _cam(m.group(1)),
         ),
         (r"\brear\b(?! end)", lambda m: _cam("back")),
@@ -656,7 +658,8 @@ class ViewSelector(nn.Module):
             raise LiteVLMError(f"{d / 'config.json'} is not valid JSON: {e}") from None
         if not isinstance(meta, dict) or meta.get("format") != SELECTOR_FORMAT:
             raise LiteVLMError(
-                f"{d / 'config.json'} is not a ViewSelector checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r})"
+                f"{d / 'config.json'} is not a ViewSelector checkpoint "
+                f"(format {meta.get('format') if isinstance(meta, dict) else None!r})"
             )
         if tuple(meta.get("cameras", ())) != CAMERAS:
             raise LiteVLMError(f"{d} was trained for cameras {meta.get('cameras')}, this rig has {list(CAMERAS)}")

@@ -1,9 +1,9 @@
 """Training recipe for the ViewSelector: BCE summed over views, then (weight, threshold) calibration.
 
 Labels are hybrid, as in the paper (arXiv 2506.07416, section 3): the synthetic generator's own
-per-question views (seed 0 frames), plus any JSONL of `{"question", "views"}` lines, such as `litevlm label-views` writes from a language model for
-implicit questions. Single-tag questions are augmented by moving the tag to every camera (the view
-comes from the tag, not from the phrase around it: the generator only asks "in the moving
+per-question views (seed 0 frames), plus any JSONL of `{"question", "views"}` lines, such as
+`litevlm label-views` writes from a language model for implicit questions. Single-tag questions are
+augmented by moving the tag to every camera (the view comes from the tag, not from the phrase around it: the generator only asks "in the moving
 direction" about front objects, real DriveLM asks it about any). Identical questions (tags reduced
 to their camera, numbers to one token) are merged and drawn with probability proportional to the
 square root of their count: rare phrasings are seen often, frequent ones do not drown the rest.

@@ -199,7 +199,7 @@ def aux_fields() -> list[str]:
         + [f"colour:{c}" for c in COLOURS]
         + ["moving"]
         + [f"motion:{m}" for m in MOVING_STATUSES]
-        + [f"light:{l}" for l in LIGHT_STATES]
+        + [f"light:{state}" for state in LIGHT_STATES]
         + [f"sign:{k}" for k in SIGN_KINDS]
     )
 
@@ -464,11 +464,11 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
     pos = torch.zeros((b, t), dtype=torch.long)
     block = torch.full((b, t), -1)
     valid = torch.zeros((b, t), dtype=torch.bool)
-    for i, (a, l, p, bl) in enumerate(seqs):
+    for i, (a, lab, p, bl) in enumerate(seqs):
         n = len(a)
         ids[i, :n], labels[i, :n], pos[i, :n], block[i, :n] = (
             torch.tensor(a),
-            torch.tensor(l),
+            torch.tensor(lab),
             torch.tensor(p),
             torch.tensor(bl),
         )
@@ -1137,7 +1137,8 @@ def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, 
 
 
 def average_checkpoints(out: str | Path, checkpoints: list[str | Path]) -> Path:
-    """The element-wise mean of checkpoints of one shape (a "model soup"), saved at `out` with the tokenizer of the first.
+    """The element-wise mean of checkpoints of one shape (a "model soup"), saved at `out` with the tokenizer of the
+    first.
 
     Stages continued from one checkpoint stay close enough in weight space for their mean to work; the mean of unrelated
     models does not. The card records the averaged stages (`averaged`) after the lineage they share.
@@ -1153,7 +1154,8 @@ def average_checkpoints(out: str | Path, checkpoints: list[str | Path]) -> Path:
                 k for k in {*m["litevlm"], *metas[0]["litevlm"]} if m["litevlm"].get(k) != metas[0]["litevlm"].get(k)
             )
             raise LiteVLMError(
-                f"{c} has another model config than {checkpoints[0]} (differs in {', '.join(diff)}): only checkpoints of one shape average"
+                f"{c} has another model config than {checkpoints[0]} (differs in {', '.join(diff)}): "
+                "only checkpoints of one shape average"
             )
     tokenizers = [
         (Path(c) / "tokenizer.json").read_bytes() if (Path(c) / "tokenizer.json").is_file() else None
