@@ -1,18 +1,17 @@
 """Training recipe for the ViewSelector: BCE summed over views, then (weight, threshold) calibration.
 
-Labels are hybrid, as in the paper (arXiv 2506.07416, section 3): the synthetic generator's own
-per-question views (seed 0 frames), plus any JSONL of `{"question", "views"}` lines, such as
-`litevlm label-views` writes from a language model for implicit questions. Single-tag questions are
-augmented by moving the tag to every camera (the view comes from the tag, not from the phrase around it: the generator only asks "in the moving
-direction" about front objects, real DriveLM asks it about any). Identical questions (tags reduced
-to their camera, numbers to one token) are merged and drawn with probability proportional to the
-square root of their count: rare phrasings are seen often, frequent ones do not drown the rest.
-Word salads (training words with every direction, side, camera and turn word removed) teach the
-module DriveLM's two rules for words it never saw: a question naming no view needs every view
-(salads labelled all six), and a question naming views needs those (salads with one direction
-phrase or c-tag inserted, labelled by the lexical map). And a word the module never saw hashes to
-embeddings training never touched; so that such words carry no view, a share of the training
-questions get one to four random letter strings inserted, their labels unchanged.
+Labels are hybrid, as in the paper (arXiv 2506.07416, section 3): the synthetic generator's own per-question
+views (seed 0 frames), plus any JSONL of `{"question", "views"}` lines, such as `litevlm label-views` writes
+from a language model for implicit questions. Single-tag questions are augmented by moving the tag to every
+camera (the view comes from the tag, not from the phrase around it: the generator only asks "in the moving
+direction" about front objects, real DriveLM asks it about any). Identical questions (tags reduced to their
+camera, numbers to one token) are merged and drawn with probability proportional to the square root of their
+count: rare phrasings are seen often, frequent ones do not drown the rest. Word salads (training words with
+every direction, side, camera and turn word removed) teach the module DriveLM's two rules for words it never
+saw: a question naming no view needs every view (salads labelled all six), and a question naming views needs
+those (salads with one direction phrase or c-tag inserted, labelled by the lexical map). And a word the module
+never saw hashes to embeddings training never touched; so that such words carry no view, a share of the
+training questions get one to four random letter strings inserted, their labels unchanged.
 
 Calibration runs on a validation split that training never sees (seed 2 frames, and one extra
 label line in ten): a grid over the lexical weight and the threshold, keeping the pair that reaches
