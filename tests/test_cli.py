@@ -104,3 +104,9 @@ def test_litevlm_means_the_preset_and_explicit_options_win():
     assert {k: full[k] for k in LITEVLM} == LITEVLM
     mine = pipeline_options(_ask("--litevlm", "--select-tokens", "0.8", "--select-min-tokens", "0"))
     assert (mine["select_tokens"], mine["min_select_tokens"], mine["select_views"]) == (0.8, 0, True)
+
+
+def test_serve_checks_its_flags_before_loading_a_model():
+    args = build_parser().parse_args(["serve", "--max-queue", "-1", "--model", "no-such-model"])
+    with pytest.raises(LiteVLMError, match="max_queue"):
+        args.func(args)

@@ -438,12 +438,14 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
 
     add_serve_arguments(p)
     add_pipeline_options(p)
+    p.set_defaults(make_pipeline=pipeline_from_args)
 
 
 def run_serve(args) -> None:
-    from litevlm.serve import run_server
+    """The server flags checked, then the pipeline built (`make_pipeline`), then served until interrupted."""
+    from litevlm.serve import serve_main
 
-    run_server(pipeline_from_args(args), args)
+    serve_main(args)
 
 
 def convert_arguments(p: argparse.ArgumentParser) -> None:
