@@ -355,10 +355,14 @@ def test_inference_path_equals_the_module_path(trained, scripted, monkeypatch):
     with torch.no_grad():
         fast = sel(ids, mask, lex)
         sel.head[3].bias.add_(1.0)  # an in-place weight change reaches the inference path
+        # the inference path's fp32 logits, shifted by exactly 1.0 through the bias: one rounding of values of O(1-10),
+        # 1e-5 ~ a few ulp at 10.
         assert torch.allclose(sel(ids, mask, lex), fast + 1.0, atol=1e-5)
         sel.head[3].bias.sub_(1.0)
         train_without_dropout(sel)
         slow = sel(ids, mask, lex)
+    # two codes (scripted/fused inference, the modules in training mode): fp32 sums over the 64-wide encoder in another
+    # order, ~64 eps x O(10) logits ~ 8e-5 worst case, typically 1e-6; a dropped mask or layer is O(1).
     assert torch.allclose(fast, slow, atol=1e-5), (fast - slow).abs().max()
 
 
@@ -383,5 +387,8 @@ def test_the_native_inference_equals_the_module_path(trained, monkeypatch):
         train_without_dropout(sel)
         slow = torch.cat([sel(*sel.cfg.features([q]), sel.lexical([q])) for q in questions])
     assert len(calls) == 2 * len(questions)  # training mode runs the modules
+    # one question at a time against the padded batch, plus the exact 1.0 bias: fp32 sums of another length.
     assert torch.allclose(moved, fast + 1.0, atol=1e-5)
+    # two codes (scripted/fused inference, the modules in training mode): fp32 sums over the 64-wide encoder in another
+    # order, ~64 eps x O(10) logits ~ 8e-5 worst case, typically 1e-6; a dropped mask or layer is O(1).
     assert torch.allclose(fast, slow, atol=1e-5), (fast - slow).abs().max()
