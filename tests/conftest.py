@@ -14,6 +14,14 @@ def pytest_configure(config):
         torch.set_num_threads(int(threads))
 
 
+@pytest.fixture(autouse=True)
+def _suite_threads():
+    """The training recipes set torch's thread count for their run; each test starts at the suite's."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_config(tokenizer, **overrides) -> VLMConfig:
     """A few-thousand-parameter drive-tiny lookalike: 56 px tiles -> 4 visual tokens per view."""
     kw = dict(
