@@ -110,3 +110,42 @@ def test_serve_checks_its_flags_before_loading_a_model():
     args = build_parser().parse_args(["serve", "--max-queue", "-1", "--model", "no-such-model"])
     with pytest.raises(LiteVLMError, match="max_queue"):
         args.func(args)
+
+
+def test_ask_streams_the_answer_through_pipeline_stream(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """`ask --stream` prints the pieces `Pipeline.stream` yields as they come, then the summary; the pieces join to
+    the answer `ask` prints without it, and the JSON line is the same answer."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from litevlm.cameras import CAMERAS
+    from litevlm.pipeline import Delta, Pipeline
+
+    rng = np.random.default_rng(0)
+    for cam in CAMERAS:
+        Image.fromarray(rng.integers(0, 255, (90, 160, 3), dtype=np.uint8)).save(tmp_path / f"{cam}.png")
+    argv = ["ask", "--model", str(tiny_model_dir), "--images", str(tmp_path), "--question", "Anything ahead?"]
+    argv += ["--max-new-tokens", "12"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out.splitlines()[0]
+    assert plain  # a random tiny model still says something in 12 tokens
+
+    pieces, stream = [], Pipeline.stream
+
+    def recorded(self, question, images):
+        for item in stream(self, question, images):
+            if isinstance(item, Delta):
+                pieces.append(item.text)
+            yield item
+
+    monkeypatch.setattr(Pipeline, "stream", recorded)
+    monkeypatch.setattr(Pipeline, "answer", lambda *a, **k: pytest.fail("--stream answers through Pipeline.stream"))
+    assert main([*argv, "--stream"]) == 0
+    out = capsys.readouterr().out
+    assert len(pieces) > 1 and out.startswith("".join(pieces) + "\n")
+    assert out.splitlines()[0] == plain and out.splitlines()[1].startswith("views:")
+    assert main([*argv, "--stream", "--json"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == plain and json.loads(lines[-1])["text"] == plain

@@ -68,19 +68,38 @@ def run_demo(args) -> None:
 def ask_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images", required=True, help="folder with one image per camera, named CAM_FRONT.png etc.")
     p.add_argument("--question", required=True)
+    p.add_argument("--stream", action="store_true", help="print the answer as it is made, then the summary")
     _json_flag(p)
     add_pipeline_options(p)
+
+
+def _streamed(pipe, question: str, images):
+    """The answer of `Pipeline.stream`, its text printed piece by piece as the pipeline makes it."""
+    from litevlm.pipeline import Delta
+
+    for item in pipe.stream(question, images):
+        if isinstance(item, Delta):
+            print(item.text, end="", flush=True)
+        else:
+            print(flush=True)
+            return item
+    raise LiteVLMError("the pipeline's stream ended without an answer")
 
 
 def run_ask(args) -> None:
     from litevlm.pipeline import images_from_dir
 
     pipe = pipeline_from_args(args)
-    ans = pipe.answer(args.question, images_from_dir(args.images))
+    images = images_from_dir(args.images)
+    if args.stream:
+        ans = _streamed(pipe, args.question, images)
+    else:
+        ans = pipe.answer(args.question, images)
     if args.json:
         _print_json(ans.to_dict())
     else:
-        print(ans.text)
+        if not args.stream:
+            print(ans.text)
         print(f"views: {', '.join(ans.views)}   total {ans.timings_ms['total']:.1f} ms")
 
 
