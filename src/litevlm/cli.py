@@ -312,20 +312,37 @@ def run_train_average(args) -> None:
 # eval, quantize, bench, serve, convert
 # ------------------------------------------------------------------------------------------------
 def eval_arguments(p: argparse.ArgumentParser) -> None:
+    from litevlm.eval.score import add_scoring_options
+
     p.add_argument("--data", required=True, help="a folder written by `litevlm data synth`, or a DriveLM JSON file")
     p.add_argument("--images", default=None, help="image root for a DriveLM JSON file")
     p.add_argument("--n", type=int, default=None, help="evaluate the first N questions only")
     p.add_argument(
         "--blank", action="store_true", help="replace every camera image by an empty road (does the model look?)"
     )
-    p.add_argument("--predictions", default=None, help="write per-question records to this JSON file")
+    p.add_argument(
+        "--records",
+        default=None,
+        help="write per-question records (answer, GT, tags, views, visual tokens, stage times) to this JSON file",
+    )
+    p.add_argument(
+        "--predictions-out",
+        default=None,
+        metavar="FILE",
+        help="write the challenge's submission list [{id, question, answer}] for every question (not with --n)",
+    )
     _json_flag(p)
+    add_scoring_options(p)
     add_pipeline_options(p)
 
 
 def run_eval(args) -> None:
     from litevlm.eval.run import evaluate
+    from litevlm.eval.score import print_scores, scoring_from_args, write_submission
 
+    if args.predictions_out and args.n:
+        raise LiteVLMError("--predictions-out writes a whole submission: drop --n (a partial file is never written)")
+    scoring = scoring_from_args(args)
     result = evaluate(
         pipeline_from_args(args),
         args.data,
@@ -333,15 +350,46 @@ def run_eval(args) -> None:
         limit=args.n,
         blank=args.blank,
         progress=not args.json,
+        **scoring,
     )
     records = result.pop("records")
-    if args.predictions:
-        Path(args.predictions).write_text(json.dumps(records, indent=1))
+    if args.records:
+        Path(args.records).write_text(json.dumps(records, indent=1))
+    if args.predictions_out:
+        from litevlm.data.drivelm import load_samples
+
+        samples = load_samples(args.data, images_root=args.images)
+        write_submission(args.predictions_out, samples, [r["answer"] for r in records])
+    if args.json:
+        _print_json(result)
+    elif result["scored"]:
+        print_scores(result)
+        print(
+            f"views per question {result['views_per_question']:.2f}, visual tokens {result['visual_tokens']:.1f}, "
+            f"median total {result['total_ms_median']:.1f} ms"
+        )
+    else:
+        print(result["final_note"])
+
+
+def score_arguments(p: argparse.ArgumentParser) -> None:
+    from litevlm.eval.score import SCORE_HELP, add_scoring_options
+
+    p.description, p.formatter_class = SCORE_HELP, argparse.RawDescriptionHelpFormatter
+    p.add_argument("--predictions", required=True, help="the submission: a JSON list of {id, question, answer}")
+    p.add_argument("--gt", required=True, help="a DriveLM JSON file with answers")
+    _json_flag(p)
+    add_scoring_options(p)
+
+
+def run_score(args) -> None:
+    from litevlm.eval.score import print_scores, score_files, scoring_from_args
+
+    result = score_files(args.predictions, args.gt, **scoring_from_args(args))
     if args.json:
         _print_json(result)
     else:
-        for k, v in result.items():
-            print(f"{k:>22}: {v}")
+        print_scores(result)
 
 
 def quantize_arguments(p: argparse.ArgumentParser) -> None:
@@ -528,7 +576,10 @@ COMMANDS: dict[str, Command | Group] = {
             ),
         },
     ),
-    "eval": Command("DriveLM scores of a pipeline configuration", eval_arguments, run_eval),
+    "eval": Command(
+        "DriveLM scores of a pipeline configuration (the official evaluation by default)", eval_arguments, run_eval
+    ),
+    "score": Command("DriveLM's official score of a submission file", score_arguments, run_score),
     "quantize": Command("FP8 post-training quantisation into a new checkpoint", quantize_arguments, run_quantize),
     "bench": Command(
         "the paper's Table 1 re-measured: every configuration on the same questions", bench_arguments, run_bench_command
