@@ -18,7 +18,7 @@ prompt token's attention over the visual tokens at layer K ranks them (layer K's
 the official code reuses layer K-1's returned probabilities instead, one layer less informed), and
 layers [K, L) run on the kept tokens only, which keep their original positions. Every attention-scored step here computes just the query rows it needs
 (q of a few tokens against all keys, fp32 softmax, head mean); the decoder itself stays on fused
-SDPA and no T x T attention matrix is formed (research/token_pruning.md sections 2.4 and 8.3).
+SDPA and no T x T attention matrix is formed.
 
 FastV cache handling (our choice): after the ranking, the cache of layers [0, K) is COMPACTED to
 the kept tokens, so every layer holds the same T' entries at slots 0..T'-1 and decoding is the
