@@ -5,7 +5,8 @@ from PIL import Image
 
 from litevlm import LiteVLMError, Pipeline
 from litevlm.cameras import CAMERAS
-from litevlm.pipeline import STAGES, images_from_dir
+from litevlm.models import images_from_dir
+from litevlm.pipeline import STAGES
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +177,7 @@ def test_tree_options_reach_the_decoder(full_model_dir, images):
 def test_the_shipped_default_model_is_complete_and_within_its_size_budget():
     """drive-tiny ships inside the package: at most 20 MB of safetensors, with every LiteVLM module beside it."""
     from litevlm.model.hf import read_native_meta
-    from litevlm.pipeline import resolve_model_dir
+    from litevlm.models import resolve_model_dir
 
     d = resolve_model_dir("drive-tiny")
     assert (d / "model.safetensors").stat().st_size <= 20 * 10**6

@@ -87,7 +87,7 @@ def _streamed(pipe, question: str, images):
 
 
 def run_ask(args) -> None:
-    from litevlm.pipeline import images_from_dir
+    from litevlm.models import images_from_dir
 
     pipe = pipeline_from_args(args)
     images = images_from_dir(args.images)
@@ -408,7 +408,7 @@ def run_quantize(args) -> None:
 
     from litevlm.data.drivelm import samples_from_frame
     from litevlm.data.synthetic import make_frame, render_views
-    from litevlm.pipeline import resolve_model_dir
+    from litevlm.models import resolve_model_dir
     from litevlm.quant.fp8 import FP8Recipe, calibrate, quantize_model, save_fp8
 
     if args.calib < 1:
