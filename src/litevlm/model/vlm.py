@@ -8,6 +8,7 @@ masked_scatter does); the decoder then runs over text and visual tokens alike.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
 from litevlm.model.lm import TextModel
 from litevlm.model.vision import Projector, VisionTower, pixel_shuffle
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

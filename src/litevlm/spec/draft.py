@@ -479,7 +479,8 @@ class DraftHead(nn.Module):
                 path = path / DRAFT_SUBDIR
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
             raise LiteVLMError(
-                f"no draft head at {path}: expected config.json and model.safetensors; train one with `litevlm train draft`"
+                f"no draft head at {path}: expected config.json and model.safetensors; "
+                "train one with `litevlm train draft`"
             )
         meta = json.loads((path / "config.json").read_text())
         if meta.get("format") != DRAFT_FORMAT:
