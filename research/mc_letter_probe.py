@@ -1,6 +1,6 @@
 """Can drive-tiny's decoder map a known answer to its multiple-choice letter? A text-only probe.
 
-    python benchmarks/mc_letter_probe.py --model src/litevlm/weights/drive-tiny --minutes 4
+    python research/mc_letter_probe.py --model src/litevlm/weights/drive-tiny --minutes 4
 
 The colour is stated in the question ("The vehicle is red. What colour is the vehicle? Please select
 the correct answer from the following options: A. Blue. B. Red. ..."), so the only thing to learn is
