@@ -224,6 +224,17 @@ def stages(meta: dict) -> list[str]:
     return lines
 
 
+HISTORY = "## Training history"
+
+
+def kept_history(card: Path) -> list[str]:
+    """The hand-written training history at the end of an existing card, kept when the card is rewritten."""
+    if not card.exists():
+        return []
+    text = card.read_text()
+    return ["", *text[text.index(HISTORY) :].rstrip().splitlines()] if HISTORY in text else []
+
+
 def write_card(model_dir: Path, result: dict) -> None:
     meta = json.loads((model_dir / "config.json").read_text())
     parts = meta.get("averaged") or [meta]
@@ -285,6 +296,7 @@ def write_card(model_dir: Path, result: dict) -> None:
         + f", total {t['total']:.1f} ms.",
         "",
         "Produced by `python benchmarks/drive_tiny_eval.py`.",
+        *kept_history(model_dir / "MODEL.md"),
     ]
     (model_dir / "MODEL.md").write_text("\n".join(lines) + "\n")
 

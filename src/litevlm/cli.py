@@ -127,14 +127,8 @@ def _print_json(obj) -> None:
 def cmd_demo(args) -> None:
     from litevlm.demo import run_demo
 
-    run_demo(
-        args.model,
-        out=args.out,
-        seed=args.seed,
-        n_questions=args.questions,
-        as_json=args.json,
-        select_views=args.select_views,
-    )
+    configs = ("baseline",) if args.baseline_only else ("litevlm",) if args.litevlm_only else ("litevlm", "baseline")
+    run_demo(args.model, out=args.out, seed=args.seed, n_questions=args.questions, as_json=args.json, configs=configs)
 
 
 def cmd_ask(args) -> None:
@@ -365,12 +359,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="render a fresh scene, ask questions, show answers and the stage table")
+    d = sub.add_parser(
+        "demo", help="LiteVLM and the baseline on a fresh scene: answers beside the truth, views, stage tables, speed-up"
+    )
     d.add_argument("--model", default="drive-tiny")
-    d.add_argument("--seed", type=int, default=2026)
+    d.add_argument("--seed", type=int, default=2026, help="the synthetic scene's seed")
     d.add_argument("--questions", type=int, default=6)
     d.add_argument("--out", default="demo.png", help="where to save the 2x3 picture of the six views")
-    d.add_argument("--select-views", action="store_true", help="answer through the ViewSelector, as LiteVLM does")
+    only = d.add_mutually_exclusive_group()
+    only.add_argument("--baseline-only", action="store_true", help="only the baseline (six views, plain decoding)")
+    only.add_argument("--litevlm-only", action="store_true", help="only the LiteVLM configuration (--litevlm)")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_demo)
 
