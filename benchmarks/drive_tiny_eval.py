@@ -2,7 +2,7 @@
 replaced by an empty road (does the model look?), closed-question accuracy per family, and the baseline
 stage-latency table. Writes the model card (MODEL.md) beside the weights; last stdout line is JSON.
 
-    python benchmarks/drive_tiny_eval.py --model drive-tiny --data /tmp/heldout [--n 680] [--select-views]
+    python benchmarks/drive_tiny_eval.py --model drive-tiny --data .bench-data/heldout [--n 680] [--select-views]
 
 --select-views answers through the model's ViewSelector, as LiteVLM does (the stage table is then that
 pipeline's, not the baseline's).

@@ -508,6 +508,25 @@ def glance(runs: dict) -> list[str]:
     return (["At a glance:", "", *lines, ""]) if lines else []
 
 
+GLANCE = ("<!-- glance: written by benchmarks/report.py from the runs behind RESULTS.md -->", "<!-- end glance -->")
+
+
+def update_readme(readme: Path, runs: dict) -> bool:
+    """Rewrite the README's results-at-a-glance block (between the GLANCE markers) from the same runs as the page:
+    the three figures and the Table 1 plot. A README without the markers is left alone."""
+    text = readme.read_text() if readme.exists() else ""
+    if GLANCE[0] not in text or GLANCE[1] not in text:
+        return False
+    lines = glance(runs)[2:-1] or ["No results yet: `python benchmarks/report.py --run` makes them."]
+    plot = runs.get("bench_1thread", {}).get("command", "")
+    if "--plot " in plot:
+        lines += ["", f"![Table 1 on drive-tiny, stage by stage]({plot.split('--plot ', 1)[1].split()[0]})"]
+    head, rest = text.split(GLANCE[0], 1)
+    tail = rest.split(GLANCE[1], 1)[1]
+    readme.write_text("\n".join([head + GLANCE[0], *lines, GLANCE[1]]) + tail)
+    return True
+
+
 def load(results: Path) -> dict:
     runs = {}
     for p in sorted(results.glob("*.json")):
@@ -539,6 +558,7 @@ def main(argv=None) -> None:
     p.add_argument("--list", action="store_true", help="list the benchmarks and their commands")
     p.add_argument("--results", default=str(RESULTS), help="folder of the runs' JSON")
     p.add_argument("--out", default=str(ROOT / "RESULTS.md"))
+    p.add_argument("--readme", default=str(ROOT / "README.md"), help="whose results-at-a-glance block to rewrite")
     args = p.parse_args(argv)
     known = benchmarks()
     if args.list:
@@ -558,8 +578,11 @@ def main(argv=None) -> None:
         for b in chosen:
             run = run_one(b, args.n)
             (results / f"{b.name}.json").write_text(json.dumps(run, indent=1) + "\n")
-    Path(args.out).write_text(render(load(results)))
+    runs = load(results)
+    Path(args.out).write_text(render(runs))
     print(f"wrote {args.out}")
+    if update_readme(Path(args.readme), runs):
+        print(f"updated the results at a glance in {args.readme}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ renormalised) and closed-question accuracy are reported per method and r, beside
 model. Timing, side by side in the same process on the first --timing-n prompts: unpruned prefill,
 the selector's own cost, prefill of the pruned prompt, and FastV's prefill (median ms).
 
-    python benchmarks/token_pruning.py --model src/litevlm/weights/drive-tiny --data /tmp/heldout --n 400 --plot tokens.png
+    python benchmarks/token_pruning.py --model drive-tiny --data .bench-data/heldout --n 200 --plot tokens.png
 
 The last line of stdout is one JSON object with every number.
 """

@@ -155,7 +155,7 @@ def write(tmp_path, report, runs: dict) -> str:
     for name, run in runs.items():
         (results / f"{name}.json").write_text(json.dumps(run))
     out = tmp_path / "RESULTS.md"
-    report.main(["--results", str(results), "--out", str(out)])
+    report.main(["--results", str(results), "--out", str(out), "--readme", str(tmp_path / "README.md")])
     return out.read_text()
 
 
@@ -239,3 +239,18 @@ def test_a_run_keeps_the_last_json_line_with_its_command(report):
 def test_a_run_without_a_json_line_is_refused(report):
     with pytest.raises(SystemExit, match="no JSON line"):
         report.run_one(report.Benchmark("probe", ["-c", "print('done')"], pinned=False), None)
+
+
+def test_the_readme_quotes_the_pages_three_figures_and_its_plot(tmp_path, report):
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        f"# x\n\n## Results at a glance\n\n{report.GLANCE[0]}\nold figures\n{report.GLANCE[1]}\n\n## After\n"
+    )
+    page = write(tmp_path, report, FIXTURES)
+    text = readme.read_text()
+    assert "old figures" not in text and text.startswith("# x\n") and text.endswith("## After\n")
+    block = text.split(report.GLANCE[0])[1].split(report.GLANCE[1])[0]
+    figures = [line for line in block.splitlines() if line.startswith("- ")]
+    assert len(figures) == 3 and all(f in page for f in figures)  # the page's own lines, word for word
+    assert "2.72x" in figures[0] and "2.21x" in figures[1] and "0.8631" in figures[2]
+    assert "![Table 1 on drive-tiny, stage by stage](benchmarks/results/bench_1thread.png)" in block

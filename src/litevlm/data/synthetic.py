@@ -2,7 +2,7 @@
 
 A seeded bird's-eye world (vehicles, pedestrians, cyclists, traffic lights, signs, cones, barriers
 around the ego car) is projected into the six nuScenes views with a yaw-only pinhole model
-(research/drivelm.md section 8), drawn with flat shapes, and given perception / prediction /
+(nuScenes' camera yaws and fields of view), drawn with flat shapes, and given perception / prediction /
 planning / behavior QA whose answers can be read from the pixels of the views each question names.
 `write_dataset` writes the DriveLM-nuScenes training JSON, so synthetic and real data share one loader.
 """

@@ -1,7 +1,7 @@
 """Training recipe for the TokenSelector: distil the full model's own view of which visual tokens matter.
 
 The paper (arXiv 2506.07416, section 3) builds "synthetic ground truth" from two parts, which we
-make concrete (research/token_pruning.md section 8.2):
+make concrete:
   1. the served VLM's own attention to the visual tokens, teacher-forced on the ground-truth
      answer: the head-mean rows of the last prompt token (half the weight) and of the tokens that
      predict each answer token (the other half), over every decoder layer but the first, each row

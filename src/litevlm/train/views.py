@@ -1,7 +1,7 @@
 """Training recipe for the ViewSelector: BCE summed over views, then (weight, threshold) calibration.
 
-Labels are hybrid, as in the paper (arXiv 2506.07416, section 3; research/token_pruning.md
-section 1.2): the synthetic generator's own per-question views (seed 0 frames), plus any JSONL of
+Labels are hybrid, as in the paper (arXiv 2506.07416,
+section 3): the synthetic generator's own per-question views (seed 0 frames), plus any JSONL of
 `{"question", "views"}` lines, such as `litevlm label-views` writes from a language model for
 implicit questions. Single-tag questions are augmented by moving the tag to every camera (the view
 comes from the tag, not from the phrase around it: the generator only asks "in the moving
