@@ -169,7 +169,8 @@ def main() -> None:
         rows[cue] = row
         print(
             f"{cue:8s} n={row['train']}/{row['test']}  majority {row['majority']:.3f}  "
-            f"probe on visual tokens {row['tokens']:.3f}  on vision patches {row['patches']:.3f}  on pixels {row['pixels']:.3f}  "
+            f"probe on visual tokens {row['tokens']:.3f}  on vision patches {row['patches']:.3f}  "
+            f"on pixels {row['pixels']:.3f}  "
             f"CNN on crops {row['crop_cnn']:.3f}"
         )
     print(

@@ -84,7 +84,8 @@ def main() -> None:
                 }
             )
             print(
-                f"step {step:5d}  {curve[-1]['seconds']:6.1f} s  loss {loss.item():.3f}  held-out letter accuracy {acc:.3f}",
+                f"step {step:5d}  {curve[-1]['seconds']:6.1f} s  loss {loss.item():.3f}  "
+                f"held-out letter accuracy {acc:.3f}",
                 flush=True,
             )
     first = next((c["step"] for c in curve if c["accuracy"] >= 0.95), None)
