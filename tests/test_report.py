@@ -254,3 +254,29 @@ def test_the_readme_quotes_the_pages_three_figures_and_its_plot(tmp_path, report
     assert len(figures) == 3 and all(f in page for f in figures)  # the page's own lines, word for word
     assert "2.72x" in figures[0] and "2.21x" in figures[1] and "0.8631" in figures[2]
     assert "![Table 1 on drive-tiny, stage by stage](benchmarks/results/bench_1thread.png)" in block
+
+
+def test_the_model_card_keeps_its_training_history_when_rewritten(tmp_path, benchmark_script):
+    card = benchmark_script("drive_tiny_eval")
+    meta = {"litevlm": {"name": "x"}, "format": "litevlm", "steps": 5, "recipe": {"lr": 3e-4, "frames": 10}}
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    scores = {"n": 4, "final": 0.5, "accuracy": 0.75, "language": 0.6, "match": 0.0, "closed_accuracy": 0.75}
+    result = {
+        "full": scores,
+        "blank": {**scores, "closed_accuracy": 0.25},
+        "data": "d",
+        "pipeline": "views",
+        "final_note": "no judge",
+        "per_family_closed": {},
+        "per_family_closed_blank": {},
+        "machine": "m",
+        "latency_ms": {**{s: 1.0 for s in card.STAGES}, "total": 5.0, "share": {s: 0.2 for s in card.STAGES}},
+    }
+    card.write_card(tmp_path, result)  # no card before: none to keep
+    assert card.HISTORY not in (tmp_path / "MODEL.md").read_text()
+    history = f"{card.HISTORY}\n\n| step | what changed |\n|---|---|\n| 1 | from scratch |\n"
+    (tmp_path / "MODEL.md").write_text("# old card\n\nold scores\n\n" + history)
+    card.write_card(tmp_path, {**result, "full": {**scores, "final": 0.625}})
+    text = (tmp_path / "MODEL.md").read_text()
+    assert "old scores" not in text and "| with the camera images | 0.6250 |" in text  # the scores are rewritten
+    assert text.endswith(history) and text.count(card.HISTORY) == 1  # the history is kept once, at the end
