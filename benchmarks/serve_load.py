@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     import httpx
 
     a = parse_args(argv)
-    from litevlm.pipeline import resolve_model_dir
+    from litevlm.models import resolve_model_dir
 
     model_dir = resolve_model_dir(a.model)
     bodies = make_cases(a)

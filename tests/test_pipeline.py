@@ -5,7 +5,8 @@ from PIL import Image
 
 from litevlm import LiteVLMError, Pipeline
 from litevlm.cameras import CAMERAS
-from litevlm.pipeline import STAGES, images_from_dir
+from litevlm.models import images_from_dir
+from litevlm.pipeline import STAGES
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,8 @@ def test_the_gpu_fast_path_answers_as_the_eager_gpu_path(full_model_dir, images)
 
 
 def test_tree_options_reach_the_decoder(full_model_dir, images):
-    from litevlm.cli import _pipeline, build_parser
+    from litevlm.cli import build_parser
+    from litevlm.options import pipeline_from_args
 
     args = build_parser().parse_args(
         [
@@ -163,7 +165,7 @@ def test_tree_options_reach_the_decoder(full_model_dir, images):
             "0.2",
         ]
     )
-    pipe = _pipeline(args)
+    pipe = pipeline_from_args(args)
     assert (pipe.tree.depth, pipe.tree.min_value, pipe.tree.total_tokens) == (5, 0.2, 6)
     ans = pipe.answer("Is there a red car to the front of the ego car?", images)
     plain = Pipeline.from_pretrained(full_model_dir, max_new_tokens=pipe.max_new_tokens).answer(
@@ -175,7 +177,7 @@ def test_tree_options_reach_the_decoder(full_model_dir, images):
 def test_the_shipped_default_model_is_complete_and_within_its_size_budget():
     """drive-tiny ships inside the package: at most 20 MB of safetensors, with every LiteVLM module beside it."""
     from litevlm.model.hf import read_native_meta
-    from litevlm.pipeline import resolve_model_dir
+    from litevlm.models import resolve_model_dir
 
     d = resolve_model_dir("drive-tiny")
     assert (d / "model.safetensors").stat().st_size <= 20 * 10**6
@@ -188,8 +190,9 @@ def test_the_shipped_default_model_is_complete_and_within_its_size_budget():
 def test_the_token_selector_skips_prompts_below_its_threshold(full_model_dir, images):
     """min_select_tokens: a prompt with fewer visual tokens is answered unpruned, exactly as without a
     selector; one with as many or more is pruned. --litevlm sets the LiteVLM threshold; a negative one is refused."""
-    from litevlm.cli import _pipeline, build_parser
-    from litevlm.eval.bench import LITEVLM_MIN_SELECT_TOKENS
+    from litevlm.cli import build_parser
+    from litevlm.options import pipeline_from_args
+    from litevlm.presets import LITEVLM_MIN_SELECT_TOKENS
 
     n_visual = 6 * Pipeline.from_pretrained(full_model_dir).cfg.tokens_per_tile
     q = "Is there a red car to the front of the ego car?"
@@ -208,7 +211,7 @@ def test_the_token_selector_skips_prompts_below_its_threshold(full_model_dir, im
     args = build_parser().parse_args(
         ["ask", "--model", str(full_model_dir), "--images", "x", "--question", "q", "--litevlm"]
     )
-    assert _pipeline(args).min_select_tokens == LITEVLM_MIN_SELECT_TOKENS
+    assert pipeline_from_args(args).min_select_tokens == LITEVLM_MIN_SELECT_TOKENS
     args = build_parser().parse_args(
         [
             "ask",
@@ -223,4 +226,4 @@ def test_the_token_selector_skips_prompts_below_its_threshold(full_model_dir, im
             "0",
         ]
     )
-    assert _pipeline(args).min_select_tokens == 0
+    assert pipeline_from_args(args).min_select_tokens == 0

@@ -273,12 +273,12 @@ def test_a_request_past_its_deadline_gets_504_and_the_server_recovers(images):
 def test_cli_registration_parses_serve_options():
     import argparse
 
-    from litevlm.cli import _add_pipeline_options
     from litevlm.errors import LiteVLMError
+    from litevlm.options import add_pipeline_options
     from litevlm.serve import add_serve_parser, serve_main
 
     parser = argparse.ArgumentParser(prog="litevlm")
-    add_serve_parser(parser.add_subparsers(dest="command"), _add_pipeline_options)
+    add_serve_parser(parser.add_subparsers(dest="command"), add_pipeline_options, make_pipeline=None)
     args = parser.parse_args(["serve", "--port", "0", "--max-queue", "3", "--timeout", "5", "--model", "m"])
     assert args.func is serve_main and args.host == "127.0.0.1"
     assert (args.port, args.max_queue, args.timeout, args.model) == (0, 3, 5.0, "m")

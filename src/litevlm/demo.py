@@ -67,7 +67,7 @@ def pick_questions(qas, n: int):
 def pipelines(model: str, configs: tuple[str, ...]) -> dict[str, Pipeline]:
     """The pipelines shown: the baseline (six views, no pruning, plain decoding) and the full LiteVLM
     configuration (`--litevlm`: ViewSelector, TokenSelector, EAGLE-2), on the same weights."""
-    from litevlm.eval.bench import LITEVLM
+    from litevlm.presets import LITEVLM
 
     options = {"litevlm": LITEVLM, "baseline": {}}
     return {name: Pipeline.from_pretrained(model, **options[name]) for name in configs}

@@ -1137,7 +1137,7 @@ class ServerThread:
         self.stop()
 
 
-def run_server(pipe, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info", **app_options) -> None:
+def serve_forever(pipe, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info", **app_options) -> None:
     """Serve `pipe` until interrupted; `app_options` go to `build_app`."""
     import uvicorn
 
@@ -1151,21 +1151,8 @@ def run_server(pipe, host: str = "127.0.0.1", port: int = 8000, *, log_level: st
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
 
 
-def _default_pipeline(args):
-    from litevlm.pipeline import Pipeline
-
-    return Pipeline.from_pretrained(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
-
-
-def _configure(p: argparse.ArgumentParser, add_pipeline_options: Callable, make_pipeline: Callable | None) -> None:
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The server's own flags (the pipeline's come from `litevlm.options`)."""
     d = Limits()
     p.add_argument(
         "--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 exposes the server to the network)"
@@ -1183,22 +1170,10 @@ def _configure(p: argparse.ArgumentParser, add_pipeline_options: Callable, make_
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels, help="largest image, width x height")
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars, help="longest question (characters)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    add_pipeline_options(p)
-    p.set_defaults(func=serve_main, make_pipeline=make_pipeline or _default_pipeline)
 
 
-def add_serve_parser(
-    subparsers, add_pipeline_options: Callable, make_pipeline: Callable | None = None
-) -> argparse.ArgumentParser:
-    """Register `litevlm serve` on the CLI's subparsers; `make_pipeline(args)` builds the pipeline."""
-    p = subparsers.add_parser(
-        "serve", help="OpenAI-compatible HTTP server (POST /v1/chat/completions)", description=__doc__.split("\n\n")[1]
-    )
-    _configure(p, add_pipeline_options, make_pipeline)
-    return p
-
-
-def serve_main(args) -> None:
+def _limits(args) -> dict:
+    """The `build_app` options of parsed server flags, checked (a bad one is a `LiteVLMError`)."""
     try:
         limits = dict(
             model_name=args.model_name,
@@ -1211,21 +1186,43 @@ def serve_main(args) -> None:
         Limits(**{k: v for k, v in limits.items() if k != "model_name"})
     except ValueError as e:
         raise LiteVLMError(f"serve: {e}") from None
-    make = getattr(args, "make_pipeline", None) or _default_pipeline
-    run_server(make(args), args.host, args.port, log_level=args.log_level, **limits)
+    return limits
+
+
+def run_server(pipe, args) -> None:
+    """Serve `pipe` with the parsed server flags of `args` (`add_serve_arguments`) until interrupted."""
+    serve_forever(pipe, args.host, args.port, log_level=args.log_level, **_limits(args))
+
+
+def add_serve_parser(subparsers, add_pipeline_options: Callable, make_pipeline: Callable) -> argparse.ArgumentParser:
+    """Register `litevlm serve` on a parser's subparsers; `make_pipeline(args)` builds the pipeline."""
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (POST /v1/chat/completions)", description=__doc__.split("\n\n")[1]
+    )
+    add_serve_arguments(p)
+    add_pipeline_options(p)
+    p.set_defaults(func=serve_main, make_pipeline=make_pipeline)
+    return p
+
+
+def serve_main(args) -> None:
+    _limits(args)  # checked before the model loads
+    run_server(args.make_pipeline(args), args)
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m litevlm.serve [options]`: the same as `litevlm serve`."""
     import sys
 
-    from litevlm.cli import _add_pipeline_options
+    from litevlm.options import add_pipeline_options, pipeline_from_args
 
     p = argparse.ArgumentParser(prog="litevlm serve", description=__doc__.split("\n\n")[1])
-    _configure(p, _add_pipeline_options, None)
+    add_serve_arguments(p)
+    add_pipeline_options(p)
     args = p.parse_args(argv)
     try:
-        serve_main(args)
+        _limits(args)
+        run_server(pipeline_from_args(args), args)
     except LiteVLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

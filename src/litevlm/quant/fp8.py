@@ -49,6 +49,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from tqdm import tqdm
 
+from litevlm.config import flag
 from litevlm.errors import LiteVLMError
 from litevlm.model.modules import submodules
 
@@ -71,8 +72,8 @@ KEPT_WORDS = ("select", "draft", "router")  # view / token selectors, EAGLE draf
 class FP8Recipe:
     """What to quantise and how. `exclude` holds fnmatch patterns of module names kept in high precision."""
 
-    name: str = "fp8-static-per-tensor"
-    include_vision: bool = False
+    name: str = flag("fp8-static-per-tensor", "the quantisation recipe", flag="--recipe", choices=RECIPES)
+    include_vision: bool = flag(False, "quantise the vision tower and projector too", flag="--vision")
     format: str = "e4m3"
     exclude: tuple[str, ...] = ()
     fast_accum: bool = False  # cuBLAS fast accumulation (Hopper): a little faster, a little less exact

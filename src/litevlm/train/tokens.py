@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
+from litevlm.config import flag
 from litevlm.errors import LiteVLMError
 from litevlm.select.tokens import (
     SelectorConfig,
@@ -47,12 +48,12 @@ from litevlm.select.tokens import (
 
 @dataclass
 class TokenRecipe:
-    frames: int = 1200  # training frames (seed, 0..frames-1)
-    seed: int = 0
+    frames: int = flag(1200, "synthetic frames (seed, 0..frames-1) whose prompts are labelled and trained on")
+    seed: int = flag(0, "frames (seed, 0..frames-1); the held-out split is seed 1")
     questions_per_frame: int = 8
     val_frames: int = 60  # frames after the training ones, same seed, for the agreement report
-    minutes: float = 10.0  # wall-clock budget for labelling + training
-    epochs: int = 4
+    minutes: float = flag(10.0, "wall-clock budget for labelling and training (labelling takes at most 40%)")
+    epochs: int = flag(4, "passes over the labelled prompts (the budget may stop it sooner)")
     batch: int = 16
     lr: float = 1e-3
     weight_decay: float = 0.01
@@ -64,11 +65,16 @@ class TokenRecipe:
     extra_view_prob: float = 0.15
     render_size: tuple[int, int] = (400, 225)
     keep_ratio: float = 0.5  # defaults stored in the checkpoint for select()
-    shared_layer: bool = True  # read the served model's frozen decoder layer 0; False: train an owned copy
+    shared_layer: bool = flag(
+        True,
+        "train a copy of decoder layer 0 with the head and prune before the decoder (default: the head reads "
+        "the model's own frozen layer 0, which then runs once and the rest of the decoder sees only the kept tokens)",
+        flag="--own-layer",
+    )
     min_per_view: int = 1
     mlp_hidden: int = 128
     use_tags: bool = True  # the selector's c-tag cell bonuses
-    threads: int = 2
+    threads: int = flag(2, "torch threads")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +292,7 @@ def train_token_selector(
     """Train and save a TokenSelector for the model at `model_dir` (into `out_dir or model_dir`/token_selector)."""
     from litevlm.data.tokenizer import Tokenizer
     from litevlm.model.hf import load_native
-    from litevlm.pipeline import resolve_model_dir
+    from litevlm.models import resolve_model_dir
 
     recipe = recipe or TokenRecipe()
     torch.manual_seed(recipe.seed)
