@@ -205,7 +205,8 @@ def main(argv=None) -> dict:
             result["vision"] = v
             print(
                 f"vision ({v['questions']} questions, {v['device']} {v['dtype']}): all six views "
-                f"{v['vit_ms_all_median']:.2f} ms ({v['tiles_all']} tiles), selected {v['vit_ms_selected_median']:.2f} ms "
+                f"{v['vit_ms_all_median']:.2f} ms ({v['tiles_all']} tiles), "
+                f"selected {v['vit_ms_selected_median']:.2f} ms "
                 f"({v['tiles_selected_mean']:.2f} tiles on average): {v['speedup']:.2f}x"
             )
     print(json.dumps(result, separators=(",", ":")))
