@@ -2,7 +2,7 @@
 replaced by an empty road (does the model look?), closed-question accuracy per family, and the baseline
 stage-latency table. Writes the model card (MODEL.md) beside the weights; last stdout line is JSON.
 
-    python benchmarks/drive_tiny_eval.py --model drive-tiny --data /tmp/heldout [--n 680] [--select-views]
+    python benchmarks/drive_tiny_eval.py --model drive-tiny --data .bench-data/heldout [--n 680] [--select-views]
 
 --select-views answers through the model's ViewSelector, as LiteVLM does (the stage table is then that
 pipeline's, not the baseline's).
@@ -101,7 +101,8 @@ def main() -> None:
         "eval_seconds": round(time.time() - t0, 1),
     }
     print(
-        f"closed-question accuracy: {full['closed_accuracy']:.3f} with images, {blank['closed_accuracy']:.3f} with empty roads"
+        f"closed-question accuracy: {full['closed_accuracy']:.3f} with images, "
+        f"{blank['closed_accuracy']:.3f} with empty roads"
     )
     print(f"DriveLM final (no judge): {full['final']:.4f}   blank: {blank['final']:.4f}")
     print("stage medians (ms): " + ", ".join(f"{s} {table[s]:.1f} ({100 * table['share'][s]:.0f}%)" for s in STAGES))
@@ -191,13 +192,15 @@ def stages(meta: dict) -> list[str]:
         "Each stage continued from the one before (`--init`); a re-initialised part starts afresh there.",
         *(
             [
-                'Adjacent rows marked "mean of" each continued from the stage before them; their element-wise mean is these weights, or the checkpoint the next stage continued from.'
+                'Adjacent rows marked "mean of" each continued from the stage before them; their element-wise mean '
+                "is these weights, or the checkpoint the next stage continued from."
             ]
             if any(st.get("mean") for st in chain)
             else []
         ),
         "",
-        "| stage | steps | minutes | re-initialised | lr | closed weight | view-subset share | other | looks-probe at the end, six views (images / empty) | needed views (images / empty) |",
+        "| stage | steps | minutes | re-initialised | lr | closed weight | view-subset share | other | "
+        "looks-probe at the end, six views (images / empty) | needed views (images / empty) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, st in enumerate(chain, start=1):
@@ -220,12 +223,24 @@ def stages(meta: dict) -> list[str]:
         label = f"{i} (mean of)" if st.get("mean") else i
         lines.append(
             f"| {label} | {st.get('steps')} | {(st.get('train_seconds') or 0) / 60:.1f} | {fresh} | {r.get('lr')} | "
-            f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {', '.join(other) or '-'} | {probe.get('images', '-')} / {probe.get('empty', '-')} | "
+            f"{r.get('closed_weight')} | {r.get('view_subset_prob')} | {', '.join(other) or '-'} "
+            f"| {probe.get('images', '-')} / {probe.get('empty', '-')} | "
             f"{probe.get('images_needed', '-')} / {probe.get('empty_needed', '-')} |"
         )
     total = sum((st.get("train_seconds") or 0) for st in chain) / 60
     lines += ["", f"Total training time over all stages: {total:.0f} min.", ""]
     return lines
+
+
+HISTORY = "## Training history"
+
+
+def kept_history(card: Path) -> list[str]:
+    """The hand-written training history at the end of an existing card, kept when the card is rewritten."""
+    if not card.exists():
+        return []
+    text = card.read_text()
+    return ["", *text[text.index(HISTORY) :].rstrip().splitlines()] if HISTORY in text else []
 
 
 def write_card(model_dir: Path, result: dict) -> None:
@@ -261,18 +276,23 @@ def write_card(model_dir: Path, result: dict) -> None:
             f"{(part.get('train_seconds') or 0) / 60:.1f} min on one core of the 2-core CPU machine"
         )
     lines += [
-        f"- data: {recipe.get('frames')} synthetic frames of seed {recipe.get('seed')} (indices {recipe.get('first_frame', 0)}..{recipe.get('first_frame', 0) + recipe.get('frames', 1) - 1}), every QA family, rendered at {recipe.get('render_size')} then resized like inference input",
+        f"- data: {recipe.get('frames')} synthetic frames of seed {recipe.get('seed')} (indices "
+        f"{recipe.get('first_frame', 0)}..{recipe.get('first_frame', 0) + recipe.get('frames', 1) - 1}), "
+        f"every QA family, rendered at {recipe.get('render_size')} then resized like inference input",
         f"- full recipe: `{json.dumps(recipe)}`",
         "",
         *stages(meta),
         "## Scores (held-out split: seed 1, scenes never trained on)",
         "",
-        f"Data: `{result['data']}`, {f['n']} questions, pipeline `{result['pipeline']}`. DriveLM scoring without a judge ({result['final_note']}).",
+        f"Data: `{result['data']}`, {f['n']} questions, pipeline `{result['pipeline']}`. DriveLM scoring "
+        f"without a judge ({result['final_note']}).",
         "",
         "| | final | accuracy | language | match | closed-question accuracy |",
         "|---|---|---|---|---|---|",
-        f"| with the camera images | {f['final']:.4f} | {f['accuracy']:.4f} | {f['language']:.4f} | {f['match']:.4f} | {f['closed_accuracy']:.4f} |",
-        f"| every image an empty road | {b['final']:.4f} | {b['accuracy']:.4f} | {b['language']:.4f} | {b['match']:.4f} | {b['closed_accuracy']:.4f} |",
+        f"| with the camera images | {f['final']:.4f} | {f['accuracy']:.4f} | {f['language']:.4f} "
+        f"| {f['match']:.4f} | {f['closed_accuracy']:.4f} |",
+        f"| every image an empty road | {b['final']:.4f} | {b['accuracy']:.4f} | {b['language']:.4f} "
+        f"| {b['match']:.4f} | {b['closed_accuracy']:.4f} |",
         "",
         "Closed-question accuracy per family (with images / empty roads):",
         "",
@@ -289,6 +309,7 @@ def write_card(model_dir: Path, result: dict) -> None:
         + f", total {t['total']:.1f} ms.",
         "",
         "Produced by `python benchmarks/drive_tiny_eval.py`.",
+        *kept_history(model_dir / "MODEL.md"),
     ]
     (model_dir / "MODEL.md").write_text("\n".join(lines) + "\n")
 

@@ -1,4 +1,4 @@
-"""FP8 against bf16 at the paper's 2B shapes (DESIGN.md section 2), on one CUDA GPU, in one run.
+"""FP8 against bf16 at the paper's 2B shapes, on one CUDA GPU, in one run.
 
 Stages, each timed eager and compiled (wall ms, device synchronised, median after warm-up):
   vision   InternViT-300M + pixel shuffle + projector on 12 448-px tiles (encode_tiles)

@@ -1,6 +1,6 @@
 """Sweep EAGLE-2 tree sizes against plain decoding on the same questions, side by side.
 
-    python benchmarks/spec_sweep.py --model src/litevlm/weights/drive-tiny --data /tmp/heldout --n 100
+    python benchmarks/spec_sweep.py --model src/litevlm/weights/drive-tiny --data .bench-data/heldout --n 100
 
 For every question the prompt (all six views) is embedded once; then plain greedy decoding and every
 tree configuration decode it in turn (interleaved, so machine load hits all alike). Reported per

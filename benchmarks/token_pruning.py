@@ -7,7 +7,7 @@ renormalised) and closed-question accuracy are reported per method and r, beside
 model. Timing, side by side in the same process on the first --timing-n prompts: unpruned prefill,
 the selector's own cost, prefill of the pruned prompt, and FastV's prefill (median ms).
 
-    python benchmarks/token_pruning.py --model src/litevlm/weights/drive-tiny --data /tmp/heldout --n 400 --plot tokens.png
+    python benchmarks/token_pruning.py --data .bench-data/heldout --n 200 --plot tokens.png
 
 The last line of stdout is one JSON object with every number.
 """
@@ -315,7 +315,8 @@ def main(argv=None) -> dict:
 
     # -- report ---------------------------------------------------------------------------------
     print(
-        f"\n{len(samples)} questions, views={args.views}, selector quota {quota}/view, greedy, max {args.max_new_tokens} new tokens"
+        f"\n{len(samples)} questions, views={args.views}, selector quota {quota}/view, greedy, "
+        f"max {args.max_new_tokens} new tokens"
     )
     print(
         f"unpruned: final {unpruned['final']:.4f}  closed acc {unpruned['closed_accuracy']:.4f}  "
@@ -336,11 +337,13 @@ def main(argv=None) -> dict:
         print(f"| {LABELS.get(m, m)} | " + " | ".join(f"{table[(m, r)]['changed']:.3f}" for r in ratios) + " |")
     if timing:
         print(
-            f"\nprefill ms (median of {min(args.timing_n, len(samples))} prompts, {args.repeats} repeats each, {model.device}, "
+            f"\nprefill ms (median of {min(args.timing_n, len(samples))} prompts, {args.repeats} repeats each, "
+            f"{model.device}, "
             f"{torch.get_num_threads()} threads); unpruned prefill {timing['prefill_unpruned']:.2f} ms\n"
         )
         print(
-            "| r | visual tokens | selector ms | pruned prefill ms | selector + prefill ms | speed-up | FastV K=1 ms | FastV K=2 ms |"
+            "| r | visual tokens | selector ms | pruned prefill ms | selector + prefill ms | speed-up | "
+            "FastV K=1 ms | FastV K=2 ms |"
         )
         print("|---|---|---|---|---|---|---|---|")
         for r in ratios:
@@ -348,7 +351,8 @@ def main(argv=None) -> dict:
             vt = table[("selector", r)]["visual_tokens"] if ("selector", r) in table else float("nan")
             print(
                 f"| {r} | {vt:.1f} | {timing[f'selector@{r}']:.2f} | {timing[f'prefill_pruned@{r}']:.2f} | {tot:.2f} | "
-                f"{timing['prefill_unpruned'] / tot:.2f}x | {timing[f'fastv_k1@{r}']:.2f} | {timing[f'fastv_k2@{r}']:.2f} |"
+                f"{timing['prefill_unpruned'] / tot:.2f}x | {timing[f'fastv_k1@{r}']:.2f} | "
+                f"{timing[f'fastv_k2@{r}']:.2f} |"
             )
     if args.plot:
         plot(

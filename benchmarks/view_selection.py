@@ -1,8 +1,8 @@
 """View selection on a held-out split: recall, views per question against the views needed, and the
 vision stage with all six views against the selected views, side by side on the same questions.
 
-    litevlm data synth --out /tmp/heldout_views --frames 60 --seed 1 --width 320 --height 180
-    python benchmarks/view_selection.py --model src/litevlm/weights/drive-tiny --data /tmp/heldout_views
+    litevlm data synth --out .bench-data/heldout_views --frames 60 --seed 1 --width 320 --height 180
+    python benchmarks/view_selection.py --model src/litevlm/weights/drive-tiny --data .bench-data/heldout_views
 
 View recall = needed views kept / needed views (the generator writes the views each question needs);
 the ratio is views kept per question over views needed per question. The lexical map alone
@@ -205,7 +205,8 @@ def main(argv=None) -> dict:
             result["vision"] = v
             print(
                 f"vision ({v['questions']} questions, {v['device']} {v['dtype']}): all six views "
-                f"{v['vit_ms_all_median']:.2f} ms ({v['tiles_all']} tiles), selected {v['vit_ms_selected_median']:.2f} ms "
+                f"{v['vit_ms_all_median']:.2f} ms ({v['tiles_all']} tiles), "
+                f"selected {v['vit_ms_selected_median']:.2f} ms "
                 f"({v['tiles_selected_mean']:.2f} tiles on average): {v['speedup']:.2f}x"
             )
     print(json.dumps(result, separators=(",", ":")))

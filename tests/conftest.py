@@ -97,14 +97,16 @@ def full_model_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def benchmark_script():
-    """Import a script of benchmarks/ by name ("cue_probe" -> benchmarks/cue_probe.py) to test its parts."""
+    """Import a script of benchmarks/ by name ("report" -> benchmarks/report.py) to test its parts."""
     import importlib.util
+    import sys
     from pathlib import Path
 
     def load(name: str):
         path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
         spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
         mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up while the script runs
         spec.loader.exec_module(mod)
         return mod
 

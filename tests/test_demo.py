@@ -1,17 +1,58 @@
 import json
 
+import pytest
+
+from litevlm.cameras import CAMERAS
 from litevlm.cli import main
 from litevlm.demo import run_demo
+from litevlm.errors import LiteVLMError
 
 
-def test_demo_answers_questions_and_saves_the_grid(tiny_model_dir, tmp_path, capsys):
+def test_demo_shows_litevlm_and_the_baseline_on_one_scene(full_model_dir, tmp_path, capsys):
     out = tmp_path / "demo.png"
-    result = run_demo(str(tiny_model_dir), out=str(out), n_questions=4, as_json=True)
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert json.loads(last)["n"] == 4
+    result = run_demo(str(full_model_dir), out=str(out), n_questions=4, as_json=True, rounds=2)
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["n"] == 4 and last["speedup"] == pytest.approx(result["speedup"])
     assert out.stat().st_size > 5_000
     assert {r["category"] for r in result["questions"]} == {"perception", "prediction", "planning", "behavior"}
-    assert result["median_ms"]["total"] > 0
+    for r in result["questions"]:  # both answers beside the one truth, each with the views it encoded
+        assert set(r["answers"]) == {"litevlm", "baseline"} and r["truth"]
+        assert r["answers"]["baseline"]["views"] == list(CAMERAS)  # the baseline encodes every camera
+        assert r["answers"]["litevlm"]["views"] and set(r["answers"]["litevlm"]["views"]) <= set(CAMERAS)
+    assert any(len(r["answers"]["litevlm"]["views"]) < len(CAMERAS) for r in result["questions"])
+    assert result["answers_timed"] == 8
+    base, lite = result["mean_ms"]["baseline"], result["mean_ms"]["litevlm"]
+    assert result["speedup"] == pytest.approx(base["total"] / lite["total"])  # the ratio of the two mean totals
+    assert set(result["exact"]) == {"litevlm", "baseline"}
+
+
+def test_demo_prints_answers_views_both_stage_tables_and_the_speedup(full_model_dir, tmp_path, capsys):
+    assert main(["demo", "--model", str(full_model_dir), "--out", str(tmp_path / "d.png"), "--questions", "2"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    for label in ("truth", "LiteVLM", "baseline"):  # a line each per question
+        assert sum(line.startswith(f"  {label} ") for line in lines) == 2
+    assert f"[all {len(CAMERAS)} views]" in text
+    header = next(line for line in lines if line.startswith("  stage "))
+    assert "LiteVLM" in header and "baseline" in header
+    assert "x as fast as the baseline" in text
+
+
+@pytest.mark.parametrize("flag, shown", [("--baseline-only", "baseline"), ("--litevlm-only", "litevlm")])
+def test_demo_can_show_one_configuration(full_model_dir, tmp_path, capsys, flag, shown):
+    args = ["demo", "--model", str(full_model_dir), "--out", str(tmp_path / "d.png"), "--questions", "2", "--json"]
+    assert main([*args, flag]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(result["mean_ms"]) == [shown] and result["speedup"] is None
+    assert all(list(r["answers"]) == [shown] for r in result["questions"])
+
+
+def test_the_baseline_alone_runs_on_a_model_without_selectors(tiny_model_dir, tmp_path):
+    result = run_demo(str(tiny_model_dir), out=str(tmp_path), n_questions=1, as_json=True, configs=("baseline",))
+    assert (tmp_path / "demo.png").stat().st_size > 5_000  # a folder gets demo.png inside it
+    assert result["n"] == 1
+    with pytest.raises(LiteVLMError, match="demo configurations"):
+        run_demo(str(tiny_model_dir), out=str(tmp_path), configs=("fastest",))
 
 
 def test_cli_reports_user_errors_with_exit_code_2(tmp_path, capsys):
@@ -19,22 +60,11 @@ def test_cli_reports_user_errors_with_exit_code_2(tmp_path, capsys):
     assert "image folder not found" in capsys.readouterr().err
 
 
-def test_demo_with_view_selection_reports_the_views_it_used(full_model_dir, tmp_path):
-    from litevlm.cameras import CAMERAS
-
-    result = run_demo(
-        str(full_model_dir), out=str(tmp_path / "grid.png"), n_questions=4, as_json=True, select_views=True
-    )
-    assert len(result["questions"]) == 4
-    for q in result["questions"]:
-        assert q["views"] and set(q["views"]) <= set(CAMERAS)
-    assert any(len(q["views"]) < len(CAMERAS) for q in result["questions"])  # at least one question needs fewer
-
-
-def test_demo_out_may_be_a_folder_and_a_bad_out_is_refused_up_front(tiny_model_dir, tmp_path, capsys):
-    run_demo(str(tiny_model_dir), out=str(tmp_path), n_questions=1, as_json=True)
-    assert (tmp_path / "demo.png").stat().st_size > 5_000  # a folder gets demo.png inside it
+def test_a_bad_out_is_refused_up_front(tiny_model_dir, tmp_path, capsys):
     assert main(["demo", "--model", str(tiny_model_dir), "--out", str(tmp_path / "grid")]) == 2
     assert "not an image file name" in capsys.readouterr().err
     assert main(["demo", "--model", str(tiny_model_dir), "--out", str(tmp_path / "missing" / "grid.png")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: the two are exclusive
+        main(["demo", "--baseline-only", "--litevlm-only"])
+    assert "not allowed with argument" in capsys.readouterr().err

@@ -45,24 +45,20 @@ def _json_flag(p: argparse.ArgumentParser, help: str | None = None) -> None:
 # ------------------------------------------------------------------------------------------------
 def demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="drive-tiny")
-    p.add_argument("--seed", type=int, default=2026)
+    p.add_argument("--seed", type=int, default=2026, help="the synthetic scene's seed")
     p.add_argument("--questions", type=int, default=6)
     p.add_argument("--out", default="demo.png", help="where to save the 2x3 picture of the six views")
-    p.add_argument("--select-views", action="store_true", help="answer through the ViewSelector, as LiteVLM does")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--baseline-only", action="store_true", help="only the baseline (six views, plain decoding)")
+    only.add_argument("--litevlm-only", action="store_true", help="only the LiteVLM configuration (--litevlm)")
     _json_flag(p)
 
 
 def run_demo(args) -> None:
     from litevlm.demo import run_demo
 
-    run_demo(
-        args.model,
-        out=args.out,
-        seed=args.seed,
-        n_questions=args.questions,
-        as_json=args.json,
-        select_views=args.select_views,
-    )
+    configs = ("baseline",) if args.baseline_only else ("litevlm",) if args.litevlm_only else ("litevlm", "baseline")
+    run_demo(args.model, out=args.out, seed=args.seed, n_questions=args.questions, as_json=args.json, configs=configs)
 
 
 def ask_arguments(p: argparse.ArgumentParser) -> None:
@@ -529,7 +525,11 @@ def run_convert(args) -> None:
 
 
 COMMANDS: dict[str, Command | Group] = {
-    "demo": Command("render a fresh scene, ask questions, show answers and the stage table", demo_arguments, run_demo),
+    "demo": Command(
+        "LiteVLM and the baseline on a fresh scene: answers beside the truth, views, stage tables, speed-up",
+        demo_arguments,
+        run_demo,
+    ),
     "ask": Command("answer a question about your own six camera images", ask_arguments, run_ask),
     "views": Command("which cameras a question needs, with per-camera scores", views_arguments, run_views),
     "label-views": Command(

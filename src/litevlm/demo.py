@@ -1,4 +1,9 @@
-"""`litevlm demo`: a fresh synthetic scene, a handful of questions, answers beside the truth, the stage table."""
+"""`litevlm demo`: LiteVLM and the baseline on one fresh synthetic scene, side by side.
+
+Both pipelines answer the same questions about a scene the model never saw: each answer beside the truth, the
+views each pipeline encoded, the per-stage latency of both, and the speed-up (the ratio of their mean totals,
+measured interleaved question by question so that machine load hits both alike).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from litevlm.errors import LiteVLMError
 from litevlm.pipeline import STAGES, Pipeline
 
 GRID = (("CAM_FRONT_LEFT", "CAM_FRONT", "CAM_FRONT_RIGHT"), ("CAM_BACK_LEFT", "CAM_BACK", "CAM_BACK_RIGHT"))
+LABELS = {"litevlm": "LiteVLM", "baseline": "baseline"}
 
 
 def grid_path(out: str | Path) -> Path:
@@ -58,61 +64,120 @@ def pick_questions(qas, n: int):
     return picked
 
 
+def pipelines(model: str, configs: tuple[str, ...]) -> dict[str, Pipeline]:
+    """The pipelines shown: the baseline (six views, no pruning, plain decoding) and the full LiteVLM
+    configuration (`--litevlm`: ViewSelector, TokenSelector, EAGLE-2), on the same weights."""
+    from litevlm.presets import LITEVLM
+
+    options = {"litevlm": LITEVLM, "baseline": {}}
+    return {name: Pipeline.from_pretrained(model, **options[name]) for name in configs}
+
+
+def measure(pipes: dict[str, Pipeline], questions, images, rounds: int) -> tuple[dict, dict]:
+    """Each question answered by every pipeline, `rounds` times, interleaved (the pipeline that goes first
+    alternates); the answers of the first round, and every answer's stage timings per pipeline."""
+    answers: dict[str, list] = {name: [] for name in pipes}
+    timings: dict[str, list] = {name: [] for name in pipes}
+    names = list(pipes)
+    for rnd in range(rounds):
+        for i, qa in enumerate(questions):
+            order = names if (rnd + i) % 2 == 0 else names[::-1]
+            for name in order:
+                ans = pipes[name].answer(qa.question, images)
+                timings[name].append(ans.timings_ms)
+                if rnd == 0:
+                    answers[name].append(ans)
+    return answers, timings
+
+
+def mean_stages(timings: list[dict]) -> dict[str, float]:
+    return {s: statistics.fmean(t.get(s, 0.0) for t in timings) for s in (*STAGES, "total")}
+
+
 def run_demo(
     model: str = "drive-tiny",
     out: str = "demo.png",
     seed: int = 2026,
     n_questions: int = 6,
     as_json: bool = False,
-    select_views: bool = False,
+    configs: tuple[str, ...] = ("litevlm", "baseline"),
+    rounds: int = 3,
 ) -> dict:
     from litevlm.data.synthetic import make_frame, render_views
 
+    unknown = [c for c in configs if c not in LABELS]
+    if unknown or not configs:
+        raise LiteVLMError(f"demo configurations {unknown or configs}: choose among {', '.join(LABELS)}")
     grid_path(out)  # a bad --out fails before the model loads
-    pipe = Pipeline.from_pretrained(model, select_views=select_views)
+    pipes = pipelines(model, configs)
     frame = make_frame(seed, 0)
     images = render_views(frame, size=(800, 450))
     grid = save_grid(images, out)
-    pipe.answer("Warm-up question?", images)  # first call allocates; keep it out of the table
-    rows = []
-    for qa in pick_questions(frame.qas, n_questions):
-        ans = pipe.answer(qa.question, images)
-        rows.append(
-            {
-                "category": qa.category,
-                "question": qa.question,
-                "answer": ans.text,
-                "truth": qa.answer,
-                "views": ans.views,
-                "timings_ms": ans.timings_ms,
-            }
-        )
-        if not as_json:
-            mark = "ok " if ans.text.strip() == qa.answer.strip() else "   "
-            print(f"[{qa.category}] {qa.question}")
-            print(f"  {mark}model: {ans.text}")
-            print(f"     truth: {qa.answer}")
-    med = {s: statistics.median(r["timings_ms"].get(s, 0.0) for r in rows) for s in (*STAGES, "total", "preprocess")}
+    for pipe in pipes.values():  # the first call allocates caches; keep it out of the tables
+        pipe.answer("Is there a car in front of the ego vehicle?", images)
+    questions = pick_questions(frame.qas, n_questions)
+    answers, timings = measure(pipes, questions, images, rounds)
+    stages = {name: mean_stages(t) for name, t in timings.items()}
+    rows = [
+        {
+            "category": qa.category,
+            "question": qa.question,
+            "truth": qa.answer,
+            "answers": {name: {"answer": answers[name][i].text, "views": answers[name][i].views} for name in pipes},
+        }
+        for i, qa in enumerate(questions)
+    ]
+    exact = {name: sum(_same(r["answers"][name]["answer"], r["truth"]) for r in rows) for name in pipes}
+    speedup = stages["baseline"]["total"] / stages["litevlm"]["total"] if len(pipes) == 2 else None
     result = {
-        "model": pipe.name,
+        "model": next(iter(pipes.values())).name,
+        "scene": {"seed": seed, "frame": 0},
         "picture": str(grid),
         "questions": rows,
-        "median_ms": med,
-        "exact": sum(r["answer"].strip() == r["truth"].strip() for r in rows),
+        "exact": exact,
         "n": len(rows),
+        "answers_timed": len(rows) * rounds,
+        "mean_ms": stages,
+        "speedup": speedup,
     }
     if as_json:
         print(json.dumps(result, separators=(",", ":")))
     else:
-        views = statistics.fmean(len(r["views"]) for r in rows)
-        print(
-            f"\n{result['exact']}/{len(rows)} answers exactly equal to the ground truth; {views:.1f} of {len(CAMERAS)} views per question"
-        )
-        print(f"picture of the six views: {grid}\n")
-        print("stage latency (median over questions, ms, this machine):")
-        total = med["total"] or 1.0
-        for s in (*STAGES, "total"):
-            share = "" if s == "total" else f"  {100 * med[s] / total:5.1f}%"
-            print(f"  {s:>14} {med[s]:9.2f}{share}")
-        print(f"  {'(preprocess)':>14} {med['preprocess']:9.2f}  image decode + resize, not in total")
+        print_demo(result)
     return result
+
+
+def _same(answer: str, truth: str) -> bool:
+    return answer.strip() == truth.strip()
+
+
+def _views(views: list[str]) -> str:
+    return f"all {len(CAMERAS)} views" if len(views) == len(CAMERAS) else ", ".join(views)
+
+
+def print_demo(result: dict) -> None:
+    names = list(result["mean_ms"])
+    width = max(len(LABELS[n]) for n in names) + 2
+    print(f"A scene the model never saw (seed {result['scene']['seed']}); its six views: {result['picture']}\n")
+    for r in result["questions"]:
+        print(f"[{r['category']}] {r['question']}")
+        print(f"  {'truth':<{width}}   {r['truth']}")
+        for name in names:
+            a = r["answers"][name]
+            mark = "ok" if _same(a["answer"], r["truth"]) else ""
+            print(f"  {LABELS[name]:<{width}}{mark:<3}{a['answer']}   [{_views(a['views'])}]")
+        print()
+    print("answers equal to the truth: " + ", ".join(f"{LABELS[n]} {result['exact'][n]}/{result['n']}" for n in names))
+    print(f"\nstage latency, mean ms over {result['answers_timed']} answers each (this machine):")
+    print(f"  {'stage':<14}" + "".join(f"{LABELS[n]:>12}{'share':>8}" for n in names))
+    for s in (*STAGES, "total"):
+        cells = ""
+        for n in names:
+            ms, total = result["mean_ms"][n][s], result["mean_ms"][n]["total"] or 1.0
+            cells += f"{ms:12.2f}" + ("" if s == "total" else f"{100 * ms / total:7.1f}%")
+        print(f"  {s:<14}{cells}")
+    if result["speedup"] is not None:
+        print(
+            f"\nLiteVLM answered {result['speedup']:.2f}x as fast as the baseline "
+            "(ratio of their mean totals, measured side by side)."
+        )

@@ -1,7 +1,7 @@
 """FP8 post-training quantisation of linear layers: calibrated scales, a real FP8 GEMM on GPUs of compute
 capability >= 8.9, and a fake-quant reference with the same rounding everywhere else.
 
-LiteVLM's last step (arXiv 2506.07416; 2.5x -> 3.2x) is FP8 PTQ of the deployed model. A tensor is
+LiteVLM's last step (arXiv 2506.07416, Table 1) is FP8 PTQ of the deployed model. A tensor is
 stored as float8_e4m3fn (max 448) times an fp32 *dequantisation* scale, `x ~ q * s` with
 `s = amax / 448`. Two recipes, as NVIDIA ModelOpt names them:
 

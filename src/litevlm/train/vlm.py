@@ -23,7 +23,7 @@ alone; a probe on validation frames (seed + 2) reports closed-question accuracy 
 and with empty roads at every checkpoint (all six views, and only the views each question needs), so
 a run that stops looking is seen while it trains.
 
-Two settings decide whether the decoder learns to read at all (BENCHMARKS.md, issue 3): the learning
+Two settings decide whether the decoder learns to read at all (drive-tiny's model card traces them): the learning
 rate (at 1e-3 and above a fresh decoder stays on the question-type prior even when handed the true
 contents of every cell; at 3e-4 it reads them), and a stage where every frame shows only the views
 its questions need (`view_subset_prob=1`): with 16 tokens per needed view instead of 96 the answer's

@@ -1,6 +1,6 @@
 """Where the TokenSelector pays: its scoring against the prefill it saves, by prompt size, side by side.
 
-    python benchmarks/select_threshold.py --model drive-tiny --data /tmp/heldout --n 200
+    python research/select_threshold.py --model drive-tiny --data /tmp/heldout --n 200
 
 Every question is answered twice, alternately, with the ViewSelector and EAGLE on: once with the
 TokenSelector pruning every prompt (`min_select_tokens=0`), once without it. Grouped by how many visual

@@ -10,7 +10,7 @@ that opens means the decoder uses what the visual tokens carry.
     targets of `litevlm.train.vlm.aux_targets`), the best the vision side could hand over; it
     separates "the decoder cannot learn to read" from "the tokens do not carry it".
 
-    python benchmarks/grounding_probe.py --model drive-tiny --tokens oracle --steps 300
+    python research/grounding_probe.py --model drive-tiny --tokens oracle --steps 300
 
 Last stdout line is JSON.
 """

@@ -1,6 +1,6 @@
 """Why a verification costs more inside the speculative loop than alone: the target's weights cool off with time.
 
-    python benchmarks/verify_decay.py --model drive-tiny --data /tmp/heldout
+    python research/verify_decay.py --model drive-tiny --data /tmp/heldout
 
 One chain verification (root + 5 drafts, the one CPU call the decode loop makes) is timed right
 after each of several things: nothing (back to back), a busy wait on a few KB for 0.5 / 1.5 / 5 ms (time

@@ -5,8 +5,8 @@ and loaded with our `load_hf`, so both run identical weights. Median wall millis
 are reported for the vision tower, prompt prefill, one-token extension and end-to-end greedy
 generation; the last line of stdout is one JSON object with every number and the HF/ours ratios.
 
-    python benchmarks/engine_vs_transformers.py            # ~30-90 s on 2 cores
-    python benchmarks/engine_vs_transformers.py --tiles 2 --new-tokens 8 --repeats 2
+    python research/engine_vs_transformers.py
+    python research/engine_vs_transformers.py --tiles 2 --new-tokens 8 --repeats 2
 """
 
 from __future__ import annotations

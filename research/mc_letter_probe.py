@@ -1,6 +1,6 @@
 """Can drive-tiny's decoder map a known answer to its multiple-choice letter? A text-only probe.
 
-    python benchmarks/mc_letter_probe.py --model src/litevlm/weights/drive-tiny --minutes 4
+    python research/mc_letter_probe.py --model src/litevlm/weights/drive-tiny --minutes 4
 
 The colour is stated in the question ("The vehicle is red. What colour is the vehicle? Please select
 the correct answer from the following options: A. Blue. B. Red. ..."), so the only thing to learn is
@@ -84,7 +84,8 @@ def main() -> None:
                 }
             )
             print(
-                f"step {step:5d}  {curve[-1]['seconds']:6.1f} s  loss {loss.item():.3f}  held-out letter accuracy {acc:.3f}",
+                f"step {step:5d}  {curve[-1]['seconds']:6.1f} s  loss {loss.item():.3f}  "
+                f"held-out letter accuracy {acc:.3f}",
                 flush=True,
             )
     first = next((c["step"] for c in curve if c["accuracy"] >= 0.95), None)

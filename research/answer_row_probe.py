@@ -1,6 +1,6 @@
 """Does a cue reach the row that answers? Linear probes on the answer row's hidden state, layer by layer.
 
-    python benchmarks/answer_row_probe.py --model drive-tiny --data DIR [--train-share 0.7]
+    python research/answer_row_probe.py --model drive-tiny --data DIR [--train-share 0.7]
 
 For every closed question of a family, the prompt is built as the pipeline builds it (the ViewSelector's views,
 no pruning) and run through the decoder once. The last prompt row, the one whose next token is the answer, is

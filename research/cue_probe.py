@@ -10,7 +10,7 @@ width of margin on either side, where a motion trail is drawn) says whether the 
 cue at all. A cue the probe reads well but the model answers at chance is lost in the decoder; a cue the
 probe cannot read is lost before it.
 
-    python benchmarks/cue_probe.py --model drive-tiny --train-frames 800 --test-frames 200
+    python research/cue_probe.py --model drive-tiny --train-frames 800 --test-frames 200
 
 Last stdout line is JSON.
 """
@@ -169,7 +169,8 @@ def main() -> None:
         rows[cue] = row
         print(
             f"{cue:8s} n={row['train']}/{row['test']}  majority {row['majority']:.3f}  "
-            f"probe on visual tokens {row['tokens']:.3f}  on vision patches {row['patches']:.3f}  on pixels {row['pixels']:.3f}  "
+            f"probe on visual tokens {row['tokens']:.3f}  on vision patches {row['patches']:.3f}  "
+            f"on pixels {row['pixels']:.3f}  "
             f"CNN on crops {row['crop_cnn']:.3f}"
         )
     print(

@@ -1,6 +1,6 @@
 """Where a speculative cycle's drafting time goes on the CPU: the fixed part and the cost of each chain step.
 
-    python benchmarks/draft_cost.py --model drive-tiny
+    python research/draft_cost.py --model drive-tiny
 
 Times the draft head's side of a greedy chain cycle (`DraftHead.draft_cycle`: the extend over the pairs
 committed last cycle, then the chain) at chain depths 1, 2, 4, 8, 16 with no cut, after an extend of 1 and

@@ -1,0 +1,589 @@
+"""The results page: run the benchmarks, keep each run's JSON, and write RESULTS.md from it.
+
+Every benchmark script prints one JSON object as its last stdout line. `--run` runs them (all, or those named
+with `--only`), saving each as `benchmarks/results/NAME.json` with the exact command, the date, the commit and
+the machine beside the script's own JSON; then, with or without `--run`, the page is written from whatever
+`benchmarks/results/*.json` holds, one table per topic with its command under it (as nanochat's report.py).
+
+    python benchmarks/report.py --run                  # every benchmark, then RESULTS.md
+    python benchmarks/report.py --run --only bench_1thread,view_selection --n 20   # a quick try
+    python benchmarks/report.py                        # RESULTS.md from the JSON already there
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DATA = ".bench-data"  # the synthetic splits the runs read, made on first use (git ignores it)
+HELDOUT = f"{DATA}/heldout"
+HELDOUT_VIEWS = f"{DATA}/heldout_views"
+SPLITS = {
+    HELDOUT: ["--frames", "100", "--seed", "1"],
+    HELDOUT_VIEWS: ["--frames", "60", "--seed", "1", "--width", "320", "--height", "180"],
+}
+MODEL = "src/litevlm/weights/drive-tiny"
+
+
+@dataclass
+class Benchmark:
+    """One run: its command (argv after `python`), the question count `--n` replaces, and whether it runs on one
+    pinned thread (`OMP_NUM_THREADS=1`, on core 1 through `taskset` where the machine has one)."""
+
+    name: str
+    argv: list[str]
+    n: int | None = None  # default question count (None: the script's own, e.g. a whole split)
+    n_flag: str = "--n"
+    pinned: bool = True
+    needs: list[str] = field(default_factory=list)  # splits it reads
+
+    def command(self, n: int | None) -> list[str]:
+        """The command as the page shows it: `litevlm ...` for the CLI, `python SCRIPT ...` for a script."""
+        n = n if n is not None else self.n
+        head = [] if self.argv[0] == "litevlm" else ["python"]
+        return [*head, *self.argv, *([self.n_flag, str(n)] if n is not None else [])]
+
+
+def benchmarks() -> list[Benchmark]:
+    bench = ["litevlm", "bench", "--data", HELDOUT, "--json"]
+    out = [
+        Benchmark("bench_1thread", [*bench, "--plot", "benchmarks/results/bench_1thread.png"], n=100, needs=[HELDOUT]),
+        Benchmark("bench_default_threads", bench, n=100, pinned=False, needs=[HELDOUT]),
+        Benchmark(
+            "spec_sweep",
+            ["benchmarks/spec_sweep.py", "--model", MODEL, "--data", HELDOUT, "--threads", "1"],
+            n=100,
+            needs=[HELDOUT],
+        ),
+        Benchmark(
+            "token_pruning",
+            ["benchmarks/token_pruning.py", "--model", MODEL, "--data", HELDOUT, "--threads", "1", "--timing-n", "10"]
+            + ["--plot", "benchmarks/results/token_pruning.png"],
+            n=200,
+            needs=[HELDOUT],
+        ),
+        Benchmark(
+            "view_selection",
+            ["benchmarks/view_selection.py", "--model", MODEL, "--data", HELDOUT_VIEWS, "--threads", "1"],
+            needs=[HELDOUT_VIEWS],
+        ),
+        Benchmark(
+            "drive_tiny_views",
+            ["benchmarks/drive_tiny_eval.py", "--model", MODEL, "--data", HELDOUT, "--select-views", "--threads", "1"]
+            + ["--no-card"],
+            needs=[HELDOUT],
+        ),
+        Benchmark(
+            "drive_tiny_six_views",
+            ["benchmarks/drive_tiny_eval.py", "--model", MODEL, "--data", HELDOUT, "--threads", "1", "--no-card"],
+            needs=[HELDOUT],
+        ),
+        Benchmark(
+            "serve_load", ["benchmarks/serve_load.py", "--model", MODEL], n=200, n_flag="--requests", pinned=False
+        ),
+    ]
+    if (ROOT / "benchmarks" / "compile_vs_native.py").exists():
+        out.append(Benchmark("compile_vs_native", ["benchmarks/compile_vs_native.py"], pinned=False))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running
+
+
+def machine(pinned: bool) -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": 1 if pinned else torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def commit() -> str:
+    def git(*a) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks")
+    return git("rev-parse", "--short", "HEAD") + ("+uncommitted" if dirty else "")
+
+
+def make_split(path: str) -> str:
+    cmd = ["litevlm", "data", "synth", "--out", path, *SPLITS[path]]
+    if not (ROOT / path).is_dir():  # written beside, then renamed: an interrupted split is never taken as whole
+        print(f"[report] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        partial = ROOT / f"{path}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        argv = executable(cmd)
+        argv[argv.index(path)] = str(partial)
+        subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        partial.rename(ROOT / path)
+    return shlex.join(cmd)
+
+
+def executable(cmd: list[str]) -> list[str]:
+    """The argv that runs a shown command in this interpreter's environment (its `python`, its `litevlm`)."""
+    if cmd[0] == "python":
+        return [sys.executable, *cmd[1:]]
+    beside = Path(sys.executable).parent / cmd[0]
+    return [str(beside) if beside.exists() else cmd[0], *cmd[1:]]
+
+
+def run_one(b: Benchmark, n: int | None) -> dict:
+    """Run one benchmark and keep its last stdout line (JSON) with the command, date, commit and machine."""
+    setup = [make_split(p) for p in b.needs]
+    cmd = b.command(n)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    prefix = []
+    if b.pinned:
+        env["OMP_NUM_THREADS"] = "1"
+        prefix = ["OMP_NUM_THREADS=1"]
+        if shutil.which("taskset") and (os.cpu_count() or 1) > 1:
+            prefix.append("taskset -c 1")
+    shown = " ".join([*prefix, shlex.join(cmd)])
+    argv = executable(cmd)
+    if b.pinned and len(prefix) > 1:
+        argv = ["taskset", "-c", "1", *argv]
+    print(f"[report] {shown}", file=sys.stderr, flush=True)
+    t0 = time.time()
+    proc = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if not lines or not lines[-1].lstrip().startswith("{"):
+        raise SystemExit(f"{b.name}: no JSON line at the end of its output (exit code {proc.returncode})")
+    return {
+        "benchmark": b.name,
+        "command": shown,
+        "setup": setup,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit(),
+        "machine": machine(b.pinned),
+        "exit_code": proc.returncode,
+        "seconds": round(time.time() - t0, 1),
+        "result": json.loads(lines[-1]),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The page
+
+
+def fmt(v) -> str:
+    """How a figure of the JSON appears on the page: floats to at most four decimals, None as n/a."""
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return str(round(v, 4))
+    return str(v)
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(fmt(c) for c in r) + " |" for r in rows),
+    ]
+
+
+def provenance(run: dict) -> list[str]:
+    m = run["machine"]
+    lines = [f"Command: `{run['command']}`"]
+    lines += [f"(data: `{s}`)" for s in run.get("setup", [])]
+    lines.append(f"Commit {run['commit']}, {run['date']}, {m['threads']} thread(s), {run['seconds']} s.")
+    if run.get("exit_code"):
+        lines.append(f"The command exited with code {run['exit_code']}.")
+    return ["", *lines, ""]
+
+
+def missing(what: str, command: str) -> list[str]:
+    return [f"**Not measured:** no results file for {what}. `{command}` makes it.", ""]
+
+
+BENCH_COLUMNS = [
+    "config",
+    "views",
+    "vit_ms",
+    "input_tokens",
+    "prefill_ms",
+    "extend_one_ms",
+    "decode_ms",
+    "select_ms",
+    "total_ms",
+    "speedup",
+    "score",
+    "tau",
+    "opened_tokens",
+    "mean_total_ms",
+]
+
+
+def litevlm_speedup(result: dict) -> float | None:
+    rows = {r["config"]: r for r in result["rows"]}
+    return rows.get("litevlm", {}).get("speedup")
+
+
+def section_bench(runs: dict) -> list[str]:
+    out = [
+        "## Table 1: every configuration on drive-tiny, side by side",
+        "",
+        "Each row answers the same held-out questions in one run, in an order shuffled per question; stage times are",
+        "medians over the questions, `speedup` is the baseline's median total over the row's, `score` the DriveLM",
+        "final score without a judge from the row's own answers, `tau` tokens per target pass, `opened_tokens` the",
+        "answer tokens accepted with the prompt.",
+    ]
+    for name, label in (("bench_1thread", "one pinned thread"), ("bench_default_threads", "the default threads")):
+        run = runs.get(name)
+        out += ["", f"### At {label}", ""]
+        if run is None:
+            out += missing(f"`litevlm bench` at {label}", f"python benchmarks/report.py --run --only {name}")
+            continue
+        res = run["result"]
+        out.append(
+            f"LiteVLM: **{fmt(litevlm_speedup(res))}x** the baseline ({res['questions']} questions, "
+            f"{res['threads']} thread(s), CPU steps: {res.get('cpu_steps')})."
+        )
+        out += [""] + table(BENCH_COLUMNS, [[r.get(c) for c in BENCH_COLUMNS] for r in res["rows"]])
+        out += provenance(run)
+        if "--plot" in run["command"]:
+            plot = run["command"].split("--plot ", 1)[1].split()[0]
+            out += [f"![Table 1 stages]({plot})", ""]
+    return out
+
+
+def section_sweep(run: dict | None) -> list[str]:
+    out = ["## EAGLE-2 draft trees against plain decoding", ""]
+    if run is None:
+        return out + missing("the EAGLE-2 sweep", "python benchmarks/report.py --run --only spec_sweep")
+    res = run["result"]
+    cols = ["config", "tau", "draft_ms", "verify_ms", "tokens_per_s", "speedup", "mismatches"]
+    shipped = res["rows"][1]["config"] if len(res["rows"]) > 1 else None
+    out += [
+        f"Decode stage only, all six views, {res['questions']} questions; the shipped default tree is `{shipped}`"
+        f" (first row after plain). Fastest here: `{res['best']}`, **{fmt(res['best_speedup'])}x** plain decoding at"
+        f" tau {fmt(res['best_tau'])}; lossless (every output equal to plain greedy decoding): {fmt(res['lossless'])}.",
+        "",
+        *table(cols, [[r.get(c) for c in cols] for r in res["rows"]]),
+    ]
+    return out + provenance(run)
+
+
+METHODS = {"selector": "TokenSelector", "fastv_k1": "FastV K=1", "fastv_k2": "FastV K=2"}
+
+
+def section_tokens(run: dict | None) -> list[str]:
+    out = ["## TokenSelector against FastV", ""]
+    if run is None:
+        return out + missing("token pruning", "python benchmarks/report.py --run --only token_pruning")
+    res = run["result"]
+    ratios, scores = res["ratios"], res["scores"]
+    methods = list(dict.fromkeys(k.split("@")[0] for k in scores))
+    un = res["unpruned"]
+    out += [
+        f"DriveLM final score (closed-question accuracy) against r, the fraction of visual tokens kept, on"
+        f" {res['n']} questions over the views each needs; unpruned {fmt(un['final'])} ({fmt(un['closed_accuracy'])}).",
+        "",
+    ]
+    rows = []
+    for m in methods:
+        cells = []
+        for r in ratios:
+            s = scores.get(f"{m}@{r}")
+            cells.append("-" if s is None else f"{fmt(s['final'])} ({fmt(s['closed_accuracy'])})")
+        rows.append([METHODS.get(m, m), *cells])
+    out += table(["method", *(f"r={r}" for r in ratios)], rows)
+    t = res.get("timing_ms") or {}
+    if t:
+        out += [
+            "",
+            f"Prefill, medians in ms: unpruned {fmt(t.get('prefill_unpruned'))}.",
+            "",
+            *table(
+                ["r", "selector", "pruned prefill", "FastV K=1", "FastV K=2"],
+                [
+                    [
+                        r,
+                        t.get(f"selector@{r}"),
+                        t.get(f"prefill_pruned@{r}"),
+                        t.get(f"fastv_k1@{r}"),
+                        t.get(f"fastv_k2@{r}"),
+                    ]
+                    for r in ratios
+                ],
+            ),
+        ]
+    out += provenance(run)
+    if res.get("plot"):
+        out += [f"![token pruning]({res['plot']})", ""]
+    return out
+
+
+def section_views(run: dict | None) -> list[str]:
+    out = ["## ViewSelector recall", ""]
+    if run is None:
+        return out + missing("view selection", "python benchmarks/report.py --run --only view_selection")
+    res = run["result"]
+    cols = ["recall", "views_per_question", "needed_per_question", "ratio_to_needed", "exact"]
+    out += [
+        f"{res['questions']} held-out questions; recall = needed views kept / needed views.",
+        "",
+        *table(
+            ["selector", *cols],
+            [
+                ["ViewSelector", *(res.get(c) for c in cols)],
+                ["lexical map alone", *(res["lexical_only"].get(c) for c in cols)],
+            ],
+        ),
+    ]
+    v = res.get("vision") or {}
+    if "vit_ms_all_median" in v:
+        out += [
+            "",
+            f"Vision stage on {v['questions']} of these questions: all six views {fmt(v['vit_ms_all_median'])} ms,"
+            f" the selected views {fmt(v['vit_ms_selected_median'])} ms ({fmt(v['tiles_selected_mean'])} tiles),"
+            f" medians; {fmt(v['speedup'])}x by sums.",
+        ]
+    return out + provenance(run)
+
+
+def section_scores(runs: dict) -> list[str]:
+    out = [
+        "## drive-tiny's scores, with the images and with every camera an empty road",
+        "",
+        "DriveLM scoring without a judge (the other weights renormalised). A model that reads its images loses",
+        "accuracy when every camera shows an empty road.",
+        "",
+    ]
+    rows, shown = [], []
+    for name, label in (("drive_tiny_views", "ViewSelector on"), ("drive_tiny_six_views", "all six views")):
+        run = runs.get(name)
+        if run is None:
+            continue
+        res = run["result"]
+        f, b = res["full"], res["blank"]
+        rows.append(
+            [
+                label,
+                f["n"],
+                f["final"],
+                b["final"],
+                f["closed_accuracy"],
+                b["closed_accuracy"],
+                res["closed_accuracy_gap"],
+            ]
+        )
+        shown.append(run)
+    if not rows:
+        return out + missing("drive-tiny's scores", "python benchmarks/report.py --run --only drive_tiny_views")
+    out += table(
+        [
+            "pipeline",
+            "questions",
+            "final, images",
+            "final, empty roads",
+            "closed acc, images",
+            "closed acc, empty",
+            "gap",
+        ],
+        rows,
+    )
+    for run in shown:
+        out += provenance(run)
+    return out
+
+
+def flatten(d: dict, prefix: str = "") -> list[tuple[str, object]]:
+    items = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            items += flatten(v, f"{prefix}{k}.")
+        elif not isinstance(v, list):
+            items.append((f"{prefix}{k}", v))
+    return items
+
+
+def section_serve(run: dict | None) -> list[str]:
+    out = ["## `litevlm serve` under load", ""]
+    if run is None:
+        return out + missing("the server under load", "python benchmarks/report.py --run --only serve_load")
+    res = run["result"]
+    out += ["Loopback only, one server process; every key of the benchmark's JSON (latencies in ms).", ""]
+    out += table(["figure", "value"], [[k, v] for k, v in flatten(res) if k not in ("model", "host")])
+    return out + provenance(run)
+
+
+def section_compile(run: dict | None) -> list[str]:
+    out = ["## torch.compile against the native CPU steps", ""]
+    if run is None:
+        return out + missing("compile against native", "python benchmarks/compile_vs_native.py")
+    res = run["result"]
+    cols = ["step", "threads", "eager_ms", "native_ms", "inductor_ms", "aoti_ms", "compile_s"]
+    out += table(cols, [[r.get(c) for c in cols] for r in res.get("rows", [])])
+    kept = res.get("kept") or {}
+    if kept:
+        out += ["", "Kept: " + ", ".join(f"{step}: {backend}" for step, backend in kept.items()) + "."]
+    if res.get("rule"):
+        out += ["", f"Rule: {res['rule']}"]
+    return out + provenance(run)
+
+
+def section_gpu(runs: dict) -> list[str]:
+    out = ["## GPU", ""]
+    gpu = {k: v for k, v in runs.items() if k.startswith("gpu")}
+    if not gpu:
+        return out + [
+            "**None measured yet.** This project's CUDA paths have not run on a device;",
+            "`bash benchmarks/gpu_session.sh` is the command for a machine with one (its outputs saved here as",
+            "`benchmarks/results/gpu_*.json`).",
+            "",
+        ]
+    for name, run in sorted(gpu.items()):
+        res = run["result"]
+        out += [f"### {name}", ""]
+        if "rows" in res and res["rows"] and "config" in res["rows"][0]:
+            out += table(BENCH_COLUMNS, [[r.get(c) for c in BENCH_COLUMNS] for r in res["rows"]])
+        else:
+            out += table(["figure", "value"], flatten(res))
+        out += provenance(run)
+    return out
+
+
+def header(runs: dict) -> list[str]:
+    commits = sorted({r["commit"] for r in runs.values()})
+    machines = sorted({(r["machine"]["cpu"], r["machine"]["cores"], r["machine"]["torch"]) for r in runs.values()})
+    dates = sorted(r["date"] for r in runs.values())
+    out = [
+        "# Results",
+        "",
+        "Written by `python benchmarks/report.py` from `benchmarks/results/*.json` (one file per run); do not edit by",
+        "hand. `python benchmarks/report.py --run` re-runs every benchmark first. Speed-ups are ratios of two",
+        "configurations measured side by side in one run on the same inputs.",
+        "",
+    ]
+    if not runs:
+        return out + ["No results yet: `python benchmarks/report.py --run` makes them.", ""]
+    out += [
+        f"- commit: {', '.join(commits)}",
+        *(f"- machine: {cpu}, {cores} cores, torch {torch}" for cpu, cores, torch in machines),
+        f"- date: {dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else ""),
+        "",
+    ]
+    return out + glance(runs)
+
+
+def glance(runs: dict) -> list[str]:
+    """The three figures the README quotes."""
+    lines = []
+    for name, label in (("bench_1thread", "at one pinned thread"), ("bench_default_threads", "at the default threads")):
+        if name in runs:
+            res = runs[name]["result"]
+            lines.append(
+                f"- LiteVLM **{fmt(litevlm_speedup(res))}x** the baseline {label} ({res['threads']} thread(s))"
+            )
+    if "drive_tiny_views" in runs:
+        f = runs["drive_tiny_views"]["result"]["full"]
+        lines.append(
+            f"- drive-tiny's closed-question accuracy through the ViewSelector: **{fmt(f['closed_accuracy'])}**"
+        )
+    return (["At a glance:", "", *lines, ""]) if lines else []
+
+
+GLANCE = ("<!-- glance: written by benchmarks/report.py from the runs behind RESULTS.md -->", "<!-- end glance -->")
+
+
+def update_readme(readme: Path, runs: dict) -> bool:
+    """Rewrite the README's results-at-a-glance block (between the GLANCE markers) from the same runs as the page:
+    the three figures and the Table 1 plot. A README without the markers is left alone."""
+    text = readme.read_text() if readme.exists() else ""
+    if GLANCE[0] not in text or GLANCE[1] not in text:
+        return False
+    lines = glance(runs)[2:-1] or ["No results yet: `python benchmarks/report.py --run` makes them."]
+    plot = runs.get("bench_1thread", {}).get("command", "")
+    if "--plot " in plot:
+        lines += ["", f"![Table 1 on drive-tiny, stage by stage]({plot.split('--plot ', 1)[1].split()[0]})"]
+    head, rest = text.split(GLANCE[0], 1)
+    tail = rest.split(GLANCE[1], 1)[1]
+    readme.write_text("\n".join([head + GLANCE[0], *lines, GLANCE[1]]) + tail)
+    return True
+
+
+def load(results: Path) -> dict:
+    runs = {}
+    for p in sorted(results.glob("*.json")):
+        run = json.loads(p.read_text())
+        runs[run.get("benchmark", p.stem)] = run
+    return runs
+
+
+def render(runs: dict) -> str:
+    lines = [
+        *header(runs),
+        *section_bench(runs),
+        *section_sweep(runs.get("spec_sweep")),
+        *section_tokens(runs.get("token_pruning")),
+        *section_views(runs.get("view_selection")),
+        *section_scores(runs),
+        *section_serve(runs.get("serve_load")),
+        *section_compile(runs.get("compile_vs_native")),
+        *section_gpu(runs),
+    ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", action="store_true", help="run the benchmarks first")
+    p.add_argument("--only", default=None, help="comma-separated benchmark names (default: all)")
+    p.add_argument("--n", type=int, default=None, help="questions (requests for serve_load) in each run")
+    p.add_argument("--list", action="store_true", help="list the benchmarks and their commands")
+    p.add_argument("--results", default=str(RESULTS), help="folder of the runs' JSON")
+    p.add_argument("--out", default=str(ROOT / "RESULTS.md"))
+    p.add_argument("--readme", default=str(ROOT / "README.md"), help="whose results-at-a-glance block to rewrite")
+    args = p.parse_args(argv)
+    known = benchmarks()
+    if args.list:
+        for b in known:
+            print(f"{b.name:24} {shlex.join(b.command(args.n))}")
+        return
+    chosen = known
+    if args.only:
+        names = [s.strip() for s in args.only.split(",") if s.strip()]
+        unknown = sorted(set(names) - {b.name for b in known})
+        if unknown:
+            raise SystemExit(f"unknown benchmarks {unknown}: choose among {', '.join(b.name for b in known)}")
+        chosen = [b for b in known if b.name in names]
+    results = Path(args.results)
+    if args.run:
+        results.mkdir(parents=True, exist_ok=True)
+        for b in chosen:
+            run = run_one(b, args.n)
+            (results / f"{b.name}.json").write_text(json.dumps(run, indent=1) + "\n")
+    runs = load(results)
+    Path(args.out).write_text(render(runs))
+    print(f"wrote {args.out}")
+    if update_readme(Path(args.readme), runs):
+        print(f"updated the results at a glance in {args.readme}")
+
+
+if __name__ == "__main__":
+    main()

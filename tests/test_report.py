@@ -1,0 +1,282 @@
+"""benchmarks/report.py: the results page shows the figures of the runs' JSON, and says plainly what was not run."""
+
+import json
+
+import pytest
+
+MACHINE = {"cpu": "Test CPU 9000", "cores": 2, "torch": "2.0.0+cpu", "threads": 1, "gpu": None}
+
+
+def run_file(name: str, result: dict, command: str, threads: int = 1) -> dict:
+    return {
+        "benchmark": name,
+        "command": command,
+        "setup": ["litevlm data synth --out .bench-data/heldout --frames 100 --seed 1"],
+        "date": "2030-01-02 03:04 UTC",
+        "commit": "abc1234",
+        "machine": {**MACHINE, "threads": threads},
+        "exit_code": 0,
+        "seconds": 12.5,
+        "result": result,
+    }
+
+
+def bench_row(config: str, total: float, speedup: float, score: float, tau=None) -> dict:
+    return {
+        "config": config,
+        "views": 2.46 if "lite" in config else 6.0,
+        "vit_ms": round(total / 3, 3),
+        "input_tokens": 83.7,
+        "prefill_ms": round(total / 2.5, 3),
+        "extend_one_ms": 0.417,
+        "decode_ms": 0.0071,
+        "select_ms": 0.531,
+        "total_ms": total,
+        "speedup": speedup,
+        "score": score,
+        "tau": tau,
+        "opened_tokens": 2.44,
+        "mean_total_ms": round(total * 1.6, 3),
+    }
+
+
+def bench(threads: int, lite_speedup: float) -> dict:
+    return {
+        "model": "drive-tiny",
+        "device": "cpu",
+        "threads": threads,
+        "cpu_steps": "native",
+        "questions": 100,
+        "rows": [bench_row("baseline", 32.77, 1.0, 0.5297), bench_row("litevlm", 12.833, lite_speedup, 0.5355, 5.704)],
+    }
+
+
+FIXTURES = {
+    "bench_1thread": run_file(
+        "bench_1thread",
+        bench(1, 2.72),
+        "OMP_NUM_THREADS=1 taskset -c 1 litevlm bench --data .bench-data/heldout --json --plot "
+        "benchmarks/results/bench_1thread.png --n 100",
+    ),
+    "bench_default_threads": run_file(
+        "bench_default_threads", bench(2, 2.21), "litevlm bench --data .bench-data/heldout --json --n 100", threads=2
+    ),
+    "spec_sweep": run_file(
+        "spec_sweep",
+        {
+            "questions": 100,
+            "best": "chain d16 v0.1",
+            "best_speedup": 2.02,
+            "best_tau": 5.61,
+            "lossless": True,
+            "rows": [
+                {"config": "plain", "tau": 1.0, "draft_ms": None, "verify_ms": None, "tokens_per_s": 1052.1}
+                | {"speedup": 1.0, "mismatches": 0},
+                {"config": "chain d16 v0.1", "tau": 5.61, "draft_ms": 0.58, "verify_ms": 1.89}
+                | {"tokens_per_s": 2123.6, "speedup": 2.018, "mismatches": 0},
+            ],
+        },
+        "python benchmarks/spec_sweep.py --n 100",
+    ),
+    "token_pruning": run_file(
+        "token_pruning",
+        {
+            "n": 200,
+            "ratios": [0.3, 0.7],
+            "unpruned": {"final": 0.5351, "closed_accuracy": 0.8601},
+            "scores": {
+                "selector@0.3": {"final": 0.5312, "closed_accuracy": 0.851},
+                "selector@0.7": {"final": 0.5349, "closed_accuracy": 0.8598},
+                "fastv_k1@0.3": {"final": 0.5011, "closed_accuracy": 0.802},
+                "fastv_k1@0.7": {"final": 0.5203, "closed_accuracy": 0.8333},
+            },
+            "timing_ms": {"prefill_unpruned": 5.16, "selector@0.3": 1.21, "prefill_pruned@0.3": 4.07},
+            "plot": "benchmarks/results/token_pruning.png",
+        },
+        "python benchmarks/token_pruning.py --n 200",
+    ),
+    "view_selection": run_file(
+        "view_selection",
+        {
+            "questions": 1024,
+            "recall": 0.999023,
+            "views_per_question": 2.484375,
+            "needed_per_question": 2.484375,
+            "ratio_to_needed": 1.0,
+            "exact": 0.98,
+            "lexical_only": {
+                "recall": 1.0,
+                "views_per_question": 2.5625,
+                "needed_per_question": 2.484375,
+                "ratio_to_needed": 1.0314,
+                "exact": 0.91,
+            },
+            "vision": {
+                "questions": 40,
+                "vit_ms_all_median": 13.57,
+                "vit_ms_selected_median": 3.84,
+                "tiles_selected_mean": 2.43,
+                "speedup": 3.1,
+            },
+        },
+        "python benchmarks/view_selection.py",
+    ),
+    "drive_tiny_views": run_file(
+        "drive_tiny_views",
+        {
+            "full": {"n": 1688, "final": 0.5351, "closed_accuracy": 0.8631},
+            "blank": {"n": 1688, "final": 0.324, "closed_accuracy": 0.4373},
+            "closed_accuracy_gap": 0.4258,
+        },
+        "python benchmarks/drive_tiny_eval.py --select-views",
+    ),
+    "serve_load": run_file(
+        "serve_load",
+        {
+            "model": "drive-tiny",
+            "requests": 200,
+            "throughput_rps": 41.377,
+            "latency_ms": {"p50": 310.5, "p99": 611.2},
+            "ttft_ms": {"p50": 12.25},
+        },
+        "python benchmarks/serve_load.py --requests 200",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def report(benchmark_script):
+    return benchmark_script("report")
+
+
+def write(tmp_path, report, runs: dict) -> str:
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, run in runs.items():
+        (results / f"{name}.json").write_text(json.dumps(run))
+    out = tmp_path / "RESULTS.md"
+    report.main(["--results", str(results), "--out", str(out), "--readme", str(tmp_path / "README.md")])
+    return out.read_text()
+
+
+def row(report, cells) -> str:
+    return "| " + " | ".join(report.fmt(c) for c in cells) + " |"
+
+
+def test_the_page_shows_every_figure_of_the_runs(tmp_path, report):
+    page = write(tmp_path, report, FIXTURES)
+    # Table 1: every row of both runs, cell for cell, the command and provenance under each.
+    for name in ("bench_1thread", "bench_default_threads"):
+        run = FIXTURES[name]
+        for r in run["result"]["rows"]:
+            assert row(report, [r[c] for c in report.BENCH_COLUMNS]) in page
+        assert f"Command: `{run['command']}`" in page
+    assert "LiteVLM **2.72x** the baseline at one pinned thread" in page
+    assert "LiteVLM **2.21x** the baseline at the default threads" in page
+    assert "![Table 1 stages](benchmarks/results/bench_1thread.png)" in page
+    assert "- commit: abc1234" in page and "Test CPU 9000, 2 cores, torch 2.0.0+cpu" in page
+    assert "2030-01-02 03:04 UTC" in page
+    # The sweep, its fastest tree, and losslessness.
+    for r in FIXTURES["spec_sweep"]["result"]["rows"]:
+        cols = ("config", "tau", "draft_ms", "verify_ms", "tokens_per_s", "speedup", "mismatches")
+        assert row(report, [r[c] for c in cols]) in page
+    assert "`chain d16 v0.1`, **2.02x**" in page
+    # Token pruning: a method's row across r, and a missing cell shown as missing rather than invented.
+    assert "| TokenSelector | 0.5312 (0.851) | 0.5349 (0.8598) |" in page
+    assert "unpruned 0.5351 (0.8601)" in page
+    assert "| 0.3 | 1.21 | 4.07 | n/a | n/a |" in page
+    # ViewSelector recall, rounded to four decimals only.
+    assert "| ViewSelector | 0.999 | 2.4844 | 2.4844 | 1.0 | 0.98 |" in page
+    assert "| lexical map alone | 1.0 | 2.5625 | 2.4844 | 1.0314 | 0.91 |" in page
+    # drive-tiny's scores and the at-a-glance accuracy.
+    assert "| ViewSelector on | 1688 | 0.5351 | 0.324 | 0.8631 | 0.4373 | 0.4258 |" in page
+    assert "through the ViewSelector: **0.8631**" in page
+    # The server: whatever keys its JSON has, nested ones included.
+    for key, value in (("throughput_rps", "41.377"), ("latency_ms.p99", "611.2"), ("ttft_ms.p50", "12.25")):
+        assert f"| {key} | {value} |" in page
+
+
+def test_a_benchmark_not_run_is_said_plainly(tmp_path, report):
+    runs = {k: v for k, v in FIXTURES.items() if k not in ("spec_sweep", "bench_default_threads")}
+    page = write(tmp_path, report, runs)
+    assert "**Not measured:** no results file for the EAGLE-2 sweep." in page
+    assert "**Not measured:** no results file for `litevlm bench` at the default threads." in page
+    assert "**Not measured:** no results file for compile against native." in page
+    assert "**None measured yet.**" in page  # no GPU results
+    assert "at the default threads (" not in page  # nor a glance figure for it
+
+
+def test_compile_and_gpu_results_are_shown_when_present(tmp_path, report):
+    compile_run = run_file(
+        "compile_vs_native",
+        {
+            "benchmark": "compile_vs_native",
+            "rows": [
+                {"step": "decode", "threads": 1, "eager_ms": 2.378, "native_ms": 0.819}
+                | {"inductor_ms": 1.234, "aoti_ms": None, "compile_s": 41.5}
+            ],
+            "kept": {"decode": "native"},
+            "rule": "keep the fastest backend per step",
+        },
+        "python benchmarks/compile_vs_native.py",
+    )
+    gpu_run = run_file("gpu_bench_2b", bench(1, 3.03), "litevlm bench --shape 2b --json")
+    page = write(tmp_path, report, {**FIXTURES, "compile_vs_native": compile_run, "gpu_bench_2b": gpu_run})
+    assert "| decode | 1 | 2.378 | 0.819 | 1.234 | n/a | 41.5 |" in page
+    assert "Kept: decode: native." in page and "Rule: keep the fastest backend per step" in page
+    assert "None measured yet" not in page and "### gpu_bench_2b" in page
+    assert row(report, [gpu_run["result"]["rows"][1][c] for c in report.BENCH_COLUMNS]) in page
+
+
+def test_a_run_keeps_the_last_json_line_with_its_command(report):
+    script = 'print("progress"); print(\'{"benchmark": "x", "value": 1.5}\')'
+    run = report.run_one(report.Benchmark("probe", ["-c", script], pinned=False), None)
+    assert run["result"] == {"benchmark": "x", "value": 1.5}
+    assert run["command"].startswith("python -c") and run["exit_code"] == 0
+    assert {"cpu", "cores", "torch", "threads"} <= set(run["machine"]) and run["commit"]
+
+
+def test_a_run_without_a_json_line_is_refused(report):
+    with pytest.raises(SystemExit, match="no JSON line"):
+        report.run_one(report.Benchmark("probe", ["-c", "print('done')"], pinned=False), None)
+
+
+def test_the_readme_quotes_the_pages_three_figures_and_its_plot(tmp_path, report):
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        f"# x\n\n## Results at a glance\n\n{report.GLANCE[0]}\nold figures\n{report.GLANCE[1]}\n\n## After\n"
+    )
+    page = write(tmp_path, report, FIXTURES)
+    text = readme.read_text()
+    assert "old figures" not in text and text.startswith("# x\n") and text.endswith("## After\n")
+    block = text.split(report.GLANCE[0])[1].split(report.GLANCE[1])[0]
+    figures = [line for line in block.splitlines() if line.startswith("- ")]
+    assert len(figures) == 3 and all(f in page for f in figures)  # the page's own lines, word for word
+    assert "2.72x" in figures[0] and "2.21x" in figures[1] and "0.8631" in figures[2]
+    assert "![Table 1 on drive-tiny, stage by stage](benchmarks/results/bench_1thread.png)" in block
+
+
+def test_the_model_card_keeps_its_training_history_when_rewritten(tmp_path, benchmark_script):
+    card = benchmark_script("drive_tiny_eval")
+    meta = {"litevlm": {"name": "x"}, "format": "litevlm", "steps": 5, "recipe": {"lr": 3e-4, "frames": 10}}
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    scores = {"n": 4, "final": 0.5, "accuracy": 0.75, "language": 0.6, "match": 0.0, "closed_accuracy": 0.75}
+    result = {
+        "full": scores,
+        "blank": {**scores, "closed_accuracy": 0.25},
+        "data": "d",
+        "pipeline": "views",
+        "final_note": "no judge",
+        "per_family_closed": {},
+        "per_family_closed_blank": {},
+        "machine": "m",
+        "latency_ms": {**{s: 1.0 for s in card.STAGES}, "total": 5.0, "share": {s: 0.2 for s in card.STAGES}},
+    }
+    card.write_card(tmp_path, result)  # no card before: none to keep
+    assert card.HISTORY not in (tmp_path / "MODEL.md").read_text()
+    history = f"{card.HISTORY}\n\n| step | what changed |\n|---|---|\n| 1 | from scratch |\n"
+    (tmp_path / "MODEL.md").write_text("# old card\n\nold scores\n\n" + history)
+    card.write_card(tmp_path, {**result, "full": {**scores, "final": 0.625}})
+    text = (tmp_path / "MODEL.md").read_text()
+    assert "old scores" not in text and "| with the camera images | 0.6250 |" in text  # the scores are rewritten
+    assert text.endswith(history) and text.count(card.HISTORY) == 1  # the history is kept once, at the end
