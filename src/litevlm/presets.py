@@ -11,7 +11,7 @@ from litevlm.errors import LiteVLMError
 LITEVLM_KEEP_RATIO = 0.5
 # The TokenSelector scores a prompt in about half a decoder layer; pruning half of n visual tokens saves
 # n / 2 tokens of the other layers. On drive-tiny (16 tokens a view) that pays from three views on
-# (`benchmarks/select_threshold.py`), so smaller prompts are not pruned.
+# (`research/select_threshold.py`), so smaller prompts are not pruned.
 LITEVLM_MIN_SELECT_TOKENS = 48
 # The full LiteVLM configuration (`--litevlm`); the table's LiteVLM rows add a precision to it.
 LITEVLM: dict = {
