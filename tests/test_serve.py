@@ -160,16 +160,26 @@ def test_models_health_and_metrics(client, server, images):
     client.chat.completions.create(model="tiny", messages=[user_message(QUESTION, images)])
     r = httpx.get(server.url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    text = r.text
-    assert 'litevlm_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
-    assert 'litevlm_requests_total{endpoint="/v1/chat/completions",status="404"}' in text
-    assert 'litevlm_errors_total{code="model_not_found"}' in text
+    samples = metric_samples(r.text)
+    assert samples[("litevlm_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] >= 1
+    assert samples[("litevlm_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "404")))] >= 1
+    assert samples[("litevlm_errors_total", (("code", "model_not_found"),))] >= 1
     for stage in ("select_views", "vit", "select_tokens", "prefill", "decode", "total"):
-        assert f'litevlm_stage_latency_seconds_bucket{{stage="{stage}",le="+Inf"}}' in text
-    assert "# TYPE litevlm_queue_wait_seconds histogram" in text and "litevlm_queue_wait_seconds_count" in text
-    for line in text.splitlines():  # every sample line is NAME{labels} VALUE with a number
-        if line and not line.startswith("#"):
-            float(line.rsplit(" ", 1)[1])
+        assert samples[("litevlm_stage_latency_seconds_count", (("stage", stage),))] >= 1
+    assert samples[("litevlm_queue_wait_seconds_count", ())] >= 1
+    assert samples[("litevlm_time_to_first_token_seconds_count", ())] >= 1
+    assert samples[("litevlm_in_flight_requests", ())] == 0
+
+
+def metric_samples(text: str) -> dict:
+    """(name, sorted labels) -> value, parsed by prometheus_client's own parser (which refuses malformed text)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_parse_refuses_with_named_problems(images):
@@ -278,7 +288,7 @@ def test_cli_registration_parses_serve_options():
     from litevlm.serve import add_serve_parser, serve_main
 
     parser = argparse.ArgumentParser(prog="litevlm")
-    add_serve_parser(parser.add_subparsers(dest="command"), _add_pipeline_options)
+    add_serve_parser(parser.add_subparsers(dest="command"), _add_pipeline_options, lambda a: None)
     args = parser.parse_args(["serve", "--port", "0", "--max-queue", "3", "--timeout", "5", "--model", "m"])
     assert args.func is serve_main and args.host == "127.0.0.1"
     assert (args.port, args.max_queue, args.timeout, args.model) == (0, 3, 5.0, "m")

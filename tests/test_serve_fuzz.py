@@ -15,6 +15,7 @@ import pytest
 from litevlm import Pipeline
 from litevlm.cameras import CAMERAS
 from litevlm.serve import ServerThread, build_app, image_data_url, user_message
+from test_serve import metric_samples
 
 QUESTION = "Is there a red car to the front of the ego car?"
 MAX_BODY = 1_000_000
@@ -102,7 +103,11 @@ def hostile_requests(w) -> list[tuple[str, dict, str | None]]:
         ("5000-digit integer", raw(b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b"}"), "invalid_json"),
         ("NaN temperature", raw(json.dumps(chat(temperature=float("nan"))["json"]).encode()), "invalid_value"),
         ("body over the limit", raw(b"x" * (MAX_BODY + 10)), "body_too_large"),
-        ("chunked body over the limit", {"content": iter([b"[" * 100_000] * 11)}, "body_too_large"),
+        (
+            "chunked body over the limit",
+            {"content": iter([b"[" * 100_000] * 11), "headers": {"content-type": "application/json"}},
+            "body_too_large",
+        ),
         # -- model
         ("no model", {"json": {"messages": chat()["json"]["messages"]}}, "invalid_type"),
         ("model is a number", chat(model=7), "invalid_type"),
@@ -267,9 +272,9 @@ def test_hostile_requests_are_refused_cleanly_and_the_server_survives(world):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     resp = client.chat.completions.create(model="tiny", messages=[user_message(QUESTION, world["urls"])])
     assert resp.choices[0].message.content == world["expected"]
-    metrics = httpx.get(server.url + "/metrics").text
-    assert 'status="5' not in metrics
-    assert 'litevlm_errors_total{code="image_url_not_allowed"} 9' in metrics
+    samples = metric_samples(httpx.get(server.url + "/metrics").text)
+    assert not [k for k in samples if k[0] == "litevlm_requests_total" and dict(k[1])["status"].startswith("5")]
+    assert samples[("litevlm_errors_total", (("code", "image_url_not_allowed"),))] == 9
 
 
 def test_error_bodies_name_the_problem(world):

@@ -1,0 +1,226 @@
+"""The model worker: one request at a time on one thread, bounded admission, deadlines, cancellation.
+
+A queued request holds its images as the encoded bytes the client sent; they are decoded when its
+turn comes, so the queue's memory is bounded by its length times the body limit. The model thread
+iterates the pipeline's stream (`Pipeline.stream`: text deltas as tokens are made, then the Answer)
+and between items checks whether the request is still wanted: a client that disconnected or a
+deadline that passed stops the work at the next step, and a request dropped while queued is never
+decoded at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from litevlm.pipeline import Answer
+from litevlm.serve.metrics import Metrics
+from litevlm.serve.parse import ChatRequest, Limits, decode_image
+from litevlm.serve.protocol import APIError
+
+
+class TextStream:
+    """Generated token ids -> the answer's text, cut into pieces as tokens arrive.
+
+    The pipeline's answer text is the decoded tokens stripped of surrounding space, so a piece is
+    what the stripped decoding of all tokens so far adds to the text sent before. A token that ends
+    inside a multi-byte character, or adds only trailing space, gives no piece until a later one
+    completes it; the pieces always join to exactly the answer's text."""
+
+    def __init__(self, tokenizer, eos_id: int | None):
+        self.tokenizer, self.eos_id = tokenizer, eos_id
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def add(self, tokens: list[int]) -> str:
+        self.ids += [t for t in tokens if t != self.eos_id]
+        text = self.tokenizer.decode(self.ids).strip()
+        if "\ufffd" in text[len(self.sent) :] or not text.startswith(self.sent):
+            return ""  # an unfinished multi-byte character: wait for the rest
+        piece, self.sent = text[len(self.sent) :], text
+        return piece
+
+    def finish(self, text: str) -> str:
+        """What is left of the answer's `text` after the pieces sent."""
+        if not text.startswith(self.sent):  # the answer was cut differently: cannot happen for one decode
+            raise RuntimeError(f"streamed text {self.sent!r} is not a prefix of the answer {text!r}")
+        piece, self.sent = text[len(self.sent) :], text
+        return piece
+
+
+def stream_pieces(pipe, ans: Answer) -> list[str]:
+    """The answer's text cut into one piece per generated token (those that add text)."""
+    tok = getattr(pipe, "tokenizer", None)
+    if tok is None:
+        return [ans.text] if ans.text else []
+    stream = TextStream(tok, getattr(tok, "eos_id", None))
+    pieces = [stream.add([t]) for t in ans.tokens]
+    return [p for p in [*pieces, stream.finish(ans.text)] if p]
+
+
+@dataclass
+class Job:
+    """One admitted request. The model thread reports on `events` (through the event loop):
+    ("delta", text), ("done", Answer), ("cancelled", reason) or ("error", exception)."""
+
+    req: ChatRequest
+    arrived: float  # time.monotonic() when the request arrived
+    deadline: float  # time.monotonic() past which nobody waits for the answer
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    reason: str = ""
+    started: bool = False
+    finished: bool = False
+    queue_s: float = 0.0
+    service_s: float = 0.0
+
+    def drop(self, reason: str) -> None:
+        """Nobody will read the answer ('disconnected' or 'deadline'): stop at the next check."""
+        if not self.cancel.is_set():
+            self.reason = reason
+            self.cancel.set()
+
+    def dropped(self) -> str | None:
+        if not self.cancel.is_set() and time.monotonic() > self.deadline:
+            self.drop("deadline")
+        return self.reason if self.cancel.is_set() else None
+
+    def put(self, kind: str, value: Any) -> None:
+        """From the model thread: hand an event to the request's handler on the event loop."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+class Worker:
+    def __init__(self, pipe, limits: Limits, metrics: Metrics | None = None):
+        self.pipe, self.limits, self.metrics = pipe, limits, metrics
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="litevlm-model")
+        self.pending = 0  # admitted and not finished; touched only on the event loop
+        self.service_ema_s = 0.0
+        self.decoded = 0  # requests whose images were decoded (each one reached the model)
+
+    # -- admission (event loop) ---------------------------------------------------------------------
+    def retry_after_s(self) -> float:
+        per = self.service_ema_s or 0.1  # no answer measured yet: a guess
+        return min(self.limits.timeout_s, max(0.05, per * max(1, self.pending)))
+
+    def check_capacity(self) -> None:
+        """429 with Retry-After (whole seconds, and OpenAI's retry-after-ms) when the queue is full."""
+        if self.pending >= self.limits.max_queue + 1:
+            wait = self.retry_after_s()
+            raise APIError(
+                429,
+                f"the server is busy: {self.pending} requests in flight, the queue holds "
+                f"{self.limits.max_queue}; retry after {wait:.2f} s",
+                code="queue_full",
+                headers={"Retry-After": str(math.ceil(wait)), "retry-after-ms": str(int(wait * 1000))},
+            )
+
+    def submit(self, req: ChatRequest, arrived: float) -> Job:
+        """Admit `req` (or 429) and queue it for the model thread."""
+        self.check_capacity()
+        loop = asyncio.get_running_loop()
+        job = Job(req, arrived, arrived + self.limits.timeout_s, loop)
+        self.pending += 1
+        fut = loop.run_in_executor(self.executor, self._run, job)
+        fut.add_done_callback(lambda f: self._finished(f, job))
+        return job
+
+    def _finished(self, fut, job: Job) -> None:
+        self.pending -= 1
+        job.finished = True
+        if job.service_s:
+            self.service_ema_s = (
+                job.service_s if not self.service_ema_s else 0.8 * self.service_ema_s + 0.2 * job.service_s
+            )
+        if fut.cancelled():  # the executor shut down before the job ran
+            job.events.put_nowait(("cancelled", "shutdown"))
+        elif fut.exception() is not None:
+            job.events.put_nowait(("error", fut.exception()))
+
+    # -- the model thread ---------------------------------------------------------------------------
+    def _run(self, job: Job) -> None:
+        if self._stop(job, "queued"):
+            return
+        start = time.monotonic()
+        job.started, job.queue_s = True, start - job.arrived
+        self.decoded += 1
+        where = "image {}"
+        images = {
+            cam: decode_image(raw, where.format(cam), self.limits.max_image_pixels)
+            for cam, raw in job.req.images.items()
+        }
+        tok = getattr(self.pipe, "tokenizer", None)
+        text = TextStream(tok, getattr(tok, "eos_id", None)) if tok is not None else None
+        first = True
+        with self._settings(job.req):
+            items = self._items(job.req.question, images)
+            try:
+                for item in items:
+                    if isinstance(item, Answer):
+                        piece = text.finish(item.text) if text is not None else item.text
+                        ans = item
+                    else:
+                        piece = text.add(item.tokens) if text is not None else item.text
+                    if piece:
+                        if first and self.metrics is not None:
+                            self.metrics.first_token.observe(time.monotonic() - job.arrived)
+                        first = False
+                        job.put("delta", piece)
+                    if not isinstance(item, Answer) and self._stop(job, "running"):
+                        return
+            finally:
+                close = getattr(items, "close", None)
+                if close is not None:
+                    close()  # a pipeline stream stops its work here
+        job.service_s = time.monotonic() - start
+        if self.metrics is not None:
+            self.metrics.queue_wait.observe(job.queue_s)
+            self.metrics.observe_answer(ans.timings_ms, ans.input_tokens, len(ans.tokens))
+        job.put("done", ans)
+
+    def _stop(self, job: Job, where: str) -> bool:
+        reason = job.dropped()
+        if reason is None:
+            return False
+        if self.metrics is not None:
+            self.metrics.count_cancelled(reason, where)
+        job.put("cancelled", reason)
+        return True
+
+    def _items(self, question: str, images: dict) -> Iterator:
+        """The pipeline's stream of deltas and its Answer (a pipeline without `stream`: the Answer alone)."""
+        stream = getattr(self.pipe, "stream", None)
+        if stream is not None:
+            return stream(question, images)
+        return iter([self.pipe.answer(question, images)])
+
+    @contextmanager
+    def _settings(self, req: ChatRequest):
+        """Per-request sampling settings, applied and always restored: a request changes nothing another sees."""
+        pipe, overrides = self.pipe, {}
+        if req.max_tokens is not None:  # above the server's --max-new-tokens it is clamped (the KV cache's size)
+            overrides["max_new_tokens"] = min(req.max_tokens, pipe.max_new_tokens)
+        if req.temperature is not None:
+            overrides["temperature"] = req.temperature
+        if req.top_p is not None:
+            overrides["top_p"] = req.top_p
+        if req.seed is not None:  # a fresh generator: a seeded request neither reads nor moves the shared one
+            import torch
+
+            overrides["generator"] = torch.Generator(device=pipe.generator.device).manual_seed(req.seed)
+        saved = {name: getattr(pipe, name) for name in overrides}
+        try:
+            for name, value in overrides.items():
+                setattr(pipe, name, value)
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(pipe, name, value)
