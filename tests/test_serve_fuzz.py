@@ -11,11 +11,11 @@ import zlib
 
 import httpx
 import pytest
+from test_serve import metric_samples
 
 from litevlm import Pipeline
 from litevlm.cameras import CAMERAS
 from litevlm.serve import ServerThread, build_app, image_data_url, user_message
-from test_serve import metric_samples
 
 QUESTION = "Is there a red car to the front of the ego car?"
 MAX_BODY = 1_000_000

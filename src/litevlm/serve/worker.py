@@ -65,7 +65,7 @@ def stream_pieces(pipe, ans: Answer) -> list[str]:
     return [p for p in [*pieces, stream.finish(ans.text)] if p]
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One admitted request. The model thread reports on `events` (through the event loop):
     ("delta", text), ("done", Answer), ("cancelled", reason) or ("error", exception)."""
@@ -103,6 +103,7 @@ class Worker:
         self.pipe, self.limits, self.metrics = pipe, limits, metrics
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="litevlm-model")
         self.pending = 0  # admitted and not finished; touched only on the event loop
+        self.jobs: set[Job] = set()  # the admitted jobs themselves (event loop only)
         self.service_ema_s = 0.0
         self.decoded = 0  # requests whose images were decoded (each one reached the model)
 
@@ -129,12 +130,14 @@ class Worker:
         loop = asyncio.get_running_loop()
         job = Job(req, arrived, arrived + self.limits.timeout_s, loop)
         self.pending += 1
+        self.jobs.add(job)
         fut = loop.run_in_executor(self.executor, self._run, job)
         fut.add_done_callback(lambda f: self._finished(f, job))
         return job
 
     def _finished(self, fut, job: Job) -> None:
         self.pending -= 1
+        self.jobs.discard(job)
         job.finished = True
         if job.service_s:
             self.service_ema_s = (
