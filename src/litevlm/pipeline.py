@@ -11,7 +11,8 @@ decoding and resizing are reported apart as `preprocess`).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
-from litevlm.model.generate import StageTimer, generate
+from litevlm.model.generate import StageTimer, check_room, stream_generate
 from litevlm.model.prompt import build_prompt
 from litevlm.model.vlm import VLM, image_to_tiles, load_image
 from litevlm.quant.fp8 import precision_of
@@ -53,6 +54,43 @@ class Answer:
             "opened_tokens": self.opened_tokens,
             "precision": self.precision,
         }
+
+
+@dataclass
+class Delta:
+    """A piece of an answer as it is made: its new text (possibly empty while a character or trailing space waits
+    for the next token) and the token ids it came from (EOS included)."""
+
+    text: str
+    tokens: list[int]
+
+
+class TextStream:
+    """Token ids in, answer text out as it becomes final: the pieces join to `decode(ids).strip()` exactly.
+
+    The text is decoded whole each time (an answer is short), so a multi-byte character split across tokens decodes
+    to U+FFFD until its last byte comes and is held back until then; leading space is dropped, trailing space is
+    held back until more text follows it (and dropped at the end)."""
+
+    def __init__(self, tokenizer, eos_id: int | None):
+        self.tokenizer, self.eos_id = tokenizer, eos_id
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, tokens: list[int]) -> str:
+        """The text that `tokens` make final."""
+        self.ids += [t for t in tokens if t != self.eos_id]
+        return self._advance(self.tokenizer.decode(self.ids).lstrip().rstrip("\ufffd").rstrip())
+
+    def finish(self) -> str:
+        """The text still held back once every token is in (a trailing U+FFFD the model really made)."""
+        return self._advance(self.tokenizer.decode(self.ids).strip())
+
+    def _advance(self, text: str) -> str:
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent) :], text
+        return piece
 
 
 @dataclass
@@ -313,73 +351,100 @@ class Pipeline:
             views, layout.view_spans, ids, self.model.embed(ids, visual), int(visual.shape[0] * visual.shape[1])
         )
 
-    @torch.no_grad()
     def answer(self, question: str, images: Mapping) -> Answer:
+        """The whole answer at once: `stream` run to its end."""
+        for item in self.stream(question, images):
+            pass
+        return item
+
+    def stream(self, question: str, images: Mapping) -> Iterator[Delta | Answer]:
+        """The answer as it is made: a `Delta` (new text, new token ids) as tokens come, then the finished `Answer`.
+
+        The inputs are checked at once (a `LiteVLMError` here, before any stage runs). The Delta texts join to exactly
+        `Answer.text` and their tokens to `Answer.tokens`. Closing the stream (`close()`) stops the work before the
+        next decode step or speculative cycle; the pipeline is then ready for the next question.
+        """
         self.check_question(question)
         self.check_images(images)
-        with cpu_steps.frozen():  # weights and hooks stay as they are for one answer: checked once
-            return self._answer(question, images)
+        return self._stream(question, images)
 
-    def _answer(self, question: str, images: Mapping) -> Answer:
-        dev = self.model.device
-        timer = StageTimer(dev)
-        p = self.prompt(question, images, timer)
-        views, ids, embeds, n_visual = p.views, p.ids, p.embeds, p.num_visual_tokens
-        positions = torch.arange(ids.shape[1], device=dev)[None]
-        prune = self.token_selector is not None and n_visual >= self.min_select_tokens
-        prefilled, inside = None, prune and self.token_selector.cfg.shared_layer
-        with timer("select_tokens"):
-            if prune and not inside:
-                embeds, positions, kept = self.token_selector.select(
-                    self.model, embeds, positions, p.view_spans, keep_ratio=self.keep_ratio, question=question
+    @torch.no_grad()
+    def _stream(self, question: str, images: Mapping) -> Iterator[Delta | Answer]:
+        with cpu_steps.frozen():  # weights and hooks stay as they are for one answer: checked once
+            dev = self.model.device
+            timer = StageTimer(dev)
+            p = self.prompt(question, images, timer)
+            views, ids, embeds, n_visual = p.views, p.ids, p.embeds, p.num_visual_tokens
+            positions = torch.arange(ids.shape[1], device=dev)[None]
+            prune = self.token_selector is not None and n_visual >= self.min_select_tokens
+            prefilled, inside = None, prune and self.token_selector.cfg.shared_layer
+            with timer("select_tokens"):
+                if prune and not inside:
+                    embeds, positions, kept = self.token_selector.select(
+                        self.model, embeds, positions, p.view_spans, keep_ratio=self.keep_ratio, question=question
+                    )
+                    n_visual -= ids.shape[1] - kept.numel()
+            if inside:  # selection inside the decoder: layer 0 once on the whole prompt, the rest on the kept tokens
+                pre = self.token_selector.prefill(
+                    self.model,
+                    embeds,
+                    positions,
+                    p.view_spans,
+                    self.keep_ratio,
+                    question=question,
+                    timer=timer,
+                    opening=self._opening(question),
+                    eos_id=self.stop_id,
+                    limit=self.max_new_tokens,
                 )
-                n_visual -= ids.shape[1] - kept.numel()
-        if inside:  # selection inside the decoder: layer 0 once on the whole prompt, the rest on the kept tokens
-            pre = self.token_selector.prefill(
-                self.model,
-                embeds,
-                positions,
-                p.view_spans,
-                self.keep_ratio,
-                question=question,
-                timer=timer,
-                opening=self._opening(question),
-                eos_id=self.stop_id,
-                limit=self.max_new_tokens,
+                prefilled = pre.prefilled(embeds, positions)
+            text = TextStream(self.tokenizer, self.tokenizer.eos_id)
+            with closing(self._generate(embeds, positions, p.view_spans, timer, prefilled, question)) as steps:
+                while True:
+                    try:
+                        new = next(steps)
+                    except StopIteration as stop:
+                        gen = stop.value
+                        break
+                    yield Delta(text.push(new), new)
+            rest = text.finish()
+            if rest:
+                yield Delta(rest, [])
+            if self.fastv is not None or prefilled is not None:
+                n_visual -= ids.shape[1] - gen.prompt_len
+            ms = dict(timer.ms)
+            ms["total"] = sum(ms.get(s, 0.0) for s in STAGES)
+            yield Answer(
+                text=self.tokenizer.decode([t for t in gen.tokens if t != self.tokenizer.eos_id]).strip(),
+                views=views,
+                num_visual_tokens=n_visual,
+                timings_ms=ms,
+                accept_lengths=list(gen.accept_lengths),
+                tokens=gen.tokens,
+                input_tokens=gen.prompt_len,
+                opened_tokens=gen.opened,
+                precision=precision_of(self.model),
             )
-            prefilled = pre.prefilled(embeds, positions)
-        gen = self._generate(embeds, positions, p.view_spans, timer, prefilled, question)
-        if self.fastv is not None or prefilled is not None:
-            n_visual -= ids.shape[1] - gen.prompt_len
-        tokens = [t for t in gen.tokens if t != self.tokenizer.eos_id]
-        ms = dict(timer.ms)
-        ms["total"] = sum(ms.get(s, 0.0) for s in STAGES)
-        return Answer(
-            text=self.tokenizer.decode(tokens).strip(),
-            views=views,
-            num_visual_tokens=n_visual,
-            timings_ms=ms,
-            accept_lengths=list(gen.accept_lengths),
-            tokens=gen.tokens,
-            input_tokens=gen.prompt_len,
-            opened_tokens=gen.opened,
-            precision=precision_of(self.model),
-        )
 
     def _generate(self, embeds, positions, view_spans, timer, prefilled=None, question: str = ""):
-        """prefilled: the prompt is in the cache already (the TokenSelector pruned inside the decoder)."""
+        """The decoding stream (token runs as they are made, then the Generation); prefilled: the prompt is in the
+        cache already (the TokenSelector pruned inside the decoder)."""
         args = (self.max_new_tokens, self.stop_id, self.temperature, self.top_p, self.generator, timer)
         if self.cuda_graphs and prefilled is None and self.fastv is None and embeds.shape[0] == 1:
             prefilled = self._bucket_prefill(embeds, positions, timer)
         if self.fastv is not None:  # never with a TokenSelector (refused at construction)
-            from litevlm.select.tokens import fastv_generate
+            from litevlm.select.tokens import fastv_prefill
 
             k, r = self.fastv
-            return fastv_generate(self.model, embeds, positions, view_spans, k, r, *args)
+            check_room(self.model, embeds.shape[1], self.max_new_tokens)
+            prefilled = fastv_prefill(self.model, embeds, positions, view_spans, k, r, timer=timer).prefilled(
+                embeds, positions
+            )
+            return stream_generate(self.model, embeds, positions, *args, prefilled=prefilled)
         if self.draft is not None:
-            from litevlm.spec.decode import speculative_generate
+            from litevlm.spec.decode import stream_speculative
 
-            return speculative_generate(
+            return stream_speculative(
                 self.model,
                 self.draft,
                 embeds,
@@ -390,7 +455,7 @@ class Pipeline:
                 verify=self._graphed_verify(),
                 opening=self._opening(question),
             )
-        return generate(self.model, embeds, positions, *args, step=self._decode_step(), prefilled=prefilled)
+        return stream_generate(self.model, embeds, positions, *args, step=self._decode_step(), prefilled=prefilled)
 
     def _opening(self, question: str):
         """The answer openings to verify with this question's prompt (`litevlm.spec.openings`): speculative greedy
@@ -428,7 +493,8 @@ class Pipeline:
         return Prefilled(logits, hidden, embeds, positions)
 
     def _graphed_verify(self):
-        """The tree verification as a replayed CUDA graph for trees of the configured size (cuda_graphs=True), else None."""
+        """The tree verification as a replayed CUDA graph for trees of the configured size (cuda_graphs=True), else
+        None."""
         if not self.cuda_graphs:
             return None
         n = self.tree.total_tokens

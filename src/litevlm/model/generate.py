@@ -9,6 +9,7 @@ slot as tensors), which `GraphedDecodeStep` captures once as a CUDA graph and re
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -61,6 +62,13 @@ def check_prompt_fits(lm, t: int) -> None:
         raise LiteVLMError(
             f"the prompt has {t} tokens but the KV cache holds {lm.cache_len}; shorten the prompt or raise max_len"
         )
+
+
+def check_room(model, t: int, max_new_tokens: int) -> None:
+    """A clear error where a prompt of t tokens and an answer of max_new_tokens do not fit the KV cache."""
+    cap = model.language_model.cache_len
+    if t + max_new_tokens > cap:
+        raise LiteVLMError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds the KV cache ({cap})")
 
 
 def prefill(model, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +255,15 @@ class Generation:
     opened: int = 0  # tokens accepted from an answer opening inside the prefill (speculative), before any cycle
 
 
+def drain(steps):
+    """Run a token stream (`stream_generate`, `stream_speculative`) to its end -> the `Generation` it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -261,35 +278,59 @@ def generate(
     step=None,
     prefilled: Prefilled | None = None,
 ) -> Generation:
-    """Plain autoregressive decoding for batch 1: prefill, then one token per step until EOS.
+    """Plain autoregressive decoding for batch 1 (`stream_generate` run to its end)."""
+    return drain(
+        stream_generate(
+            model, embeds, positions, max_new_tokens, eos_id, temperature, top_p, generator, timer, step, prefilled
+        )
+    )
+
+
+@torch.no_grad()
+def stream_generate(
+    model,
+    embeds: torch.Tensor,
+    positions: torch.Tensor,
+    max_new_tokens: int,
+    eos_id: int | None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator=None,
+    timer: StageTimer | None = None,
+    step=None,
+    prefilled: Prefilled | None = None,
+) -> Iterator[list[int]]:
+    """Plain autoregressive decoding for batch 1: prefill, then one token per step until EOS, each token yielded
+    (as a one-token list) as soon as it is made; returns the `Generation`.
 
     step: a `GraphedDecodeStep` (or any callable (token (1, 1), position, slot) -> logits (1, V)) to
     run each decode step instead of the eager `decode_step`.
     prefilled: the prompt is in the cache already (its prefill timed by the caller); embeds and
-    positions are then ignored.
+    positions are then ignored. The stages are timed between yields only: what the consumer does with a token
+    is not decode time. Closing the stream stops it before the next step.
     """
     timer = timer or StageTimer(embeds.device)
     if prefilled is not None:
         embeds, positions = prefilled.embeds, prefilled.positions
     t = embeds.shape[1]
-    if t + max_new_tokens > model.language_model.cache_len:
-        raise LiteVLMError(
-            f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds the KV cache ({model.language_model.cache_len})"
-        )
+    check_room(model, t, max_new_tokens)
     with timer("prefill"):
         logits = prefill(model, embeds, positions)[0] if prefilled is None else prefilled.logits
         tok = sample_token(logits, temperature, top_p, generator)
     out = [int(tok)]
+    yield out[-1:]
     next_pos = int(positions[0, -1]) + 1
     with timer("decode"):
         plan = model.language_model.step_plan() if step is None and embeds.shape[0] == 1 else None
-        for i in range(max_new_tokens - 1):
-            if eos_id is not None and out[-1] == eos_id:
-                break
+    for i in range(max_new_tokens - 1):
+        if eos_id is not None and out[-1] == eos_id:
+            break
+        with timer("decode"):
             if step is None:
                 logits, _ = decode_step(model, tok.view(1, 1), next_pos + i, t + i, plan)
             else:
                 logits = step(tok.view(1, 1), next_pos + i, t + i)
             tok = sample_token(logits, temperature, top_p, generator)
             out.append(int(tok))
+        yield out[-1:]
     return Generation(out, t, dict(timer.ms))

@@ -12,10 +12,12 @@ output has the target's distribution.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from litevlm.errors import LiteVLMError
-from litevlm.model.generate import Generation, Prefilled, StageTimer, decode_step, prefill, sample_token
+from litevlm.model.generate import Generation, Prefilled, StageTimer, decode_step, drain, prefill, sample_token
 from litevlm.spec.openings import Opened, Opening, opening_inputs, verify_opening
 from litevlm.spec.tree import (
     TreeConfig,
@@ -29,7 +31,6 @@ from litevlm.spec.tree import (
 )
 
 
-@torch.no_grad()
 def speculative_generate(
     model,
     draft,
@@ -46,7 +47,47 @@ def speculative_generate(
     verify=None,
     opening: Opening | None = None,
 ) -> Generation:
-    """`litevlm.model.generate.generate` with EAGLE-2 speculation (batch 1).
+    """`litevlm.model.generate.generate` with EAGLE-2 speculation (batch 1): `stream_speculative` run to its end."""
+    return drain(
+        stream_speculative(
+            model,
+            draft,
+            embeds,
+            positions,
+            max_new_tokens,
+            eos_id,
+            temperature,
+            top_p,
+            generator,
+            timer,
+            tree,
+            prefilled,
+            verify,
+            opening,
+        )
+    )
+
+
+@torch.no_grad()
+def stream_speculative(
+    model,
+    draft,
+    embeds: torch.Tensor,
+    positions: torch.Tensor,
+    max_new_tokens: int,
+    eos_id: int | None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    timer: StageTimer | None = None,
+    tree: TreeConfig = TreeConfig(),
+    prefilled: Prefilled | None = None,
+    verify=None,
+    opening: Opening | None = None,
+) -> Iterator[list[int]]:
+    """`litevlm.model.generate.stream_generate` with EAGLE-2 speculation (batch 1): yields the tokens the prefill
+    emits (its next token, and what an answer opening accepted with it), then each cycle's accepted run; returns the
+    `Generation`.
 
     Same prefill (prompt in slots 0..T-1 at the given positions, generated tokens after
     positions[0, -1]), same stopping (after EOS, or at max_new_tokens), same timer stages
@@ -57,6 +98,7 @@ def speculative_generate(
     cut); other trees verify eagerly. opening: a trie of likely answer openings (`litevlm.spec.openings`) verified
     inside the prefill's forward pass (greedy decoding only; otherwise ignored): the tokens it accepts are emitted
     before the first cycle, and the prefill is timed with them. A `prefilled` prompt brings its own (`opened`).
+    Closing the stream stops it between cycles, where the caches are consistent.
     """
     timer = timer or StageTimer(embeds.device)
     if prefilled is not None:
@@ -91,6 +133,7 @@ def speculative_generate(
             opened = Opened([int(sample_token(logits, temperature, top_p, generator))], hidden[0, :0])
         out = list(opened.emitted)
         root = torch.tensor(out[-1:], device=embeds.device)
+    yield list(out)
     accept: list[int] = []
 
     def finished() -> bool:
@@ -120,62 +163,63 @@ def speculative_generate(
             and tree.total_tokens == tree.depth + 1
             and hasattr(draft, "draft_cycle")
         )
-        while not finished():
+    while not finished():
+        with timer("decode"):
             root_pos = next_pos + L - t
             if L + n_tree > cap:  # no room for a tree: finish with plain steps (the cache is exact)
                 logits, _ = decode_step(model, root.view(1, 1), root_pos, L, plan)
                 root = sample_token(logits, temperature, top_p, generator)
-                out.append(int(root))
-                accept.append(1)
-                L += 1
-                continue
-            with timer("draft"):
-                chain = (
-                    draft.draft_cycle(feats, nxt, pair_pos, done, root, root_pos, tree.depth, tree.min_value, eos_id)
-                    if fused
-                    else None
-                )
-                if chain is None:
-                    h_root = draft.extend(feats, nxt, pair_pos, done, last_only=True)  # (1, C): predicted f_L
-                    tr = draft_tree(
-                        draft, root, h_root, done + feats.shape[0], root_pos, tree, eos_id
-                    )  # scratch from there
-                done += feats.shape[0]
-            with timer("verify"):
-                fast = verify_chain_greedy(model, chain, L, root_pos, plan) if chain is not None else None
-                if fast is not None:  # a chain's accepted path is a prefix of it: nothing to commit
-                    new, feats, nxt, pair_pos = fast
-                    new_list = new.tolist()  # the cycle's one host sync
-                    a = len(new_list) - 1
-                else:
-                    if chain is not None:
-                        tr = chain_tree(chain)
-                    if verify is not None and len(tr) == verify.n:  # one replayed CUDA graph
-                        logits, hid = verify(tr, L, root_pos)
+                new_list, a = [int(root)], 0
+                new = root.view(1)
+            else:
+                with timer("draft"):
+                    chain = (
+                        draft.draft_cycle(
+                            feats, nxt, pair_pos, done, root, root_pos, tree.depth, tree.min_value, eos_id
+                        )
+                        if fused
+                        else None
+                    )
+                    if chain is None:
+                        h_root = draft.extend(feats, nxt, pair_pos, done, last_only=True)  # (1, C): predicted f_L
+                        tr = draft_tree(
+                            draft, root, h_root, done + feats.shape[0], root_pos, tree, eos_id
+                        )  # scratch from there
+                    done += feats.shape[0]
+                with timer("verify"):
+                    fast = verify_chain_greedy(model, chain, L, root_pos, plan) if chain is not None else None
+                    if fast is not None:  # a chain's accepted path is a prefix of it: nothing to commit
+                        new, feats, nxt, pair_pos = fast
+                        new_list = new.tolist()  # the cycle's one host sync
+                        a = len(new_list) - 1
                     else:
-                        logits, hid = verify_tree(model, tr, L, root_pos, live, plan)
-                    if temperature <= 0:
-                        path, bonus = accept_greedy(tr, logits)
-                    else:
-                        path, bonus = accept_sampled(tr, logits, temperature, top_p, generator)
-                    new = torch.cat([tr.tokens[path[1:]], bonus.view(1)])  # accepted drafts + bonus
-                    host = torch.cat([path, new]).tolist()  # the cycle's one host sync
-                    a = path.numel() - 1
-                    path_list, new_list = host[: a + 1], host[a + 1 :]
-                    if path_list != list(range(a + 1)):  # a chain's path is already in place
-                        commit_path(model, path, L)
-                    feats, nxt = hid[path], lm.embed_tokens(new)  # f_L..f_{L+a}, x_{L+1}..x_{L+a+1}
-                    pair_pos = torch.arange(root_pos, root_pos + a + 1, device=embeds.device)
-                emitted = []
-                for tok in new_list:
-                    emitted.append(tok)
-                    if (eos_id is not None and tok == eos_id) or len(out) + len(emitted) >= max_new_tokens:
-                        break
-                out.extend(emitted)
-                accept.append(len(emitted))
-                if finished():
+                        if chain is not None:
+                            tr = chain_tree(chain)
+                        if verify is not None and len(tr) == verify.n:  # one replayed CUDA graph
+                            logits, hid = verify(tr, L, root_pos)
+                        else:
+                            logits, hid = verify_tree(model, tr, L, root_pos, live, plan)
+                        if temperature <= 0:
+                            path, bonus = accept_greedy(tr, logits)
+                        else:
+                            path, bonus = accept_sampled(tr, logits, temperature, top_p, generator)
+                        new = torch.cat([tr.tokens[path[1:]], bonus.view(1)])  # accepted drafts + bonus
+                        host = torch.cat([path, new]).tolist()  # the cycle's one host sync
+                        a = path.numel() - 1
+                        path_list, new_list = host[: a + 1], host[a + 1 :]
+                        if path_list != list(range(a + 1)):  # a chain's path is already in place
+                            commit_path(model, path, L)
+                        feats, nxt = hid[path], lm.embed_tokens(new)  # f_L..f_{L+a}, x_{L+1}..x_{L+a+1}
+                        pair_pos = torch.arange(root_pos, root_pos + a + 1, device=embeds.device)
+            emitted = []
+            for tok in new_list:
+                emitted.append(tok)
+                if (eos_id is not None and tok == eos_id) or len(out) + len(emitted) >= max_new_tokens:
                     break
+            out.extend(emitted)
+            accept.append(len(emitted))
             L, root = L + a + 1, new[-1:]
+        yield emitted
     return Generation(out, t, dict(timer.ms), accept, opened.accepted)
 
 
