@@ -7,7 +7,6 @@ import json
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -15,7 +14,7 @@ from test_serve import metric_samples
 
 from litevlm import Pipeline
 from litevlm.cameras import CAMERAS
-from litevlm.pipeline import STAGES, Answer
+from litevlm.pipeline import STAGES, Answer, Delta
 from litevlm.serve import ServerThread, build_app, image_data_url, user_message
 
 QUESTION = "Is there a red car to the front of the ego car?"
@@ -150,12 +149,6 @@ def test_no_redirect_is_built_from_the_host_header(tiny_server, method):
 # ------------------------------------------------------------------------------------------------
 # Work nobody waits for, with a stub pipeline whose steps the test releases one at a time
 # ------------------------------------------------------------------------------------------------
-@dataclass
-class Delta:
-    text: str
-    tokens: list
-
-
 class StepPipe:
     """Looks like a Pipeline to the server. `stream` makes one token per permit released on `steps`."""
 
@@ -178,7 +171,7 @@ class StepPipe:
             for i in range(self.n_tokens):
                 assert self.steps.acquire(timeout=20), "the test never released this step"
                 self.made += 1
-                yield Delta(f" w{i}", [i])
+                yield Delta(f" w{i}" if i else "w0", [i])
         except GeneratorExit:
             self.closed = True
             raise

@@ -36,7 +36,6 @@ _LAZY = {
     "decode_image": "parse",
     "Metrics": "metrics",
     "Worker": "worker",
-    "TextStream": "worker",
     "stream_pieces": "worker",
     "build_app": "app",
     "ServerThread": "server",

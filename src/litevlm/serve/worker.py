@@ -2,8 +2,8 @@
 
 A queued request holds its images as the encoded bytes the client sent; they are decoded when its
 turn comes, so the queue's memory is bounded by its length times the body limit. The model thread
-iterates the pipeline's stream (`Pipeline.stream`: text deltas as tokens are made, then the Answer)
-and between items checks whether the request is still wanted: a client that disconnected or a
+iterates the pipeline's stream (`Pipeline.stream`: Deltas as tokens are made, then the Answer) and
+between items checks whether the request is still wanted: a client that disconnected or a
 deadline that passed stops the work at the next step, and a request dropped while queued is never
 decoded at all.
 """
@@ -20,49 +20,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from litevlm.pipeline import Answer
+from litevlm.pipeline import Answer, TextStream
 from litevlm.serve.metrics import Metrics
 from litevlm.serve.parse import ChatRequest, Limits, decode_image
 from litevlm.serve.protocol import APIError
 
 
-class TextStream:
-    """Generated token ids -> the answer's text, cut into pieces as tokens arrive.
-
-    The pipeline's answer text is the decoded tokens stripped of surrounding space, so a piece is
-    what the stripped decoding of all tokens so far adds to the text sent before. A token that ends
-    inside a multi-byte character, or adds only trailing space, gives no piece until a later one
-    completes it; the pieces always join to exactly the answer's text."""
-
-    def __init__(self, tokenizer, eos_id: int | None):
-        self.tokenizer, self.eos_id = tokenizer, eos_id
-        self.ids: list[int] = []
-        self.sent = ""
-
-    def add(self, tokens: list[int]) -> str:
-        self.ids += [t for t in tokens if t != self.eos_id]
-        text = self.tokenizer.decode(self.ids).strip()
-        if "\ufffd" in text[len(self.sent) :] or not text.startswith(self.sent):
-            return ""  # an unfinished multi-byte character: wait for the rest
-        piece, self.sent = text[len(self.sent) :], text
-        return piece
-
-    def finish(self, text: str) -> str:
-        """What is left of the answer's `text` after the pieces sent."""
-        if not text.startswith(self.sent):  # the answer was cut differently: cannot happen for one decode
-            raise RuntimeError(f"streamed text {self.sent!r} is not a prefix of the answer {text!r}")
-        piece, self.sent = text[len(self.sent) :], text
-        return piece
-
-
 def stream_pieces(pipe, ans: Answer) -> list[str]:
-    """The answer's text cut into one piece per generated token (those that add text)."""
-    tok = getattr(pipe, "tokenizer", None)
-    if tok is None:
-        return [ans.text] if ans.text else []
-    stream = TextStream(tok, getattr(tok, "eos_id", None))
-    pieces = [stream.add([t]) for t in ans.tokens]
-    return [p for p in [*pieces, stream.finish(ans.text)] if p]
+    """The answer's text cut into one piece per generated token (those that add text), as `Pipeline.stream`
+    cuts it."""
+    stream = TextStream(pipe.tokenizer, pipe.tokenizer.eos_id)
+    pieces = [stream.push([t]) for t in ans.tokens]
+    return [p for p in [*pieces, stream.finish()] if p]
 
 
 @dataclass(eq=False)
@@ -160,24 +129,21 @@ class Worker:
             cam: decode_image(raw, where.format(cam), self.limits.max_image_pixels)
             for cam, raw in job.req.images.items()
         }
-        tok = getattr(self.pipe, "tokenizer", None)
-        text = TextStream(tok, getattr(tok, "eos_id", None)) if tok is not None else None
-        first = True
+        sent, ans = "", None
         with self._settings(job.req):
             items = self._items(job.req.question, images)
             try:
                 for item in items:
-                    if isinstance(item, Answer):
-                        piece = text.finish(item.text) if text is not None else item.text
-                        ans = item
+                    if isinstance(item, Answer):  # its text is what the deltas sent (all of it, if there were none)
+                        ans, piece = item, item.text[len(sent) :] if item.text.startswith(sent) else ""
                     else:
-                        piece = text.add(item.tokens) if text is not None else item.text
+                        piece = item.text
                     if piece:
-                        if first and self.metrics is not None:
+                        if not sent and self.metrics is not None:
                             self.metrics.first_token.observe(time.monotonic() - job.arrived)
-                        first = False
+                        sent += piece
                         job.put("delta", piece)
-                    if not isinstance(item, Answer) and self._stop(job, "running"):
+                    if ans is None and self._stop(job, "running"):
                         return
             finally:
                 close = getattr(items, "close", None)
