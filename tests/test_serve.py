@@ -35,8 +35,10 @@ def images():
 
 
 @pytest.fixture(scope="module")
-def pipe(tiny_model_dir):
-    return Pipeline.from_pretrained(tiny_model_dir, max_new_tokens=8)
+def pipe(tiny_model_dir, images):
+    pipe = Pipeline.from_pretrained(tiny_model_dir, max_new_tokens=8)
+    pipe.answer(QUESTION, images)  # warm-up (a first answer may build native kernels): not within a deadline
+    return pipe
 
 
 @pytest.fixture(scope="module")
