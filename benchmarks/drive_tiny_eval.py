@@ -62,8 +62,11 @@ def main() -> None:
     samples = {s.id: s for s in load_samples(args.data)}
     pipe = Pipeline.from_pretrained(args.model, select_views=args.select_views)
     t0 = time.time()
-    full = evaluate(pipe, args.data, limit=args.n)
-    blank = evaluate(pipe, args.data, limit=args.n, blank=True)
+    # The synthetic questions are asked one by one, not as one conversation per frame: every question is
+    # scored (no graph gate) and, without a judge, the other parts share its weight (not DriveLM's official final).
+    legacy = {"gate": False, "renormalise": True}
+    full = evaluate(pipe, args.data, limit=args.n, **legacy)
+    blank = evaluate(pipe, args.data, limit=args.n, blank=True, **legacy)
     # Latency: the pipeline re-run on the first 60 questions, medians per stage (warm).
     timings = []
     from litevlm.data.drivelm import load_images

@@ -265,6 +265,19 @@ def test_final_without_judge_uses_a_third_each():
     assert result["final"] == pytest.approx((1.0 + result["language"] + 0.0) / 3)
 
 
+def test_official_weights_count_what_is_missing_as_zero():
+    """renormalise=False: DriveLM's weights stay; no judge leaves its 0.4 and half of match at 0."""
+    gt = "<c1,CAM_FRONT,1000.0,500.0> <c2,CAM_BACK,200.0,300.0>"
+    records = [rec(0, 0, "Yes.", "Yes."), rec(1, 0, "Yes", "No."), rec(2, 3, "<c1,CAM_FRONT,1001.0,501.0>", gt)]
+    result = score(records, renormalise=False)
+    assert result["match_f1"] == pytest.approx(2 / 3, abs=1e-6)  # P = 1, R = 1/2
+    assert result["match"] == pytest.approx(1 / 3, abs=1e-6)  # (F1 x 100 + 0) / 2 / 100
+    assert result["final"] == pytest.approx(0.2 * 0.5 + 0.2 * 1 / 3, abs=1e-6)  # language (no items) counts 0 too
+    assert result["weights"] == {"judge": 0.4, "language": 0.2, "match": 0.2, "accuracy": 0.2}
+    assert result["missing"] == ["judge", "language"]
+    assert "no language items (tag 2): language counted as 0" in result["final_note"]
+
+
 def test_closed_accuracy_normalises():
     records = [
         rec(0, 0, "yes", "Yes.", closed=True),

@@ -267,19 +267,38 @@ def cmd_train_openings(args) -> None:
 
 def cmd_eval(args) -> None:
     from litevlm.eval.run import evaluate
+    from litevlm.eval.score import print_scores, scoring_from_args, write_submission
 
+    if args.predictions_out and args.n:
+        raise LiteVLMError("--predictions-out writes a whole submission: drop --n (a partial file is never written)")
+    scoring = scoring_from_args(args)
     result = evaluate(
-        _pipeline(args), args.data, images_root=args.images, limit=args.n, blank=args.blank, progress=not args.json
+        _pipeline(args),
+        args.data,
+        images_root=args.images,
+        limit=args.n,
+        blank=args.blank,
+        progress=not args.json,
+        **scoring,
     )
-    if args.predictions:
-        Path(args.predictions).write_text(json.dumps(result.pop("records"), indent=1))
-    else:
-        result.pop("records")
+    records = result.pop("records")
+    if args.records:
+        Path(args.records).write_text(json.dumps(records, indent=1))
+    if args.predictions_out:
+        from litevlm.data.drivelm import load_samples
+
+        samples = load_samples(args.data, images_root=args.images)
+        write_submission(args.predictions_out, samples, [r["answer"] for r in records])
     if args.json:
         _print_json(result)
+    elif result["scored"]:
+        print_scores(result)
+        print(
+            f"views per question {result['views_per_question']:.2f}, visual tokens {result['visual_tokens']:.1f}, "
+            f"median total {result['total_ms_median']:.1f} ms"
+        )
     else:
-        for k, v in result.items():
-            print(f"{k:>22}: {v}")
+        print(result["final_note"])
 
 
 def cmd_quantize(args) -> None:
@@ -561,15 +580,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     to.set_defaults(func=cmd_train_openings)
 
-    e = sub.add_parser("eval", help="DriveLM scores of a pipeline configuration")
+    from litevlm.eval.score import add_score_parser, add_scoring_options
+
+    e = sub.add_parser("eval", help="DriveLM scores of a pipeline configuration (the official evaluation by default)")
     e.add_argument("--data", required=True, help="a folder written by `litevlm data synth`, or a DriveLM JSON file")
     e.add_argument("--images", default=None, help="image root for a DriveLM JSON file")
     e.add_argument("--n", type=int, default=None, help="evaluate the first N questions only")
     e.add_argument(
         "--blank", action="store_true", help="replace every camera image by an empty road (does the model look?)"
     )
-    e.add_argument("--predictions", default=None, help="write per-question records to this JSON file")
+    e.add_argument(
+        "--records",
+        default=None,
+        help="write per-question records (answer, GT, tags, views, visual tokens, stage times) to this JSON file",
+    )
+    e.add_argument(
+        "--predictions-out",
+        default=None,
+        metavar="FILE",
+        help="write the challenge's submission list [{id, question, answer}] for every question (not with --n)",
+    )
     e.add_argument("--json", action="store_true")
+    add_scoring_options(e)
     _add_pipeline_options(e)
     e.set_defaults(func=cmd_eval)
 
@@ -624,6 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     from litevlm.train.views import add_train_views_parser
 
     add_views_parser(sub)
+    add_score_parser(sub)
     add_label_views_parser(sub)
     add_train_views_parser(train)
     add_serve_parser(sub, _add_pipeline_options, _pipeline)

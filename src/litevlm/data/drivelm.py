@@ -37,13 +37,20 @@ class Sample:
     key_objects: dict = field(default_factory=dict)  # c-tag string -> DriveLM object info
     scene_id: str = ""
     family: str = ""  # our synthetic template family, "" for real data
+    # Every metric tag the official evaluation routes this item by: the file's own list, or for a file without
+    # tags the official rule (`official_tags`); () = not part of the official evaluation. `tag` is the first one.
+    tags: tuple[int, ...] = ()
 
 
 # ------------------------------------------------------------------------------------------------
 # Inference of tag, closedness and views for data that does not carry them
 # ------------------------------------------------------------------------------------------------
 def infer_tag(question: str, answer: str, category: str) -> int:
-    """DriveLM's metric routing, guessed from the text the way the challenge conversion assigns it."""
+    """One metric tag for any QA, guessed from its text: the routing the synthetic benchmarks' `tag` keeps.
+
+    Every item gets a tag here (the rest go to language); the official routing, which leaves items out of
+    the score, is `official_tags`.
+    """
     if MC_MARK in question or answer.strip() in ("Yes.", "No."):
         return 0
     if "important objects" in question:
@@ -53,6 +60,41 @@ def infer_tag(question: str, answer: str, category: str) -> int:
     if category == "planning":
         return 1
     return 2
+
+
+_PLANNING_KINDS = ("what actions could the ego vehicle take", "lead to a collision", "safe actions")
+
+
+def official_tags(question: str, answer: str, category: str, key_objects=None) -> tuple[int, ...]:
+    """The metric tags DriveLM's challenge gives a QA of a file without tags, by the rule that builds its test set.
+
+    That rule (challenge/extract_data.py and convert_data.py) keeps per frame: the perception answer naming
+    every key object's class (here: the "important objects" question, tag 2), the moving-status question
+    (tag 0, made multiple choice), the prediction answer holding every key object's c-tag (tag 3), a yes/no
+    prediction question (tag 0), the three planning questions "What actions could the ego vehicle take",
+    "... lead to a collision" and "... safe actions" (tag 1), and every behavior question (tag 0, made
+    multiple choice). Here each item of those kinds is tagged (the rule keeps the first of a kind per
+    frame); any other item gets () and is not part of the official score. `category` "" (llama files) is
+    read from the question; without `key_objects` a tag-3 answer is one holding two or more c-tags.
+    """
+    q, a = question.lower(), answer.strip()
+    if "what is the moving status of object" in q or MC_MARK in question:
+        return (0,)
+    if category == "behavior" or q.startswith("predict the behavior of the ego vehicle"):
+        return (0,)
+    if category in ("planning", "") and any(kind in q for kind in _PLANNING_KINDS):
+        return (1,)
+    if category in ("perception", "") and "important objects" in q:
+        return (2,)
+    if category in ("prediction", ""):
+        if key_objects:
+            if all(k.lower() in a.lower() for k in key_objects):
+                return (3,)
+        elif len(TAG_RE.findall(a)) >= 2:
+            return (3,)
+        if a in ("Yes.", "No."):
+            return (0,)
+    return ()
 
 
 def infer_closed(question: str, answer: str) -> bool:
@@ -170,10 +212,19 @@ def _sample(scene: str, frame: str, i: int, item, category: str, images, key_obj
     if not isinstance(item, dict) or "Q" not in item or "A" not in item:
         raise LiteVLMError(f"{where}: a QA item needs 'Q' and 'A' keys")
     q, a = str(item["Q"]), str(item["A"] or "")
-    tag = item.get("tag")
-    if isinstance(tag, list):
-        tag = tag[0] if tag else None
-    tag = int(tag) if tag is not None else infer_tag(q, a, category)
+    given = item.get("tag")
+    if given is None:
+        tags = official_tags(q, a, category, key_objects)
+        tag = infer_tag(q, a, category)
+    else:
+        raw = given if isinstance(given, list) else [given]
+        try:
+            tags = tuple(int(t) for t in raw)
+        except (TypeError, ValueError):
+            raise LiteVLMError(f"{where}: tag must be 0, 1, 2, 3 or a list of them, got {given!r}") from None
+        if not tags or any(t not in (0, 1, 2, 3) for t in tags):
+            raise LiteVLMError(f"{where}: tag must be 0, 1, 2, 3 or a list of them, got {given!r}")
+        tag = tags[0]
     closed = bool(item["closed"]) if "closed" in item else infer_closed(q, a)
     if "views" in item:
         try:
@@ -195,6 +246,7 @@ def _sample(scene: str, frame: str, i: int, item, category: str, images, key_obj
         key_objects,
         scene,
         str(item.get("family", "")),
+        tags,
     )
 
 
@@ -307,6 +359,7 @@ def samples_from_frame(frame, images: dict[str, Image.Image] | None = None) -> l
             key_objects,
             frame.scene_id,
             qa.family,
+            (qa.tag,),
         )
         for i, qa in enumerate(frame.qas)
     ]

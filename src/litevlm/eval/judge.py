@@ -2,10 +2,12 @@
 
 DriveLM (challenge/gpt_eval.py) asks gpt-3.5-turbo to rate an answer against the correct answer
 out of 100, "number only", and passes the reply straight to float(), so a reply such as "Score: 30"
-or "The" crashes the official run (DriveLM issues #53, #92, #146). This judge sends the same
-instruction (plus the question) and parses the reply robustly: the rating number is taken from
-free text, "85/100" reads as 85, a reply without a number counts as unparsed (None) instead of
-crashing. Its scores are not comparable with the official server's; report the judge model.
+or "The" crashes the official run (DriveLM issues #53, #92, #146). This judge sends the official
+text by default (the same system message, the same user message character for character: the
+question is not shown, the parts are joined without separators; `prompt="with-question"` adds
+the question) and parses the reply robustly: the rating number is taken from free text, "85/100"
+reads as 85, a reply without a number counts as unparsed (None) instead of crashing. A judge model
+other than the official server's gives other numbers: report the judge model with the score.
 Standard library only (urllib); no network is touched unless `score` is called.
 """
 
@@ -22,7 +24,13 @@ import urllib.request
 from litevlm.errors import LiteVLMError
 
 SYSTEM_PROMPT = "an evaluator who rates my answer based on the correct answer"
-USER_PROMPT = (
+# The official user message: this, then "This is the correct answer: " + GT + "This is my answer: " + answer.
+OFFICIAL_INSTRUCTION = (
+    "Rate my answer based on the correct answer out of 100, with higher scores indicating that the answer is closer "
+    "to the correct answer, and you should be accurate to single digits like 62, 78, 41,etc. Output the number only"
+)
+PROMPTS = ("official", "with-question")
+USER_PROMPT = (  # prompt="with-question": the instruction on its own line, then the question
     "Rate my answer based on the correct answer out of 100, with higher scores indicating that the "
     "answer is closer to the correct answer, and you should be accurate to single digits like 62, "
     "78, 41, etc. Output the number only.\n"
@@ -76,6 +84,7 @@ class Judge:
     error, timeout, a reply that is not JSON or has no choices[0].message.content) it raises
     LiteVLMError naming the endpoint. A reply without a number is not an error: `score` returns
     None and `unparsed` counts it. temperature defaults to 0 for repeatable scores (DriveLM: 0.6).
+    prompt: "official" (DriveLM's text, the question not shown) or "with-question".
     """
 
     def __init__(
@@ -88,8 +97,12 @@ class Judge:
         temperature: float = 0.0,
         max_tokens: int = 256,
         retry_delay: float = 1.0,
+        prompt: str = "official",
     ):
+        if prompt not in PROMPTS:
+            raise LiteVLMError(f"judge prompt {prompt!r} is not one of {', '.join(PROMPTS)}")
         self.url = _chat_url(endpoint_url)
+        self.prompt = prompt
         self.model = model
         self.timeout = timeout
         self.temperature = temperature
@@ -108,7 +121,10 @@ class Judge:
 
     def messages(self, question: str, gt: str, pred: str) -> list[dict]:
         """The chat messages sent for one rating."""
-        user = USER_PROMPT.format(question=question, gt=gt, pred=pred)
+        if self.prompt == "official":
+            user = OFFICIAL_INSTRUCTION + "This is the correct answer: " + gt + "This is my answer: " + pred
+        else:
+            user = USER_PROMPT.format(question=question, gt=gt, pred=pred)
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
     def score(self, question: str, gt: str, pred: str) -> float | None:

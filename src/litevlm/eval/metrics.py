@@ -5,10 +5,11 @@ DriveLM-nuScenes (OpenDriveLab/DriveLM, challenge/evaluation.py) routes each QA 
 ROUGE-L, CIDEr from pycocoevalcap, corpus-level), 3 -> match (the mean of object-coordinate F1x100,
 with DriveLM's greedy one-to-one |dx|+|dy| < 16 px rule, and the judge over the same items).
 The final score is 0.4 judge + 0.2 language + 0.2 match + 0.2 accuracy, every part on 0..1, with
-language = mean(BLEU-1..4)/3 + ROUGE-L/3 + CIDEr/30. research/drivelm.md section 4 has the details;
-this module reproduces them, except that the PTB tokenizer is a pure-Python copy (no Java), a
-bucket without items or a missing judge has its weight spread over the others (and the result
-says so), and the official "graph gate" is opt-in (see `score`).
+language = mean(BLEU-1..4)/3 + ROUGE-L/3 + CIDEr/30. research/drivelm.md section 4 has the details.
+`score(records, judge, gate=True, renormalise=False)` reproduces the official evaluation (the PTB
+tokenizer is a pure-Python copy, no Java); its defaults (gate off, missing parts' weights spread over
+the others) are the older mix the synthetic benchmarks report. `litevlm.eval.score` is the official
+entry point: the defaults there are the official ones.
 """
 
 from __future__ import annotations
@@ -382,7 +383,7 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def score(records: Sequence[dict], judge: Judge | None = None, gate: bool = False) -> dict:
+def score(records: Sequence[dict], judge: Judge | None = None, gate: bool = False, renormalise: bool = True) -> dict:
     """DriveLM scores of answered questions.
 
     Each record is a dict with `id`, `question`, `answer` (the prediction), `gt`, `tag` (0, 1, 2,
@@ -390,19 +391,25 @@ def score(records: Sequence[dict], judge: Judge | None = None, gate: bool = Fals
     `closed_accuracy`. `judge` is a `litevlm.eval.judge.Judge` (or anything with
     `.score(question, gt, pred) -> float | None` on 0..100).
 
-    gate=False by default: the official evaluator's graph gate drops every later question of a
-    frame about an object whose coordinates the frame's first answer missed. That only makes sense
-    when the questions of a frame are asked in one conversation; our synthetic evaluation asks each
-    question independently, so we score every record. gate=True reproduces the official behaviour.
+    gate=False by default (the synthetic benchmarks score every record): the official evaluator's
+    graph gate, gate=True, drops every later question of a frame about an object whose coordinates
+    the frame's first answer missed (records need a `frame`; each frame's first record in order
+    opens its graph).
 
-    Returned (buckets with no items are None and their weight is spread over the others):
+    renormalise=True by default: a part that cannot be computed (no judge, a bucket without items)
+    has its weight spread over the others. renormalise=False keeps the official weights and counts
+    such a part as 0, as the official formula would (no judge: its 0.4 and the judge half of match);
+    with a judge and every bucket filled both give the official final.
+
+    Returned (buckets with no items are None):
       n, n_scored, gated_out, counts (records per bucket, after the gate, and closed ones),
       accuracy (raw string equality, as DriveLM), accuracy_normalized (case, whitespace and
       trailing period ignored), closed_accuracy, language (combined, 0..1), language_detail
       (Bleu_1..4, ROUGE_L, CIDEr), match (0..1: DriveLM's (mean F1x100 + judge)/2/100 with a
       judge, mean F1 alone without), match_f1, match_judge, match_note, judge (mean over tag-1
       items / 100), judge_model, judge_unparsed (judge replies without a number, left out of the
-      means), final, final_note, weights (the weights actually used).
+      means), final, final_note, weights (the weights actually used), missing (the parts counted
+      as 0 when renormalise=False).
     """
     records = list(records)
     _check(records, gate)
@@ -462,20 +469,35 @@ def score(records: Sequence[dict], judge: Judge | None = None, gate: bool = Fals
             match = match_f1_mean
             match_note = "judge gave no parseable score on the match items: match is the mean coordinate F1 alone"
 
+    if not renormalise and judge is None and match_f1_mean is not None:
+        match = match_f1_mean / 2.0  # (F1 x 100 + judge, counted as 0) / 2 / 100
+        match_note = "no judge: match is (mean coordinate F1 x 100 + 0) / 2, the judge half counted as 0"
+
     parts = {"judge": judge_score, "language": language, "match": match, "accuracy": accuracy}
-    final = final_score(accuracy, judge_score, language, match)
-    weights = final_weights(name for name, value in parts.items() if value is not None)
+    missing = [name for name, value in parts.items() if value is None]
+    if renormalise:
+        final = final_score(accuracy, judge_score, language, match)
+        weights = final_weights(name for name, value in parts.items() if value is not None)
+    else:
+        final = sum(WEIGHTS[name] * (parts[name] or 0.0) for name in WEIGHTS) if len(missing) < len(parts) else None
+        weights = dict(WEIGHTS)
     notes = []
+    spread = "weight renormalised away" if renormalise else "counted as 0"
     if judge is None:
         others = [name for name in ("language", "match", "accuracy") if parts[name] is not None]
-        notes.append("no judge: weights renormalised over " + ", ".join(others) if others else "no judge")
+        if renormalise:
+            notes.append("no judge: weights renormalised over " + ", ".join(others) if others else "no judge")
+        else:
+            notes.append("no judge: the judge's 0.4 and the judge half of match counted as 0")
     elif not buckets["judge"]:
-        notes.append("no judge items (tag 1): judge weight renormalised away")
+        notes.append(f"no judge items (tag 1): judge {spread}")
     elif judge_score is None:
-        notes.append("judge gave no parseable score: judge weight renormalised away")
+        notes.append(f"judge gave no parseable score: judge {spread}")
+    if judge is not None and unparsed:
+        notes.append(f"{unparsed} judge replies without a number left out of the judge means")
     for name in ("language", "match", "accuracy"):
         if not buckets[name]:
-            notes.append(f"no {name} items (tag {BUCKET_TAGS[name]}): {name} weight renormalised away")
+            notes.append(f"no {name} items (tag {BUCKET_TAGS[name]}): {name} {spread}")
     if final is None:
         notes.append("nothing to score")
     elif not notes:
@@ -505,4 +527,5 @@ def score(records: Sequence[dict], judge: Judge | None = None, gate: bool = Fals
         "final": final,
         "final_note": "; ".join(notes),
         "weights": weights,
+        "missing": [] if renormalise else missing,
     }

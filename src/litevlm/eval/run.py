@@ -1,4 +1,4 @@
-"""Run a pipeline over a DriveLM-format dataset and score its answers with the DriveLM metrics."""
+"""Run a pipeline over a DriveLM-format dataset and score its answers with DriveLM's evaluation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from litevlm.eval.metrics import closed_accuracy, score
+from litevlm.eval.metrics import closed_accuracy
+from litevlm.eval.score import drivelm_score, has_answers, record
 
 
 def evaluate(
@@ -18,9 +19,14 @@ def evaluate(
     blank: bool = False,
     progress: bool = True,
     judge=None,
+    gate: bool = True,
+    renormalise: bool = False,
 ) -> dict:
     """Answer every question of `data` with `pipe`; return the DriveLM scores, per-question records included.
 
+    Scoring is `litevlm.eval.score.drivelm_score`: the official evaluation by default (gate on, official
+    weights); gate=False, renormalise=True is the older mix the synthetic benchmarks report. A file without
+    answers (the released challenge questions) is answered and not scored: `scored` is False.
     blank=True replaces every camera image by the same empty road: a model that really looks at
     the images must then lose most of its closed-question accuracy.
     """
@@ -40,24 +46,29 @@ def evaluate(
         ans = pipe.answer(s.question, images)
         records.append(
             {
-                "id": s.id,
-                "question": s.question,
-                "answer": ans.text,
-                "gt": s.answer,
-                "tag": s.tag,
-                "closed": s.closed,
+                **record(s, ans.text),
                 "category": s.category,
-                "frame": s.frame_id,
                 "views": ans.views,
                 "needed_views": list(s.views),
                 "visual_tokens": ans.num_visual_tokens,
+                "timings_ms": ans.timings_ms,
             }
         )
         views.append(len(ans.views))
         vtok.append(ans.num_visual_tokens)
         totals.append(ans.timings_ms["total"])
-    result = score(records, judge=judge)
-    result["closed_accuracy"] = closed_accuracy(records)
+    if has_answers(samples):
+        result = drivelm_score(records, judge=judge, gate=gate, renormalise=renormalise)
+        result["scored"] = True
+        result["closed_accuracy"] = closed_accuracy(records)
+    else:
+        result = {
+            "n": len(records),
+            "scored": False,
+            "final": None,
+            "final_note": f"{data} holds no answers (the released challenge questions have none): "
+            "answers made, nothing scored",
+        }
     result["views_per_question"] = statistics.fmean(views) if views else 0.0
     result["visual_tokens"] = statistics.fmean(vtok) if vtok else 0.0
     result["total_ms_median"] = statistics.median(totals) if totals else 0.0
