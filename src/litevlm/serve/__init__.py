@@ -13,10 +13,11 @@ a deadline (504). A streamed answer's text is sent as the pipeline makes it. A r
 has gone, or whose deadline has passed, is dropped where it stands. Every refusal is a 4xx with an
 OpenAI-style error body naming the problem.
 
-Modules: protocol (the wire format as pydantic models), parse (request validation), worker (the
-model thread and its queue), metrics, app (FastAPI routes), server (uvicorn with connection bounds),
-cli (the command's flags). FastAPI, uvicorn, pydantic and prometheus_client are imported only when
-a server is built, so `litevlm --help` works without them (`pip install litevlm[serve]`).
+Modules: protocol (the wire format as pydantic models), limits, parse (request validation), worker
+(the model thread and its queue), chat (the chat-completions route), metrics, app (the FastAPI app),
+server (uvicorn with connection bounds), cli (the command's flags). FastAPI, uvicorn, pydantic and
+prometheus_client are imported only when a server is built, so `litevlm --help` works without them
+(`pip install litevlm[serve]`).
 """
 
 from __future__ import annotations

@@ -68,7 +68,12 @@ class Job:
 
 
 class Worker:
-    def __init__(self, pipe, limits: Limits, metrics: Metrics | None = None):
+    """Admits requests (429 past the queue limit) and answers them one at a time on its model thread.
+
+    `pending` and `jobs` are the admitted requests not yet finished, as the event loop sees them: a job
+    dropped by its handler (504, a client gone) stays counted until the model thread has let it go."""
+
+    def __init__(self, pipe, limits: Limits, metrics: Metrics):
         self.pipe, self.limits, self.metrics = pipe, limits, metrics
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="litevlm-model")
         self.pending = 0  # admitted and not finished; touched only on the event loop
@@ -120,47 +125,52 @@ class Worker:
     # -- the model thread ---------------------------------------------------------------------------
     def _run(self, job: Job) -> None:
         if self._stop(job, "queued"):
-            return
+            return  # never decoded
         start = time.monotonic()
         job.started, job.queue_s = True, start - job.arrived
         self.decoded += 1
-        where = "image {}"
         images = {
-            cam: decode_image(raw, where.format(cam), self.limits.max_image_pixels)
-            for cam, raw in job.req.images.items()
+            cam: decode_image(raw, f"image {cam}", self.limits.max_image_pixels) for cam, raw in job.req.images.items()
         }
-        sent, ans = "", None
         with self._settings(job.req):
-            items = self._items(job.req.question, images)
-            try:
-                for item in items:
-                    if isinstance(item, Answer):  # its text is what the deltas sent (all of it, if there were none)
-                        ans, piece = item, item.text[len(sent) :] if item.text.startswith(sent) else ""
-                    else:
-                        piece = item.text
-                    if piece:
-                        if not sent and self.metrics is not None:
-                            self.metrics.first_token.observe(time.monotonic() - job.arrived)
-                        sent += piece
-                        job.put("delta", piece)
-                    if ans is None and self._stop(job, "running"):
-                        return
-            finally:
-                close = getattr(items, "close", None)
-                if close is not None:
-                    close()  # a pipeline stream stops its work here
+            ans = self._answer(job, images)
+        if ans is None:
+            return
         job.service_s = time.monotonic() - start
-        if self.metrics is not None:
-            self.metrics.queue_wait.observe(job.queue_s)
-            self.metrics.observe_answer(ans.timings_ms, ans.input_tokens, len(ans.tokens))
+        self.metrics.queue_wait.observe(job.queue_s)
+        self.metrics.observe_answer(ans.timings_ms, ans.input_tokens, len(ans.tokens))
         job.put("done", ans)
+
+    def _answer(self, job: Job, images: dict) -> Answer | None:
+        """The pipeline's stream, each piece of text handed on as it comes; None if the job was dropped on the way."""
+        sent = ""
+        items = self._items(job.req.question, images)
+        try:
+            for item in items:
+                if isinstance(item, Answer):  # its text is what the deltas sent (all of it, if there were none)
+                    piece = item.text[len(sent) :] if item.text.startswith(sent) else ""
+                else:
+                    piece = item.text
+                if piece:
+                    if not sent:
+                        self.metrics.first_token.observe(time.monotonic() - job.arrived)
+                    sent += piece
+                    job.put("delta", piece)
+                if isinstance(item, Answer):
+                    return item
+                if self._stop(job, "running"):
+                    return None
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()  # a pipeline stream stops its work here
+        raise RuntimeError("the pipeline's stream ended without an Answer")
 
     def _stop(self, job: Job, where: str) -> bool:
         reason = job.dropped()
         if reason is None:
             return False
-        if self.metrics is not None:
-            self.metrics.count_cancelled(reason, where)
+        self.metrics.count_cancelled(reason, where)
         job.put("cancelled", reason)
         return True
 
