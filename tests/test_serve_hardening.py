@@ -254,8 +254,9 @@ def test_a_running_request_whose_client_left_stops_at_the_next_step(urls):
         for _ in range(pipe.n_tokens):
             pipe.steps.release()
         wait_for(lambda: app.state.worker.pending == 0)
-        # One step after the disconnect was seen, then the pipeline's stream was closed: 2 of 50 tokens made.
-        assert pipe.made == 2 and pipe.closed
+        # The step under way when the disconnect was seen may finish (the model thread checks between steps);
+        # no later one starts, and the pipeline's stream is closed.
+        assert pipe.made in (1, 2) and pipe.closed
         assert cancelled(server, "disconnected", "running") == 1
 
 
@@ -264,23 +265,25 @@ def test_a_streaming_client_that_leaves_stops_the_work_at_the_next_step(urls):
     app = build_app(pipe, timeout_s=30)
     with ServerThread(app) as server:
         gone = open_request(server, chat(urls, stream=True))
+        wait_for(lambda: app.state.worker.jobs)
+        (job,) = app.state.worker.jobs
         pipe.steps.release()
         gone.settimeout(20)
         received = b""
         while b'"content":"w0"' not in received:  # the first token's chunk has reached the client
             received += gone.recv(65536)
         gone.close()
-        wait_for(lambda: app.state.worker.jobs and next(iter(app.state.worker.jobs)).cancel.is_set())
+        wait_for(job.cancel.is_set)
         for _ in range(pipe.n_tokens):
             pipe.steps.release()
         wait_for(lambda: app.state.worker.pending == 0)
-        assert pipe.made == 2 and pipe.closed
+        assert pipe.made in (1, 2) and pipe.closed  # as above: at most the step under way finishes
         assert cancelled(server, "disconnected", "running") == 1
 
 
 def test_after_a_504_the_work_is_dropped_and_health_shows_it_until_it_is(urls):
     pipe = StepPipe(n_tokens=50)
-    app = build_app(pipe, max_queue=4, timeout_s=0.5)
+    app = build_app(pipe, max_queue=4, timeout_s=2.0)
     with ServerThread(app) as server:
         out = {}
 

@@ -1,11 +1,15 @@
 """POST /v1/chat/completions: the body read and checked, the request queued, the answer sent as
-JSON or as server-sent events while the pipeline makes it."""
+JSON or as server-sent events while the pipeline makes it. (Imported with the app: needs the
+server's extra dependencies.)"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
+
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response, StreamingResponse
 
 from litevlm.errors import LiteVLMError
 from litevlm.serve.metrics import Metrics
@@ -47,8 +51,6 @@ def check_content_type(headers) -> None:
 
 async def read_body(request, limit: int, timeout_s: float) -> bytes:
     """The body, at most `limit` bytes (413), arrived whole within `timeout_s` (408)."""
-    from starlette.requests import ClientDisconnect
-
     length = request.headers.get("content-length")
     if length is not None:
         if not length.strip().isdigit():
@@ -159,8 +161,6 @@ class ChatCompletions:
         self.pipe, self.model_name, self.limits, self.worker, self.metrics = pipe, model_name, limits, worker, metrics
 
     async def handle(self, request):
-        from fastapi.responses import Response
-
         arrived = time.monotonic()
         check_content_type(request.headers)
         body = await read_body(request, self.limits.max_body_bytes, self.limits.body_timeout_s)
@@ -206,6 +206,8 @@ class ChatCompletions:
                 if isinstance(value, LiteVLMError):  # the pipeline refused the input (e.g. an image it cannot use)
                     raise APIError(400, str(value), code="invalid_request", param="messages")
                 raise value
+            if kind == "done":
+                job.answered = True
             yield kind, value
             if kind == "done":
                 return
@@ -213,8 +215,6 @@ class ChatCompletions:
     async def stream(self, job: Job, req: ChatRequest):
         """SSE as the model makes the text. Errors before the first piece are plain JSON errors; once
         streaming, a disconnect (Starlette cancels the body's generator) drops the job."""
-        from fastapi.responses import StreamingResponse
-
         chunks = Chunks(self.model_name, req.include_usage)
         events = self.events(job)
         first = await events.__anext__()  # raises APIError before any byte is sent
@@ -231,11 +231,24 @@ class ChatCompletions:
             except APIError as e:  # a deadline passed mid-stream: the client gets an error event
                 self.metrics.count_error(e.code)
                 yield f"data: {e.json_bytes().decode()}\n\n"
-            finally:
-                if not job.finished:
-                    job.drop("disconnected")
 
-        return StreamingResponse(send(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return DroppingStream(job, send(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class DroppingStream(StreamingResponse):
+    """A streamed response that drops its job when it ends before the answer did: Starlette stops sending
+    when the client disconnects, wherever the body's generator happens to be."""
+
+    def __init__(self, job: Job, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.job.answered:
+                self.job.drop("disconnected")
 
 
 async def _chain(first, rest):

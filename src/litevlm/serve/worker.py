@@ -46,8 +46,9 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     reason: str = ""
-    started: bool = False
-    finished: bool = False
+    started: bool = False  # the model thread has taken it
+    finished: bool = False  # the model thread has let it go
+    answered: bool = False  # its handler has the Answer
     queue_s: float = 0.0
     service_s: float = 0.0
 
