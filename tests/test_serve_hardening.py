@@ -71,6 +71,18 @@ def test_a_lone_surrogate_gets_a_400_whose_body_is_valid_json(tiny_server, urls,
     assert err["code"] == "invalid_unicode" and "surrogate" in err["message"] and err["param"].startswith("messages")
 
 
+@pytest.mark.parametrize(
+    "text", ["car \u0000 ahead?", "car \uffff?", "car \U0001f600?", "\u202ecar?", "\ufeffcar?", "\u0301"]
+)
+def test_any_character_json_can_carry_is_answered(tiny_server, urls, text):
+    """NUL, a noncharacter, an astral emoji, a right-to-left override, a BOM, a lone combining mark: valid
+    Unicode, so a question like any other."""
+    message = user_message(text, urls)
+    r = post_raw(tiny_server, json.dumps({"model": "tiny", "messages": [message]}).encode())
+    assert r.status_code == 200, r.text
+    assert isinstance(r.json()["choices"][0]["message"]["content"], str)
+
+
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
 def test_a_seed_outside_the_samplers_range_gets_a_400(tiny_server, urls, seed):
     body = {"model": "tiny", "messages": [user_message(QUESTION, urls)], "seed": seed}
