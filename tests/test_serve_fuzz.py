@@ -267,6 +267,8 @@ def hostile_requests(w) -> list[tuple[str, dict, str | None]]:
         ("functions", chat(functions=[{"name": "f"}]), "unsupported_parameter"),
         ("function_call", chat(function_call="auto"), "unsupported_parameter"),
         ("tool_choice", chat(tool_choice="required"), "unsupported_parameter"),
+        ("audio modality", chat(modalities=["text", "audio"]), "unsupported_parameter"),
+        ("web search", chat(web_search_options={"search_context_size": "low"}), "unsupported_parameter"),
         ("stop string", chat(stop="."), "unsupported_parameter"),
         ("json schema", chat(response_format={"type": "json_schema", "json_schema": {}}), "unsupported_parameter"),
         ("response_format string", chat(response_format="json"), "unsupported_parameter"),

@@ -82,6 +82,7 @@ class ChatCompletionRequest(_Strict):
     logprobs: Any = None
     max_completion_tokens: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, ge=1)
+    modalities: Any = None
     n: int | None = 1
     prediction: Any = None
     presence_penalty: Any = None
@@ -96,6 +97,7 @@ class ChatCompletionRequest(_Strict):
     top_logprobs: Any = None
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     user: str | None = None
+    web_search_options: Any = None
 
 
 # Parameters this pipeline cannot honour: refused unless absent or their neutral value (which asks
@@ -113,6 +115,7 @@ UNSUPPORTED = (
     "tool_choice",
     "tools",
     "top_logprobs",
+    "web_search_options",
 )
 # Pydantic error types that mean "the right type, a wrong value".
 _VALUE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
@@ -145,6 +148,13 @@ def validate_request(data: dict) -> ChatCompletionRequest:
             "`response_format` must be {'type': 'text'}: structured output is not supported",
             code="unsupported_parameter",
             param="response_format",
+        )
+    if req.modalities not in (None, ["text"]):
+        raise APIError(
+            400,
+            "`modalities` must be ['text']: this server answers in text only",
+            code="unsupported_parameter",
+            param="modalities",
         )
     if req.n not in (None, 1):
         raise APIError(400, f"`n` must be 1: one answer per request, got {req.n}", code="invalid_value", param="n")
