@@ -22,7 +22,8 @@ import torch
 
 from litevlm.eval.metrics import normalize_answer
 from litevlm.eval.run import evaluate
-from litevlm.pipeline import STAGES, Pipeline, resolve_model_dir
+from litevlm.models import resolve_model_dir
+from litevlm.pipeline import STAGES, Pipeline
 from litevlm.train.vlm import HEAD_OBJECTIVES
 
 

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     from litevlm.data.tokenizer import Tokenizer
     from litevlm.model.hf import load_native
     from litevlm.model.vlm import image_to_tiles
-    from litevlm.pipeline import resolve_model_dir
+    from litevlm.models import resolve_model_dir
     from litevlm.train.vlm import aux_fields, init_language
 
     path = resolve_model_dir(args.model)

@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     import httpx
 
     a = parse_args(argv)
-    from litevlm.pipeline import resolve_model_dir
+    from litevlm.models import resolve_model_dir
 
     levels = [int(c) for c in a.clients.split(",")]
     model_dir = resolve_model_dir(a.model)

@@ -108,9 +108,8 @@ def run_accuracy(
     """records[(method, r)] -> list of DriveLM records; ('unpruned', 1.0) included. Also kept visual-token counts."""
     from tqdm import tqdm
 
-    from litevlm.model.generate import generate
+    from litevlm.model.generate import fastv_generate, generate, selector_prefill
     from litevlm.select.tokens import (
-        fastv_generate,
         prune_prompt,
         random_select,
         select_by_scores,
@@ -151,7 +150,7 @@ def run_accuracy(
                 if (
                     m == "selector" and selector.cfg.shared_layer
                 ):  # selection inside the decoder, as the pipeline runs it
-                    pre = selector.prefill(model, embeds, positions, spans, r, min_per_view, sample.question)
+                    pre = selector_prefill(model, selector, embeds, positions, spans, r, min_per_view, sample.question)
                     gen = generate(model, embeds, positions, max_new, eos, prefilled=pre.prefilled(embeds, positions))
                 elif m == "selector":
                     kept = select_by_scores(sel_scores, view_sizes(spans), r, min_per_view)
@@ -183,8 +182,8 @@ def run_timing(model, selector, samples, prompts: Prompts, ratios, repeats: int,
     A selector sharing decoder layer 0 selects inside the decoder: its "selector" time is its head (and
     the c-tag read), its "pruned prefill" the decoder layers (layer 0 on the whole prompt, the rest on
     the kept tokens), both from the stage timer of one `TokenSelector.prefill` call (median of repeats)."""
-    from litevlm.model.generate import StageTimer, prefill
-    from litevlm.select.tokens import fastv_prefill, prune_prompt, select_by_scores, view_sizes
+    from litevlm.model.generate import StageTimer, fastv_prefill, prefill, selector_prefill
+    from litevlm.select.tokens import prune_prompt, select_by_scores, view_sizes
 
     dev = model.device
     rows: dict[str, list[float]] = {}
@@ -199,7 +198,7 @@ def run_timing(model, selector, samples, prompts: Prompts, ratios, repeats: int,
         selector.scores(embeds, positions, spans)
         fastv_prefill(model, embeds, positions, spans, 1, 0.5)
         if selector.cfg.shared_layer:
-            selector.prefill(model, embeds, positions, spans, 0.5)
+            selector_prefill(model, selector, embeds, positions, spans, 0.5)
     for embeds, positions, spans, question in inputs:
         rec("prefill_unpruned", _median_ms(lambda: prefill(model, embeds, positions), repeats, dev))
         for r in ratios:
@@ -207,7 +206,7 @@ def run_timing(model, selector, samples, prompts: Prompts, ratios, repeats: int,
                 split = {"select_tokens": [], "prefill": []}
                 for _ in range(repeats):
                     timer = StageTimer(dev)
-                    selector.prefill(model, embeds, positions, spans, r, min_per_view, question, timer)
+                    selector_prefill(model, selector, embeds, positions, spans, r, min_per_view, question, timer)
                     for stage in split:
                         split[stage].append(timer.ms[stage])
                 rec(f"selector@{r}", statistics.median(split["select_tokens"]))
@@ -270,7 +269,7 @@ def main(argv=None) -> dict:
     from litevlm.data.tokenizer import Tokenizer
     from litevlm.eval.metrics import closed_accuracy, score
     from litevlm.model.hf import load_native
-    from litevlm.pipeline import resolve_model_dir
+    from litevlm.models import resolve_model_dir
     from litevlm.select.tokens import TokenSelector
 
     torch.set_num_threads(args.threads)

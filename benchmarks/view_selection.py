@@ -122,7 +122,7 @@ def time_vision(model_name: str, samples, kept: list[list[str]], args) -> dict:
 def no_vlm_reason(model: str) -> str | None:
     """Why --model cannot be timed through a vision encoder, or None when it can."""
     from litevlm.errors import LiteVLMError
-    from litevlm.pipeline import resolve_model_dir
+    from litevlm.models import resolve_model_dir
     from litevlm.select.views import SELECTOR_FORMAT
 
     try:

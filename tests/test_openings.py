@@ -10,9 +10,9 @@ from test_spec import prompt, random_draft, tiny_vlm
 
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
-from litevlm.model.generate import generate
+from litevlm.model.generate import accept_opening, generate, selector_prefill
 from litevlm.spec import speculative_generate
-from litevlm.spec.openings import Opening, Openings, accept_opening, question_key
+from litevlm.spec.openings import Opening, Openings, question_key
 
 EOS = 2
 
@@ -155,18 +155,18 @@ def test_an_opening_verified_with_a_prompt_pruned_inside_the_decoder_is_lossless
         positions,
         10,
         None,
-        prefilled=sel.prefill(model, embeds, positions, spans, 0.3).prefilled(embeds, positions),
+        prefilled=selector_prefill(model, sel, embeds, positions, spans, 0.3).prefilled(embeds, positions),
     ).tokens
     eos = plain[3]
     ref = plain[: plain.index(eos) + 1]
-    consumed = sel.prefill(model, embeds, positions, spans, 0.3).kept_count + len(ref) - 1
+    consumed = selector_prefill(model, sel, embeds, positions, spans, 0.3).kept_count + len(ref) - 1
     generate(
         model,
         embeds,
         positions,
         10,
         eos,
-        prefilled=sel.prefill(model, embeds, positions, spans, 0.3).prefilled(embeds, positions),
+        prefilled=selector_prefill(model, sel, embeds, positions, spans, 0.3).prefilled(embeds, positions),
     )
     want_cache = cache_upto(model, consumed)
     for sequences, opened in [
@@ -174,8 +174,8 @@ def test_an_opening_verified_with_a_prompt_pruned_inside_the_decoder_is_lossless
         ([[(ref[0] + 1) % vocab, 9], ref[:3]], min(3, len(ref) - 1)),
         ([[(ref[0] + 1) % vocab]], 0),
     ]:
-        pre = sel.prefill(
-            model, embeds, positions, spans, 0.3, opening=Opening.from_sequences(sequences), eos_id=eos, limit=10
+        pre = selector_prefill(
+            model, sel, embeds, positions, spans, 0.3, opening=Opening.from_sequences(sequences), eos_id=eos, limit=10
         )
         out = speculative_generate(model, head, embeds, positions, 10, eos, prefilled=pre.prefilled(embeds, positions))
         assert out.tokens == ref and out.opened == opened, sequences

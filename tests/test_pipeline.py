@@ -5,7 +5,8 @@ from PIL import Image
 
 from litevlm import LiteVLMError, Pipeline
 from litevlm.cameras import CAMERAS
-from litevlm.pipeline import STAGES, images_from_dir
+from litevlm.models import images_from_dir
+from litevlm.pipeline import STAGES
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +176,7 @@ def test_tree_options_reach_the_decoder(full_model_dir, images):
 def test_the_shipped_default_model_is_complete_and_within_its_size_budget():
     """drive-tiny ships inside the package: at most 20 MB of safetensors, with every LiteVLM module beside it."""
     from litevlm.model.hf import read_native_meta
-    from litevlm.pipeline import resolve_model_dir
+    from litevlm.models import resolve_model_dir
 
     d = resolve_model_dir("drive-tiny")
     assert (d / "model.safetensors").stat().st_size <= 20 * 10**6
@@ -224,3 +225,52 @@ def test_the_token_selector_skips_prompts_below_its_threshold(full_model_dir, im
         ]
     )
     assert _pipeline(args).min_select_tokens == 0
+
+
+def imports_of(package_dir) -> dict[str, set[str]]:
+    """Module name -> the package's modules it imports, at module level or inside functions (parsed, not run)."""
+    import ast
+
+    root = package_dir.parent
+    mods = {
+        ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f
+        for f in package_dir.rglob("*.py")
+    }
+
+    def owner(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for m, f in mods.items():
+        found = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {owner(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found |= {owner(node.module)} | {owner(f"{node.module}.{a.name}") for a in node.names}
+        graph[m] = {t for t in found if t and t != m and not m.startswith(t + ".")}
+    return graph
+
+
+def test_the_stages_import_one_way():
+    """A question walks the stages once, and so do their imports: no module of the pipeline, model directories,
+    selection, generation or speculative decoding imports (at module level or inside a function) anything that
+    imports it back."""
+    from pathlib import Path
+
+    import litevlm
+
+    graph = imports_of(Path(litevlm.__file__).parent)
+    stages = [m for m in graph if m in ("litevlm.pipeline", "litevlm.models", "litevlm.model.generate")]
+    stages += [m for m in graph if m.startswith(("litevlm.select.", "litevlm.spec."))]
+    assert len(stages) > 8
+    for m in stages:
+        seen, todo = set(), list(graph[m])
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo += graph[n]
+        assert m not in seen, f"{m} imports a module that imports it back"

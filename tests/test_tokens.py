@@ -13,14 +13,12 @@ import torch
 
 from litevlm.config import TextConfig, VisionConfig, VLMConfig
 from litevlm.errors import LiteVLMError
-from litevlm.model.generate import generate, prefill
+from litevlm.model.generate import fastv_generate, fastv_prefill, generate, prefill, selector_prefill
 from litevlm.model.vlm import VLM
 from litevlm.select.tokens import (
     SelectorConfig,
     TokenSelector,
     attention_rows,
-    fastv_generate,
-    fastv_prefill,
     fastv_scores,
     keep_count,
     random_select,
@@ -64,7 +62,8 @@ def tiny_vlm(seed: int = 0, layers: int = 3) -> VLM:
 
 
 def tiny_prompt(model: VLM, seed: int = 0, views=VIEWS, question_len: int = 9):
-    """embeds (1, T, C), positions (1, T), view_spans: a marker + <img> + TPV visual + </img> per view, then a question."""
+    """embeds (1, T, C), positions (1, T), view_spans: a marker + <img> + TPV visual + </img> per view, then a
+    question."""
     g = torch.Generator().manual_seed(seed)
     ids, spans = [1, 2], []
     for i, cam in enumerate(views):
@@ -236,14 +235,14 @@ def test_pruned_decode_is_exact_for_the_compacted_cache(method):
     t, n_new = embeds.shape[1], 6
     if method == "selector":
         k, sel = 1, trained_looking_selector(model)
-        pre = sel.prefill(model, embeds, positions, spans, 0.3)
+        pre = selector_prefill(model, sel, embeds, positions, spans, 0.3)
         gen = generate(
             model,
             embeds,
             positions,
             n_new,
             None,
-            prefilled=sel.prefill(model, embeds, positions, spans, 0.3).prefilled(embeds, positions),
+            prefilled=selector_prefill(model, sel, embeds, positions, spans, 0.3).prefilled(embeds, positions),
         )
         # it keeps what the same selector keeps when it prunes at the input
         assert torch.equal(pre.kept_index, sel.select(model, embeds, positions, spans, keep_ratio=0.3)[2])
@@ -308,9 +307,9 @@ def test_shared_layer_selector_scores_like_one_owning_a_copy_of_layer0():
         model.language_model.layers[0].mlp.down_proj.weight.mul_(3.0)
         assert not torch.allclose(shared.scores(embeds, positions, spans), before)
     with pytest.raises(LiteVLMError, match="use select"):
-        own.prefill(model, embeds, positions, spans, 0.5)
+        selector_prefill(model, own, embeds, positions, spans, 0.5)
     with pytest.raises(LiteVLMError, match="another model"):
-        shared.prefill(tiny_vlm(seed=3), embeds, positions, spans, 0.5)
+        selector_prefill(tiny_vlm(seed=3), shared, embeds, positions, spans, 0.5)
     with pytest.raises(LiteVLMError, match="bind"):
         TokenSelector(model.language_model.cfg).scores(embeds, positions, spans)
 

@@ -138,7 +138,7 @@ def cmd_demo(args) -> None:
 
 
 def cmd_ask(args) -> None:
-    from litevlm.pipeline import images_from_dir
+    from litevlm.models import images_from_dir
 
     pipe = _pipeline(args)
     ans = pipe.answer(args.question, images_from_dir(args.images))
@@ -307,7 +307,7 @@ def cmd_quantize(args) -> None:
 
     from litevlm.data.drivelm import samples_from_frame
     from litevlm.data.synthetic import make_frame, render_views
-    from litevlm.pipeline import resolve_model_dir
+    from litevlm.models import resolve_model_dir
     from litevlm.quant.fp8 import FP8Recipe, calibrate, quantize_model, save_fp8
 
     if args.calib < 1:

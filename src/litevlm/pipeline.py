@@ -2,6 +2,9 @@
 
     select_views -> vit -> select_tokens -> prefill -> decode
 
+A question walks the stages once, one call each (`Pipeline.stream`): views, vision, prompt, token selection
+(which chooses; pruning inside the decoder is a hook the prefill calls), prefill and decode (generation, plain or
+speculative), the tokens streamed as they are made.
 Each stage is switchable, so the paper's ablation rows (arXiv 2506.07416, Table 1) are
 configurations of one `Pipeline`. Stage times are wall milliseconds with the device synchronised
 at stage boundaries; `total` = select_views + vit + select_tokens + prefill + decode (image
@@ -13,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -21,12 +24,22 @@ import torch
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
-from litevlm.model.generate import StageTimer, check_room, stream_generate
+from litevlm.model.generate import (
+    BucketPrefill,
+    GraphedDecodeStep,
+    Prefilled,
+    StageTimer,
+    prefill_prompt,
+    stream_decode,
+)
 from litevlm.model.prompt import build_prompt
 from litevlm.model.vlm import VLM, image_to_tiles, load_image
+from litevlm.models import part_dir, resolve_model_dir
 from litevlm.quant.fp8 import precision_of
+from litevlm.select.tokens import Pruning, fastv_pruning
+from litevlm.spec.decode import stream_speculative
+from litevlm.spec.tree import GraphedVerify
 
-WEIGHTS_DIR = Path(__file__).parent / "weights"
 STAGES = ("select_views", "vit", "select_tokens", "prefill", "decode")
 
 
@@ -100,20 +113,7 @@ class Prompt:
     ids: torch.Tensor  # (1, T)
     embeds: torch.Tensor  # (1, T, C): token embeddings with the visual tokens in place
     num_visual_tokens: int
-
-
-def resolve_model_dir(name_or_path: str | Path) -> Path:
-    """A bundled model name ("drive-tiny") or a directory holding config.json."""
-    p = Path(name_or_path)
-    if not p.exists() and (WEIGHTS_DIR / str(name_or_path)).is_dir():
-        p = WEIGHTS_DIR / str(name_or_path)
-    if not (p / "config.json").is_file():
-        bundled = sorted(d.name for d in WEIGHTS_DIR.iterdir() if d.is_dir()) if WEIGHTS_DIR.is_dir() else []
-        raise LiteVLMError(
-            f"no model at {name_or_path!r}: expected a directory with config.json and model.safetensors, "
-            f"or a bundled model name ({', '.join(bundled) or 'none installed'})"
-        )
-    return p
+    positions: torch.Tensor  # (1, T) RoPE positions; a prompt pruned at the input keeps its tokens' own
 
 
 class Pipeline:
@@ -184,7 +184,7 @@ class Pipeline:
         self._graphed_step = None  # captured on first use, re-captured if the cache is re-allocated
         self._graphed_verify_step = None  # the same for the speculative verification
         self._prefill_buckets = None  # the compiled prefill per prompt-length bucket, made on first use
-        self.capture_ms = 0.0  # one-off CUDA-graph capture cost, kept apart from the measurements
+        self._graph_ms = 0.0  # one-off CUDA-graph capture cost, kept apart from the measurements
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.tokens_per_view = self.cfg.tokens_per_tile * self.cfg.tiles_per_view
         # Room for the longest prompt (all views, longest question) plus the answer and a draft tree.
@@ -254,11 +254,11 @@ class Pipeline:
         if select_views:
             from litevlm.select.views import ViewSelector
 
-            parts["view_selector"] = ViewSelector.load(_part(path, "view_selector"), device=device)
+            parts["view_selector"] = ViewSelector.load(part_dir(path, "view_selector"), device=device)
         if select_tokens is not None:
             from litevlm.select.tokens import TokenSelector
 
-            parts["token_selector"] = TokenSelector.load(_part(path, "token_selector"), model).to(device)
+            parts["token_selector"] = TokenSelector.load(part_dir(path, "token_selector"), model).to(device)
             parts["keep_ratio"] = select_tokens
         if fastv_k is not None or fastv_r is not None:
             if fastv_k is None or fastv_r is None:
@@ -268,7 +268,7 @@ class Pipeline:
             from litevlm.spec.draft import DraftHead
             from litevlm.spec.tree import TreeConfig
 
-            parts["draft"] = DraftHead.load(_part(path, "draft"), model).to(device=device)
+            parts["draft"] = DraftHead.load(part_dir(path, "draft"), model).to(device=device)
             default = TreeConfig()
             parts["tree"] = TreeConfig(
                 top_k=tree_top_k or default.top_k,
@@ -323,18 +323,16 @@ class Pipeline:
         if missing:
             raise LiteVLMError(f"{len(images)} camera views given, missing {', '.join(missing)}: all six are required")
 
-    # -- the pipeline ---------------------------------------------------------------------------
+    # -- the stages ---------------------------------------------------------------------------
     def select_views(self, question: str) -> list[str]:
         if self.view_selector is None:
             return list(CAMERAS)
         return self.view_selector.select(question)[0]
 
     @torch.no_grad()
-    def prompt(self, question: str, images: Mapping, timer: StageTimer | None = None) -> Prompt:
-        """The chosen views and the question's prompt, embedded with its visual tokens (stages timed on `timer`)."""
-        timer = timer or StageTimer(self.model.device)
-        with timer("select_views"):
-            views = self.select_views(question)
+    def vision(self, images: Mapping, views: list[str], timer: StageTimer) -> torch.Tensor:
+        """The chosen views' visual tokens (tiles, tokens_per_tile, C): images to tiles ("preprocess"), then the vision
+        tower and projector ("vit")."""
         with timer("preprocess"):
             pixels = torch.cat(
                 [
@@ -344,13 +342,70 @@ class Pipeline:
             )
             pixels = pixels.to(self.model.device)
         with timer("vit"):
-            visual = self.model.encode_tiles(pixels)  # (tiles, tokens_per_tile, C)
+            return self.model.encode_tiles(pixels)  # (tiles, tokens_per_tile, C)
+
+    @torch.no_grad()
+    def embed_prompt(self, question: str, views: list[str], visual: torch.Tensor) -> Prompt:
+        """The question's prompt in the checkpoint's template, embedded with the visual tokens in place."""
         layout = build_prompt(self.tokenizer, question, views, self.tokens_per_view)
         ids = torch.tensor([layout.ids], device=self.model.device)
-        return Prompt(
-            views, layout.view_spans, ids, self.model.embed(ids, visual), int(visual.shape[0] * visual.shape[1])
+        positions = torch.arange(ids.shape[1], device=self.model.device)[None]
+        n_visual = int(visual.shape[0] * visual.shape[1])
+        return Prompt(views, layout.view_spans, ids, self.model.embed(ids, visual), n_visual, positions)
+
+    @torch.no_grad()
+    def prompt(self, question: str, images: Mapping, timer: StageTimer | None = None) -> Prompt:
+        """The chosen views and the question's prompt, embedded with its visual tokens (stages timed on `timer`)."""
+        timer = timer or StageTimer(self.model.device)
+        with timer("select_views"):
+            views = self.select_views(question)
+        return self.embed_prompt(question, views, self.vision(images, views, timer))
+
+    @torch.no_grad()
+    def select_tokens(self, p: Prompt, question: str, timer: StageTimer) -> tuple[Prompt, Pruning | None]:
+        """Token selection, timed as "select_tokens": a TokenSelector with its own copy of layer 0 prunes the prompt
+        here; one sharing the decoder's layer 0 (or FastV at layer K) gives the hook that prunes inside the prefill."""
+        with timer("select_tokens"):
+            if self.fastv is not None:
+                k, r = self.fastv
+                return p, fastv_pruning(self.model, p.positions, p.view_spans, k, r)
+            if self.token_selector is None or p.num_visual_tokens < self.min_select_tokens:
+                return p, None
+            sel = self.token_selector
+            if sel.cfg.shared_layer:
+                return p, sel.pruning(self.model, p.positions, p.view_spans, self.keep_ratio, question=question)
+            embeds, positions, kept = sel.select(
+                self.model, p.embeds, p.positions, p.view_spans, keep_ratio=self.keep_ratio, question=question
+            )
+            return replace(p, embeds=embeds, positions=positions), None
+
+    def prefill(self, p: Prompt, pruning: Pruning | None, question: str, timer: StageTimer) -> Prefilled:
+        """The prompt into the cache (`litevlm.model.generate.prefill_prompt`), pruned inside the decoder by `pruning`,
+        with the question's answer openings verified in the same pass where speculative decoding has them."""
+        opening = self._opening(question) if self.fastv is None else None
+        return prefill_prompt(
+            self.model,
+            p.embeds,
+            p.positions,
+            timer,
+            pruning=pruning,
+            opening=opening,
+            eos_id=self.stop_id,
+            limit=self.max_new_tokens,
+            buckets=self._buckets(),
         )
 
+    def decode(self, prefilled: Prefilled, timer: StageTimer) -> Iterator[list[int]]:
+        """The decoding stream from a prefilled prompt: token runs as they are made, then the `Generation`. FastV, the
+        in-LLM pruning baseline, decodes plainly."""
+        args = (self.max_new_tokens, self.stop_id, self.temperature, self.top_p, self.generator, timer)
+        if self.draft is not None and self.fastv is None:
+            return stream_speculative(
+                self.model, self.draft, prefilled, *args, tree=self.tree, verify=self._graphed_verify()
+            )
+        return stream_decode(self.model, prefilled, *args, step=self._decode_step())
+
+    # -- one answer -----------------------------------------------------------------------------
     def answer(self, question: str, images: Mapping) -> Answer:
         """The whole answer at once: `stream` run to its end."""
         for item in self.stream(question, images):
@@ -371,35 +426,15 @@ class Pipeline:
     @torch.no_grad()
     def _stream(self, question: str, images: Mapping) -> Iterator[Delta | Answer]:
         with cpu_steps.frozen():  # weights and hooks stay as they are for one answer: checked once
-            dev = self.model.device
-            timer = StageTimer(dev)
-            p = self.prompt(question, images, timer)
-            views, ids, embeds, n_visual = p.views, p.ids, p.embeds, p.num_visual_tokens
-            positions = torch.arange(ids.shape[1], device=dev)[None]
-            prune = self.token_selector is not None and n_visual >= self.min_select_tokens
-            prefilled, inside = None, prune and self.token_selector.cfg.shared_layer
-            with timer("select_tokens"):
-                if prune and not inside:
-                    embeds, positions, kept = self.token_selector.select(
-                        self.model, embeds, positions, p.view_spans, keep_ratio=self.keep_ratio, question=question
-                    )
-                    n_visual -= ids.shape[1] - kept.numel()
-            if inside:  # selection inside the decoder: layer 0 once on the whole prompt, the rest on the kept tokens
-                pre = self.token_selector.prefill(
-                    self.model,
-                    embeds,
-                    positions,
-                    p.view_spans,
-                    self.keep_ratio,
-                    question=question,
-                    timer=timer,
-                    opening=self._opening(question),
-                    eos_id=self.stop_id,
-                    limit=self.max_new_tokens,
-                )
-                prefilled = pre.prefilled(embeds, positions)
+            timer = StageTimer(self.model.device)
+            with timer("select_views"):
+                views = self.select_views(question)
+            visual = self.vision(images, views, timer)
+            full = self.embed_prompt(question, views, visual)
+            p, pruning = self.select_tokens(full, question, timer)
+            prefilled = self.prefill(p, pruning, question, timer)
             text = TextStream(self.tokenizer, self.tokenizer.eos_id)
-            with closing(self._generate(embeds, positions, p.view_spans, timer, prefilled, question)) as steps:
+            with closing(self.decode(prefilled, timer)) as steps:
                 while True:
                     try:
                         new = next(steps)
@@ -410,14 +445,12 @@ class Pipeline:
             rest = text.finish()
             if rest:
                 yield Delta(rest, [])
-            if self.fastv is not None or prefilled is not None:
-                n_visual -= ids.shape[1] - gen.prompt_len
             ms = dict(timer.ms)
             ms["total"] = sum(ms.get(s, 0.0) for s in STAGES)
             yield Answer(
                 text=self.tokenizer.decode([t for t in gen.tokens if t != self.tokenizer.eos_id]).strip(),
                 views=views,
-                num_visual_tokens=n_visual,
+                num_visual_tokens=full.num_visual_tokens - (full.ids.shape[1] - gen.prompt_len),
                 timings_ms=ms,
                 accept_lengths=list(gen.accept_lengths),
                 tokens=gen.tokens,
@@ -425,37 +458,6 @@ class Pipeline:
                 opened_tokens=gen.opened,
                 precision=precision_of(self.model),
             )
-
-    def _generate(self, embeds, positions, view_spans, timer, prefilled=None, question: str = ""):
-        """The decoding stream (token runs as they are made, then the Generation); prefilled: the prompt is in the
-        cache already (the TokenSelector pruned inside the decoder)."""
-        args = (self.max_new_tokens, self.stop_id, self.temperature, self.top_p, self.generator, timer)
-        if self.cuda_graphs and prefilled is None and self.fastv is None and embeds.shape[0] == 1:
-            prefilled = self._bucket_prefill(embeds, positions, timer)
-        if self.fastv is not None:  # never with a TokenSelector (refused at construction)
-            from litevlm.select.tokens import fastv_prefill
-
-            k, r = self.fastv
-            check_room(self.model, embeds.shape[1], self.max_new_tokens)
-            prefilled = fastv_prefill(self.model, embeds, positions, view_spans, k, r, timer=timer).prefilled(
-                embeds, positions
-            )
-            return stream_generate(self.model, embeds, positions, *args, prefilled=prefilled)
-        if self.draft is not None:
-            from litevlm.spec.decode import stream_speculative
-
-            return stream_speculative(
-                self.model,
-                self.draft,
-                embeds,
-                positions,
-                *args,
-                tree=self.tree,
-                prefilled=prefilled,
-                verify=self._graphed_verify(),
-                opening=self._opening(question),
-            )
-        return stream_generate(self.model, embeds, positions, *args, step=self._decode_step(), prefilled=prefilled)
 
     def _opening(self, question: str):
         """The answer openings to verify with this question's prompt (`litevlm.spec.openings`): speculative greedy
@@ -470,27 +472,23 @@ class Pipeline:
         if not self.cuda_graphs:
             return None
         if self._graphed_step is None or not self._graphed_step.valid_for(self.model):
-            from litevlm.model.generate import GraphedDecodeStep
-
             self._graphed_step = GraphedDecodeStep(self.model)
-            self.capture_ms += self._graphed_step.capture_ms
+            self._graph_ms += self._graphed_step.capture_ms
         return self._graphed_step
 
-    def _bucket_prefill(self, embeds, positions, timer):
-        """The prompt through the compiled prefill of its length bucket (`BucketPrefill`), timed as "prefill"; a
-        bucket's first call compiles it and runs again, so compile time stays out of the stage (in capture_ms)."""
-        from litevlm.model.generate import BucketPrefill, Prefilled
-
+    def _buckets(self) -> BucketPrefill | None:
+        """The compiled prefill per prompt-length bucket (cuda_graphs=True), made on first use, else None."""
+        if not self.cuda_graphs:
+            return None
         if self._prefill_buckets is None or self._prefill_buckets.model is not self.model:
+            self._graph_ms += self._prefill_buckets.compile_ms if self._prefill_buckets is not None else 0.0
             self._prefill_buckets = BucketPrefill(self.model)
-        buckets = self._prefill_buckets
-        if buckets.bucket(embeds.shape[1]) not in buckets.compiled:
-            before = buckets.compile_ms
-            buckets(embeds, positions)
-            self.capture_ms += buckets.compile_ms - before
-        with timer("prefill"):
-            logits, hidden = buckets(embeds, positions)
-        return Prefilled(logits, hidden, embeds, positions)
+        return self._prefill_buckets
+
+    @property
+    def capture_ms(self) -> float:
+        """One-off CUDA-graph capture and prefill compile time (cuda_graphs=True), kept apart from the stages."""
+        return self._graph_ms + (self._prefill_buckets.compile_ms if self._prefill_buckets is not None else 0.0)
 
     def _graphed_verify(self):
         """The tree verification as a replayed CUDA graph for trees of the configured size (cuda_graphs=True), else
@@ -499,37 +497,9 @@ class Pipeline:
             return None
         n = self.tree.total_tokens
         if self._graphed_verify_step is None or not self._graphed_verify_step.valid_for(self.model, n):
-            from litevlm.spec.tree import GraphedVerify
-
             self._graphed_verify_step = GraphedVerify(self.model, n)
-            self.capture_ms += self._graphed_verify_step.capture_ms
+            self._graph_ms += self._graphed_verify_step.capture_ms
         return self._graphed_verify_step
-
-
-def _part(path: Path, name: str) -> Path:
-    """A trained module's folder beside the weights (`litevlm quantize` copies them into FP8 checkpoints)."""
-    if (path / name).is_dir():
-        return path / name
-    raise LiteVLMError(f"{path} has no {name}/ folder: train it first (litevlm train {name.split('_')[0]})")
-
-
-def images_from_dir(folder: str | Path) -> dict[str, Path]:
-    """A folder with one image per camera, named by camera (CAM_FRONT.png, CAM_BACK.jpg, ...)."""
-    root = Path(folder)
-    if not root.is_dir():
-        raise LiteVLMError(f"image folder not found: {root}")
-    files = [f for f in sorted(root.iterdir()) if f.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp", ".bmp")]
-    images = {}
-    for f in files:
-        if f.stem not in CAMERAS:
-            raise LiteVLMError(
-                f"{f.name}: unknown camera name {f.stem!r}; name images {', '.join(c + '.png' for c in CAMERAS)}"
-            )
-        images[f.stem] = f
-    missing = [c for c in CAMERAS if c not in images]
-    if missing:
-        raise LiteVLMError(f"{root} has {len(images)} camera views; missing {', '.join(missing)}: all six are required")
-    return images
 
 
 def _dtype(name: str) -> torch.dtype:

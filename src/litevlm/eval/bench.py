@@ -202,7 +202,8 @@ def random_pipeline(
     from litevlm.config import preset
     from litevlm.data.tokenizer import Tokenizer
     from litevlm.model.vlm import VLM
-    from litevlm.pipeline import Pipeline, resolve_model_dir
+    from litevlm.models import resolve_model_dir
+    from litevlm.pipeline import Pipeline
 
     path = resolve_model_dir(tokenizer_model)
     tok = Tokenizer.from_dir(path)

@@ -1,9 +1,13 @@
-"""Prefill, one decode step and the generation loop over the static KV cache.
+"""Generation over the static KV cache: the prefill stage, one decode step, and the decoding loop.
 
-Prefill writes a prompt's K/V into slots 0..T-1 (positions may skip, as after token pruning);
-`decode_step` appends one token attending over the live prefix only, which is fastest eagerly on the
+Prefill writes a prompt's K/V into slots 0..T-1 (positions may skip, as after token pruning).
+`prefill_prompt` is the stage in one call: plain, compiled per length bucket (`BucketPrefill`, the GPU fast
+path), pruned inside the decoder where a selection hook chooses the tokens to keep after layer K
+(`pruned_prefill`: FastV, the TokenSelector sharing layer 0), and with an answer opening verified in the same
+pass. `decode_step` appends one token attending over the live prefix only, which is fastest eagerly on the
 CPU; `decode_step_static` is the same step with fixed shapes (mask over the whole cache, position and
 slot as tensors), which `GraphedDecodeStep` captures once as a CUDA graph and replays for every token.
+`stream_decode` yields each token as it is made (speculative decoding: `litevlm.spec.decode`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from litevlm.errors import LiteVLMError
 from litevlm.model.lm import linear
+from litevlm.select.tokens import fastv_pruning
 
 
 def sync(device) -> None:
@@ -136,19 +141,6 @@ class BucketPrefill:
         return linear(hidden[:, -1], self.model.lm_head), hidden
 
 
-class Prefilled(NamedTuple):
-    """A prompt already in the cache at slots 0..T'-1, e.g. one pruned inside the decoder (FastV, the
-    TokenSelector sharing decoder layer 0): what `generate` and speculative decoding continue from."""
-
-    logits: torch.Tensor  # (B, V) at the last prompt token
-    hidden: torch.Tensor  # (B, T', C) final hidden states of the cached prompt tokens
-    embeds: torch.Tensor  # (B, T', C) their input embeddings
-    positions: torch.Tensor  # (B, T') their RoPE positions (the last + 1 is the first generated token's)
-    opened: object = (
-        None  # `litevlm.spec.openings.Opened`: an answer opening verified with the prompt (greedy speculative)
-    )
-
-
 @torch.no_grad()
 def decode_step(model, token: torch.Tensor, position: int, slot: int, plan=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token (B, 1) at RoPE `position`, written at cache `slot`; returns (logits (B, V), hidden (B, 1, C)).
@@ -232,6 +224,258 @@ class GraphedDecodeStep:
         return self.logits
 
 
+class Prefilled(NamedTuple):
+    """A prompt in the cache at slots 0..T'-1 (all of it, or the tokens kept where it was pruned inside the decoder):
+    what decoding, plain or speculative, continues from."""
+
+    logits: torch.Tensor | None  # (B, V) at the last prompt token; None where an opening gave the first tokens
+    hidden: torch.Tensor  # (B, T', C) final hidden states of the cached prompt tokens
+    embeds: torch.Tensor  # (B, T', C) their input embeddings
+    positions: torch.Tensor  # (B, T') their RoPE positions (the last + 1 is the first generated token's)
+    opened: Opened | None = None  # an answer opening verified with the prompt (greedy speculative decoding)
+
+
+# ---------------------------------------------------------------------------------------------
+# Answer openings verified inside the prefill (the tables: `litevlm.spec.openings`)
+# ---------------------------------------------------------------------------------------------
+
+
+def opening_inputs(opening, prompt_len: int, next_position: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An opening trie (`litevlm.spec.openings.Opening`) appended to a prompt of `prompt_len` tokens (cache slots
+    0..T-1, the nodes at T..T+N-1): the node positions (N,) and their rows of the attention mask (N, T + N): each
+    node sees the prompt, itself and its ancestors (the prompt's own rows stay causal)."""
+    t, n = prompt_len, len(opening)
+    tail = torch.ones(n, t + n, dtype=torch.bool, device=device)
+    tail[:, t:] = opening.mask.to(device)
+    return next_position + opening.depth.to(device), tail
+
+
+@dataclass
+class Opened:
+    """An opening verified with its prompt: the tokens emitted (the prompt's next token, then one after each accepted
+    node) and the accepted nodes' post-norm hidden states (a, C), their K/V already moved to the slots after the
+    prompt's."""
+
+    emitted: list[int]
+    hidden: torch.Tensor
+
+    @property
+    def accepted(self) -> int:
+        return self.hidden.shape[0]
+
+
+def verify_opening(model, opening, rows: torch.Tensor, prompt_len: int, eos_id: int | None, limit: int) -> Opened:
+    """Greedy acceptance of a trie run with a prompt of `prompt_len` cached tokens: rows (1 + N, C) = the prompt's last
+    post-norm hidden state, then the N nodes' (cache slots prompt_len..); the accepted nodes' K/V are moved to slots
+    prompt_len, prompt_len + 1, ..."""
+    logits = linear(rows, model.lm_head)  # (1 + N, V)
+    path, emitted = accept_opening(opening, int(logits[0].argmax()), logits[1:], eos_id, limit)
+    if path != list(range(len(path))):
+        model.language_model.commit(torch.tensor(path, device=rows.device) + prompt_len, prompt_len)
+    return Opened(emitted, rows[1 + torch.tensor(path, dtype=torch.long, device=rows.device)])
+
+
+def accept_opening(
+    opening, first: int, node_logits: torch.Tensor, eos_id: int | None, limit: int
+) -> tuple[list[int], list[int]]:
+    """Greedy acceptance of a trie verified with the prompt: first = the prompt's own next token (its argmax),
+    node_logits (N, V) the target's logits at the nodes -> (the accepted nodes in order, the emitted tokens: `first`,
+    then the argmax after each accepted node; at most `limit` tokens, stopping at EOS). A node is accepted when its
+    token is the token emitted before it and its parent was accepted (the roots: its first token)."""
+    emitted, path = [first], []
+    children = [i for i in range(len(opening)) if int(opening.parents[i]) < 0]
+    predicted = node_logits.argmax(-1).tolist()
+    tokens = opening.tokens.tolist()
+    parents = opening.parents.tolist()
+    while len(emitted) < limit and (eos_id is None or emitted[-1] != eos_id):
+        match = next((i for i in children if tokens[i] == emitted[-1]), None)
+        if match is None:
+            break
+        path.append(match)
+        emitted.append(predicted[match])
+        children = [i for i in range(len(opening)) if parents[i] == match]
+    return path, emitted
+
+
+def prefill_with_opening(
+    model, embeds: torch.Tensor, positions: torch.Tensor, opening, eos_id: int | None, limit: int
+) -> Prefilled:
+    """The prompt (1, T, C) and the opening trie's N nodes in one target pass (prompt at cache slots 0..T-1, nodes
+    at T..T+N-1 under the trie mask), then greedy acceptance (`verify_opening`) of at most `limit` tokens."""
+    lm = model.language_model
+    t, n, dev = embeds.shape[1], len(opening), embeds.device
+    node_pos, tail = opening_inputs(opening, t, int(positions[0, -1]) + 1, dev)
+    x = torch.cat([embeds, lm.embed_tokens(opening.tokens.to(dev))[None]], 1)
+    pos = torch.cat([positions[0], node_pos])[None]
+    h = lm(x, pos, slots=torch.arange(t + n, device=dev), kv_len=t + n, tree_tail=tail)[0]  # (T + N, C)
+    opened = verify_opening(model, opening, h[t - 1 :], t, eos_id, limit)
+    return Prefilled(None, h[None, :t], embeds, positions, opened)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pruning inside the decoder: FastV, the TokenSelector sharing decoder layer 0
+# ---------------------------------------------------------------------------------------------
+
+
+class PrunedPrefill(NamedTuple):
+    logits: torch.Tensor  # (B, V) at the last prompt token
+    kept_count: int  # T': every layer's cache holds slots 0..T'-1; decoding writes slot T' + i
+    kept_index: torch.Tensor  # (T',) prompt indices kept
+    next_position: int  # RoPE position of the first generated token: the unpruned prompt length
+    hidden: torch.Tensor  # (B, T', C) final hidden states of the kept tokens
+    opened: Opened | None = None  # where an answer opening was verified with the prompt
+
+    def prefilled(self, embeds: torch.Tensor, positions: torch.Tensor) -> Prefilled:
+        """What decoding continues from, given the unpruned embeds and positions."""
+        return Prefilled(
+            self.logits, self.hidden, embeds[:, self.kept_index], positions[:, self.kept_index], self.opened
+        )
+
+
+@torch.no_grad()
+def pruned_prefill(
+    model,
+    embeds: torch.Tensor,
+    positions: torch.Tensor,
+    pruning,
+    timer: StageTimer | None = None,
+    opening=None,
+    eos_id: int | None = None,
+    limit: int = 0,
+) -> PrunedPrefill:
+    """Prefill that prunes the prompt inside the decoder (batch 1): layers [0, K) on the whole prompt, the selection
+    hook chooses from their output which prompt tokens to keep, layers [K, L) run on the kept tokens.
+
+    pruning: the hook (`litevlm.select.tokens.Pruning`): `layer` K, `keep(x)` -> the kept prompt indices (T',)
+    ascending, from x (1, T, C), the input of layer K; its choice is timed as `stage`, the decoder layers as
+    "prefill". The cache of layers [0, K) is then COMPACTED to the kept tokens (`litevlm.select.tokens` explains
+    why), so decoding continues with `decode_step(model, tok, result.next_position + i, result.kept_count + i)`.
+    opening: an answer-opening trie verified with the kept prompt, greedily, emitting at most `limit` tokens (until
+    `eos_id`): its nodes run layers [0, K) over the kept tokens once the cache is compacted, then join the kept tokens
+    in layers [K, L) under the trie mask; `opened` holds the outcome.
+    """
+    lm = model.language_model
+    n_layers, k = len(lm.layers), pruning.layer
+    if not 1 <= k < n_layers:
+        raise LiteVLMError(f"FastV K must be in 1..{n_layers - 1} for a {n_layers}-layer decoder; got {k}")
+    if embeds.shape[0] != 1:
+        raise LiteVLMError("pruned prefill runs one prompt at a time (batch 1)")
+    t = embeds.shape[1]
+    check_prompt_fits(lm, t)
+    timer = timer or StageTimer(embeds.device)
+    dev = embeds.device
+    next_position = int(positions[0, -1]) + 1
+    with timer("prefill"):
+        # mask=None from slot 0 is plain causal attention: the fused kernel's fast path
+        x = lm(embeds, positions, slots=torch.arange(t, device=dev), mask=None, kv_len=t, end_layer=k)
+    with timer(pruning.stage):
+        kept = pruning.keep(x)
+    with timer("prefill"):
+        n = kept.numel()
+        for layer in lm.layers[:k]:  # compact layers < k to the kept tokens, slots 0..n-1
+            layer.self_attn.kv_cache.commit(kept, 0)
+        if opening is None or n + len(opening) > lm.cache_len:  # an opening is verified only where the cache has room
+            hidden = lm(
+                x[:, kept], positions[:, kept], slots=torch.arange(n, device=dev), mask=None, kv_len=n, start_layer=k
+            )
+            return PrunedPrefill(linear(hidden[:, -1], model.lm_head), n, kept, next_position, hidden)
+        m = len(opening)
+        node_pos, tail = opening_inputs(opening, n, next_position, dev)
+        slots = torch.arange(n + m, device=dev)
+        nodes = lm(
+            lm.embed_tokens(opening.tokens.to(dev))[None],
+            node_pos[None],
+            slots=slots[n:],
+            mask=tail[None, None],
+            kv_len=n + m,
+            end_layer=k,
+        )  # layers [0, k) for the nodes, over the compacted prompt
+        hidden = lm(
+            torch.cat([x[:, kept], nodes], 1),
+            torch.cat([positions[:, kept], node_pos[None]], 1),
+            slots=slots,
+            kv_len=n + m,
+            start_layer=k,
+            tree_tail=tail,
+        )
+        opened = verify_opening(model, opening, hidden[0, n - 1 :], n, eos_id, limit)
+        return PrunedPrefill(linear(hidden[:, n - 1], model.lm_head), n, kept, next_position, hidden[:, :n], opened)
+
+
+def fastv_prefill(
+    model, embeds, positions, view_spans, k: int, keep_ratio: float, min_per_view: int = 0, timer=None
+) -> PrunedPrefill:
+    """FastV prefill (batch 1): rank at layer k by the last prompt token's attention (`fastv_pruning`). min_per_view=0
+    is FastV's own global top-k; keep_ratio=1 reproduces plain prefill."""
+    return pruned_prefill(
+        model, embeds, positions, fastv_pruning(model, positions, view_spans, k, keep_ratio, min_per_view), timer
+    )
+
+
+def selector_prefill(
+    model,
+    selector,
+    embeds,
+    positions,
+    view_spans,
+    keep_ratio: float | None = None,
+    min_per_view: int | None = None,
+    question: str | None = None,
+    timer: StageTimer | None = None,
+    opening=None,
+    eos_id: int | None = None,
+    limit: int = 0,
+) -> PrunedPrefill:
+    """The TokenSelector sharing decoder layer 0 selecting inside the decoder (batch 1): layer 0 runs once on the
+    whole prompt, the selector's head ranks from its output (timed as "select_tokens"), layers 1.. run on the kept
+    tokens, which are those `TokenSelector.select` keeps. opening, eos_id, limit: as in `pruned_prefill`."""
+    pruning = selector.pruning(model, positions, view_spans, keep_ratio, min_per_view, question)
+    return pruned_prefill(model, embeds, positions, pruning, timer, opening, eos_id, limit)
+
+
+@torch.no_grad()
+def prefill_prompt(
+    model,
+    embeds: torch.Tensor,
+    positions: torch.Tensor,
+    timer: StageTimer | None = None,
+    *,
+    pruning=None,
+    opening=None,
+    eos_id: int | None = None,
+    limit: int = 0,
+    buckets: BucketPrefill | None = None,
+) -> Prefilled:
+    """The prefill stage in one call: the prompt (1, T, C) into the cache, timed as "prefill".
+
+    pruning: prune inside the decoder with this selection hook (`pruned_prefill`), an opening verified with the kept
+    tokens. buckets: else, on the GPU fast path, the compiled prefill of the prompt's length bucket (a new bucket is
+    compiled first, outside the timer, its time in `buckets.compile_ms`). opening: else, an answer-opening trie
+    verified in the prompt's pass (`prefill_with_opening`, greedy), emitting at most `limit` tokens.
+    """
+    timer = timer or StageTimer(embeds.device)
+    if pruning is not None:
+        pre = pruned_prefill(model, embeds, positions, pruning, timer, opening, eos_id, limit)
+        return pre.prefilled(embeds, positions)
+    t = embeds.shape[1]
+    if buckets is not None and embeds.shape[0] == 1:
+        if buckets.bucket(t) not in buckets.compiled:
+            buckets(embeds, positions)
+        with timer("prefill"):
+            logits, hidden = buckets(embeds, positions)
+        return Prefilled(logits, hidden, embeds, positions)
+    with timer("prefill"):
+        if opening is not None and 0 < len(opening) <= model.language_model.cache_len - t:
+            return prefill_with_opening(model, embeds, positions, opening, eos_id, limit)
+        logits, hidden = prefill(model, embeds, positions)
+        return Prefilled(logits, hidden, embeds, positions)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------
+
+
 def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator=None) -> torch.Tensor:
     """Greedy when temperature == 0, else temperature + nucleus sampling. logits (B, V) -> (B,)."""
     if temperature <= 0:
@@ -256,7 +500,7 @@ class Generation:
 
 
 def drain(steps):
-    """Run a token stream (`stream_generate`, `stream_speculative`) to its end -> the `Generation` it returns."""
+    """Run a token stream (`stream_decode`, `litevlm.spec.decode.stream_speculative`) to its end -> its `Generation`."""
     while True:
         try:
             next(steps)
@@ -278,19 +522,24 @@ def generate(
     step=None,
     prefilled: Prefilled | None = None,
 ) -> Generation:
-    """Plain autoregressive decoding for batch 1 (`stream_generate` run to its end)."""
-    return drain(
-        stream_generate(
-            model, embeds, positions, max_new_tokens, eos_id, temperature, top_p, generator, timer, step, prefilled
-        )
-    )
+    """Plain autoregressive decoding for batch 1: prefill, then one token per step until EOS (`stream_decode`).
+
+    step: a `GraphedDecodeStep` (or any callable (token (1, 1), position, slot) -> logits (1, V)) to
+    run each decode step instead of the eager `decode_step`.
+    prefilled: the prompt is in the cache already (its prefill timed by the caller); embeds and
+    positions are then ignored.
+    """
+    timer = timer or StageTimer(embeds.device)
+    if prefilled is None:
+        check_room(model, embeds.shape[1], max_new_tokens)
+        prefilled = prefill_prompt(model, embeds, positions, timer)
+    return drain(stream_decode(model, prefilled, max_new_tokens, eos_id, temperature, top_p, generator, timer, step))
 
 
 @torch.no_grad()
-def stream_generate(
+def stream_decode(
     model,
-    embeds: torch.Tensor,
-    positions: torch.Tensor,
+    prefilled: Prefilled,
     max_new_tokens: int,
     eos_id: int | None,
     temperature: float = 0.0,
@@ -298,25 +547,20 @@ def stream_generate(
     generator=None,
     timer: StageTimer | None = None,
     step=None,
-    prefilled: Prefilled | None = None,
 ) -> Iterator[list[int]]:
-    """Plain autoregressive decoding for batch 1: prefill, then one token per step until EOS, each token yielded
-    (as a one-token list) as soon as it is made; returns the `Generation`.
+    """Plain autoregressive decoding after a prefill (batch 1): one token per step until EOS, each yielded (as a
+    one-token list) as soon as it is made; returns the `Generation`.
 
-    step: a `GraphedDecodeStep` (or any callable (token (1, 1), position, slot) -> logits (1, V)) to
-    run each decode step instead of the eager `decode_step`.
-    prefilled: the prompt is in the cache already (its prefill timed by the caller); embeds and
-    positions are then ignored. The stages are timed between yields only: what the consumer does with a token
+    The first token is sampled from the prefill's logits (timed as "prefill"), each next one by a decode step
+    ("decode"; `step` as in `generate`). Stages are timed between yields only: what the consumer does with a token
     is not decode time. Closing the stream stops it before the next step.
     """
+    embeds, positions = prefilled.embeds, prefilled.positions
     timer = timer or StageTimer(embeds.device)
-    if prefilled is not None:
-        embeds, positions = prefilled.embeds, prefilled.positions
     t = embeds.shape[1]
     check_room(model, t, max_new_tokens)
     with timer("prefill"):
-        logits = prefill(model, embeds, positions)[0] if prefilled is None else prefilled.logits
-        tok = sample_token(logits, temperature, top_p, generator)
+        tok = sample_token(prefilled.logits, temperature, top_p, generator)
     out = [int(tok)]
     yield out[-1:]
     next_pos = int(positions[0, -1]) + 1
@@ -334,3 +578,30 @@ def stream_generate(
             out.append(int(tok))
         yield out[-1:]
     return Generation(out, t, dict(timer.ms))
+
+
+@torch.no_grad()
+def fastv_generate(
+    model,
+    embeds,
+    positions,
+    view_spans,
+    k: int,
+    keep_ratio: float,
+    max_new_tokens: int,
+    eos_id: int | None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator=None,
+    timer: StageTimer | None = None,
+    min_per_view: int = 0,
+) -> Generation:
+    """`generate` with FastV's prefill: same decoding, `prompt_len` = kept tokens."""
+    timer = timer or StageTimer(embeds.device)
+    check_room(model, embeds.shape[1], max_new_tokens)
+    pre = fastv_prefill(model, embeds, positions, view_spans, k, keep_ratio, min_per_view, timer)
+    return drain(
+        stream_decode(
+            model, pre.prefilled(embeds, positions), max_new_tokens, eos_id, temperature, top_p, generator, timer
+        )
+    )

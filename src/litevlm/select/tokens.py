@@ -10,15 +10,18 @@ accepts such positions), and generation continues at position T (the unpruned pr
 That copy costs one decoder layer over the whole prompt on top of the prefill it shortens. Our
 default (`SelectorConfig.shared_layer`) keeps the layer frozen, so it IS the served model's layer 0:
 the head is trained on that layer's output, and a pipeline runs layer 0 once on the whole prompt,
-ranks from its output, and runs layers 1.. on the kept tokens (`TokenSelector.prefill`, the same
-in-decoder path as FastV at K = 1 with a trained ranking). The selection then costs the head alone.
+ranks from its output, and runs layers 1.. on the kept tokens (`TokenSelector.pruning`, the hook
+generation calls after layer 0: the same in-decoder path as FastV at K = 1 with a trained ranking).
+The selection then costs the head alone.
 
 FastV (arXiv 2403.06764) is the in-LLM baseline: layers [0, K) run on the whole prompt, the last
 prompt token's attention over the visual tokens at layer K ranks them (layer K's q/k on its input;
 the official code reuses layer K-1's returned probabilities instead, one layer less informed), and
-layers [K, L) run on the kept tokens only, which keep their original positions. Every attention-scored step here computes just the query rows it needs
-(q of a few tokens against all keys, fp32 softmax, head mean); the decoder itself stays on fused
-SDPA and no T x T attention matrix is formed (research/token_pruning.md sections 2.4 and 8.3).
+layers [K, L) run on the kept tokens only, which keep their original positions. Every
+attention-scored step here computes just the query rows it needs (q of a few tokens against all
+keys, fp32 softmax, head mean); the decoder itself stays on fused SDPA and no T x T attention
+matrix is formed. Selection here only chooses; the prefill that prunes lives in generation
+(`litevlm.model.generate.pruned_prefill`).
 
 FastV cache handling (our choice): after the ranking, the cache of layers [0, K) is COMPACTED to
 the kept tokens, so every layer holds the same T' entries at slots 0..T'-1 and decoding is the
@@ -35,7 +38,7 @@ import json
 import math
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
@@ -47,8 +50,7 @@ from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps, native
-from litevlm.model.generate import Generation, Prefilled, StageTimer, check_prompt_fits, generate
-from litevlm.model.lm import DecoderLayer, apply_rope, linear, rope_cos_sin, rope_table, rotate_head_rows
+from litevlm.model.lm import DecoderLayer, apply_rope, rope_cos_sin, rope_table, rotate_head_rows
 from litevlm.model.vision import RMSNorm
 
 SELECTOR_DIR = "token_selector"
@@ -329,168 +331,37 @@ def _head_fn():
     return _HEAD_FN[0]
 
 
-class FastVPrefill(NamedTuple):
-    logits: torch.Tensor  # (B, V) at the last prompt token
-    kept_count: int  # T': every layer's cache holds slots 0..T'-1; decoding writes slot T' + i
-    kept_index: torch.Tensor  # (T',) prompt indices kept
-    next_position: int  # RoPE position of the first generated token: the unpruned prompt length
-    hidden: torch.Tensor  # (B, T', C) final hidden states of the kept tokens
-    opened: object = None  # `litevlm.spec.openings.Opened` where an answer opening was verified with the prompt
+class Pruning(NamedTuple):
+    """Selection inside the decoder, the hook generation calls where it prunes
+    (`litevlm.model.generate.pruned_prefill`): decoder layers [0, layer) run on the whole prompt, then `keep(x)`
+    chooses from their output x (1, T, C) the prompt indices (T',) that layers [layer, L) run on, timed as `stage`."""
 
-    def prefilled(self, embeds: torch.Tensor, positions: torch.Tensor) -> Prefilled:
-        """What `generate` / speculative decoding continue from, given the unpruned embeds and positions."""
-        return Prefilled(
-            self.logits, self.hidden, embeds[:, self.kept_index], positions[:, self.kept_index], self.opened
-        )
+    layer: int
+    keep: Callable[[torch.Tensor], torch.Tensor]
+    stage: str = "prefill"
 
 
 @torch.no_grad()
 def fastv_scores(model, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], k: int) -> torch.Tensor:
-    """FastV's ranking (N,): the last prompt token's head-mean attention over the visual tokens at layer k, given its input x."""
+    """FastV's ranking (N,): the last prompt token's head-mean attention over the visual tokens at layer k, given
+    its input x."""
     t = x.shape[1]
     row = attention_rows(model.language_model.layers[k], x, positions, torch.tensor([t - 1], device=x.device))
     return row[0, 0, visual_index(view_spans, x.device)]
 
 
-@torch.no_grad()
-def pruned_prefill(
-    model,
-    embeds,
-    positions,
-    view_spans: Sequence[Span],
-    k: int,
-    score,
-    keep_ratio: float,
-    min_per_view: int = 0,
-    timer: StageTimer | None = None,
-    score_stage: str = "prefill",
-    opening=None,
-    eos_id: int | None = None,
-    limit: int = 0,
-) -> FastVPrefill:
-    """Prefill that prunes visual tokens inside the decoder (batch 1): layers [0, k) on the whole prompt,
-    `score(x)` -> (N,) ranks the visual tokens from layer k's input x, layers [k, L) run on the kept tokens.
+def fastv_pruning(
+    model, positions: torch.Tensor, view_spans: Sequence[Span], k: int, keep_ratio: float, min_per_view: int = 0
+) -> Pruning:
+    """FastV's choice at layer k: the visual tokens the last prompt token attends to most, a fraction r of them
+    (min_per_view=0: FastV's own global top-k), and every text token."""
 
-    FastV is score = its layer-k attention row; the TokenSelector sharing decoder layer 0 is k = 1 and
-    its scoring head. The cache is left compacted (see the module docstring): continue with
-    `decode_step(model, tok, result.next_position + i, result.kept_count + i)`. keep_ratio=1 keeps every
-    token. With a timer the decoder layers count as "prefill" and the ranking as `score_stage`.
-    opening: an answer-opening trie (`litevlm.spec.openings`) verified with the kept prompt, greedily, emitting at
-    most `limit` tokens (until `eos_id`): its nodes run layers [0, k) over the kept tokens once the cache is compacted,
-    then join the kept tokens in layers [k, L) under the trie mask; `opened` holds the outcome.
-    """
-    lm = model.language_model
-    n_layers = len(lm.layers)
-    if not 1 <= k < n_layers:
-        raise LiteVLMError(f"FastV K must be in 1..{n_layers - 1} for a {n_layers}-layer decoder; got {k}")
-    if embeds.shape[0] != 1:
-        raise LiteVLMError("pruned prefill runs one prompt at a time (batch 1)")
-    t = embeds.shape[1]
-    check_prompt_fits(lm, t)
-    timer = timer or StageTimer(embeds.device)
-    dev = embeds.device
-    with timer("prefill"):
-        # mask=None from slot 0 is plain causal attention: the fused kernel's fast path
-        x = lm(embeds, positions, slots=torch.arange(t, device=dev), mask=None, kv_len=t, end_layer=k)
-    with timer(score_stage):
-        kept_visual = select_by_scores(score(x), view_sizes(view_spans), keep_ratio, min_per_view)
-    with timer("prefill"):
-        kept = kept_prompt_index(t, view_spans, kept_visual)
-        n = kept.numel()
-        for layer in lm.layers[:k]:  # compact layers < k to the kept tokens, slots 0..n-1
-            layer.self_attn.kv_cache.commit(kept, 0)
-        if opening is None or n + len(opening) > lm.cache_len:  # an opening is verified only where the cache has room
-            hidden = lm(
-                x[:, kept], positions[:, kept], slots=torch.arange(n, device=dev), mask=None, kv_len=n, start_layer=k
-            )
-            return FastVPrefill(linear(hidden[:, -1], model.lm_head), n, kept, int(positions[0, -1]) + 1, hidden)
-        from litevlm.spec.openings import opening_inputs, verify_opening
+    def keep(x: torch.Tensor) -> torch.Tensor:
+        scores = fastv_scores(model, x, positions, view_spans, k)
+        kept_visual = select_by_scores(scores, view_sizes(view_spans), keep_ratio, min_per_view)
+        return kept_prompt_index(x.shape[1], view_spans, kept_visual)
 
-        m = len(opening)
-        node_pos, tail = opening_inputs(opening, n, int(positions[0, -1]) + 1, dev)
-        slots = torch.arange(n + m, device=dev)
-        nodes = lm(
-            lm.embed_tokens(opening.tokens.to(dev))[None],
-            node_pos[None],
-            slots=slots[n:],
-            mask=tail[None, None],
-            kv_len=n + m,
-            end_layer=k,
-        )  # layers [0, k) for the nodes, over the compacted prompt
-        hidden = lm(
-            torch.cat([x[:, kept], nodes], 1),
-            torch.cat([positions[:, kept], node_pos[None]], 1),
-            slots=slots,
-            kv_len=n + m,
-            start_layer=k,
-            tree_tail=tail,
-        )
-        opened = verify_opening(model, opening, hidden[0, n - 1 :], n, eos_id, limit)
-        return FastVPrefill(
-            linear(hidden[:, n - 1], model.lm_head), n, kept, int(positions[0, -1]) + 1, hidden[:, :n], opened
-        )
-
-
-def fastv_prefill(
-    model,
-    embeds,
-    positions,
-    view_spans: Sequence[Span],
-    k: int,
-    keep_ratio: float,
-    min_per_view: int = 0,
-    timer: StageTimer | None = None,
-) -> FastVPrefill:
-    """FastV prefill (batch 1): rank at layer k by the last prompt token's attention. min_per_view=0 is
-    FastV's own global top-k; keep_ratio=1 reproduces plain prefill."""
-    return pruned_prefill(
-        model,
-        embeds,
-        positions,
-        view_spans,
-        k,
-        lambda x: fastv_scores(model, x, positions, view_spans, k),
-        keep_ratio,
-        min_per_view,
-        timer,
-    )
-
-
-@torch.no_grad()
-def fastv_generate(
-    model,
-    embeds,
-    positions,
-    view_spans: Sequence[Span],
-    k: int,
-    keep_ratio: float,
-    max_new_tokens: int,
-    eos_id: int | None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    generator=None,
-    timer: StageTimer | None = None,
-    min_per_view: int = 0,
-) -> Generation:
-    """`litevlm.model.generate.generate` with FastV's prefill: same decoding, `prompt_len` = kept tokens."""
-    timer = timer or StageTimer(embeds.device)
-    if embeds.shape[1] + max_new_tokens > model.language_model.cache_len:
-        raise LiteVLMError(
-            f"prompt ({embeds.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the KV cache ({model.language_model.cache_len})"
-        )
-    pre = fastv_prefill(model, embeds, positions, view_spans, k, keep_ratio, min_per_view, timer)
-    return generate(
-        model,
-        embeds,
-        positions,
-        max_new_tokens,
-        eos_id,
-        temperature,
-        top_p,
-        generator,
-        timer,
-        prefilled=pre.prefilled(embeds, positions),
-    )
+    return Pruning(k, keep)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,7 +471,8 @@ class TokenSelector(nn.Module):
         ):
             if getattr(mine, f) != getattr(theirs, f):
                 raise LiteVLMError(
-                    f"this TokenSelector was made for a decoder with {f}={getattr(mine, f)}, the model has {getattr(theirs, f)}: "
+                    f"this TokenSelector was made for a decoder with {f}={getattr(mine, f)}, "
+                    f"the model has {getattr(theirs, f)}: "
                     "train a selector for this model (`litevlm train tokens`)"
                 )
 
@@ -728,7 +600,8 @@ class TokenSelector(nn.Module):
 
     def _packed(self) -> tuple:
         """(W_q (C, 2 Hq D + 1), b_q, W_k (C, 2 Hkv D), b_k), row-major: [q | rot(q) | gate] and [k | rot(k)],
-        rot = rotate_half folded into the weights (built by `_head_weights`, which keeps them until a weight changes)."""
+        rot = rotate_half folded into the weights (built by `_head_weights`, which keeps them until a weight
+        changes)."""
         d = self.text_cfg.head_dim
 
         def bias(lin: nn.Linear, rows: int) -> torch.Tensor:
@@ -780,28 +653,18 @@ class TokenSelector(nn.Module):
         s = self.scores(embeds, positions, view_spans, self.tag_features(model, question, view_spans))[0]
         return prune_prompt(embeds, positions, view_spans, select_by_scores(s, view_sizes(view_spans), r, quota))
 
-    @torch.no_grad()
-    def prefill(
+    def pruning(
         self,
         model,
-        embeds: torch.Tensor,
         positions: torch.Tensor,
         view_spans: Sequence[Span],
         keep_ratio: float | None = None,
         min_per_view: int | None = None,
         question: str | None = None,
-        timer: StageTimer | None = None,
-        opening=None,
-        eos_id: int | None = None,
-        limit: int = 0,
-    ) -> FastVPrefill:
-        """Select inside the decoder (shared_layer, batch 1): decoder layer 0 runs once on the whole
-        prompt, the head ranks from its output, layers 1.. run on the kept tokens (`pruned_prefill`).
-
-        Kept are the tokens `select` keeps; layer 0's cache is compacted to them like FastV's, so
-        generated tokens see only the kept prompt tokens in every layer. The ranking is timed as
-        "select_tokens", the decoder layers as "prefill". opening, eos_id, limit: an answer opening verified with the
-        kept prompt (`pruned_prefill`).
+    ) -> Pruning:
+        """Selection inside the decoder (shared_layer, batch 1), the hook generation calls after decoder layer 0: the
+        head ranks from that layer's output and keeps what `select` keeps (timed as "select_tokens", the c-tags read
+        included). Generation then runs layers 1.. on the kept tokens only (`litevlm.model.generate.pruned_prefill`).
         """
         if not self.cfg.shared_layer:
             raise LiteVLMError("this TokenSelector owns a copy of layer 0 and prunes before the decoder: use select()")
@@ -811,24 +674,12 @@ class TokenSelector(nn.Module):
         r = self.cfg.keep_ratio if keep_ratio is None else keep_ratio
         quota = self.cfg.min_per_view if min_per_view is None else min_per_view
 
-        def score(x: torch.Tensor) -> torch.Tensor:  # timed as select_tokens, the c-tags read included
-            return self.head_scores(x, positions, view_spans, self.tag_features(model, question, view_spans))[0]
+        def keep(x: torch.Tensor) -> torch.Tensor:
+            s = self.head_scores(x, positions, view_spans, self.tag_features(model, question, view_spans))[0]
+            kept_visual = select_by_scores(s, view_sizes(view_spans), r, quota)
+            return kept_prompt_index(x.shape[1], view_spans, kept_visual)
 
-        return pruned_prefill(
-            model,
-            embeds,
-            positions,
-            view_spans,
-            1,
-            score,
-            r,
-            quota,
-            timer,
-            score_stage="select_tokens",
-            opening=opening,
-            eos_id=eos_id,
-            limit=limit,
-        )
+        return Pruning(1, keep, "select_tokens")
 
     # -- checkpoint -----------------------------------------------------------------------------
     def save(self, model_dir: str | Path, recipe: dict | None = None, extra: dict | None = None) -> Path:
@@ -867,7 +718,8 @@ class TokenSelector(nn.Module):
             d = d / SELECTOR_DIR
         if not (d / "config.json").is_file() or not (d / "selector.safetensors").is_file():
             raise LiteVLMError(
-                f"no TokenSelector at {model_dir}: expected {SELECTOR_DIR}/config.json and selector.safetensors; train one with `litevlm train tokens`"
+                f"no TokenSelector at {model_dir}: expected {SELECTOR_DIR}/config.json and selector.safetensors; "
+                "train one with `litevlm train tokens`"
             )
         meta = json.loads((d / "config.json").read_text())
         if meta.get("format") != SELECTOR_FORMAT:
@@ -886,7 +738,8 @@ class TokenSelector(nn.Module):
         extra = set(state) - set(sel.state_dict())
         if missing or extra:
             raise LiteVLMError(
-                f"{d}/selector.safetensors does not match the TokenSelector: missing {sorted(missing)}, unexpected {sorted(extra)}"
+                f"{d}/selector.safetensors does not match the TokenSelector: missing {sorted(missing)}, "
+                f"unexpected {sorted(extra)}"
             )
         sel.load_state_dict(state)
         sel.meta = meta

@@ -695,7 +695,7 @@ def load_for_model(model: str | Path) -> ViewSelector:
     p = Path(model)
     if (p / WEIGHTS_FILE).is_file() or (p / SELECTOR_DIR / WEIGHTS_FILE).is_file():
         return ViewSelector.load(p)
-    from litevlm.pipeline import resolve_model_dir
+    from litevlm.models import resolve_model_dir
 
     return ViewSelector.load(resolve_model_dir(model))
 

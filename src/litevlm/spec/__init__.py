@@ -1,7 +1,8 @@
 """EAGLE-2 speculative decoding: the draft head, the dynamic draft tree, the decode loop."""
 
+from litevlm.models import DRAFT_SUBDIR, draft_dir
 from litevlm.spec.decode import speculative_generate
-from litevlm.spec.draft import DRAFT_SUBDIR, DraftConfig, DraftHead, draft_dir
+from litevlm.spec.draft import DraftConfig, DraftHead
 from litevlm.spec.tree import (
     Tree,
     TreeConfig,

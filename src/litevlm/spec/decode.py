@@ -17,8 +17,18 @@ from collections.abc import Iterator
 import torch
 
 from litevlm.errors import LiteVLMError
-from litevlm.model.generate import Generation, Prefilled, StageTimer, decode_step, drain, prefill, sample_token
-from litevlm.spec.openings import Opened, Opening, opening_inputs, verify_opening
+from litevlm.model.generate import (
+    Generation,
+    Opened,
+    Prefilled,
+    StageTimer,
+    check_room,
+    decode_step,
+    drain,
+    prefill_prompt,
+    sample_token,
+)
+from litevlm.spec.openings import Opening
 from litevlm.spec.tree import (
     TreeConfig,
     accept_greedy,
@@ -31,6 +41,7 @@ from litevlm.spec.tree import (
 )
 
 
+@torch.no_grad()
 def speculative_generate(
     model,
     draft,
@@ -47,33 +58,32 @@ def speculative_generate(
     verify=None,
     opening: Opening | None = None,
 ) -> Generation:
-    """`litevlm.model.generate.generate` with EAGLE-2 speculation (batch 1): `stream_speculative` run to its end."""
-    return drain(
-        stream_speculative(
-            model,
-            draft,
-            embeds,
-            positions,
-            max_new_tokens,
-            eos_id,
-            temperature,
-            top_p,
-            generator,
-            timer,
-            tree,
-            prefilled,
-            verify,
-            opening,
+    """`litevlm.model.generate.generate` with EAGLE-2 speculation (batch 1): the prefill, then `stream_speculative`.
+
+    prefilled: the prompt is in the cache already (pruned inside the decoder, timed by the caller); embeds and
+    positions are then ignored. opening: a trie of likely answer openings (`litevlm.spec.openings`) verified inside
+    the prefill's forward pass (greedy decoding only; otherwise ignored); a `prefilled` prompt brings its own.
+    """
+    timer = timer or StageTimer(embeds.device)
+    if prefilled is None:
+        if embeds.shape[0] != 1:
+            raise LiteVLMError(f"speculative decoding runs one sequence at a time; got a batch of {embeds.shape[0]}")
+        check_room(model, embeds.shape[1], max_new_tokens)
+        opening = opening if temperature <= 0 else None
+        prefilled = prefill_prompt(
+            model, embeds, positions, timer, opening=opening, eos_id=eos_id, limit=max_new_tokens
         )
+    steps = stream_speculative(
+        model, draft, prefilled, max_new_tokens, eos_id, temperature, top_p, generator, timer, tree, verify
     )
+    return drain(steps)
 
 
 @torch.no_grad()
 def stream_speculative(
     model,
     draft,
-    embeds: torch.Tensor,
-    positions: torch.Tensor,
+    prefilled: Prefilled,
     max_new_tokens: int,
     eos_id: int | None,
     temperature: float = 0.0,
@@ -81,56 +91,35 @@ def stream_speculative(
     generator: torch.Generator | None = None,
     timer: StageTimer | None = None,
     tree: TreeConfig = TreeConfig(),
-    prefilled: Prefilled | None = None,
     verify=None,
-    opening: Opening | None = None,
 ) -> Iterator[list[int]]:
-    """`litevlm.model.generate.stream_generate` with EAGLE-2 speculation (batch 1): yields the tokens the prefill
-    emits (its next token, and what an answer opening accepted with it), then each cycle's accepted run; returns the
-    `Generation`.
+    """EAGLE-2 speculative decoding after a prefill (batch 1): yields the tokens the prefill emits (its next token,
+    and those an answer opening accepted with it, `prefilled.opened`, greedy only), then each cycle's accepted run;
+    returns the `Generation`.
 
-    Same prefill (prompt in slots 0..T-1 at the given positions, generated tokens after
-    positions[0, -1]), same stopping (after EOS, or at max_new_tokens), same timer stages
-    ("prefill", "decode"; plus "draft" and "verify" inside decode). `accept_lengths` holds the
-    tokens emitted per target forward, bonus included (tau = their mean). prefilled: the prompt is in
-    the cache already (pruned inside the decoder, timed by the caller); embeds and positions are then
-    ignored. verify: a `GraphedVerify` (GPU), used for the trees of its size (fixed-size trees; chains without a
-    cut); other trees verify eagerly. opening: a trie of likely answer openings (`litevlm.spec.openings`) verified
-    inside the prefill's forward pass (greedy decoding only; otherwise ignored): the tokens it accepts are emitted
-    before the first cycle, and the prefill is timed with them. A `prefilled` prompt brings its own (`opened`).
-    Closing the stream stops it between cycles, where the caches are consistent.
+    Same stopping as `litevlm.model.generate.stream_decode` (after EOS, or at max_new_tokens), same timer stages
+    ("prefill" for the first token, "decode"; plus "draft" and "verify" inside decode). `accept_lengths` holds the
+    tokens emitted per target forward, bonus included (tau = their mean). verify: a `GraphedVerify` (GPU), used for
+    the trees of its size (fixed-size trees; chains without a cut); other trees verify eagerly. Closing the stream
+    stops it between cycles, where the caches are consistent.
     """
+    embeds, positions, hidden = prefilled.embeds, prefilled.positions, prefilled.hidden
     timer = timer or StageTimer(embeds.device)
-    if prefilled is not None:
-        embeds, positions = prefilled.embeds, prefilled.positions
     lm = model.language_model
     b, t, _ = embeds.shape
     cap = lm.cache_len
     if b != 1:
         raise LiteVLMError(f"speculative decoding runs one sequence at a time; got a batch of {b}")
-    if t + max_new_tokens > cap:
-        raise LiteVLMError(f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds the KV cache ({cap})")
+    check_room(model, t, max_new_tokens)
     n_tree = tree.total_tokens
     live = embeds.device.type != "cuda"  # eager CPU: attend over the live prefix; GPU: fixed shapes
     next_pos = int(positions[0, -1]) + 1  # RoPE position of the first generated token (slot t)
-
-    opening = (
-        opening
-        if prefilled is None and temperature <= 0 and opening is not None and 0 < len(opening) <= cap - t
-        else None
-    )
     context = getattr(getattr(draft, "cfg", None), "context", 0)
     c0 = max(0, t - context) if context else 0
-    opened = prefilled.opened if prefilled is not None and temperature <= 0 else None
+    opened = prefilled.opened if temperature <= 0 else None
     with timer("prefill"):
-        if opening is not None:
-            hidden, opened = _prefill_with_opening(model, embeds, positions, opening, next_pos, eos_id, max_new_tokens)
-        elif prefilled is None:
-            logits, hidden = prefill(model, embeds, positions)
-        else:
-            logits, hidden = prefilled[:2]
         if opened is None:
-            opened = Opened([int(sample_token(logits, temperature, top_p, generator))], hidden[0, :0])
+            opened = Opened([int(sample_token(prefilled.logits, temperature, top_p, generator))], hidden[0, :0])
         out = list(opened.emitted)
         root = torch.tensor(out[-1:], device=embeds.device)
     yield list(out)
@@ -221,24 +210,3 @@ def stream_speculative(
             L, root = L + a + 1, new[-1:]
         yield emitted
     return Generation(out, t, dict(timer.ms), accept, opened.accepted)
-
-
-def _prefill_with_opening(
-    model,
-    embeds: torch.Tensor,
-    positions: torch.Tensor,
-    opening: Opening,
-    next_pos: int,
-    eos_id: int | None,
-    max_new_tokens: int,
-) -> tuple[torch.Tensor, Opened]:
-    """The prompt (1, T, C) and the opening trie's N nodes in one target pass (prompt at cache slots 0..T-1, nodes
-    at T..T+N-1 under the trie mask), then greedy acceptance (`verify_opening`) -> (the prompt's post-norm hidden
-    states (1, T, C), what the opening gave)."""
-    lm = model.language_model
-    t, n, dev = embeds.shape[1], len(opening), embeds.device
-    node_pos, tail = opening_inputs(opening, t, next_pos, dev)
-    x = torch.cat([embeds, lm.embed_tokens(opening.tokens.to(dev))[None]], 1)
-    pos = torch.cat([positions[0], node_pos])[None]
-    h = lm(x, pos, slots=torch.arange(t + n, device=dev), kv_len=t + n, tree_tail=tail)[0]  # (T + N, C)
-    return h[None, :t], verify_opening(model, opening, h[t - 1 :], t, eos_id, max_new_tokens)

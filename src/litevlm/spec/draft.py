@@ -31,10 +31,10 @@ from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
 from litevlm.model.kv_cache import KVCache
 from litevlm.model.lm import DecoderLayer, linear, rope_cos_sin, rope_table, row_major
+from litevlm.models import DRAFT_SUBDIR
 from litevlm.spec.openings import Openings
 
 DRAFT_FORMAT = "litevlm-draft"
-DRAFT_SUBDIR = "draft"  # a model directory keeps its draft head here
 
 
 @dataclass
@@ -514,8 +514,3 @@ def _format(path: Path) -> str | None:
         return json.loads((path / "config.json").read_text()).get("format")
     except (OSError, ValueError):
         return None
-
-
-def draft_dir(model_dir: str | Path) -> Path:
-    """Where a model directory keeps its draft head."""
-    return Path(model_dir) / DRAFT_SUBDIR

@@ -8,7 +8,8 @@ from a question's first words to a small trie of the answer openings seen most o
 retrieval-style draft, as in REST, arXiv 2311.08252). The trie's nodes ride along with the prompt in the prefill's
 one forward pass: every node sees the whole prompt and its own ancestors (the tree mask), at position
 prompt end + depth. Greedy acceptance then walks the trie from the prompt's own next token exactly as a
-verification does (`accept_opening`), so the output is unchanged token for token; an answer the trie covers to its
+verification does (`accept_opening`, in `litevlm.model.generate`), so the output is unchanged token for token; an
+answer the trie covers to its
 EOS needs no decode step at all, and a miss costs the prefill a few rows.
 """
 
@@ -23,7 +24,6 @@ from pathlib import Path
 import torch
 
 from litevlm.errors import LiteVLMError
-from litevlm.model.lm import linear
 from litevlm.spec.tree import ancestor_mask
 
 OPENINGS_FILE = "openings.json"
@@ -189,65 +189,6 @@ class Openings:
         )
 
 
-def opening_inputs(opening: Opening, prompt_len: int, next_position: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trie appended to a prompt of `prompt_len` tokens (cache slots 0..T-1, the nodes at T..T+N-1): the node
-    positions (N,) and their rows of the attention mask (N, T + N): each node sees the prompt, itself and its
-    ancestors (the prompt's own rows stay causal)."""
-    t, n = prompt_len, len(opening)
-    tail = torch.ones(n, t + n, dtype=torch.bool, device=device)
-    tail[:, t:] = opening.mask.to(device)
-    return next_position + opening.depth.to(device), tail
-
-
-@dataclass
-class Opened:
-    """An opening verified with its prompt: the tokens emitted (the prompt's next token, then one after each accepted
-    node) and the accepted nodes' post-norm hidden states (a, C), their K/V already moved to the slots after the
-    prompt's."""
-
-    emitted: list[int]
-    hidden: torch.Tensor
-
-    @property
-    def accepted(self) -> int:
-        return self.hidden.shape[0]
-
-
-def verify_opening(
-    model, opening: Opening, rows: torch.Tensor, prompt_len: int, eos_id: int | None, limit: int
-) -> Opened:
-    """Greedy acceptance of a trie run with a prompt of `prompt_len` cached tokens: rows (1 + N, C) = the prompt's last
-    post-norm hidden state, then the N nodes' (cache slots prompt_len..); the accepted nodes' K/V are moved to slots
-    prompt_len, prompt_len + 1, ..."""
-    logits = linear(rows, model.lm_head)  # (1 + N, V)
-    path, emitted = accept_opening(opening, int(logits[0].argmax()), logits[1:], eos_id, limit)
-    if path != list(range(len(path))):
-        model.language_model.commit(torch.tensor(path, device=rows.device) + prompt_len, prompt_len)
-    return Opened(emitted, rows[1 + torch.tensor(path, dtype=torch.long, device=rows.device)])
-
-
-def accept_opening(
-    opening: Opening, first: int, node_logits: torch.Tensor, eos_id: int | None, limit: int
-) -> tuple[list[int], list[int]]:
-    """Greedy acceptance of a trie verified with the prompt: first = the prompt's own next token (its argmax),
-    node_logits (N, V) the target's logits at the nodes -> (the accepted nodes in order, the emitted tokens: `first`,
-    then the argmax after each accepted node; at most `limit` tokens, stopping at EOS). A node is accepted when its
-    token is the token emitted before it and its parent was accepted (the roots: its first token)."""
-    emitted, path = [first], []
-    children = [i for i in range(len(opening)) if int(opening.parents[i]) < 0]
-    predicted = node_logits.argmax(-1).tolist()
-    tokens = opening.tokens.tolist()
-    parents = opening.parents.tolist()
-    while len(emitted) < limit and (eos_id is None or emitted[-1] != eos_id):
-        match = next((i for i in children if tokens[i] == emitted[-1]), None)
-        if match is None:
-            break
-        path.append(match)
-        emitted.append(predicted[match])
-        children = [i for i in range(len(opening)) if parents[i] == match]
-    return path, emitted
-
-
 def build_openings(
     model_dir: str | Path,
     *,
@@ -259,14 +200,13 @@ def build_openings(
     key_words: tuple[int, ...] = (4, 2),
     progress: bool = True,
 ) -> Path:
-    """The answer openings of a model, from the questions and reference answers of synthetic training frames (seed, 0..frames-1;
-    the held-out split is seed 1), saved beside its draft head (MODEL_DIR/draft/openings.json)."""
+    """The answer openings of a model, from the questions and reference answers of synthetic training frames
+    (seed, 0..frames-1; the held-out split is seed 1), saved beside its draft head (MODEL_DIR/draft/openings.json)."""
     from tqdm import tqdm
 
     from litevlm.data.synthetic import make_frame
     from litevlm.data.tokenizer import Tokenizer
-    from litevlm.pipeline import resolve_model_dir
-    from litevlm.spec.draft import draft_dir
+    from litevlm.models import draft_dir, resolve_model_dir
 
     path = resolve_model_dir(model_dir)
     folder = draft_dir(path)

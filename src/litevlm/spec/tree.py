@@ -44,13 +44,12 @@ class TreeConfig:
     min_value: chains only: stop drafting once the path's draft probability falls below it.
 
     The default is a deep chain (16 drafts) cut at value 0.1: on a CPU a target pass costs more
-    with every verified token (a 16-token tree costs about 2 token steps here, an 8-token chain
-    about 1.5), and drive-tiny's templated answers are predictable enough that depth beats width.
-    The value cut, not the depth, ends most chains; 16 over 10 lets the long, predictable answers
-    run further. With the native CPU steps a draft step costs about a twelfth of a target step, so
-    the low cut's longer chains pay: on the whole held-out split 0.1 decodes 2.00x against plain
-    decoding, 0.2 1.96x, 0.3 1.91x (benchmarks/spec_sweep.py, BENCHMARKS.md). On a GPU, where verifying 16-32 tokens
-    costs about one step, a tree pays: e.g. TreeConfig(top_k=4, depth=6, total_tokens=16).
+    with every verified token, and drive-tiny's templated answers are predictable enough that depth
+    beats width. The value cut, not the depth, ends most chains; a deep chain lets the long,
+    predictable answers run further, and with the native CPU steps a draft step is much cheaper than
+    a target step, so a low cut's longer chains pay (benchmarks/spec_sweep.py measures the cuts). On a
+    GPU, where verifying a few dozen tokens costs about one step, a tree pays: e.g.
+    TreeConfig(top_k=4, depth=6, total_tokens=16).
     """
 
     top_k: int = 1

@@ -286,7 +286,7 @@ def train_token_selector(
     """Train and save a TokenSelector for the model at `model_dir` (into `out_dir or model_dir`/token_selector)."""
     from litevlm.data.tokenizer import Tokenizer
     from litevlm.model.hf import load_native
-    from litevlm.pipeline import resolve_model_dir
+    from litevlm.models import resolve_model_dir
 
     recipe = recipe or TokenRecipe()
     torch.manual_seed(recipe.seed)
