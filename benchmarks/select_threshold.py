@@ -21,8 +21,8 @@ from collections import defaultdict
 import torch
 
 from litevlm.data.drivelm import load_images, load_samples
-from litevlm.eval.bench import LITEVLM_KEEP_RATIO
 from litevlm.pipeline import Pipeline
+from litevlm.presets import LITEVLM_KEEP_RATIO
 
 
 def main() -> None:

@@ -1,7 +1,25 @@
+import os
+
 import pytest
 import torch
 
 from litevlm.config import TextConfig, VisionConfig, VLMConfig
+
+
+def pytest_configure(config):
+    """LITEVLM_TEST_THREADS=N runs the suite on N torch threads: CI runs it at 1 and at 2, since a kernel's
+    reduction order (and so its last fp32 bits) may change with the thread count."""
+    threads = os.environ.get("LITEVLM_TEST_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+@pytest.fixture(autouse=True)
+def _suite_threads():
+    """The training recipes set torch's thread count for their run; each test starts at the suite's."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_config(tokenizer, **overrides) -> VLMConfig:

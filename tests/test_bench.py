@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from litevlm.eval.bench import BF16_CONFIGS, CONFIGS, HF_ROWS, RowLog, format_shares, format_table, plot, run_bench
+from litevlm.eval.bench import RowLog, format_shares, format_table, plot, run_bench
 from litevlm.model.lm import bf16_matmul_supported
+from litevlm.presets import BF16_CONFIGS, CONFIGS, HF_ROWS
 
 
 def test_bench_rows_are_consistent(full_model_dir, tmp_path):
@@ -92,7 +93,7 @@ def test_the_shape_path_runs_every_row_on_random_weights(full_model_dir, monkeyp
 
 def test_rows_can_be_chosen_by_name(full_model_dir):
     from litevlm.errors import LiteVLMError
-    from litevlm.eval.bench import configs_named
+    from litevlm.presets import configs_named
 
     chosen = configs_named("litevlm, baseline")
     assert list(chosen) == ["baseline", "litevlm"]  # the table's order, whatever the list's

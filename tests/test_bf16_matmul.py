@@ -16,6 +16,7 @@ needs_bf16 = pytest.mark.skipif(not bf16_matmul_supported(), reason="this CPU ha
 def test_mm_without_bf16_weights_is_addmm():
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(40, 64, generator=g), torch.randn(64, 48, generator=g), torch.randn(48, generator=g)
+    # the same code: without bf16 weights mm is addmm, bit for bit.
     assert torch.equal(mm(x, w, b), torch.addmm(b, x, w))
 
 
@@ -27,6 +28,8 @@ def test_mm_matches_addmm_within_bf16_rounding(rows):
     ref = torch.addmm(b, x, w)
     got = mm(x.to(torch.bfloat16), None, b, pack_bf16(w)).float()
     assert got.shape == ref.shape
+    # bf16 keeps 8 significant bits: each operand is rounded by up to 2^-9 ~ 2e-3 relative, the product's error norm ~
+    # 3e-3 of its norm (fp32 accumulation adds nothing visible); 1e-2 is 3x that, a wrong panel or bias is O(1).
     assert ((got - ref).norm() / ref.norm()) < 1e-2
 
 
@@ -67,10 +70,13 @@ def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32(scripted, monkey
     assert all(
         block._packed16 is not None for block in model.vision_tower.encoder.layer
     )  # the tower ran in bf16 blocks
+    # bf16 rounding (~3e-3 a product, as above) compounded through the tower's blocks and its layer norms.
     assert ((vis16 - vis32).norm() / vis32.norm()) < 2e-2
     assert (
         (hidden16 - hidden32).norm() / hidden32.norm()
     ) < 6e-2  # a random decoder with large weights amplifies rounding
+    # one decode row is below the bf16 threshold (8 rows): both steps multiply in fp32, on caches written by two fp32
+    # prefills whose kernels may block the sums differently; 1e-5 ~ 80 eps of these O(1) logits.
     torch.testing.assert_close(step16, step32, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(verify16, verify32, atol=1e-5, rtol=1e-5)
 

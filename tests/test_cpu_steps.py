@@ -243,10 +243,13 @@ def test_the_vision_blocks_on_packed_weights_equal_the_modules():
         assert tower.encoder.layer[0]._packed is not None  # the packed path ran
     slow = tower(pixels)  # gradients on: the modules
     assert slow.requires_grad
+    # fp32, two codes (packed native blocks, torch modules): sums in another order through a 2-layer tower of width <=
+    # 64: ~64 eps ~ 8e-6 of O(1) features, under 1e-5; a wrong weight or bias moves them by O(1).
     torch.testing.assert_close(fast, slow.detach(), atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         tower.encoder.layer[0].mlp.fc2.bias.add_(0.5)
         changed = tower(pixels)
+    # as above: the packed path against the modules after an in-place bias change.
     torch.testing.assert_close(changed, tower(pixels).detach(), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(changed, fast)
 
@@ -342,6 +345,7 @@ def test_a_native_bf16_prompt_multiplies_in_bf16_around_an_fp32_stream(monkeypat
         bf16 = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t)
     assert modes == [(False, True), (True, True)]  # both ran natively, the second with bf16 products
     assert not torch.equal(bf16, fp32)
+    # bf16 products (~3e-3 relative each) compounded through a random decoder whose large weights amplify them.
     assert ((bf16 - fp32).norm() / fp32.norm()) < 6e-2  # a random decoder with large weights amplifies rounding
 
 
@@ -401,6 +405,7 @@ def test_a_draft_steps_bf16_panels_multiply_like_its_fp32_weights_rounded():
         assert cpu_steps.panels(w) is packed  # made once per weight
         rounded = w.bfloat16().float()
         unpacked = packed.float().permute(1, 0, 2).reshape(48, -1)[:, :out]
+        # packing only moves the bf16-rounded values: equality.
         assert torch.equal(unpacked, rounded)
     with torch.no_grad():
         head.prepare(32, 64)

@@ -57,11 +57,14 @@ def _real_train_json():
                     "QA": {
                         "perception": [
                             _qa(
-                                "What are the important objects in the current scene? Those objects will be considered for the future reasoning and driving decision.",
-                                f"There is a blue hatchback to the front of the ego vehicle and a person to the back left of the ego vehicle. The IDs of these objects are {T1} and {T2}.",
+                                "What are the important objects in the current scene? Those objects will be "
+                                "considered for the future reasoning and driving decision.",
+                                "There is a blue hatchback to the front of the ego vehicle and a person to the back "
+                                f"left of the ego vehicle. The IDs of these objects are {T1} and {T2}.",
                             ),
                             _qa(
-                                f"What is the moving status of object {T1}? Please select the correct answer from the following options: A. Turn left. B. Stopped. C. Going ahead. D. Back up.",
+                                f"What is the moving status of object {T1}? Please select the correct answer from "
+                                "the following options: A. Turn left. B. Stopped. C. Going ahead. D. Back up.",
                                 "B",
                             ),
                             _qa("Is there any traffic element in the front view?", "No."),
@@ -176,7 +179,8 @@ def test_test_eval_and_llama_formats(tmp_path, real):
         "planning": [_qa("What actions could the ego vehicle take?", "", tag=[1])],
         "behavior": [
             _qa(
-                "Predict the behavior of the ego vehicle. Please select the correct answer from the following options: A. x B. y C. z D. w",
+                "Predict the behavior of the ego vehicle. Please select the correct answer from the following "
+                "options: A. x B. y C. z D. w",
                 "",
                 tag=[0],
             )

@@ -33,7 +33,7 @@ from litevlm.quant.fp8 import (
 )
 
 # e4m3 keeps 3 mantissa bits: round-to-nearest gives ~31 dB on one operand, ~28 dB with both operands
-# quantised (research/style_and_fp8.md B.7: 28.5 dB on an H200 and in the CPU emulation). 25 dB leaves
+# quantised (28.5 dB measured on an H200 and in the CPU emulation). 25 dB leaves
 # room for heavy-tailed inputs; a wrong scale or a missing clamp lands far below it.
 SQNR_BOUND_DB = 25.0
 STATIC, DYNAMIC = FP8Recipe("fp8-static-per-tensor"), FP8Recipe("fp8-dynamic-per-row")
@@ -195,6 +195,8 @@ def test_reference_matches_torch_scaled_mm_semantics_on_cpu():
             expected = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
         except (RuntimeError, NotImplementedError) as e:
             pytest.skip(f"no CPU _scaled_mm in this build: {e}")
+        # the same fp8 operands and scales, fp32 accumulation in two kernels (ours, torch._scaled_mm): reordered sums of
+        # length 64, ~64 eps ~ 8e-6 of O(1) outputs.
         torch.testing.assert_close(
             fp8_mm_reference(a, b, sa, sb, out_dtype=torch.float32), expected, rtol=1e-5, atol=1e-5
         )
@@ -239,6 +241,7 @@ def test_fp8_linear_traces_as_one_graph(recipe):
     x = torch.randn(2, 5, 64)
     compiled = torch.compile(q, fullgraph=True, backend="eager")  # tracing only: no graph breaks
     with torch.no_grad():
+        # the eager backend traces and replays the same ops: equality.
         assert torch.equal(compiled(x), q(x))
 
 
@@ -369,6 +372,7 @@ def test_save_load_round_trip(tmp_path, tie):
     assert (loaded.lm_head.weight is loaded.language_model.embed_tokens.weight) == tie
     ids, px = tiny_inputs(2)
     with torch.no_grad():
+        # the same weights and scales, bit for bit, through the same code: equality.
         assert torch.equal(model(ids, px), loaded(ids, px))
     assert precision_of(loaded) == "fp8-static-per-tensor+float32"
     bf16 = load_fp8(out, dtype=torch.bfloat16)
@@ -458,4 +462,6 @@ def test_compiled_fp8_model_matches_eager_on_gpu():
         eager = model(ids, px)
         compiled = torch.compile(model)(ids, px)  # embed() counts placeholders on the host: not one graph
     assert torch.isfinite(compiled).all()
+    # inductor fuses and reorders around the e4m3 casts: a value near a rounding boundary of e4m3 (3 mantissa bits,
+    # steps of 6-12 %) can land on the neighbour, so the bound is a fraction of fp8's step at the output's scale.
     torch.testing.assert_close(compiled.float(), eager.float(), rtol=2e-2, atol=2e-2 * float(eager.abs().max()))

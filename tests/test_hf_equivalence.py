@@ -39,6 +39,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:the checkpoint names no")
 
 IMG = 319  # image_token_id in every tiny config: the last id of a 320-token vocabulary
 NEW_TOKENS = 32
+# Ours against transformers' modules (eager attention, other kernels): fp32 sums of up to 256 terms in another order
+# through a few layers, ~256 eps ~ 3e-5 of the largest logit; 1e-4 leaves room, a mapping error is O(1).
 REL_TOL = 1e-4
 
 VISION = dict(
@@ -273,6 +275,7 @@ def test_new_prefix_family_loads(pair, tmp_path):
     )
     model, _ = load_hf(tmp_path)
     ids, pix = _logits_cases(spec)[1]
+    # the same weights read from another file layout, the same code: equality.
     assert torch.equal(model(ids, pix), ours(ids, pix))
 
 
@@ -292,6 +295,7 @@ def test_sharded_checkpoint_loads(pair, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     model, _ = load_hf(tmp_path)
     ids, pix = _logits_cases(spec)[0]
+    # the same weights read from another file layout, the same code: equality.
     assert torch.equal(model(ids, pix), ours(ids, pix))
 
 
@@ -469,6 +473,8 @@ def test_original_remote_code_layout_loads(pair, tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"id": IMG, "content": "<IMG_CONTEXT>"}]}))
     model, _ = load_hf(tmp_path)
     for ids, pix in _logits_cases(spec):
+        # our engine twice, on the same weights read from two key layouts: the same code; 1e-6 (~8 eps of the largest
+        # logit) allows a fused projection split into its parts to be summed in its own blocking.
         assert rel_err(ours(ids, pix), model(ids, pix)) <= 1e-6
 
 
@@ -519,11 +525,13 @@ def test_native_round_trip_and_conversions(pair, tmp_path):
     back = load_native(tmp_path / "native")
     assert back.cfg == ours.cfg
     ids, pix = _logits_cases(spec)[1]
+    # a save/load round trip of the same code and weights: equality.
     assert torch.equal(back(ids, pix), ours(ids, pix))
 
     hf_to_litevlm(ckpt, tmp_path / "conv")
     litevlm_to_hf(tmp_path / "conv", tmp_path / "conv_hf")
     again, _ = load_hf(tmp_path / "conv_hf")
+    # a conversion round trip of the same code and weights: equality.
     assert torch.equal(again(ids, pix), ours(ids, pix))
 
 

@@ -236,6 +236,8 @@ def test_static_decode_step_equals_the_eager_step():
     for i in range(4):
         la, _ = decode_step(a, tok, 9 + i, 9 + i)
         lb = decode_step_static(b, tok, torch.tensor([[9 + i]]), torch.tensor([9 + i]))
+        # the dynamic and the static decode step: one row, the same layers, attention over the live prefix or over the
+        # masked whole cache (24 slots): reordered fp32 sums, ~24 eps ~ 3e-6 of O(1) logits.
         torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
         tok = la.argmax(-1, keepdim=True)
 
@@ -284,6 +286,8 @@ def test_a_bucketed_prefill_equals_the_plain_one_and_decoding_after_it():
         bucketed = generate(
             model, embeds, positions, 12, eos_id=None, prefilled=Prefilled(logits, hidden, embeds, positions)
         )
+    # a prefill padded to its bucket and a plain one: the padding rows change the matmuls' shapes and so their blocking;
+    # fp32 sums reordered, ~16 eps of O(1) values.
     torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(hidden, plain_hidden, atol=1e-5, rtol=1e-5)
     assert bucketed.tokens == eager.tokens

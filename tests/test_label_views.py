@@ -16,8 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from litevlm.cameras import CAMERAS
+from litevlm.cli import build_parser
 from litevlm.errors import LiteVLMError
-from litevlm.select.label_views import add_label_views_parser, label_views, parse_views
+from litevlm.select.label_views import label_views, parse_views
 
 IMPLICIT = {  # question -> the stub's reply
     "Can the ego vehicle safely turn right now?": '["CAM_FRONT_RIGHT", "CAM_BACK_RIGHT"]',
@@ -172,7 +173,6 @@ def test_interrupted_run_resumes_without_reasking(stub, tmp_path):
 
 
 def test_cache_serves_a_new_output_and_cli(stub, tmp_path, capsys):
-    import argparse
 
     write_questions(tmp_path / "q.jsonl", list(IMPLICIT))
     label_views(
@@ -180,9 +180,7 @@ def test_cache_serves_a_new_output_and_cli(stub, tmp_path, capsys):
     )
     asked = len(stub.asked)
 
-    parser = argparse.ArgumentParser()
-    add_label_views_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
+    args = build_parser().parse_args(
         [
             "label-views",
             "--endpoint",

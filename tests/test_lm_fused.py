@@ -47,6 +47,8 @@ def test_fused_inference_equals_the_module_path(layer):
         ref = module_path(layer, x, cos, sin)
         out = layer(x, cos, sin)
     assert layer._fused is not None  # the fused path ran
+    # fp32, two codes for one layer (fused weights, modules): sums of up to the MLP's width in another order, ~eps x
+    # width ~ 1e-5 of O(1) activations; a missed bias or a stale weight is O(1).
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -56,9 +58,11 @@ def test_fused_weights_follow_an_in_place_update(layer):
         layer(x, cos, sin)
         layer.mlp.down_proj.weight.mul_(-1.0)  # what an optimizer step or load_state_dict does
         layer.self_attn.q_proj.bias.add_(1.0)
+        # fused against module path after an in-place change: the same reordering bound as above.
         torch.testing.assert_close(layer(x, cos, sin), module_path(layer, x, cos, sin), atol=1e-5, rtol=1e-5)
         fresh = nn.Linear(CFG.intermediate_size, CFG.hidden_size, bias=False)  # a new plain module, new weights
         layer.mlp.down_proj = fresh
+        # fused against module path after an in-place change: the same reordering bound as above.
         torch.testing.assert_close(layer(x, cos, sin), module_path(layer, x, cos, sin), atol=1e-5, rtol=1e-5)
 
 
@@ -89,6 +93,7 @@ def test_a_replaced_projection_disables_fusion(layer):
     assert not layer.fusable()
     x, cos, sin = inputs()
     with torch.no_grad():
+        # not fusable: both run the modules, so assert_close's fp32 defaults (1.3e-6 relative) are equality up to a bit.
         torch.testing.assert_close(layer(x, cos, sin), module_path(layer, x, cos, sin))
 
 
@@ -96,8 +101,10 @@ def test_linear_helper_equals_the_module_and_refreshes():
     lin = nn.Linear(16, 24)
     x = torch.randn(3, 2, 16)
     with torch.no_grad():
+        # F.linear with the module's own tensors: fp32 defaults, one rounding at most.
         torch.testing.assert_close(linear(x, lin), lin(x))
         lin.weight.mul_(3.0)
+        # F.linear with the module's own tensors: fp32 defaults, one rounding at most.
         torch.testing.assert_close(linear(x, lin), lin(x))
     y = linear(x, lin)  # grad enabled: the module itself, so gradients reach the weight
     y.sum().backward()

@@ -146,7 +146,8 @@ def test_the_gpu_fast_path_answers_as_the_eager_gpu_path(full_model_dir, images)
 
 
 def test_tree_options_reach_the_decoder(full_model_dir, images):
-    from litevlm.cli import _pipeline, build_parser
+    from litevlm.cli import build_parser
+    from litevlm.options import pipeline_from_args
 
     args = build_parser().parse_args(
         [
@@ -164,7 +165,7 @@ def test_tree_options_reach_the_decoder(full_model_dir, images):
             "0.2",
         ]
     )
-    pipe = _pipeline(args)
+    pipe = pipeline_from_args(args)
     assert (pipe.tree.depth, pipe.tree.min_value, pipe.tree.total_tokens) == (5, 0.2, 6)
     ans = pipe.answer("Is there a red car to the front of the ego car?", images)
     plain = Pipeline.from_pretrained(full_model_dir, max_new_tokens=pipe.max_new_tokens).answer(
@@ -189,8 +190,9 @@ def test_the_shipped_default_model_is_complete_and_within_its_size_budget():
 def test_the_token_selector_skips_prompts_below_its_threshold(full_model_dir, images):
     """min_select_tokens: a prompt with fewer visual tokens is answered unpruned, exactly as without a
     selector; one with as many or more is pruned. --litevlm sets the LiteVLM threshold; a negative one is refused."""
-    from litevlm.cli import _pipeline, build_parser
-    from litevlm.eval.bench import LITEVLM_MIN_SELECT_TOKENS
+    from litevlm.cli import build_parser
+    from litevlm.options import pipeline_from_args
+    from litevlm.presets import LITEVLM_MIN_SELECT_TOKENS
 
     n_visual = 6 * Pipeline.from_pretrained(full_model_dir).cfg.tokens_per_tile
     q = "Is there a red car to the front of the ego car?"
@@ -209,7 +211,7 @@ def test_the_token_selector_skips_prompts_below_its_threshold(full_model_dir, im
     args = build_parser().parse_args(
         ["ask", "--model", str(full_model_dir), "--images", "x", "--question", "q", "--litevlm"]
     )
-    assert _pipeline(args).min_select_tokens == LITEVLM_MIN_SELECT_TOKENS
+    assert pipeline_from_args(args).min_select_tokens == LITEVLM_MIN_SELECT_TOKENS
     args = build_parser().parse_args(
         [
             "ask",
@@ -224,53 +226,4 @@ def test_the_token_selector_skips_prompts_below_its_threshold(full_model_dir, im
             "0",
         ]
     )
-    assert _pipeline(args).min_select_tokens == 0
-
-
-def imports_of(package_dir) -> dict[str, set[str]]:
-    """Module name -> the package's modules it imports, at module level or inside functions (parsed, not run)."""
-    import ast
-
-    root = package_dir.parent
-    mods = {
-        ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f
-        for f in package_dir.rglob("*.py")
-    }
-
-    def owner(name: str) -> str | None:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    graph = {}
-    for m, f in mods.items():
-        found = set()
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Import):
-                found |= {owner(a.name) for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                found |= {owner(node.module)} | {owner(f"{node.module}.{a.name}") for a in node.names}
-        graph[m] = {t for t in found if t and t != m and not m.startswith(t + ".")}
-    return graph
-
-
-def test_the_stages_import_one_way():
-    """A question walks the stages once, and so do their imports: no module of the pipeline, model directories,
-    selection, generation or speculative decoding imports (at module level or inside a function) anything that
-    imports it back."""
-    from pathlib import Path
-
-    import litevlm
-
-    graph = imports_of(Path(litevlm.__file__).parent)
-    stages = [m for m in graph if m in ("litevlm.pipeline", "litevlm.models", "litevlm.model.generate")]
-    stages += [m for m in graph if m.startswith(("litevlm.select.", "litevlm.spec."))]
-    assert len(stages) > 8
-    for m in stages:
-        seen, todo = set(), list(graph[m])
-        while todo:
-            n = todo.pop()
-            if n not in seen:
-                seen.add(n)
-                todo += graph[n]
-        assert m not in seen, f"{m} imports a module that imports it back"
+    assert pipeline_from_args(args).min_select_tokens == 0

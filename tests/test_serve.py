@@ -282,19 +282,26 @@ def test_a_request_past_its_deadline_gets_504_and_the_server_recovers(images):
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok: q"
 
 
-def test_cli_registration_parses_serve_options():
-    import argparse
-
-    from litevlm.cli import _add_pipeline_options
+def test_cli_parses_serve_options_and_checks_them_before_the_model_loads():
+    from litevlm.cli import build_parser
     from litevlm.errors import LiteVLMError
-    from litevlm.serve import add_serve_parser, serve_main
+    from litevlm.serve import serve_main
 
-    parser = argparse.ArgumentParser(prog="litevlm")
-    add_serve_parser(parser.add_subparsers(dest="command"), _add_pipeline_options, lambda a: None)
+    parser = build_parser()
     args = parser.parse_args(["serve", "--port", "0", "--max-queue", "3", "--timeout", "5", "--model", "m"])
-    assert args.func is serve_main and args.host == "127.0.0.1"
-    assert (args.port, args.max_queue, args.timeout, args.model) == (0, 3, 5.0, "m")
-    bad = parser.parse_args(["serve", "--max-queue", "-1"])
-    bad.make_pipeline = lambda a: pytest.fail("the limits are checked before the model loads")
-    with pytest.raises(LiteVLMError, match="max_queue"):
-        serve_main(bad)
+    assert args.host == "127.0.0.1" and (args.port, args.max_queue, args.timeout, args.model) == (0, 3, 5.0, "m")
+    d = Limits()
+    assert (args.header_timeout, args.body_timeout, args.max_connections) == (
+        d.header_timeout_s,
+        d.body_timeout_s,
+        d.max_connections,
+    )
+    for flag, message in (("--max-queue", "max_queue"), ("--header-timeout", "header_timeout_s")):
+        bad = parser.parse_args(["serve", flag, "-1"])
+        bad.make_pipeline = lambda a: pytest.fail("the limits are checked before the model loads")
+        with pytest.raises(LiteVLMError, match=message):
+            serve_main(bad)
+    help_text = parser._subparsers._group_actions[0].choices["serve"].format_help()
+    for flag in ("--header-timeout", "--body-timeout", "--max-connections"):
+        assert flag in help_text
+    assert "(default: 10.0)" in help_text and "(default: 256)" in help_text

@@ -25,6 +25,8 @@ def test_greedy_batch_matches_plain_generation_and_records_features():
         seq = torch.cat([e[0], lm.embed_tokens(torch.tensor(answer))])
         with torch.no_grad():
             want = lm(seq[None, :-1], torch.arange(seq.shape[0] - 1)[None])[0]  # features at all but the last token
+        # features gathered during generation (a prefill, then one-row decode steps) against one causal forward: other
+        # matmul shapes, fp32 sums reordered over 20 steps' caches, ~1e-5 relative; 1e-4 of O(1), a wrong row is O(1).
         torch.testing.assert_close(feats, want, rtol=1e-4, atol=1e-4)
 
 
@@ -111,6 +113,7 @@ def test_unrolled_passes_match_drafting_on_own_predictions():
     pos = torch.arange(10)[None]
     with torch.no_grad():
         preds = head.forward_unrolled(feats, nxt, pos, 3)
+        # pass 0 of the unrolled forward is the plain forward's code: fp32 defaults, a bit at most.
         torch.testing.assert_close(preds[0], head(feats, nxt, pos))
         head.prepare(32, 64)
         for s, i in [(2, 6), (3, 7), (3, 9)]:
@@ -118,6 +121,8 @@ def test_unrolled_passes_match_drafting_on_own_predictions():
             h = head.extend(feats[0, : root + 1], nxt[0, : root + 1], pos[0, : root + 1], 0)[-1:]
             for lvl in range(1, s):
                 h = head.step(tokens[root + lvl : root + lvl + 1], h, root + lvl, root + lvl, None)
+            # the cached step-by-step draft against the unrolled training forward: other shapes and cache lengths, fp32
+            # sums reordered through s draft steps; 1e-4 of O(1) states.
             torch.testing.assert_close(h[0], preds[s - 1][0, i], rtol=1e-4, atol=1e-4)
 
 

@@ -104,7 +104,10 @@ def test_attention_rows_equal_full_attention():
         rows = torch.tensor([5, 30, embeds.shape[1] - 1])
         got = attention_rows(lm.layers[1], x, positions, rows)
         want = full_attention_rows(lm.layers[1], x, positions, rows)
+    # attention probabilities (0..1) from two codes (the selected rows alone, the full T x T softmax): fp32 sums of
+    # another length, ~T eps ~ 1e-5 relative; a wrong row, position or mask moves them by O(1/T).
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    # softmax rows sum to 1 up to the rounding of a length-T fp32 sum.
     assert torch.allclose(got.sum(-1), torch.ones(1, 3))
 
 
@@ -118,6 +121,8 @@ def test_fastv_row_equals_row_of_full_attention(k):
         x = lm(embeds, positions, start_layer=0, end_layer=k)  # no cache: plain causal SDPA
         got = fastv_scores(model, x, positions, spans, k)
         want = full_attention_rows(lm.layers[k], x, positions, torch.tensor([t - 1]))[0, 0, visual_index(spans)]
+    # attention probabilities (0..1) from two codes (the selected rows alone, the full T x T softmax): fp32 sums of
+    # another length, ~T eps ~ 1e-5 relative; a wrong row, position or mask moves them by O(1/T).
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
@@ -193,6 +198,7 @@ def test_pruning_at_the_input_equals_masking_the_pruned_tokens():
         allowed &= torch.ones(t, t, dtype=torch.bool).tril()
         allowed |= torch.eye(t, dtype=torch.bool)
         ref = masked_reference(model, embeds, positions, lambda _: allowed)
+    # pruned prefill against a masked full forward: other shapes, fp32 sums reordered, ~eps x width of O(1) logits.
     torch.testing.assert_close(logits[0], ref[-1], atol=1e-5, rtol=1e-5)
 
 
@@ -271,6 +277,7 @@ def test_pruned_decode_is_exact_for_the_compacted_cache(method):
         early[:t, :t] = causal[:t, :t]
         ref = masked_reference(model, all_embeds, all_pos, lambda layer_i: early if layer_i < k else late)
     got = torch.stack(step_logits)
+    # FastV decoding step by step against one masked forward: other shapes, fp32 sums reordered.
     torch.testing.assert_close(got, ref[t - 1 :], atol=1e-5, rtol=1e-5)
     assert [int(x) for x in got.argmax(-1)] == gen.tokens
 
@@ -284,6 +291,8 @@ def test_untrained_selector_ranks_like_fastv_k1():
         got = sel.scores(embeds, positions, spans)[0].exp()
         x = model.language_model(embeds, positions, start_layer=0, end_layer=1)
         want = fastv_scores(model, x, positions, spans, 1)
+    # exp(log-softmax) against softmax rows: the log and exp round-trip costs ~1e-6 relative per value, the two codes
+    # sum in another order; 1e-4 of probabilities of O(1/T).
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
 
 
@@ -299,6 +308,8 @@ def test_shared_layer_selector_scores_like_one_owning_a_copy_of_layer0():
     missing, unexpected = own.load_state_dict(shared.state_dict(), strict=False)
     assert not unexpected and missing and all(k.startswith("layer.") for k in missing)
     with torch.no_grad():
+        # the model's layer 0 and a copy of it: identical weights, but the model's layer may run fused and the copy as
+        # modules: reordered fp32 sums.
         torch.testing.assert_close(
             shared.scores(embeds, positions, spans), own.scores(embeds, positions, spans), atol=1e-5, rtol=1e-5
         )
@@ -388,6 +399,7 @@ def test_teacher_attention_equals_rows_of_the_full_attention():
                 ]
                 want += 0.25 * rows[0] + 0.75 / 3 * rows[1:].sum(0)
             x = lm(x, pos, start_layer=layer_i, end_layer=layer_i + 1)
+    # the label against its definition recomputed row by row: fp32 sums of another order and length.
     torch.testing.assert_close(got, want / want.sum(), atol=1e-6, rtol=1e-5)
 
 
@@ -477,6 +489,7 @@ def test_the_inference_head_equals_the_training_head(path, monkeypatch):
     with torch.enable_grad():
         slow = sel.head_scores(x, positions, spans, tags)
     assert slow.requires_grad and not fast.requires_grad
+    # inference path against the autograd path: fp32 sums in another order, ~eps x width of O(1) scores.
     torch.testing.assert_close(fast, slow.detach(), atol=1e-5, rtol=1e-5)
     if path == "native":
         assert calls  # the native head ran

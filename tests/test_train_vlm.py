@@ -118,7 +118,8 @@ def test_the_probe_heads_learn_what_the_cells_hold(tiny_bank):
 
 
 def test_train_vlm_end_to_end(tmp_path):
-    """A few steps of the whole recipe: vision warm-up, answers + dense objective, the looks-probe, a loadable checkpoint."""
+    """A few steps of the whole recipe: vision warm-up, answers + dense objective, the looks-probe, a loadable
+    checkpoint."""
     from litevlm.model.hf import load_native
 
     recipe = VLMRecipe(
@@ -159,6 +160,7 @@ def test_answer_weights_make_every_answer_count_once(tiny_bank):
     labels = torch.tensor([[IGNORE, 5, IGNORE, 6, 7, 8], [IGNORE, IGNORE, 9, 9, IGNORE, IGNORE]])
     block = torch.tensor([[0, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, -1]])
     expected = torch.tensor([[0, 1, 0, 1 / 3, 1 / 3, 1 / 3], [0, 0, 0.5, 0.5, 0, 0]])
+    # 1/3 and 1/2 in fp32: one rounding each, assert_close's fp32 defaults.
     torch.testing.assert_close(answer_weights(labels, block), expected)
 
 
@@ -279,7 +281,10 @@ def test_option_spans_find_each_option_text(tiny_bank):
     from litevlm.train.vlm import option_spans, right_option
 
     tok = tiny_bank[0]
-    q = "What is <c1,CAM_FRONT,800,450> doing? Please select the correct answer from the following options: A. Turn left. B. Stopped. C. Going ahead. D. Back up."
+    q = (
+        "What is <c1,CAM_FRONT,800,450> doing? Please select the correct answer from the following options: "
+        "A. Turn left. B. Stopped. C. Going ahead. D. Back up."
+    )
     ids = tok.encode(q)
     spans = option_spans(q, tok)
     first = spans[0][0]
@@ -384,12 +389,14 @@ def test_grown_decoder_computes_what_the_original_did(tiny_tokenizer):
         layers[1].self_attn.q_proj.weight, model.language_model.layers[0].self_attn.q_proj.weight
     )
     assert layers[1].self_attn.o_proj.weight.abs().sum() == 0 and layers[3].mlp.down_proj.weight.abs().sum() == 0
+    # a copied tensor: fp32 defaults, i.e. equal to the bit.
     torch.testing.assert_close(layers[2].mlp.up_proj.weight, model.language_model.layers[1].mlp.up_proj.weight)
     ids = torch.randint(6, cfg.text.vocab_size, (2, 11))
     pos = torch.arange(11).expand(2, -1)
     with torch.no_grad():
         a = model.lm_head(model.language_model(model.language_model.embed_tokens(ids), pos))
         b = grown.lm_head(grown.language_model(grown.language_model.embed_tokens(ids), pos))
+    # zeroed output projections add exactly 0.0 to the residual stream: equality.
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     # A grown copy trains: its zeroed projections get gradients.
     grown.train()
@@ -621,6 +628,7 @@ def test_averaging_two_stages_from_one_checkpoint_keeps_the_shared_lineage(tmp_p
     soup = load_native(tmp_path / "s")
     wb, wc = load_native(b).state_dict(), load_native(c).state_dict()
     for k, v in soup.state_dict().items():
+        # the soup's mean is this same fp32 expression (or its float16 store): fp32 defaults.
         torch.testing.assert_close(v, (wb[k] + wc[k]) / 2)
     assert not torch.equal(wb["language_model.norm.weight"], wc["language_model.norm.weight"])  # the two stages differ
     meta = json.loads((tmp_path / "s" / "config.json").read_text())
@@ -652,13 +660,16 @@ def test_averaging_two_stages_from_one_checkpoint_keeps_the_shared_lineage(tmp_p
 
 def test_the_model_card_lists_an_averaged_checkpoints_stages(tmp_path, benchmark_script):
     card = benchmark_script("drive_tiny_eval")
-    stage = lambda steps, lr, init: {
-        "checkpoint": f"/runs/{steps}",
-        "steps": steps,
-        "train_seconds": 60.0 * steps,  # noqa: E731
-        "recipe": {"lr": lr, "init": init, "frames": 10, "seed": 0, "closed_weight": 3.0},
-        "looks_probe": None,
-    }
+
+    def stage(steps, lr, init):
+        return {
+            "checkpoint": f"/runs/{steps}",
+            "steps": steps,
+            "train_seconds": 60.0 * steps,
+            "recipe": {"lr": lr, "init": init, "frames": 10, "seed": 0, "closed_weight": 3.0},
+            "looks_probe": None,
+        }
+
     meta = {
         "litevlm": {"name": "x"},
         "format": "litevlm",

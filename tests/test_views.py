@@ -8,18 +8,17 @@ must not count as directions, and scene-wide questions that need every view.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 
 from litevlm.cameras import CAMERAS
+from litevlm.cli import build_parser
 from litevlm.errors import LiteVLMError
 from litevlm.select.views import (
     ViewSelector,
     ViewSelectorConfig,
-    add_views_parser,
     keep_mask,
     lexical_views,
     question_words,
@@ -39,10 +38,10 @@ EXPLICIT = [
     # "front view"
     ("Is there any traffic element in the front view?", [F]),
     (
-        "Identify all the traffic elements in the front view, categorize them, determine their status, and predict the "
-        "bounding box around each one. The output should be a list formatted as (c, s, x1, y1, x2, y2), where c represents "
-        "the category, s denotes the status, and x1, y1, x2, y2 are the offsets of the top-left and bottom-right corners of "
-        "the box relative to the center point.",
+        "Identify all the traffic elements in the front view, categorize them, determine their status, and predict "
+        "the bounding box around each one. The output should be a list formatted as (c, s, x1, y1, x2, y2), where c "
+        "represents the category, s denotes the status, and x1, y1, x2, y2 are the offsets of the top-left and "
+        "bottom-right corners of the box relative to the center point.",
         [F],
     ),
     # c-tags: one, two (different cameras), three
@@ -62,8 +61,8 @@ EXPLICIT = [
     ("What is the visual description of <c4,CAM_BACK_RIGHT,322.5,520.8>?", [BR]),
     ("Is <c2,CAM_FRONT_LEFT,402.0,455.5> a traffic sign or a road barrier?", [FL]),
     (
-        "What actions could the ego vehicle take based on <c1,CAM_FRONT,812.4,470.0>? Why take this action and what's the "
-        "probability?",
+        "What actions could the ego vehicle take based on <c1,CAM_FRONT,812.4,470.0>? Why take this action and what's "
+        "the probability?",
         [F],
     ),
     ("What actions taken by the ego vehicle can lead to a collision with <c2,CAM_FRONT_LEFT,402.0,455.5>?", [FL]),
@@ -95,21 +94,21 @@ EXPLICIT = [
 ]
 
 SCENE_WIDE = [
-    "What are the important objects in the current scene? Those objects will be considered for the future reasoning and "
-    "driving decision.",
+    "What are the important objects in the current scene? Those objects will be considered for the future reasoning "
+    "and driving decision.",
     "In this scenario, what are safe actions to take for the ego vehicle?",
     "In this scenario, what are dangerous actions to take for the ego vehicle?",
     "Predict the behavior of the ego vehicle.",
     "Predict the behavior of the ego vehicle. Please select the correct answer from the following options: A. The ego "
     "vehicle is steering to the left. The ego vehicle is driving fast. B. The ego vehicle is going straight. The ego "
-    "vehicle is not moving. C. The ego vehicle is slightly steering to the right. The ego vehicle is driving slowly. D. "
-    "The ego vehicle is steering to the right. The ego vehicle is driving with normal speed.",
-    "What object should the ego vehicle notice first when the ego vehicle is getting to the next possible location? What "
-    "is the state of the object that is first noticed by the ego vehicle and what action should the ego vehicle take? "
-    "What object should the ego vehicle notice second when the ego vehicle is getting to the next possible location? "
-    "What is the state of the object perceived by the ego vehicle as second and what action should the ego vehicle take? "
-    "What object should the ego vehicle notice third? What is the state of the object perceived by the ego vehicle as "
-    "third and what action should the ego vehicle take?",
+    "vehicle is not moving. C. The ego vehicle is slightly steering to the right. The ego vehicle is driving slowly. "
+    "D. The ego vehicle is steering to the right. The ego vehicle is driving with normal speed.",
+    "What object should the ego vehicle notice first when the ego vehicle is getting to the next possible location? "
+    "What is the state of the object that is first noticed by the ego vehicle and what action should the ego vehicle "
+    "take? What object should the ego vehicle notice second when the ego vehicle is getting to the next possible "
+    "location? What is the state of the object perceived by the ego vehicle as second and what action should the ego "
+    "vehicle take? What object should the ego vehicle notice third? What is the state of the object perceived by the "
+    "ego vehicle as third and what action should the ego vehicle take?",
     "Please describe the relative positioning of the important objects in the current scene.",
     "What is the target action of the ego vehicle?",
     "Describe the current scene.",
@@ -290,9 +289,7 @@ def test_save_load_round_trip_and_mismatch(trained, tmp_path):
 
 
 def test_views_command_prints_json_last(trained, capsys):
-    parser = argparse.ArgumentParser()
-    add_views_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
+    args = build_parser().parse_args(
         [
             "views",
             "--model",
@@ -309,15 +306,13 @@ def test_views_command_prints_json_last(trained, capsys):
 
 
 def test_recipe_guards_the_held_out_split():
-    from litevlm.train.views import ViewRecipe, add_train_views_parser
+    from litevlm.train.views import ViewRecipe
 
     with pytest.raises(ValueError, match="held-out"):
         ViewRecipe(val_seed=1)
     with pytest.raises(ValueError, match="held-out"):
         ViewRecipe(seed=1)
-    parser = argparse.ArgumentParser()
-    add_train_views_parser(parser.add_subparsers(dest="train_command"))
-    args = parser.parse_args(["views", "--out", "x", "--labels", "a.jsonl", "b.jsonl", "--steps", "5"])
+    args = build_parser().parse_args(["train", "views", "--out", "x", "--labels", "a.jsonl", "b.jsonl", "--steps", "5"])
     assert args.labels == ["a.jsonl", "b.jsonl"] and args.steps == 5 and callable(args.func)
 
 
@@ -360,10 +355,14 @@ def test_inference_path_equals_the_module_path(trained, scripted, monkeypatch):
     with torch.no_grad():
         fast = sel(ids, mask, lex)
         sel.head[3].bias.add_(1.0)  # an in-place weight change reaches the inference path
+        # the inference path's fp32 logits, shifted by exactly 1.0 through the bias: one rounding of values of O(1-10),
+        # 1e-5 ~ a few ulp at 10.
         assert torch.allclose(sel(ids, mask, lex), fast + 1.0, atol=1e-5)
         sel.head[3].bias.sub_(1.0)
         train_without_dropout(sel)
         slow = sel(ids, mask, lex)
+    # two codes (scripted/fused inference, the modules in training mode): fp32 sums over the 64-wide encoder in another
+    # order, ~64 eps x O(10) logits ~ 8e-5 worst case, typically 1e-6; a dropped mask or layer is O(1).
     assert torch.allclose(fast, slow, atol=1e-5), (fast - slow).abs().max()
 
 
@@ -388,5 +387,8 @@ def test_the_native_inference_equals_the_module_path(trained, monkeypatch):
         train_without_dropout(sel)
         slow = torch.cat([sel(*sel.cfg.features([q]), sel.lexical([q])) for q in questions])
     assert len(calls) == 2 * len(questions)  # training mode runs the modules
+    # one question at a time against the padded batch, plus the exact 1.0 bias: fp32 sums of another length.
     assert torch.allclose(moved, fast + 1.0, atol=1e-5)
+    # two codes (scripted/fused inference, the modules in training mode): fp32 sums over the 64-wide encoder in another
+    # order, ~64 eps x O(10) logits ~ 8e-5 worst case, typically 1e-6; a dropped mask or layer is O(1).
     assert torch.allclose(fast, slow, atol=1e-5), (fast - slow).abs().max()

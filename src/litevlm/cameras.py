@@ -1,4 +1,4 @@
-"""The six nuScenes cameras, in the order DriveLM lists them (research/drivelm.md section 8)."""
+"""The six nuScenes cameras, in the order DriveLM lists them."""
 
 CAMERAS: tuple[str, ...] = (
     "CAM_FRONT",

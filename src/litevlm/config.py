@@ -1,4 +1,4 @@
-"""Configuration dataclasses for the InternVL-architecture model, with named presets.
+"""Configuration dataclasses for the InternVL-architecture model, with named shape presets.
 
 A config is the whole truth about a checkpoint's shapes: checkpoints store it beside their weights
 and nothing is inferred from file names. Derived sizes are computed and validated in
@@ -9,6 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
+
+
+def flag(default, help: str, **more):
+    """A dataclass field that is also a command-line flag, its help text beside its default.
+
+    `more` may hold `flag` (the option string, when not the field's name), `choices`, `metavar`, and for a dict
+    field `parse` (one repeatable KEY=VALUE item); `litevlm.options.add_recipe_options` reads them.
+    """
+    metadata = {"help": help, **more}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def _require(ok: bool, name: str, why: str) -> None:
@@ -135,7 +147,7 @@ def _internvit_300m() -> VisionConfig:
     return VisionConfig()  # the defaults are InternViT-300M-448px-V2_5
 
 
-# Real shapes from research/internvl_hf.md section 2, and the embedded default model.
+# Real shapes, from the transformers InternVL checkpoints' config.json files.
 PRESETS: dict[str, callable] = {
     "internvl2.5-1b": lambda: VLMConfig(
         vision=_internvit_300m(),

@@ -2,7 +2,7 @@
 
 Reads the training format (scene -> key_frames -> frame with key_object_infos, QA by category,
 image_paths), the challenge test/eval format (QA items with "tag"), and the flattened llama-adapter
-list (research/drivelm.md section 1). Sample ids are DriveLM's `<scene>_<frame>_<i>`, with `i` over
+list (DriveLM's repository documents all three). Sample ids are DriveLM's `<scene>_<frame>_<i>`, with `i` over
 perception + prediction + planning + behavior in that order, as the official evaluator rebuilds them.
 """
 

@@ -2,7 +2,7 @@
 
 A seeded bird's-eye world (vehicles, pedestrians, cyclists, traffic lights, signs, cones, barriers
 around the ego car) is projected into the six nuScenes views with a yaw-only pinhole model
-(research/drivelm.md section 8), drawn with flat shapes, and given perception / prediction /
+(nuScenes camera yaws and fields of view), drawn with flat shapes, and given perception / prediction /
 planning / behavior QA whose answers can be read from the pixels of the views each question names.
 `write_dataset` writes the DriveLM-nuScenes training JSON, so synthetic and real data share one loader.
 """
@@ -386,7 +386,7 @@ def project(o: SceneObject, cam: str) -> ViewBox | None:
             return None
         # Corners behind the camera are pulled onto the near plane: they land far outside the image,
         # which is where the clipped box must extend anyway.
-        us = [CX - fx * l / max(f, NEAR_PLANE) for f, l in pts]
+        us = [CX - fx * lat / max(f, NEAR_PLANE) for f, lat in pts]
         u0, u1 = min(us), max(us)
         depth = max(NEAR_PLANE, min(f for f, _ in pts))
         uc = CX - fx * lc / fc if fc >= NEAR_PLANE else (u0 + u1) / 2
@@ -1068,12 +1068,17 @@ def _make_qas(frame: Frame, rng: np.random.Generator) -> list[QA]:
     r = rng.random()
     if r < 0.25 and len(order) >= 3:
         q = (
-            "What object should the ego vehicle notice first when the ego vehicle is getting to the next possible location? "
-            "What is the state of the object that is first noticed by the ego vehicle and what action should the ego vehicle take? "
-            "What object should the ego vehicle notice second when the ego vehicle is getting to the next possible location? "
-            "What is the state of the object perceived by the ego vehicle as second and what action should the ego vehicle take? "
+            "What object should the ego vehicle notice first when the ego vehicle is getting to the next "
+            "possible location? "
+            "What is the state of the object that is first noticed by the ego vehicle and what action should "
+            "the ego vehicle take? "
+            "What object should the ego vehicle notice second when the ego vehicle is getting to the next "
+            "possible location? "
+            "What is the state of the object perceived by the ego vehicle as second and what action should "
+            "the ego vehicle take? "
             "What object should the ego vehicle notice third? "
-            "What is the state of the object perceived by the ego vehicle as third and what action should the ego vehicle take?"
+            "What is the state of the object perceived by the ego vehicle as third and what action should "
+            "the ego vehicle take?"
         )
         a = " ".join(
             f"{w}, notice {o.tag}. The object is {_state(o)}, so the ego vehicle should {_action(o, frame)[0]}."
@@ -1245,7 +1250,7 @@ def _ground_polygon(cam: str, psi: float, quad: list[tuple[float, float]], s: tu
     pts = _clip_near([_to_cam(cam, *_from_road(psi, xr, yr)) for xr, yr in quad])
     if len(pts) < 3:
         return None
-    poly = [((CX - fx * l / f) * s[0], (CY + fx * H_CAM / f) * s[1]) for f, l in pts]
+    poly = [((CX - fx * lat / f) * s[0], (CY + fx * H_CAM / f) * s[1]) for f, lat in pts]
     xs = [p[0] for p in poly]
     if max(xs) < 0 or min(xs) > IMAGE_WIDTH * s[0]:
         return None
@@ -1324,8 +1329,8 @@ def trail_direction(o: SceneObject, b: ViewBox, cam: str) -> float:
     """Image-space shift (1600-px units, signed) from a moving object to where it was 2.5 m back along its
     travel; 0 when that point is behind the camera. `trail_shift` turns it into the drawn offset."""
     travel = o.heading + (math.pi if o.motion == "Back up" else 0.0)
-    f, l = _to_cam(cam, o.x - 2.5 * math.cos(travel), o.y - 2.5 * math.sin(travel))
-    return CX - focal_px(cam) * l / f - b.uc if f > NEAR_PLANE else 0.0
+    f, lat = _to_cam(cam, o.x - 2.5 * math.cos(travel), o.y - 2.5 * math.sin(travel))
+    return CX - focal_px(cam) * lat / f - b.uc if f > NEAR_PLANE else 0.0
 
 
 def trail_shift(du: float, width: float) -> float:
@@ -1491,8 +1496,8 @@ def write_dataset(
         scene = data.setdefault(
             f.scene_id,
             {
-                "scene_description": f"Synthetic scene {i // FRAMES_PER_SCENE} of seed {seed}: the ego vehicle drives on a "
-                "multi-lane road among vehicles, road users and traffic elements.",
+                "scene_description": f"Synthetic scene {i // FRAMES_PER_SCENE} of seed {seed}: the ego vehicle "
+                "drives on a multi-lane road among vehicles, road users and traffic elements.",
                 "key_frames": {},
             },
         )

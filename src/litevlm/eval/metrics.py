@@ -5,7 +5,7 @@ DriveLM-nuScenes (OpenDriveLab/DriveLM, challenge/evaluation.py) routes each QA 
 ROUGE-L, CIDEr from pycocoevalcap, corpus-level), 3 -> match (the mean of object-coordinate F1x100,
 with DriveLM's greedy one-to-one |dx|+|dy| < 16 px rule, and the judge over the same items).
 The final score is 0.4 judge + 0.2 language + 0.2 match + 0.2 accuracy, every part on 0..1, with
-language = mean(BLEU-1..4)/3 + ROUGE-L/3 + CIDEr/30. research/drivelm.md section 4 has the details.
+language = mean(BLEU-1..4)/3 + ROUGE-L/3 + CIDEr/30, as DriveLM's official evaluator computes it.
 `score(records, judge, gate=True, renormalise=False)` reproduces the official evaluation (the PTB
 tokenizer is a pure-Python copy, no Java); its defaults (gate off, missing parts' weights spread over
 the others) are the older mix the synthetic benchmarks report. `litevlm.eval.score` is the official
@@ -360,7 +360,7 @@ def _check(records: Sequence[dict], gate: bool) -> None:
 
 
 def apply_gate(records: Sequence[dict]) -> list[dict]:
-    """DriveLM's graph gate (research/drivelm.md section 4.3), per frame, records in order.
+    """DriveLM's graph gate (the official evaluator's), per frame, records in order.
 
     The first record of each frame is always kept; the GT points its answer matched (< 16 px)
     become the frame's graph. A later record is kept only if every (x, y) pair in its question is

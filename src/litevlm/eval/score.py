@@ -229,27 +229,3 @@ def print_scores(result: dict) -> None:
         f"questions {result['n']}: {result['n_scored']} scored, {result['gated_out']} gated out, "
         f"{result['unrouted']} without a metric tag" + (f"; per bucket: {counts}" if counts else "")
     )
-
-
-def cmd_score(args) -> None:
-    result = score_files(args.predictions, args.gt, **scoring_from_args(args))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_scores(result)
-
-
-def add_score_parser(sub) -> None:
-    import argparse
-
-    s = sub.add_parser(
-        "score",
-        help="DriveLM's official score of a submission file",
-        description=SCORE_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    s.add_argument("--predictions", required=True, help="the submission: a JSON list of {id, question, answer}")
-    s.add_argument("--gt", required=True, help="a DriveLM JSON file with answers")
-    s.add_argument("--json", action="store_true")
-    add_scoring_options(s)
-    s.set_defaults(func=cmd_score)

@@ -2,7 +2,7 @@
 from our `VLM`, plus litevlm's own checkpoint directory format.
 
 Our module names are transformers' in-memory names with the leading ``model.`` removed, so converting
-is a matter of mapping key prefixes (research/internvl_hf.md section 4): on disk, `save_pretrained`
+is a matter of mapping key prefixes (transformers' InternVL conversion mapping): on disk, `save_pretrained`
 writes the legacy family (``vision_tower.``, ``multi_modal_projector.``, ``language_model.model.``,
 ``language_model.lm_head.``), newer files may use ``model.vision_tower.`` ... ``lm_head.``, and the
 original OpenGVLab checkpoints use ``vision_model.`` / ``mlp1.`` with a fused ViT qkv (and, for
@@ -340,7 +340,8 @@ def config_to_hf(cfg: VLMConfig) -> dict:
         )
     if t.arch == "llama" and t.qkv_bias:
         raise LiteVLMError(
-            "transformers' Llama attention_bias also adds an o_proj bias: export a qkv_bias=True decoder with arch='qwen2'"
+            "transformers' Llama attention_bias also adds an o_proj bias: "
+            "export a qkv_bias=True decoder with arch='qwen2'"
         )
     text = {
         "model_type": t.arch,
@@ -604,7 +605,8 @@ def _family(keys) -> str:
         sample = ", ".join(sorted(ks)[:5])
         raise LiteVLMError(
             f"cannot tell the checkpoint's naming ({'mixed: ' + ', '.join(hits) if hits else 'none recognised'}); "
-            f"first tensors: {sample}. Expected transformers InternVL names (vision_tower., language_model.model., ...) "
+            f"first tensors: {sample}. Expected transformers InternVL names "
+            "(vision_tower., language_model.model., ...) "
             "or the original OpenGVLab names (vision_model., mlp1., language_model.)"
         )
     return hits[0]
@@ -753,7 +755,8 @@ def _load_strict(cfg: VLMConfig, where: dict[str, Path], mapping: Mapping, dtype
             if tuple(t.shape) != expected[ours]:
                 name = ours if ours == ck else f"{ours} (checkpoint key {ck})"
                 bad.append(
-                    f"tensor {name} has shape {_shape(t.shape)} in the checkpoint but the config expects {_shape(expected[ours])}"
+                    f"tensor {name} has shape {_shape(t.shape)} in the checkpoint "
+                    f"but the config expects {_shape(expected[ours])}"
                 )
                 continue
             state[ours] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).contiguous()
@@ -762,8 +765,8 @@ def _load_strict(cfg: VLMConfig, where: dict[str, Path], mapping: Mapping, dtype
     head = state.pop("__tied_head__", None)
     if head is not None and not torch.equal(head.to(dtype), state["language_model.embed_tokens.weight"].to("cpu")):
         raise LiteVLMError(
-            f"checkpoint {src}: the config ties lm_head to embed_tokens (tie_word_embeddings=true) but the file holds a "
-            "different lm_head.weight; set tie_word_embeddings to false in config.json to keep it"
+            f"checkpoint {src}: the config ties lm_head to embed_tokens (tie_word_embeddings=true) "
+            "but the file holds a different lm_head.weight; set tie_word_embeddings to false in config.json to keep it"
         )
     if tied:
         state["lm_head.weight"] = state["language_model.embed_tokens.weight"]

@@ -3,7 +3,7 @@ capability >= 8.9, and a fake-quant reference with the same rounding everywhere 
 
 LiteVLM's last step (arXiv 2506.07416; 2.5x -> 3.2x) is FP8 PTQ of the deployed model. A tensor is
 stored as float8_e4m3fn (max 448) times an fp32 *dequantisation* scale, `x ~ q * s` with
-`s = amax / 448`. Two recipes, as NVIDIA ModelOpt names them (research/style_and_fp8.md B.5-B.6):
+`s = amax / 448`. Two recipes, as NVIDIA ModelOpt names them:
 
 - "fp8-static-per-tensor" (ModelOpt FP8_DEFAULT_CFG): one scale per weight, and one per layer input
   fixed by max calibration: the running max |x| each layer's input reaches over calibration data
@@ -49,6 +49,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from tqdm import tqdm
 
+from litevlm.config import flag
 from litevlm.errors import LiteVLMError
 from litevlm.model.modules import submodules
 
@@ -71,8 +72,8 @@ KEPT_WORDS = ("select", "draft", "router")  # view / token selectors, EAGLE draf
 class FP8Recipe:
     """What to quantise and how. `exclude` holds fnmatch patterns of module names kept in high precision."""
 
-    name: str = "fp8-static-per-tensor"
-    include_vision: bool = False
+    name: str = flag("fp8-static-per-tensor", "the quantisation recipe", flag="--recipe", choices=RECIPES)
+    include_vision: bool = flag(False, "quantise the vision tower and projector too", flag="--vision")
     format: str = "e4m3"
     exclude: tuple[str, ...] = ()
     fast_accum: bool = False  # cuBLAS fast accumulation (Hopper): a little faster, a little less exact

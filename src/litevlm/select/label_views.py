@@ -38,7 +38,9 @@ Questions about the whole scene, the ego vehicle's own behavior, or which action
 
 Question: {question}
 
-Which cameras are needed to answer this question? Reply with a JSON list, for example ["CAM_FRONT", "CAM_FRONT_LEFT"]."""
+Which cameras are needed to answer this question? Reply with a JSON list, for example """ + (
+    '["CAM_FRONT", "CAM_FRONT_LEFT"].'
+)
 RETRY_PROMPT = 'Reply with a JSON list of camera names only, for example ["CAM_BACK"] or all six names.'
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
@@ -214,50 +216,3 @@ def label_views(
         _append(out, item)
         done.add(question)
     return counts
-
-
-# ------------------------------------------------------------------------------------------------
-# Command line: `litevlm label-views --endpoint URL --model NAME --in Q.jsonl --out L.jsonl`
-# ------------------------------------------------------------------------------------------------
-def cmd_label_views(args) -> None:
-    import os
-
-    key = os.environ.get(args.api_key_env) if args.api_key_env else None
-    counts = label_views(
-        args.endpoint,
-        args.model,
-        args.in_path,
-        args.out,
-        api_key=key,
-        cache_path=args.cache,
-        ask_all=args.ask_all,
-        timeout=args.timeout,
-        progress=not args.json,
-    )
-    if args.json:
-        print(json.dumps(counts, separators=(",", ":")))
-    else:
-        print(
-            f"labelled {counts['total'] - counts['skipped']} questions into {args.out} ({counts['lexical']} lexical, "
-            f"{counts['llm']} by {args.model}: {counts['cached']} cached, {counts['unparsed']} unparsed -> all six; "
-            f"{counts['skipped']} already done)"
-        )
-
-
-def add_label_views_parser(sub) -> None:
-    """Register `label-views` on the top-level subparsers of the litevlm CLI."""
-    p = sub.add_parser(
-        "label-views", help="label which cameras each question needs with any OpenAI-compatible chat model"
-    )
-    p.add_argument("--endpoint", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--model", required=True, help="the chat model's name at that endpoint")
-    p.add_argument("--in", dest="in_path", required=True, help='JSONL of {"question": ...} lines')
-    p.add_argument("--out", required=True, help='JSONL of {"question", "views"} lines (appended; a rerun resumes)')
-    p.add_argument("--cache", default=None, help="raw-reply cache (default OUT.cache.jsonl)")
-    p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key, if any")
-    p.add_argument(
-        "--ask-all", action="store_true", help="ask the model about explicit questions too (default: lexical labels)"
-    )
-    p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--json", action="store_true", help="print the counts as one JSON line")
-    p.set_defaults(func=cmd_label_views)

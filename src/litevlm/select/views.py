@@ -1,7 +1,7 @@
 """View selection: LiteVLM's Patch Selection Module (`ViewSelector`), run on the question text alone.
 
 Most driving questions concern one or two of the six cameras, so the paper (arXiv 2506.07416,
-section 3, "Patch Selection Module"; research/token_pruning.md section 1.2) decides which views to
+section 3, "Patch Selection Module") decides which views to
 encode before any pixel is touched. Two scorers are fused per view:
   1. a lexical map (`lexical_views`): DriveLM c-tags `<c1,CAM_BACK,x,y>` (any number), camera names,
      DriveLM direction phrases ("to the back left of the ego car", "front view") and their common
@@ -138,7 +138,8 @@ _RULES: list[tuple[re.Pattern, object]] = [
         (rf"\b(?:on|to) {_PLACE} (left|right)(?: hand)?(?: side)?,? ({_FRONT_PLACE}|{_BACK_PLACE})\b", _side_place),
         # "ahead on the left", "ahead of us to the right", "behind us on the right"
         (
-            rf"(?<!go )(?<!goes )(?<!going )(?<!went )\b(ahead|behind)(?: of {_EGO}| {_EGO})?,? (?:on|to) {_PLACE} (left|right)\b",
+            rf"(?<!go )(?<!goes )(?<!going )(?<!went )"
+            rf"\b(ahead|behind)(?: of {_EGO}| {_EGO})?,? (?:on|to) {_PLACE} (left|right)\b",
             lambda m: _cam("front" if m.group(1) == "ahead" else "back", m.group(2)),
         ),
         # end then side: "front left", "back-right", "rear right camera"
@@ -151,7 +152,8 @@ _RULES: list[tuple[re.Pattern, object]] = [
         # an end alone, as a place: "to the back of the ego car", "in the front view", "rear camera"
         (r"\b(?:to|in|at|on|from|towards?) the (front|back|rear)\b", lambda m: _cam(m.group(1))),
         (
-            r"\b(front|back|rear|forward|backward|rearward)s?(?: facing)? (?:view|views|camera|cameras|cam|image|images)\b",
+            r"\b(front|back|rear|forward|backward|rearward)s?(?: facing)? "
+            r"(?:view|views|camera|cameras|cam|image|images)\b",
             lambda m: _cam(m.group(1)),
         ),
         (r"\brear\b(?! end)", lambda m: _cam("back")),
@@ -656,7 +658,8 @@ class ViewSelector(nn.Module):
             raise LiteVLMError(f"{d / 'config.json'} is not valid JSON: {e}") from None
         if not isinstance(meta, dict) or meta.get("format") != SELECTOR_FORMAT:
             raise LiteVLMError(
-                f"{d / 'config.json'} is not a ViewSelector checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r})"
+                f"{d / 'config.json'} is not a ViewSelector checkpoint "
+                f"(format {meta.get('format') if isinstance(meta, dict) else None!r})"
             )
         if tuple(meta.get("cameras", ())) != CAMERAS:
             raise LiteVLMError(f"{d} was trained for cameras {meta.get('cameras')}, this rig has {list(CAMERAS)}")
@@ -698,29 +701,3 @@ def load_for_model(model: str | Path) -> ViewSelector:
     from litevlm.models import resolve_model_dir
 
     return ViewSelector.load(resolve_model_dir(model))
-
-
-def cmd_views(args) -> None:
-    selector = load_for_model(args.model)
-    views, scores = selector.select(args.question)
-    if args.json:
-        print(
-            json.dumps({"views": views, "scores": {c: round(s, 4) for c, s in scores.items()}}, separators=(",", ":"))
-        )
-        return
-    for c in selector.cameras:
-        print(f"{'*' if c in views else ' '} {c:<16} {scores[c]:.3f}")
-    print(f"views: {', '.join(views)}   (threshold {selector.threshold:.2f}, lexical weight {selector.weight:.2f})")
-
-
-def add_views_parser(sub) -> None:
-    """Register `views` on the top-level subparsers of the litevlm CLI."""
-    p = sub.add_parser("views", help="which cameras a question needs, with per-camera scores")
-    p.add_argument("--question", required=True)
-    p.add_argument(
-        "--model",
-        default="drive-tiny",
-        help="bundled model name, model directory (with view_selector/) or a view_selector directory",
-    )
-    p.add_argument("--json", action="store_true", help='print {"views": [...], "scores": {camera: score}}')
-    p.set_defaults(func=cmd_views)

@@ -26,7 +26,7 @@ import base64
 import io
 from importlib import import_module
 
-from litevlm.serve.cli import add_serve_arguments, add_serve_parser, run_server, serve_main
+from litevlm.serve.cli import add_serve_arguments, run_server, serve_main
 
 # Names re-exported lazily from the modules that need the server's extra dependencies.
 _LAZY = {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 from litevlm.errors import LiteVLMError
 from litevlm.serve.limits import Limits
@@ -105,20 +104,7 @@ def run_server(pipe, args) -> None:
 
 
 def serve_main(args) -> None:
-    """The `serve` command: the flags checked, then the pipeline built by `args.make_pipeline`, then served."""
+    """The `serve` command (`litevlm.cli` registers it): the flags checked, then the pipeline built by
+    `args.make_pipeline`, then served."""
     app_options(args)
     run_server(args.make_pipeline(args), args)
-
-
-def add_serve_parser(subparsers, add_pipeline_options: Callable, make_pipeline: Callable) -> argparse.ArgumentParser:
-    """Register `litevlm serve` on the CLI's subparsers; `make_pipeline(args)` builds the pipeline."""
-    p = subparsers.add_parser(
-        "serve",
-        help="OpenAI-compatible HTTP server (POST /v1/chat/completions)",
-        description="An OpenAI-compatible HTTP server for the pipeline: /v1/chat/completions (streamed or "
-        "not), /v1/models, /health, /metrics.",
-    )
-    add_serve_arguments(p)
-    add_pipeline_options(p)
-    p.set_defaults(func=serve_main, make_pipeline=make_pipeline)
-    return p

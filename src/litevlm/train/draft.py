@@ -31,14 +31,17 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
+from litevlm.config import flag
 from litevlm.errors import LiteVLMError
 from litevlm.spec.draft import DRAFT_SUBDIR, DraftConfig, DraftHead
 
 
 @dataclass
 class DraftRecipe:
-    frames: int = 150  # training frames (seed, 0..frames-1), ~18 questions each, answered by the target
-    seed: int = 0  # the VLM's training seed: the held-out split is seed 1
+    frames: int = flag(
+        150, "synthetic frames (seed, 0..frames-1) whose questions (~18 each) the model answers to make the data"
+    )
+    seed: int = flag(0, "frames (seed, 0..frames-1); the held-out split is seed 1")
     max_new_tokens: int = 96  # answer length cap while generating the data
     view_subset_prob: float = 0.5  # prompts with only the needed views (+ random extras), as view selection feeds
     render_size: tuple[int, int] = (400, 225)
@@ -46,10 +49,12 @@ class DraftRecipe:
     # The head's shape. On a small target the draft must be much cheaper than a target step: a narrow
     # MLP, a draft vocabulary of the tokens answers actually use, and a window over the prompt (the
     # target's features already carry what it saw).
-    intermediate_size: int = 128  # the draft layer's MLP width (the target's when 0)
+    intermediate_size: int = flag(
+        128, "the draft layer's MLP width (0: the target's)", flag="--intermediate", metavar="N"
+    )
     draft_vocab: int = 256  # > 0: the draft proposes only the most frequent answer tokens (cheaper LM head)
     context: int = 32  # > 0: the draft sees only the last `context` prompt pairs (train and inference alike)
-    minutes: float = 12.0  # training budget (data generation not included)
+    minutes: float = flag(12.0, "wall-clock training budget (data generation not included)")
     epochs: int = 60  # upper bound on passes over the data
     batch: int = 16
     lr: float = 1e-3
@@ -58,10 +63,12 @@ class DraftRecipe:
     weight_decay: float = 0.0
     grad_clip: float = 0.5  # by value, as EAGLE
     feature_noise: float = 0.1  # U(-a, a) x feature RMS added to input features
-    passes: int = 1  # training-time test: 1 = EAGLE-2's teacher forcing; s > 1 also trains on s-1 own predictions
+    passes: int = flag(
+        1, "training-time test: 1 = teacher forcing only (EAGLE-2); s > 1 also trains on the head's own s-1 predictions"
+    )
     ce_weight: float = 0.1
     val_fraction: float = 0.05
-    threads: int = 2
+    threads: int = flag(2, "torch threads")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Training recipe for the TokenSelector: distil the full model's own view of which visual tokens matter.
 
 The paper (arXiv 2506.07416, section 3) builds "synthetic ground truth" from two parts, which we
-make concrete (research/token_pruning.md section 8.2):
+make concrete:
   1. the served VLM's own attention to the visual tokens, teacher-forced on the ground-truth
      answer: the head-mean rows of the last prompt token (half the weight) and of the tokens that
      predict each answer token (the other half), over every decoder layer but the first, each row
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
+from litevlm.config import flag
 from litevlm.errors import LiteVLMError
 from litevlm.select.tokens import (
     SelectorConfig,
@@ -47,12 +48,12 @@ from litevlm.select.tokens import (
 
 @dataclass
 class TokenRecipe:
-    frames: int = 1200  # training frames (seed, 0..frames-1)
-    seed: int = 0
+    frames: int = flag(1200, "synthetic frames (seed, 0..frames-1) whose prompts are labelled and trained on")
+    seed: int = flag(0, "frames (seed, 0..frames-1); the held-out split is seed 1")
     questions_per_frame: int = 8
     val_frames: int = 60  # frames after the training ones, same seed, for the agreement report
-    minutes: float = 10.0  # wall-clock budget for labelling + training
-    epochs: int = 4
+    minutes: float = flag(10.0, "wall-clock budget for labelling and training (labelling takes at most 40%)")
+    epochs: int = flag(4, "passes over the labelled prompts (the budget may stop it sooner)")
     batch: int = 16
     lr: float = 1e-3
     weight_decay: float = 0.01
@@ -64,11 +65,16 @@ class TokenRecipe:
     extra_view_prob: float = 0.15
     render_size: tuple[int, int] = (400, 225)
     keep_ratio: float = 0.5  # defaults stored in the checkpoint for select()
-    shared_layer: bool = True  # read the served model's frozen decoder layer 0; False: train an owned copy
+    shared_layer: bool = flag(
+        True,
+        "train a copy of decoder layer 0 with the head and prune before the decoder (default: the head reads "
+        "the model's own frozen layer 0, which then runs once and the rest of the decoder sees only the kept tokens)",
+        flag="--own-layer",
+    )
     min_per_view: int = 1
     mlp_hidden: int = 128
     use_tags: bool = True  # the selector's c-tag cell bonuses
-    threads: int = 2
+    threads: int = flag(2, "torch threads")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,19 +1,17 @@
 """Training recipe for the ViewSelector: BCE summed over views, then (weight, threshold) calibration.
 
-Labels are hybrid, as in the paper (arXiv 2506.07416, section 3; research/token_pruning.md
-section 1.2): the synthetic generator's own per-question views (seed 0 frames), plus any JSONL of
-`{"question", "views"}` lines, such as `litevlm label-views` writes from a language model for
-implicit questions. Single-tag questions are augmented by moving the tag to every camera (the view
-comes from the tag, not from the phrase around it: the generator only asks "in the moving
-direction" about front objects, real DriveLM asks it about any). Identical questions (tags reduced
-to their camera, numbers to one token) are merged and drawn with probability proportional to the
-square root of their count: rare phrasings are seen often, frequent ones do not drown the rest.
-Word salads (training words with every direction, side, camera and turn word removed) teach the
-module DriveLM's two rules for words it never saw: a question naming no view needs every view
-(salads labelled all six), and a question naming views needs those (salads with one direction
-phrase or c-tag inserted, labelled by the lexical map). And a word the module never saw hashes to
-embeddings training never touched; so that such words carry no view, a share of the training
-questions get one to four random letter strings inserted, their labels unchanged.
+Labels are hybrid, as in the paper (arXiv 2506.07416, section 3): the synthetic generator's own per-question
+views (seed 0 frames), plus any JSONL of `{"question", "views"}` lines, such as `litevlm label-views` writes
+from a language model for implicit questions. Single-tag questions are augmented by moving the tag to every
+camera (the view comes from the tag, not from the phrase around it: the generator only asks "in the moving
+direction" about front objects, real DriveLM asks it about any). Identical questions (tags reduced to their
+camera, numbers to one token) are merged and drawn with probability proportional to the square root of their
+count: rare phrasings are seen often, frequent ones do not drown the rest. Word salads (training words with
+every direction, side, camera and turn word removed) teach the module DriveLM's two rules for words it never
+saw: a question naming no view needs every view (salads labelled all six), and a question naming views needs
+those (salads with one direction phrase or c-tag inserted, labelled by the lexical map). And a word the module
+never saw hashes to embeddings training never touched; so that such words carry no view, a share of the
+training questions get one to four random letter strings inserted, their labels unchanged.
 
 Calibration runs on a validation split that training never sees (seed 2 frames, and one extra
 label line in ten): a grid over the lexical weight and the threshold, keeping the pair that reaches
@@ -40,6 +38,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS, check_camera
+from litevlm.config import flag
 from litevlm.errors import LiteVLMError
 from litevlm.select.views import (
     TAG_RE,
@@ -56,22 +55,22 @@ HELD_OUT_SEED = 1  # the synthetic test split
 
 @dataclass
 class ViewRecipe:
-    frames: int = 3000  # training frames: seed `seed`, indices 0..frames-1
+    frames: int = flag(3000, "synthetic training frames (seed `seed`, 0..frames-1)")
     seed: int = 0
-    val_frames: int = 500  # calibration frames: seed `val_seed`, indices 0..val_frames-1
+    val_frames: int = flag(500, "calibration frames (seed `val_seed`, 0..val-frames-1)")
     val_seed: int = 2
-    steps: int = 1000
+    steps: int = flag(1000, "optimisation steps")
     batch: int = 64
     lr: float = 2e-3
     weight_decay: float = 0.01
     warmup: int = 100
-    minutes: float = 10.0  # wall-clock cap on the optimisation
+    minutes: float = flag(10.0, "wall-clock cap on the optimisation")
     tag_augment: bool = True
     salads: int = 800  # word-salad examples, half without a cue (all six), half with one (0: none)
     noise_words: float = 0.3  # share of training questions given 1-4 random unseen words
-    target_recall: float = 0.995  # on the validation split
-    torch_seed: int = 0
-    threads: int = 1
+    target_recall: float = flag(0.995, "camera recall the threshold is calibrated to, on the calibration frames")
+    torch_seed: int = flag(0, "torch / sampling seed", flag="--seed")
+    threads: int = flag(1, "torch threads")
     width: int = 64
     layers: int = 4
     heads: int = 4
@@ -413,52 +412,3 @@ def train_view_selector(
             + ("" if cal["reached"] else f"  [target recall {recipe.target_recall} NOT reached]")
         )
     return out
-
-
-# ------------------------------------------------------------------------------------------------
-# Command line: `litevlm train views --out DIR`
-# ------------------------------------------------------------------------------------------------
-def cmd_train_views(args) -> None:
-    recipe = ViewRecipe(
-        frames=args.frames,
-        val_frames=args.val_frames,
-        steps=args.steps,
-        minutes=args.minutes,
-        torch_seed=args.seed,
-        target_recall=args.target_recall,
-        threads=args.threads,
-    )
-    out = train_view_selector(args.out, recipe, extra_labels=args.labels, progress=not args.json)
-    meta = json.loads((out / "config.json").read_text())
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "path": str(out),
-                    "weight": meta["weight"],
-                    "threshold": meta["threshold"],
-                    "validation": meta["validation"],
-                },
-                separators=(",", ":"),
-            )
-        )
-    else:
-        print(f"saved to {out}")
-
-
-def add_train_views_parser(train_sub) -> None:
-    """Register `views` on the `litevlm train` subparsers."""
-    p = train_sub.add_parser("views", help="train the ViewSelector (which cameras a question needs) and calibrate it")
-    p.add_argument("--out", required=True, help="model directory; the selector is written to OUT/view_selector/")
-    p.add_argument(
-        "--labels", nargs="*", default=[], help='extra JSONL of {"question", "views"} lines (litevlm label-views)'
-    )
-    p.add_argument("--frames", type=int, default=ViewRecipe.frames, help="synthetic training frames (seed 0)")
-    p.add_argument("--val-frames", type=int, default=ViewRecipe.val_frames, help="calibration frames (seed 2)")
-    p.add_argument("--steps", type=int, default=ViewRecipe.steps)
-    p.add_argument("--minutes", type=float, default=ViewRecipe.minutes)
-    p.add_argument("--target-recall", type=float, default=ViewRecipe.target_recall)
-    p.add_argument("--seed", type=int, default=0, help="torch / sampling seed")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_train_views)

@@ -33,6 +33,7 @@ opens there first.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
-from litevlm.config import TextConfig, VisionConfig, VLMConfig
+from litevlm.config import TextConfig, VisionConfig, VLMConfig, flag
 from litevlm.errors import LiteVLMError
 from litevlm.model.vlm import VLM, image_to_tiles, image_to_uint8_tiles, normalize_tiles
 
@@ -88,59 +89,102 @@ def drive_tiny_config(tokenizer) -> VLMConfig:
 STORE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def family_weight(text: str) -> tuple[str, float]:
+    """One `FAMILY=WEIGHT` item of `VLMRecipe.family_weights` as the command line spells it."""
+    name, sep, value = text.partition("=")
+    try:
+        weight = float(value)
+    except ValueError:
+        weight = -1.0
+    if not sep or not name or weight < 0:
+        raise argparse.ArgumentTypeError(f"expected FAMILY=WEIGHT with a weight >= 0, got {text!r}")
+    return name, weight
+
+
 @dataclass
 class VLMRecipe:
-    frames: int = 6000  # distinct training frames (seed, 0..frames-1)
-    seed: int = 0
-    minutes: float = 40.0  # wall-clock budget; training stops at the budget or at `steps`
-    steps: int = 100000
-    batch_frames: int = 8
+    """How `litevlm train vlm` trains a model; each field with a help text is also a flag of that command."""
+
+    frames: int = flag(6000, "distinct synthetic training frames, rendered once")
+    seed: int = flag(0, "frames (seed, first-frame + i); the held-out split is seed 1")
+    minutes: float = flag(40.0, "wall-clock budget; the schedule is planned to fit it")
+    steps: int = flag(100000, "at most this many steps")
+    batch_frames: int = flag(8, "frames per step (several questions each)")
     questions_per_frame: int = 6
-    lr: float = 3e-4
+    lr: float = flag(3e-4, "peak learning rate (above about 1e-3 the decoder stops reading the images)")
     min_lr_ratio: float = 0.05
-    warmup: int = 200
+    warmup: int = flag(200, "linear warm-up steps")
     weight_decay: float = 0.05
-    view_subset_prob: float = 0.5
-    token_drop_prob: float = 0.35  # frames whose visual tokens are randomly thinned (keep 30-95%)
+    view_subset_prob: float = flag(0.5, "share of frames shown only some questions' views")
+    token_drop_prob: float = flag(0.35, "share of frames whose visual tokens are thinned (keep 30-95%)")
     render_size: tuple[int, int] = (400, 225)
     vocab_size: int = 1024
     tokenizer_frames: int = 2000  # frames whose questions and answers train the tokenizer
-    threads: int = 2
-    first_frame: int = 0  # training frames are (seed, first_frame .. first_frame + frames - 1)
-    closed_weight: float = 1.0  # sampling weight of closed (yes/no, multiple choice) questions vs open ones
-    family_weights: dict[str, float] = field(default_factory=dict)  # extra sampling weight per QA family
-    attn_weight: float = 0.0  # weight of the tag-attention objective (0: off)
-    attn_layer: int = 2  # decoder layer whose head 0 learns to look where a question's c-tags point
-    option_weight: float = 0.0  # weight of the option-attention objective (0: off)
-    option_layer: int = 3  # decoder layer whose head 0 learns to look at a multiple-choice question's right option
-    letter_weight: float = 0.0  # weight of the letter-attention objective (0: off)
-    letter_layer: int = 1  # decoder layer whose head 0 learns to look from an option's text at its letter
-    readout_weight: float = 0.0  # weight of the answer-readout objective (0: off)
-    readout_layer: int = (
-        3  # decoder layer whose input, at a multiple-choice answer row, names the right option's first word
+    threads: int = flag(2, "torch threads")
+    first_frame: int = flag(0, "training frames are (seed, first-frame + i)")
+    closed_weight: float = flag(1.0, "sampling weight of closed (yes/no, multiple choice) questions vs open ones")
+    family_weights: dict[str, float] = flag(
+        {},
+        "extra sampling weight of one QA family (repeatable), e.g. vehicle_colour_mc=4",
+        flag="--family-weight",
+        parse=family_weight,
+        metavar="FAMILY=W",
     )
+    attn_weight: float = flag(
+        0.0, "weight of the tag-attention objective: head 0 of --attn-layer looks where a question's c-tags point"
+    )
+    attn_layer: int = flag(2, "decoder layer of the tag-attention objective")
+    option_weight: float = flag(
+        0.0,
+        "weight of the option-attention objective: head 0 of --option-layer looks at a multiple-choice "
+        "question's right option",
+    )
+    option_layer: int = flag(3, "decoder layer of the option-attention objective")
+    letter_weight: float = flag(
+        0.0,
+        "weight of the letter-attention objective: head 0 of --letter-layer looks from an option's text at its letter",
+    )
+    letter_layer: int = flag(1, "decoder layer of the letter-attention objective")
+    readout_weight: float = flag(
+        0.0,
+        "weight of the answer-readout objective: at a multiple-choice answer row, the input of --readout-layer "
+        "names the right option's first word",
+    )
+    readout_layer: int = flag(3, "decoder layer of the answer-readout objective")
     answer_mean: bool = True  # loss = mean over answers of each answer's mean token loss (else mean over tokens)
-    init: str | None = None  # continue from this checkpoint (its tokenizer and weights)
-    reinit_vision: bool = False  # with init: keep the decoder, start the vision tower and projector afresh
-    reinit_language: bool = False  # with init: keep the vision side, start the decoder afresh
-    grow_after: tuple[int, ...] = ()  # with init: a new decoder layer after each of these layers (see grow_decoder)
-    store_dtype: str = "float32"  # dtype of the saved weights (float16 halves the file; training stays fp32)
-    aux_weight: float = 0.5  # weight of the dense visual-token objective (0: answers only)
-    aux_scale: float = 4.0  # cosine-to-logit scale of the per-cell probe (fixed)
-    # weight of the patch objective: a linear probe on the vision tower's own patch features (before pixel
-    # shuffle) names each patch's contents, so small cues (a motion trail, a light's colour) reach the tower's
-    # output instead of being averaged away before the projector (0: off)
-    patch_aux_weight: float = 0.0
-    # weight of the token-probe objective: a linear probe on the projected visual tokens (what the decoder
-    # receives) names each token's contents, so the projector keeps what the tower sees (0: off). It and the
-    # patch objective mark motion-trail cells as moving (`aux_targets(trails=True)`).
-    token_probe_weight: float = 0.0
-    vision_warmup: int = 0  # first steps on the visual-token objective alone
-    probe_frames: int = 24  # validation frames for the looks-probe (0: none)
-    visual_norm: float = 4.0  # cap on a visual token's L2 norm (a squared-hinge penalty; 0: none)
-    # each "is the traffic light X?" question also asked with the other two colours (same light, same view,
-    # the answers that follow), so Yes and No differ only in the asked colour (`light_contrasts`)
-    light_contrast: bool = False
+    init: str | None = flag(None, "continue training from this checkpoint (its tokenizer and weights)")
+    reinit_vision: bool = flag(False, "with --init: keep the decoder, start the vision side afresh")
+    reinit_language: bool = flag(False, "with --init: keep the vision side, start the decoder afresh")
+    grow_after: tuple[int, ...] = flag(
+        (),
+        "with --init: insert a new decoder layer after each of these layers (a copy with zeroed output "
+        "projections, so training starts from the same function); the layer options count the grown model",
+        metavar="LAYER",
+    )
+    store_dtype: str = flag(
+        "float32", "dtype of the saved weights (training runs in fp32)", choices=tuple(STORE_DTYPES)
+    )
+    aux_weight: float = flag(0.5, "weight of the dense visual-token objective (0: answers only)")
+    aux_scale: float = flag(4.0, "cosine-to-logit scale of the visual-token objective")
+    patch_aux_weight: float = flag(
+        0.0,
+        "weight of the patch objective: a linear probe on the vision tower's patch features names each "
+        "patch's contents (motion, light state, ...), before pixel shuffle can average small cues away",
+    )
+    token_probe_weight: float = flag(
+        0.0,
+        "weight of the token probe: a linear probe on the projected visual tokens names each token's "
+        "contents, so the projector keeps what the tower sees (it and the patch objective mark motion-trail "
+        "cells as moving)",
+    )
+    vision_warmup: int = flag(0, "first steps on the visual-token objective alone")
+    probe_frames: int = flag(24, "validation frames for the with/without-images probe (0: none)")
+    visual_norm: float = flag(4.0, "cap on a visual token's L2 norm, a squared-hinge penalty (0: none)")
+    light_contrast: bool = flag(
+        False,
+        "ask each 'is the traffic light X?' question with the other two colours too (same light, same view), "
+        "so Yes and No differ only in the asked colour",
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,7 +199,7 @@ def aux_fields() -> list[str]:
         + [f"colour:{c}" for c in COLOURS]
         + ["moving"]
         + [f"motion:{m}" for m in MOVING_STATUSES]
-        + [f"light:{l}" for l in LIGHT_STATES]
+        + [f"light:{state}" for state in LIGHT_STATES]
         + [f"sign:{k}" for k in SIGN_KINDS]
     )
 
@@ -420,11 +464,11 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
     pos = torch.zeros((b, t), dtype=torch.long)
     block = torch.full((b, t), -1)
     valid = torch.zeros((b, t), dtype=torch.bool)
-    for i, (a, l, p, bl) in enumerate(seqs):
+    for i, (a, lab, p, bl) in enumerate(seqs):
         n = len(a)
         ids[i, :n], labels[i, :n], pos[i, :n], block[i, :n] = (
             torch.tensor(a),
-            torch.tensor(l),
+            torch.tensor(lab),
             torch.tensor(p),
             torch.tensor(bl),
         )
@@ -1093,7 +1137,8 @@ def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, 
 
 
 def average_checkpoints(out: str | Path, checkpoints: list[str | Path]) -> Path:
-    """The element-wise mean of checkpoints of one shape (a "model soup"), saved at `out` with the tokenizer of the first.
+    """The element-wise mean of checkpoints of one shape (a "model soup"), saved at `out` with the tokenizer of the
+    first.
 
     Stages continued from one checkpoint stay close enough in weight space for their mean to work; the mean of unrelated
     models does not. The card records the averaged stages (`averaged`) after the lineage they share.
@@ -1109,7 +1154,8 @@ def average_checkpoints(out: str | Path, checkpoints: list[str | Path]) -> Path:
                 k for k in {*m["litevlm"], *metas[0]["litevlm"]} if m["litevlm"].get(k) != metas[0]["litevlm"].get(k)
             )
             raise LiteVLMError(
-                f"{c} has another model config than {checkpoints[0]} (differs in {', '.join(diff)}): only checkpoints of one shape average"
+                f"{c} has another model config than {checkpoints[0]} (differs in {', '.join(diff)}): "
+                "only checkpoints of one shape average"
             )
     tokenizers = [
         (Path(c) / "tokenizer.json").read_bytes() if (Path(c) / "tokenizer.json").is_file() else None
