@@ -1,13 +1,13 @@
-"""Load on `litevlm serve`: N requests from C concurrent clients over loopback, one server process.
+"""Load on `litevlm serve`: streamed requests from 1, 4 and 16 concurrent clients over loopback.
 
-Starts `python -m litevlm.serve` on a free 127.0.0.1 port, asks each distinct question once, one
-at a time (the reference answers and the unloaded latency), then sends --requests requests from
---clients threads. A 429 is retried after its Retry-After (retry-after-ms, capped); any other
-non-200 is counted and not retried. Reported: status counts, p50/p99 latency of answered attempts
-and of whole requests (retries included), throughput, server-side stage medians, and whether every
-answer under load equals the one-at-a-time answer.
+Starts `litevlm serve` on a free 127.0.0.1 port, asks each distinct question once, one at a time
+and not streamed (the reference answers), then for each client count sends --requests streamed
+requests from that many threads. A 429 is retried after its Retry-After (retry-after-ms, capped);
+any other non-200 is counted and not retried. Reported per client count: status counts, p50/p99
+latency of answered requests, p50/p99 time to first token (the first content chunk), throughput,
+and whether every streamed answer equals the one-at-a-time answer.
 
-    python benchmarks/serve_load.py --model drive-tiny --requests 200 --clients 16
+    python benchmarks/serve_load.py --model drive-tiny --clients 1,4,16 --requests 64
 
 Traffic goes to 127.0.0.1 only. The last line of stdout is one JSON object with every number.
 """
@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,9 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--model", default="drive-tiny", help="bundled model name or checkpoint directory")
-    p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--max-queue", type=int, default=8, help="the server's --max-queue")
+    p.add_argument("--requests", type=int, default=64, help="requests per client count")
+    p.add_argument("--clients", default="1,4,16", help="comma-separated concurrent client counts")
+    p.add_argument("--max-queue", type=int, default=16, help="the server's --max-queue")
     p.add_argument("--timeout", type=float, default=120.0, help="the server's per-request --timeout (s)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--frames", type=int, default=5, help="distinct synthetic frames")
@@ -73,8 +72,9 @@ def free_port() -> int:
 def start_server(a, port: int, log) -> subprocess.Popen:
     cmd = [
         sys.executable,
-        "-m",
-        "litevlm.serve",
+        "-c",
+        "import sys; from litevlm.cli import main; sys.exit(main())",
+        "serve",
         "--model",
         a.model,
         "--model-name",
@@ -120,17 +120,41 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def run_load(a, url: str, bodies: list[bytes]) -> dict:
+def stream_one(http, url: str, body: bytes) -> tuple[int | str, float, float, str]:
+    """(status, ms to the first content chunk, ms to the end, text) of one streamed request."""
+    import httpx
+
+    t = time.perf_counter()
+    first, parts = float("nan"), []
+    try:
+        with http.stream("POST", url + "/v1/chat/completions", content=body, headers=HEADERS) as r:
+            if r.status_code != 200:
+                r.read()
+                return r.status_code, first, (time.perf_counter() - t) * 1000, r.headers.get("retry-after-ms", "")
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choices = json.loads(line[len("data: ") :])["choices"]
+                piece = choices[0]["delta"].get("content") if choices else None
+                if piece:
+                    if not parts:
+                        first = (time.perf_counter() - t) * 1000
+                    parts.append(piece)
+    except httpx.TransportError as e:
+        return f"transport:{type(e).__name__}", first, (time.perf_counter() - t) * 1000, ""
+    return 200, first, (time.perf_counter() - t) * 1000, "".join(parts)
+
+
+def run_load(a, url: str, bodies: list[bytes], clients: int) -> dict:
     import httpx
 
     statuses: Counter = Counter()
-    attempt_ms: list[float] = []  # answered (200) attempts
-    request_ms: list[float] = []  # whole requests, 429 retries and their sleeps included
-    answers: dict[int, tuple[int, str, dict]] = {}
+    latency_ms: list[float] = []  # answered requests, from their (last) attempt's start
+    ttft_ms: list[float] = []
+    answers: dict[int, str] = {}
     lock = threading.Lock()
     todo = iter(range(a.requests))
-    barrier = threading.Barrier(a.clients + 1)
-    headers = {"content-type": "application/json"}
+    barrier = threading.Barrier(clients + 1)
 
     def client():
         with httpx.Client(timeout=a.timeout + 30) as http:
@@ -140,30 +164,20 @@ def run_load(a, url: str, bodies: list[bytes]) -> dict:
                     i = next(todo, None)
                 if i is None:
                     return
-                t_req = time.perf_counter()
                 while True:
-                    t = time.perf_counter()
-                    try:
-                        r = http.post(url + "/v1/chat/completions", content=bodies[i % len(bodies)], headers=headers)
-                        status = r.status_code
-                    except httpx.TransportError as e:
-                        status, r = f"transport:{type(e).__name__}", None
-                    dt = (time.perf_counter() - t) * 1000
+                    status, first, total, text = stream_one(http, url, bodies[i % len(bodies)])
                     with lock:
                         statuses[status] += 1
                     if status != 429:
                         break
-                    time.sleep(min(int(r.headers.get("retry-after-ms", 1000)) / 1000, a.max_retry_sleep))
-                with lock:
-                    request_ms.append((time.perf_counter() - t_req) * 1000)
-                    if status == 200:
-                        body = r.json()
-                        attempt_ms.append(dt)
-                        answers[i] = (200, body["choices"][0]["message"]["content"], body["litevlm"])
-                    else:
-                        answers[i] = (status, "", {})
+                    time.sleep(min(int(text or 1000) / 1000, a.max_retry_sleep))
+                if status == 200:
+                    with lock:
+                        latency_ms.append(total)
+                        ttft_ms.append(first)
+                        answers[i] = text
 
-    threads = [threading.Thread(target=client) for _ in range(a.clients)]
+    threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
         t.start()
     barrier.wait()
@@ -171,12 +185,27 @@ def run_load(a, url: str, bodies: list[bytes]) -> dict:
     for t in threads:
         t.join()
     return dict(
-        wall_s=time.perf_counter() - t0,
-        statuses=statuses,
-        attempt_ms=attempt_ms,
-        request_ms=request_ms,
-        answers=answers,
+        wall_s=time.perf_counter() - t0, statuses=statuses, latency_ms=latency_ms, ttft_ms=ttft_ms, answers=answers
     )
+
+
+HEADERS = {"content-type": "application/json"}
+
+
+def summary(a, load: dict, reference: list[str], n_bodies: int) -> dict:
+    answered = len(load["answers"])
+    mismatches = sum(1 for i, text in load["answers"].items() if text != reference[i % n_bodies])
+    pct = lambda xs, q: round(percentile(xs, q), 1)  # noqa: E731
+    return {
+        "statuses": {str(k): v for k, v in sorted(load["statuses"].items(), key=lambda kv: str(kv[0]))},
+        "answered": answered,
+        "five_xx": sum(n for s, n in load["statuses"].items() if isinstance(s, int) and s >= 500),
+        "mismatches_vs_one_at_a_time": mismatches,
+        "wall_s": round(load["wall_s"], 3),
+        "throughput_rps": round(answered / load["wall_s"], 3),
+        "latency_ms": {"p50": pct(load["latency_ms"], 50), "p99": pct(load["latency_ms"], 99)},
+        "ttft_ms": {"p50": pct(load["ttft_ms"], 50), "p99": pct(load["ttft_ms"], 99)},
+    }
 
 
 def main(argv=None) -> int:
@@ -185,26 +214,23 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     from litevlm.models import resolve_model_dir
 
+    levels = [int(c) for c in a.clients.split(",")]
     model_dir = resolve_model_dir(a.model)
     bodies = make_cases(a)
+    streamed = [json.dumps({**json.loads(b), "stream": True}).encode() for b in bodies]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile(mode="w+") as log, httpx.Client(timeout=a.timeout + 30) as http:
         proc = start_server(a, port, log)
         try:
             wait_healthy(http, url, proc, a.startup_timeout)
-            http.post(
-                url + "/v1/chat/completions", content=bodies[0], headers={"content-type": "application/json"}
-            )  # warm-up
-            alone_ms, reference = [], []
-            for body in bodies:  # one at a time: the reference answers and the unloaded latency
-                t = time.perf_counter()
-                r = http.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
-                alone_ms.append((time.perf_counter() - t) * 1000)
+            http.post(url + "/v1/chat/completions", content=bodies[0], headers=HEADERS)  # warm-up
+            reference = []
+            for body in bodies:  # one at a time, not streamed: the reference answers
+                r = http.post(url + "/v1/chat/completions", content=body, headers=HEADERS)
                 r.raise_for_status()
                 reference.append(r.json()["choices"][0]["message"]["content"])
-            load = run_load(a, url, bodies)
-            metrics = http.get(url + "/metrics").text
+            results = {str(c): summary(a, run_load(a, url, streamed, c), reference, len(bodies)) for c in levels}
         except Exception:
             log.seek(0)
             print(log.read()[-4000:], file=sys.stderr)
@@ -216,64 +242,36 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    answers = load["answers"]
-    mismatches = sum(1 for i, (s, text, _) in answers.items() if s == 200 and text != reference[i % len(bodies)])
-    answered = sum(1 for s, _, _ in answers.values() if s == 200)
-    five_xx = sum(n for s, n in load["statuses"].items() if isinstance(s, int) and s >= 500)
-    stage_ms = {}
-    exts = [ext for s, _, ext in answers.values() if s == 200]
-    for stage in ("select_views", "vit", "select_tokens", "prefill", "decode", "total"):
-        vals = [e["timings_ms"][stage] for e in exts if stage in e["timings_ms"]]
-        if vals:
-            stage_ms[stage] = round(statistics.median(vals), 2)
-    gen_tokens = [e["generated_tokens"] for e in exts]
     result = {
         "model": str(model_dir),
-        "requests": a.requests,
-        "clients": a.clients,
+        "requests_per_level": a.requests,
         "max_queue": a.max_queue,
         "image_size": [a.width, a.height],
         "distinct_requests": len(bodies),
         "max_new_tokens": a.max_new_tokens,
         "host": f"{platform.machine()} {os.cpu_count()} cpus",
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "statuses": {str(k): v for k, v in sorted(load["statuses"].items(), key=lambda kv: str(kv[0]))},
-        "answered": answered,
-        "five_xx": five_xx,
-        "mismatches_vs_one_at_a_time": mismatches,
-        "wall_s": round(load["wall_s"], 3),
-        "throughput_rps": round(answered / load["wall_s"], 3),
-        "latency_ms": {
-            "p50": round(percentile(load["attempt_ms"], 50), 1),
-            "p99": round(percentile(load["attempt_ms"], 99), 1),
-        },
-        "request_latency_ms": {
-            "p50": round(percentile(load["request_ms"], 50), 1),
-            "p99": round(percentile(load["request_ms"], 99), 1),
-        },
-        "alone_latency_ms": {"p50": round(percentile(alone_ms, 50), 1), "p99": round(percentile(alone_ms, 99), 1)},
-        "server_stage_median_ms": stage_ms,
-        "queue_wait_median_ms": round(statistics.median([e["queue_ms"] for e in exts]), 1) if exts else None,
-        "generated_tokens_median": statistics.median(gen_tokens) if gen_tokens else None,
-        "metrics_lines": len(metrics.splitlines()),
+        "clients": results,
     }
     print(
-        f"litevlm serve under load: {a.requests} requests, {a.clients} clients, queue {a.max_queue}, "
+        f"litevlm serve under load: {a.requests} streamed requests per level, queue {a.max_queue}, "
         f"{a.width}x{a.height} images, model {model_dir.name}, {result['host']}"
     )
-    print(f"  statuses          {result['statuses']}   (5xx: {five_xx}, answered {answered}/{a.requests})")
-    print(f"  throughput        {result['throughput_rps']:.2f} answers/s over {result['wall_s']:.1f} s")
-    print(f"  latency (200s)    p50 {result['latency_ms']['p50']:.1f} ms   p99 {result['latency_ms']['p99']:.1f} ms")
     print(
-        f"  per request       p50 {result['request_latency_ms']['p50']:.1f} ms   p99 {result['request_latency_ms']['p99']:.1f} ms (429 retries included)"
+        f"  {'clients':>7}  {'p50 ms':>9}  {'p99 ms':>9}  {'TTFT p50':>9}  {'TTFT p99':>9}  {'answers/s':>9}  statuses"
     )
-    print(
-        f"  one at a time     p50 {result['alone_latency_ms']['p50']:.1f} ms   p99 {result['alone_latency_ms']['p99']:.1f} ms"
-    )
-    print(f"  server stages     {stage_ms} (median ms), queue wait median {result['queue_wait_median_ms']} ms")
-    print(f"  answers identical to one-at-a-time: {mismatches == 0} ({mismatches} differ)")
+    for c, r in results.items():
+        lat, ttft = r["latency_ms"], r["ttft_ms"]
+        print(
+            f"  {c:>7}  {lat['p50']:>9.1f}  {lat['p99']:>9.1f}  {ttft['p50']:>9.1f}  {ttft['p99']:>9.1f}  "
+            f"{r['throughput_rps']:>9.2f}  {r['statuses']}  ({r['mismatches_vs_one_at_a_time']} differ)"
+        )
     print(json.dumps(result))
-    return 0 if (five_xx == 0 and mismatches == 0 and answered == a.requests) else 1
+    ok = all(
+        r["five_xx"] == 0 and r["mismatches_vs_one_at_a_time"] == 0 and r["answered"] == a.requests
+        for r in results.values()
+    )
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ def images():
 
 
 @pytest.fixture(scope="module")
-def pipe(tiny_model_dir):
-    return Pipeline.from_pretrained(tiny_model_dir, max_new_tokens=8)
+def pipe(tiny_model_dir, images):
+    pipe = Pipeline.from_pretrained(tiny_model_dir, max_new_tokens=8)
+    pipe.answer(QUESTION, images)  # warm-up (a first answer may build native kernels): not within a deadline
+    return pipe
 
 
 @pytest.fixture(scope="module")
@@ -160,16 +162,26 @@ def test_models_health_and_metrics(client, server, images):
     client.chat.completions.create(model="tiny", messages=[user_message(QUESTION, images)])
     r = httpx.get(server.url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    text = r.text
-    assert 'litevlm_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
-    assert 'litevlm_requests_total{endpoint="/v1/chat/completions",status="404"}' in text
-    assert 'litevlm_errors_total{code="model_not_found"}' in text
+    samples = metric_samples(r.text)
+    assert samples[("litevlm_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] >= 1
+    assert samples[("litevlm_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "404")))] >= 1
+    assert samples[("litevlm_errors_total", (("code", "model_not_found"),))] >= 1
     for stage in ("select_views", "vit", "select_tokens", "prefill", "decode", "total"):
-        assert f'litevlm_stage_latency_seconds_bucket{{stage="{stage}",le="+Inf"}}' in text
-    assert "# TYPE litevlm_queue_wait_seconds histogram" in text and "litevlm_queue_wait_seconds_count" in text
-    for line in text.splitlines():  # every sample line is NAME{labels} VALUE with a number
-        if line and not line.startswith("#"):
-            float(line.rsplit(" ", 1)[1])
+        assert samples[("litevlm_stage_latency_seconds_count", (("stage", stage),))] >= 1
+    assert samples[("litevlm_queue_wait_seconds_count", ())] >= 1
+    assert samples[("litevlm_time_to_first_token_seconds_count", ())] >= 1
+    assert samples[("litevlm_in_flight_requests", ())] == 0
+
+
+def metric_samples(text: str) -> dict:
+    """(name, sorted labels) -> value, parsed by prometheus_client's own parser (which refuses malformed text)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_parse_refuses_with_named_problems(images):
@@ -270,19 +282,26 @@ def test_a_request_past_its_deadline_gets_504_and_the_server_recovers(images):
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok: q"
 
 
-def test_cli_registration_parses_serve_options():
-    import argparse
-
+def test_cli_parses_serve_options_and_checks_them_before_the_model_loads():
+    from litevlm.cli import build_parser
     from litevlm.errors import LiteVLMError
-    from litevlm.options import add_pipeline_options
-    from litevlm.serve import add_serve_parser, serve_main
+    from litevlm.serve import serve_main
 
-    parser = argparse.ArgumentParser(prog="litevlm")
-    add_serve_parser(parser.add_subparsers(dest="command"), add_pipeline_options, make_pipeline=None)
+    parser = build_parser()
     args = parser.parse_args(["serve", "--port", "0", "--max-queue", "3", "--timeout", "5", "--model", "m"])
-    assert args.func is serve_main and args.host == "127.0.0.1"
-    assert (args.port, args.max_queue, args.timeout, args.model) == (0, 3, 5.0, "m")
-    bad = parser.parse_args(["serve", "--max-queue", "-1"])
-    bad.make_pipeline = lambda a: pytest.fail("the limits are checked before the model loads")
-    with pytest.raises(LiteVLMError, match="max_queue"):
-        serve_main(bad)
+    assert args.host == "127.0.0.1" and (args.port, args.max_queue, args.timeout, args.model) == (0, 3, 5.0, "m")
+    d = Limits()
+    assert (args.header_timeout, args.body_timeout, args.max_connections) == (
+        d.header_timeout_s,
+        d.body_timeout_s,
+        d.max_connections,
+    )
+    for flag, message in (("--max-queue", "max_queue"), ("--header-timeout", "header_timeout_s")):
+        bad = parser.parse_args(["serve", flag, "-1"])
+        bad.make_pipeline = lambda a: pytest.fail("the limits are checked before the model loads")
+        with pytest.raises(LiteVLMError, match=message):
+            serve_main(bad)
+    help_text = parser._subparsers._group_actions[0].choices["serve"].format_help()
+    for flag in ("--header-timeout", "--body-timeout", "--max-connections"):
+        assert flag in help_text
+    assert "(default: 10.0)" in help_text and "(default: 256)" in help_text

@@ -1,6 +1,7 @@
 """Hostile and malformed requests against a live loopback server: each one a 4xx with an
-OpenAI-style error body, no URL fetched, no file read, and the server healthy and answering
-correctly afterwards."""
+OpenAI-style error body (or, where the HTTP framing itself is broken or never finished, a 4xx or a
+closed connection within the server's timeouts), no URL fetched, no file read, and the server
+healthy and answering correctly afterwards."""
 
 import base64
 import io
@@ -11,6 +12,7 @@ import zlib
 
 import httpx
 import pytest
+from test_serve import metric_samples
 
 from litevlm import Pipeline
 from litevlm.cameras import CAMERAS
@@ -19,6 +21,7 @@ from litevlm.serve import ServerThread, build_app, image_data_url, user_message
 QUESTION = "Is there a red car to the front of the ego car?"
 MAX_BODY = 1_000_000
 MAX_PIXELS = 400_000
+MAX_CONNECTIONS = 64
 
 
 def png_header(width: int, height: int) -> bytes:
@@ -58,6 +61,9 @@ def world(tiny_model_dir, tmp_path_factory):
         max_body_bytes=MAX_BODY,
         max_image_pixels=MAX_PIXELS,
         max_prompt_chars=2000,
+        header_timeout_s=1.0,
+        body_timeout_s=1.0,
+        max_connections=MAX_CONNECTIONS,
     )
     with ServerThread(app) as server:
         yield dict(server=server, urls=urls, expected=expected, path=path, trap=trap, png=images["CAM_BACK"])
@@ -69,16 +75,16 @@ def hostile_requests(w) -> list[tuple[str, dict, str | None]]:
     urls, trap_port = w["urls"], w["trap"].getsockname()[1]
     png = base64.b64decode(urls["CAM_BACK"].split(",", 1)[1])
 
+    def raw(data: bytes) -> dict:
+        return {"content": data, "headers": {"content-type": "application/json"}}
+
     def chat(messages=None, **extra):
         body = {"model": "tiny", "messages": messages if messages is not None else [user_message(QUESTION, urls)]}
         body.update(extra)
-        return {"json": body}
+        return raw(json.dumps(body).encode())  # ASCII escapes: lone surrogates travel as \ud800
 
     def with_image(cam: str, url) -> dict:
         return chat([user_message(QUESTION, {**urls, cam: url})])
-
-    def raw(data: bytes) -> dict:
-        return {"content": data, "headers": {"content-type": "application/json"}}
 
     def parts(*content) -> dict:
         return chat([{"role": "user", "content": list(content)}])
@@ -100,11 +106,15 @@ def hostile_requests(w) -> list[tuple[str, dict, str | None]]:
         ("invalid utf-8", raw(b'{"model": "\xff\xfe"}'), "invalid_json"),
         ("nesting bomb", raw(b"[" * 200_000 + b"]" * 200_000), "invalid_json"),
         ("5000-digit integer", raw(b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b"}"), "invalid_json"),
-        ("NaN temperature", raw(json.dumps(chat(temperature=float("nan"))["json"]).encode()), "invalid_value"),
+        ("NaN temperature", chat(temperature=float("nan")), "invalid_value"),
         ("body over the limit", raw(b"x" * (MAX_BODY + 10)), "body_too_large"),
-        ("chunked body over the limit", {"content": iter([b"[" * 100_000] * 11)}, "body_too_large"),
+        (
+            "chunked body over the limit",
+            {"content": iter([b"[" * 100_000] * 11), "headers": {"content-type": "application/json"}},
+            "body_too_large",
+        ),
         # -- model
-        ("no model", {"json": {"messages": chat()["json"]["messages"]}}, "invalid_type"),
+        ("no model", raw(json.dumps({"messages": [user_message(QUESTION, urls)]}).encode()), "invalid_type"),
         ("model is a number", chat(model=7), "invalid_type"),
         ("model is a list", chat(model=["tiny"]), "invalid_type"),
         ("unknown model", chat(model="gpt-4o"), "model_not_found"),
@@ -224,8 +234,93 @@ def hostile_requests(w) -> list[tuple[str, dict, str | None]]:
         ("stop sequences", chat(stop=["\n"]), "unsupported_parameter"),
         ("json mode", chat(response_format={"type": "json_object"}), "unsupported_parameter"),
         ("logprobs", chat(logprobs=True), "unsupported_parameter"),
+        # -- numbers out of every range the pipeline takes
+        ("seed above 2^64-1", chat(seed=2**64), "invalid_value"),
+        ("seed below -2^63", chat(seed=-(2**63) - 1), "invalid_value"),
+        ("seed of 100 digits", chat(seed=10**100), "invalid_value"),
+        ("seed string", chat(seed="5"), "invalid_type"),
+        ("seed boolean", chat(seed=True), "invalid_type"),
+        ("temperature negative", chat(temperature=-0.1), "invalid_value"),
+        ("temperature Infinity", raw(b'{"model": "tiny", "messages": [], "temperature": Infinity}'), "invalid_value"),
+        ("temperature -Infinity", raw(b'{"model": "tiny", "messages": [], "temperature": -Infinity}'), "invalid_value"),
+        ("top_p NaN", raw(b'{"model": "tiny", "messages": [], "top_p": NaN}'), "invalid_value"),
+        ("top_p above 1", chat(top_p=1.5), "invalid_value"),
+        ("top_p negative", chat(top_p=-0.5), "invalid_value"),
+        ("top_p 1e400", raw(b'{"model": "tiny", "messages": [], "top_p": 1e400}'), "invalid_value"),
+        ("n zero", chat(n=0), "invalid_value"),
+        ("n string", chat(n="1"), "invalid_type"),
+        ("max_tokens float", chat(max_tokens=8.5), "invalid_type"),
+        ("max_tokens 1e3", raw(b'{"model": "tiny", "messages": [], "max_tokens": 1e3}'), "invalid_type"),
+        ("max_completion_tokens zero", chat(max_completion_tokens=0), "invalid_value"),
+        ("max_tokens -2^63", chat(max_tokens=-(2**63)), "invalid_value"),
+        ("stream number", chat(stream=1), "invalid_type"),
+        ("stream_options list", chat(stream=True, stream_options=[1]), "invalid_type"),
+        ("include_usage string", chat(stream=True, stream_options={"include_usage": "yes"}), "invalid_type"),
+        ("user is a number", chat(user=5), "invalid_type"),
+        # -- parameters the pipeline cannot honour
+        ("logit_bias", chat(logit_bias={"42": 100}), "unsupported_parameter"),
+        ("presence_penalty", chat(presence_penalty=1.0), "unsupported_parameter"),
+        ("frequency_penalty", chat(frequency_penalty=-2), "unsupported_parameter"),
+        ("top_logprobs", chat(top_logprobs=5), "unsupported_parameter"),
+        ("audio output", chat(audio={"voice": "alloy", "format": "wav"}), "unsupported_parameter"),
+        ("prediction", chat(prediction={"type": "content", "content": "x"}), "unsupported_parameter"),
+        ("functions", chat(functions=[{"name": "f"}]), "unsupported_parameter"),
+        ("function_call", chat(function_call="auto"), "unsupported_parameter"),
+        ("tool_choice", chat(tool_choice="required"), "unsupported_parameter"),
+        ("audio modality", chat(modalities=["text", "audio"]), "unsupported_parameter"),
+        ("web search", chat(web_search_options={"search_context_size": "low"}), "unsupported_parameter"),
+        ("stop string", chat(stop="."), "unsupported_parameter"),
+        ("json schema", chat(response_format={"type": "json_schema", "json_schema": {}}), "unsupported_parameter"),
+        ("response_format string", chat(response_format="json"), "unsupported_parameter"),
+        # -- lone surrogates anywhere a JSON string can be
+        ("surrogate role", chat(messages=[{"role": "\ud800", "content": QUESTION}]), "invalid_unicode"),
+        ("surrogate content string", chat(messages=[{"role": "user", "content": "\ud800"}]), "invalid_unicode"),
+        ("surrogate question", parts(text(QUESTION + "\udc00"), *six), "invalid_unicode"),
+        ("surrogate camera label", parts(text(QUESTION), text("CAM_BACK\udbff"), *six), "invalid_unicode"),
+        ("surrogate model", chat(model="tiny\ud800"), "invalid_unicode"),
+        ("surrogate key", chat(**{"\ud800": 1}), "invalid_unicode"),
+        ("surrogate image url", with_image("CAM_FRONT", "data:image/png;base64,\ud800"), "invalid_unicode"),
+        ("surrogate system message", chat(messages=[{"role": "system", "content": "\udfff"}]), "invalid_unicode"),
+        ("surrogate part type", parts({"type": "te\udc80xt", "text": QUESTION}), "invalid_unicode"),
+        ("surrogate pair halves reversed", parts(text("\udc00\ud800 car?"), *six), "invalid_unicode"),
+        # -- bodies that are not JSON text
+        ("utf-8 BOM", raw(b"\xef\xbb\xbf" + chat()["content"]), "invalid_json"),
+        ("utf-16 body", raw(json.dumps({"model": "tiny"}).encode("utf-16")), "invalid_json"),
+        ("nul bytes", raw(b"\0" * 64), "invalid_json"),
+        ("only whitespace", raw(b" \n\t " * 100), "invalid_json"),
+        ("two json objects", raw(b'{"model": "tiny"}{"model": "tiny"}'), "invalid_json"),
+        ("single quotes", raw(b"{'model': 'tiny'}"), "invalid_json"),
+        ("trailing comma", raw(b'{"model": "tiny",}'), "invalid_json"),
+        ("deep object nesting", raw(b'{"a":' * 100_000 + b"1" + b"}" * 100_000), "invalid_json"),
+        # -- bodies not declared as JSON
+        (
+            "text/plain",
+            {"content": chat()["content"], "headers": {"content-type": "text/plain"}},
+            "unsupported_media_type",
+        ),
+        ("no content-type", {"content": chat()["content"]}, "unsupported_media_type"),
+        ("form body", {"data": {"model": "tiny"}}, "unsupported_media_type"),
+        ("multipart body", {"files": {"f": b"{}"}}, "unsupported_media_type"),
+        (
+            "json-ish type",
+            {"content": b"{}", "headers": {"content-type": "application/jsonx"}},
+            "unsupported_media_type",
+        ),
+        ("gzip over plain bytes", raw_with(b"{}", {"content-encoding": "gzip"}), "unsupported_media_type"),
+        ("deflate", raw_with(b"{}", {"content-encoding": "deflate"}), "unsupported_media_type"),
+        ("brotli", raw_with(b"{}", {"content-encoding": "br"}), "unsupported_media_type"),
+        ("two encodings", raw_with(b"{}", {"content-encoding": "gzip, identity"}), "unsupported_media_type"),
+        (
+            "content-type with junk",
+            {"content": b"{}", "headers": {"content-type": "\x7f/\x7f"}},
+            "unsupported_media_type",
+        ),
     ]
     return cases
+
+
+def raw_with(data: bytes, headers: dict) -> dict:
+    return {"content": data, "headers": {"content-type": "application/json", **headers}}
 
 
 def test_hostile_requests_are_refused_cleanly_and_the_server_survives(world):
@@ -267,9 +362,9 @@ def test_hostile_requests_are_refused_cleanly_and_the_server_survives(world):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     resp = client.chat.completions.create(model="tiny", messages=[user_message(QUESTION, world["urls"])])
     assert resp.choices[0].message.content == world["expected"]
-    metrics = httpx.get(server.url + "/metrics").text
-    assert 'status="5' not in metrics
-    assert 'litevlm_errors_total{code="image_url_not_allowed"} 9' in metrics
+    samples = metric_samples(httpx.get(server.url + "/metrics").text)
+    assert not [k for k in samples if k[0] == "litevlm_requests_total" and dict(k[1])["status"].startswith("5")]
+    assert samples[("litevlm_errors_total", (("code", "image_url_not_allowed"),))] == 9
 
 
 def test_error_bodies_name_the_problem(world):
@@ -303,3 +398,82 @@ def test_error_bodies_name_the_problem(world):
         r.status_code == 400
         and "missing CAM_FRONT_RIGHT, CAM_BACK, CAM_BACK_LEFT, CAM_BACK_RIGHT" in r.json()["error"]["message"]
     )
+
+
+def framing_cases() -> list[tuple[str, bytes]]:
+    """(name, bytes sent on a fresh connection): HTTP framing broken or never finished."""
+    good = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    return [
+        ("nothing at all", b""),
+        ("half a request line", b"POST /v1/chat/compl"),
+        ("partial headers", good + b"Content-Le"),
+        ("headers without the blank line", good + b"Content-Length: 2\r\n"),
+        ("slow body", good + b'Content-Length: 100\r\n\r\n{"model": '),
+        ("body shorter than its length", good + b"Content-Length: 5000\r\n\r\n{}"),
+        ("slow chunked body", good + b'Transfer-Encoding: chunked\r\n\r\n5\r\n{"mod\r\n'),
+        ("garbage request line", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 TLS hello\r\n\r\n"),
+        ("no HTTP version", b"GET /health\r\n\r\n"),
+        ("HTTP/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+        ("header without colon", b"GET /health HTTP/1.1\r\nHost: x\r\nbroken header\r\n\r\n"),
+        ("NUL in a header", b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n"),
+        ("no Host header", b"GET /health HTTP/1.1\r\n\r\n"),
+        ("two Content-Lengths", good + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}"),
+        ("negative Content-Length", good + b"Content-Length: -1\r\n\r\n{}"),
+        ("non-numeric Content-Length", good + b"Content-Length: ten\r\n\r\n{}"),
+        ("Content-Length and chunked", good + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}"),
+        ("bad chunk size", good + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"),
+        ("unknown transfer coding", good + b"Transfer-Encoding: gzip\r\n\r\n{}"),
+        ("unfinished headers over 64 KiB", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000),
+        ("100-continue over the body limit", good + b"Expect: 100-continue\r\nContent-Length: 99999999\r\n\r\n"),
+        (
+            "absolute-form target to another host",
+            b"GET http://evil.example/v1/models/ HTTP/1.1\r\nHost: evil.example\r\n\r\n",
+        ),
+    ]
+
+
+def read_until_closed(s: socket.socket, timeout_s: float) -> bytes:
+    s.settimeout(timeout_s)
+    data = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except (ConnectionResetError, BrokenPipeError):
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+def test_broken_framing_slow_clients_and_floods_are_bounded(world):
+    """Each framing case, all at once: a 4xx or a closed connection within the header/body timeouts
+    (a test failure, not a hang, past 20 s); 400 idle connections beyond the cap closed on accept; then
+    the server answers as before."""
+    server = world["server"]
+    cases = framing_cases()
+    socks = []
+    for _, data in cases:
+        s = socket.create_connection((server.host, server.port))
+        s.sendall(data)
+        socks.append(s)
+    flood = [socket.create_connection((server.host, server.port)) for _ in range(400)]
+    failures = []
+    try:
+        for (name, _), s in zip(cases, socks):
+            reply = read_until_closed(s, 20)
+            if reply and not reply.startswith(b"HTTP/1.1 4"):
+                failures.append(f"{name}: {reply[:200]!r}")
+        flooded = [read_until_closed(s, 20) for s in flood]
+    finally:
+        for s in socks + flood:
+            s.close()
+    assert not failures, "\n".join(failures)
+    assert all(r == b"" or r.startswith(b"HTTP/1.1 408 ") for r in flooded)
+    assert sum(r == b"" for r in flooded) >= len(flood) - MAX_CONNECTIONS  # closed on accept
+    assert len(cases) + len(hostile_requests(world)) >= 150
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    resp = client.chat.completions.create(model="tiny", messages=[user_message(QUESTION, world["urls"])])
+    assert resp.choices[0].message.content == world["expected"]
+    assert httpx.get(server.url + "/health").json()["in_flight"] == 0

@@ -1,0 +1,206 @@
+"""The model worker: one request at a time on one thread, bounded admission, deadlines, cancellation.
+
+A queued request holds its images as the encoded bytes the client sent; they are decoded when its
+turn comes, so the queue's memory is bounded by its length times the body limit. The model thread
+iterates the pipeline's stream (`Pipeline.stream`: Deltas as tokens are made, then the Answer) and
+between items checks whether the request is still wanted: a client that disconnected or a
+deadline that passed stops the work at the next step, and a request dropped while queued is never
+decoded at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from litevlm.pipeline import Answer, TextStream
+from litevlm.serve.metrics import Metrics
+from litevlm.serve.parse import ChatRequest, Limits, decode_image
+from litevlm.serve.protocol import APIError
+
+
+def stream_pieces(pipe, ans: Answer) -> list[str]:
+    """The answer's text cut into one piece per generated token (those that add text), as `Pipeline.stream`
+    cuts it."""
+    stream = TextStream(pipe.tokenizer, pipe.tokenizer.eos_id)
+    pieces = [stream.push([t]) for t in ans.tokens]
+    return [p for p in [*pieces, stream.finish()] if p]
+
+
+@dataclass(eq=False)
+class Job:
+    """One admitted request. The model thread reports on `events` (through the event loop):
+    ("delta", text), ("done", Answer), ("cancelled", reason) or ("error", exception)."""
+
+    req: ChatRequest
+    arrived: float  # time.monotonic() when the request arrived
+    deadline: float  # time.monotonic() past which nobody waits for the answer
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    reason: str = ""
+    started: bool = False  # the model thread has taken it
+    finished: bool = False  # the model thread has let it go
+    answered: bool = False  # its handler has the Answer
+    queue_s: float = 0.0
+    service_s: float = 0.0
+
+    def drop(self, reason: str) -> None:
+        """Nobody will read the answer ('disconnected' or 'deadline'): stop at the next check."""
+        if not self.cancel.is_set():
+            self.reason = reason
+            self.cancel.set()
+
+    def dropped(self) -> str | None:
+        if not self.cancel.is_set() and time.monotonic() > self.deadline:
+            self.drop("deadline")
+        return self.reason if self.cancel.is_set() else None
+
+    def put(self, kind: str, value: Any) -> None:
+        """From the model thread: hand an event to the request's handler on the event loop."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+class Worker:
+    """Admits requests (429 past the queue limit) and answers them one at a time on its model thread.
+
+    `pending` and `jobs` are the admitted requests not yet finished, as the event loop sees them: a job
+    dropped by its handler (504, a client gone) stays counted until the model thread has let it go."""
+
+    def __init__(self, pipe, limits: Limits, metrics: Metrics):
+        self.pipe, self.limits, self.metrics = pipe, limits, metrics
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="litevlm-model")
+        self.pending = 0  # admitted and not finished; touched only on the event loop
+        self.jobs: set[Job] = set()  # the admitted jobs themselves (event loop only)
+        self.service_ema_s = 0.0
+        self.decoded = 0  # requests whose images were decoded (each one reached the model)
+
+    # -- admission (event loop) ---------------------------------------------------------------------
+    def retry_after_s(self) -> float:
+        per = self.service_ema_s or 0.1  # no answer measured yet: a guess
+        return min(self.limits.timeout_s, max(0.05, per * max(1, self.pending)))
+
+    def check_capacity(self) -> None:
+        """429 with Retry-After (whole seconds, and OpenAI's retry-after-ms) when the queue is full."""
+        if self.pending >= self.limits.max_queue + 1:
+            wait = self.retry_after_s()
+            raise APIError(
+                429,
+                f"the server is busy: {self.pending} requests in flight, the queue holds "
+                f"{self.limits.max_queue}; retry after {wait:.2f} s",
+                code="queue_full",
+                headers={"Retry-After": str(math.ceil(wait)), "retry-after-ms": str(int(wait * 1000))},
+            )
+
+    def submit(self, req: ChatRequest, arrived: float) -> Job:
+        """Admit `req` (or 429) and queue it for the model thread."""
+        self.check_capacity()
+        loop = asyncio.get_running_loop()
+        job = Job(req, arrived, arrived + self.limits.timeout_s, loop)
+        self.pending += 1
+        self.jobs.add(job)
+        fut = loop.run_in_executor(self.executor, self._run, job)
+        fut.add_done_callback(lambda f: self._finished(f, job))
+        return job
+
+    def _finished(self, fut, job: Job) -> None:
+        self.pending -= 1
+        self.jobs.discard(job)
+        job.finished = True
+        if job.service_s:
+            self.service_ema_s = (
+                job.service_s if not self.service_ema_s else 0.8 * self.service_ema_s + 0.2 * job.service_s
+            )
+        if fut.cancelled():  # the executor shut down before the job ran
+            job.events.put_nowait(("cancelled", "shutdown"))
+        elif fut.exception() is not None:
+            job.events.put_nowait(("error", fut.exception()))
+
+    # -- the model thread ---------------------------------------------------------------------------
+    def _run(self, job: Job) -> None:
+        if self._stop(job, "queued"):
+            return  # never decoded
+        start = time.monotonic()
+        job.started, job.queue_s = True, start - job.arrived
+        self.decoded += 1
+        images = {
+            cam: decode_image(raw, f"image {cam}", self.limits.max_image_pixels) for cam, raw in job.req.images.items()
+        }
+        with self._settings(job.req):
+            ans = self._answer(job, images)
+        if ans is None:
+            return
+        job.service_s = time.monotonic() - start
+        self.metrics.queue_wait.observe(job.queue_s)
+        self.metrics.observe_answer(ans.timings_ms, ans.input_tokens, len(ans.tokens))
+        job.put("done", ans)
+
+    def _answer(self, job: Job, images: dict) -> Answer | None:
+        """The pipeline's stream, each piece of text handed on as it comes; None if the job was dropped on the way."""
+        sent = ""
+        items = self._items(job.req.question, images)
+        try:
+            for item in items:
+                if isinstance(item, Answer):  # its text is what the deltas sent (all of it, if there were none)
+                    piece = item.text[len(sent) :] if item.text.startswith(sent) else ""
+                else:
+                    piece = item.text
+                if piece:
+                    if not sent:
+                        self.metrics.first_token.observe(time.monotonic() - job.arrived)
+                    sent += piece
+                    job.put("delta", piece)
+                if isinstance(item, Answer):
+                    return item
+                if self._stop(job, "running"):
+                    return None
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()  # a pipeline stream stops its work here
+        raise RuntimeError("the pipeline's stream ended without an Answer")
+
+    def _stop(self, job: Job, where: str) -> bool:
+        reason = job.dropped()
+        if reason is None:
+            return False
+        self.metrics.count_cancelled(reason, where)
+        job.put("cancelled", reason)
+        return True
+
+    def _items(self, question: str, images: dict) -> Iterator:
+        """The pipeline's stream of deltas and its Answer (a pipeline without `stream`: the Answer alone)."""
+        stream = getattr(self.pipe, "stream", None)
+        if stream is not None:
+            return stream(question, images)
+        return iter([self.pipe.answer(question, images)])
+
+    @contextmanager
+    def _settings(self, req: ChatRequest):
+        """Per-request sampling settings, applied and always restored: a request changes nothing another sees."""
+        pipe, overrides = self.pipe, {}
+        if req.max_tokens is not None:  # above the server's --max-new-tokens it is clamped (the KV cache's size)
+            overrides["max_new_tokens"] = min(req.max_tokens, pipe.max_new_tokens)
+        if req.temperature is not None:
+            overrides["temperature"] = req.temperature
+        if req.top_p is not None:
+            overrides["top_p"] = req.top_p
+        if req.seed is not None:  # a fresh generator: a seeded request neither reads nor moves the shared one
+            import torch
+
+            overrides["generator"] = torch.Generator(device=pipe.generator.device).manual_seed(req.seed)
+        saved = {name: getattr(pipe, name) for name in overrides}
+        try:
+            for name, value in overrides.items():
+                setattr(pipe, name, value)
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(pipe, name, value)
