@@ -1,12 +1,12 @@
 """`litevlm bench`: the paper's Table 1 (arXiv 2506.07416) re-measured on any model and machine.
 
-Every configuration answers the same questions on the same images in one run, interleaved question by
-question so that machine noise hits all rows alike, in an order shuffled anew for each question so that
-no row always follows the same one (a row after a similar one finds the caches warm); the first questions
-warm every row up and are not counted. Stage times are the pipeline's own (device synchronised at stage
-boundaries), medians over questions; extend-one = decode time / tokens generated after the first. The DriveLM score of each row
-comes from the answers of this same run. The `transformers` rows run transformers' `generate` on the
-same weights, exported through `litevlm convert`, with the dynamic ("eager") and the static cache.
+Every configuration answers the same questions on the same images in one run, interleaved question by question
+so that machine noise hits all rows alike, in an order shuffled anew for each question so that no row always
+follows the same one (a row after a similar one finds the caches warm); the first questions warm every row up
+and are not counted. Stage times are the pipeline's own (device synchronised at stage boundaries), medians
+over questions; extend-one = decode time / tokens generated after the first. The DriveLM score of each row
+comes from the answers of this same run. The `transformers` rows run transformers' `generate` on the same
+weights, exported through `litevlm convert`, with the dynamic ("eager") and the static cache.
 """
 
 from __future__ import annotations
