@@ -44,10 +44,9 @@ class VLM(nn.Module):
         out; the prompt's K/V are stored in the cache's fp32). Decode steps and tree verification (a few
         rows) stay fp32. 0 turns it off. Needs a CPU with AMX or AVX512-BF16.
 
-        Weights are packed once for the CPU library (`litevlm.model.lm.pack_bf16`), and its kernel for every
+        Weights are packed once for the CPU library (`litevlm.model.layers.pack_bf16`), and its kernel for every
         weight shape and row count the model will see (1-6 views; decoder row buckets up to `warm_rows`) is
-        built here (about 1.5 ms each, under a second in all for drive-tiny) rather than inside the first
-        prompts of each length."""
+        built here rather than inside the first prompts of each length."""
         from litevlm.model.layers import BF16_ROW_BUCKET, bf16_matmul_supported, mm
 
         if min_rows and (self.device.type != "cpu" or self.dtype != torch.float32 or not bf16_matmul_supported()):
