@@ -293,6 +293,10 @@ def main() -> None:
                 "rows": rows,
                 "kept": kept,
                 "rule": RULE,
+                "errors": {f"{name}, {kind}": why for (name, kind), why in errors.items()},
+                "aoti_static_ms": {
+                    f"{name}, {threads} thread(s)": _round(ms) for (name, threads), ms in reference.items()
+                },
             }
         )
     )

@@ -124,7 +124,8 @@ def commit() -> str:
     def git(*a) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks")
+    # the runs' own outputs (benchmarks/results) are not code: writing them leaves the code as committed
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks", ":!benchmarks/results")
     return git("rev-parse", "--short", "HEAD") + ("+uncommitted" if dirty else "")
 
 
@@ -165,6 +166,7 @@ def run_one(b: Benchmark, n: int | None) -> dict:
     if b.pinned and len(prefix) > 1:
         argv = ["taskset", "-c", "1", *argv]
     print(f"[report] {shown}", file=sys.stderr, flush=True)
+    code = commit()  # taken before the run, which may rewrite its own results
     t0 = time.time()
     proc = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
@@ -175,7 +177,7 @@ def run_one(b: Benchmark, n: int | None) -> dict:
         "command": shown,
         "setup": setup,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit(),
+        "commit": code,
         "machine": machine(b.pinned),
         "exit_code": proc.returncode,
         "seconds": round(time.time() - t0, 1),
@@ -427,8 +429,50 @@ def section_serve(run: dict | None) -> list[str]:
     if run is None:
         return out + missing("the server under load", "python benchmarks/report.py --run --only serve_load")
     res = run["result"]
-    out += ["Loopback only, one server process; every key of the benchmark's JSON (latencies in ms).", ""]
-    out += table(["figure", "value"], [[k, v] for k, v in flatten(res) if k not in ("model", "host")])
+    levels = res.get("clients")
+    if not isinstance(levels, dict):  # a result of another shape: every key it has
+        out += ["Loopback only, one server process; every key of the benchmark's JSON (latencies in ms).", ""]
+        out += table(["figure", "value"], [[k, v] for k, v in flatten(res) if k not in ("model", "host")])
+        return out + provenance(run)
+    settings = [
+        f"{k.replace('_', ' ')} {res[k]}"
+        for k in ("requests_per_level", "distinct_requests", "max_queue", "max_new_tokens")
+        if k in res
+    ]
+    out += [
+        "Loopback only, one server process, streamed answers; at each level that many clients send requests",
+        f"back to back ({', '.join(settings)}). Latency is the whole request; time to first token is the first",
+        "content chunk's arrival. Milliseconds.",
+        "",
+    ]
+    cols = [
+        "clients",
+        "answered",
+        "5xx",
+        "mismatches",
+        "requests/s",
+        "p50",
+        "p99",
+        "first token p50",
+        "first token p99",
+    ]
+    rows = []
+    for n, lv in sorted(levels.items(), key=lambda kv: int(kv[0])):
+        lat, ttft = lv.get("latency_ms") or {}, lv.get("ttft_ms") or {}
+        rows.append(
+            [
+                n,
+                lv.get("answered"),
+                lv.get("five_xx"),
+                lv.get("mismatches_vs_one_at_a_time"),
+                lv.get("throughput_rps"),
+                lat.get("p50"),
+                lat.get("p99"),
+                ttft.get("p50"),
+                ttft.get("p99"),
+            ]
+        )
+    out += table(cols, rows)
     return out + provenance(run)
 
 
@@ -437,8 +481,30 @@ def section_compile(run: dict | None) -> list[str]:
     if run is None:
         return out + missing("compile against native", "python benchmarks/compile_vs_native.py")
     res = run["result"]
-    cols = ["step", "threads", "eager_ms", "native_ms", "inductor_ms", "aoti_ms", "compile_s"]
-    out += table(cols, [[r.get(c) for c in cols] for r in res.get("rows", [])])
+    out += [
+        "One step of drive-tiny's decoder, medians in ms: the modules run eagerly (the reference), the native C++ (the",
+        "fast path), and the modules compiled by torch.compile (inductor) and AOTInductor; n/a where a build failed.",
+        "",
+    ]
+    keys = ["step", "threads", "eager_ms", "native_ms", "inductor_ms", "aoti_ms", "compile_s"]
+    cols = ["step", "threads", "modules (eager)", "native", "inductor", "AOTInductor", "compile s"]
+
+    def compile_cell(v):  # seconds per library path, or one number
+        if isinstance(v, dict):
+            return ", ".join(f"{k} {'failed' if s is None else fmt(s)}" for k, s in v.items())
+        return v
+
+    out += table(
+        cols, [[compile_cell(r.get(c)) if c == "compile_s" else r.get(c) for c in keys] for r in res.get("rows", [])]
+    )
+    for where, why in (res.get("errors") or {}).items():
+        out += ["", f"- {where} failed: {why}"]
+    for where, ms in (res.get("aoti_static_ms") or {}).items():
+        out += [
+            "",
+            f"- {where}: AOTInductor with the slot and position fixed (one build per cache slot, so no"
+            f" generation can use it): {fmt(ms)} ms",
+        ]
     kept = res.get("kept") or {}
     if kept:
         out += ["", "Kept: " + ", ".join(f"{step}: {backend}" for step, backend in kept.items()) + "."]

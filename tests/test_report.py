@@ -280,3 +280,36 @@ def test_the_model_card_keeps_its_training_history_when_rewritten(tmp_path, benc
     text = (tmp_path / "MODEL.md").read_text()
     assert "old scores" not in text and "| with the camera images | 0.6250 |" in text  # the scores are rewritten
     assert text.endswith(history) and text.count(card.HISTORY) == 1  # the history is kept once, at the end
+
+
+def test_the_server_levels_are_one_row_each_with_their_first_token_times(tmp_path, report):
+    def level(answered, rps, p50, p99, t50, t99):
+        return {
+            "statuses": {"200": answered},
+            "answered": answered,
+            "five_xx": 0,
+            "mismatches_vs_one_at_a_time": 0,
+            "wall_s": 30.0,
+            "throughput_rps": rps,
+            "latency_ms": {"p50": p50, "p99": p99},
+            "ttft_ms": {"p50": t50, "p99": t99},
+        }
+
+    levels = {"16": level(200, 6.6, 2404.8, 2619.5, 2380.5, 2612.5), "1": level(200, 6.5, 145.3, 212.6, 131.2, 150.8)}
+    result = {"requests_per_level": 200, "max_queue": 16, "distinct_requests": 20, "clients": levels}
+    page = write(tmp_path, report, {**FIXTURES, "serve_load": run_file("serve_load", result, "python serve_load.py")})
+    assert "| 1 | 200 | 0 | 0 | 6.5 | 145.3 | 212.6 | 131.2 | 150.8 |" in page
+    assert "| 16 | 200 | 0 | 0 | 6.6 | 2404.8 | 2619.5 | 2380.5 | 2612.5 |" in page
+    assert page.index("| 1 | 200 |") < page.index("| 16 | 200 |")  # levels in client order, not key order
+    assert "requests per level 200" in page
+
+
+def test_the_compile_table_names_each_failed_build_and_its_error(tmp_path, report):
+    rows = [
+        {"step": "decode step", "threads": 1, "eager_ms": 3.2, "native_ms": 0.88, "inductor_ms": 1.6}
+        | {"aoti_ms": None, "compile_s": {"inductor": 2.57, "aoti": None}}
+    ]
+    result = {"rows": rows, "kept": {"decode step": "native"}, "errors": {"decode step, aoti": "TypeError: x"}}
+    page = write(tmp_path, report, {**FIXTURES, "compile_vs_native": run_file("compile_vs_native", result, "c")})
+    assert "| decode step | 1 | 3.2 | 0.88 | 1.6 | n/a | inductor 2.57, aoti failed |" in page
+    assert "- decode step, aoti failed: TypeError: x" in page
