@@ -497,19 +497,18 @@ def section_compile(run: dict | None) -> list[str]:
     out += table(
         cols, [[compile_cell(r.get(c)) if c == "compile_s" else r.get(c) for c in keys] for r in res.get("rows", [])]
     )
-    for where, why in (res.get("errors") or {}).items():
-        out += ["", f"- {where} failed: {why}"]
-    for where, ms in (res.get("aoti_static_ms") or {}).items():
-        out += [
-            "",
-            f"- {where}: AOTInductor with the slot and position fixed (one build per cache slot, so no"
-            f" generation can use it): {fmt(ms)} ms",
-        ]
+    notes = [f"- {where} failed: {why}" for where, why in (res.get("errors") or {}).items()]
+    notes += [
+        f"- {where}: AOTInductor with the slot and position fixed (one build per cache slot, so no generation can"
+        f" use it): {fmt(ms)} ms"
+        for where, ms in (res.get("aoti_static_ms") or {}).items()
+    ]
+    out += ["", *notes] if notes else []
     kept = res.get("kept") or {}
     if kept:
         out += ["", "Kept: " + ", ".join(f"{step}: {backend}" for step, backend in kept.items()) + "."]
     if res.get("rule"):
-        out += ["", f"Rule: {res['rule']}"]
+        out += ["", f"Rule: {res['rule']}, at every thread count measured (the worst ratio decides)."]
     return out + provenance(run)
 
 

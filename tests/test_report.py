@@ -223,7 +223,7 @@ def test_compile_and_gpu_results_are_shown_when_present(tmp_path, report):
     gpu_run = run_file("gpu_bench_2b", bench(1, 3.03), "litevlm bench --shape 2b --json")
     page = write(tmp_path, report, {**FIXTURES, "compile_vs_native": compile_run, "gpu_bench_2b": gpu_run})
     assert "| decode | 1 | 2.378 | 0.819 | 1.234 | n/a | 41.5 |" in page
-    assert "Kept: decode: native." in page and "Rule: keep the fastest backend per step" in page
+    assert "Kept: decode: native." in page and "Rule: keep the fastest backend per step, at every thread count" in page
     assert "None measured yet" not in page and "### gpu_bench_2b" in page
     assert row(report, [gpu_run["result"]["rows"][1][c] for c in report.BENCH_COLUMNS]) in page
 
