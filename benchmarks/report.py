@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from litevlm.eval.bench import COLUMNS
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ".bench-data"  # the synthetic splits the runs read, made on first use (git ignores it)
@@ -222,22 +224,7 @@ def missing(what: str, command: str) -> list[str]:
     return [f"**Not measured:** no results file for {what}. `{command}` makes it.", ""]
 
 
-BENCH_COLUMNS = [
-    "config",
-    "views",
-    "vit_ms",
-    "input_tokens",
-    "prefill_ms",
-    "extend_one_ms",
-    "decode_ms",
-    "select_ms",
-    "total_ms",
-    "speedup",
-    "score",
-    "tau",
-    "opened_tokens",
-    "mean_total_ms",
-]
+BENCH_COLUMNS = [*COLUMNS, "tau", "opened_tokens", "mean_total_ms"]  # the table's own columns, then the run's
 
 
 def litevlm_speedup(result: dict) -> float | None:

@@ -366,20 +366,7 @@ def run_bench(
 
 
 def format_table(result: dict) -> str:
-    cols = (
-        "config",
-        "views",
-        "vit_ms",
-        "input_tokens",
-        "prefill_ms",
-        "extend_one_ms",
-        "decode_ms",
-        "select_ms",
-        "total_ms",
-        "speedup",
-        "score",
-        "tau",
-    )
+    cols = (*COLUMNS, "tau")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in result["rows"]:
         lines.append("| " + " | ".join("n/a" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
