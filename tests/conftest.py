@@ -1,4 +1,7 @@
 import os
+import threading
+from contextlib import contextmanager
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
@@ -111,3 +114,18 @@ def benchmark_script():
         return mod
 
     return load
+
+
+@contextmanager
+def loopback_server(handler):
+    """A threaded HTTP server on 127.0.0.1 (a free port) answering with `handler`; `.seen` collects what the
+    handler records. Shut down and closed on exit."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.seen = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -3,10 +3,10 @@
 import json
 import math
 import shutil
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+from conftest import loopback_server
 
 from litevlm.errors import LiteVLMError
 from litevlm.eval.judge import Judge, parse_score
@@ -380,13 +380,8 @@ class _StubHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def stub():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _StubHandler)
-    server.seen = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with loopback_server(_StubHandler) as server:
+        yield server
 
 
 def _judge(stub, mode, **kw):

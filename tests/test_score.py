@@ -2,11 +2,11 @@
 
 import json
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
+from conftest import loopback_server
 
 from litevlm.cli import main
 from litevlm.data.drivelm import load_samples, official_tags
@@ -92,13 +92,8 @@ class _StandInEndpoint(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def endpoint():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _StandInEndpoint)
-    server.seen = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with loopback_server(_StandInEndpoint) as server:
+        yield server
 
 
 def test_litevlm_score_with_a_judge_endpoint_gives_the_official_final(endpoint, capsys, monkeypatch):
