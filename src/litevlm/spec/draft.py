@@ -378,7 +378,7 @@ class DraftHead(nn.Module):
         drafted ids (m,). None where the modules run (no `prepare`d plan, another dtype)."""
         if self._chain_args is None or self._plan is None or root_hidden.dtype != torch.float32:
             return None
-        cfg, (cos, sin) = self.cfg, self._rope
+        cos, sin = self._rope
         log_min = math.log(min_value) if min_value > 0 else -math.inf
         return self.steps.chain(
             root_hidden,
@@ -389,6 +389,14 @@ class DraftHead(nn.Module):
             -1 if eos_id is None else eos_id,
             cos,
             sin,
+            *self._native_tail(),
+        )
+
+    def _native_tail(self) -> tuple:
+        """The arguments the native chain and draft cycle share after their own: the packed embedding, fc and
+        head, the layer's weights and cache, and the attention shape."""
+        cfg = self.cfg
+        return (
             *self._chain_args,
             self._plan.weights,
             cpu_steps.caches((self.layer,)),
@@ -413,7 +421,7 @@ class DraftHead(nn.Module):
     ) -> torch.Tensor | None:
         """`extend(features, next_embeds, positions, start, last_only=True)` and then `draft_chain` from its
         output at slot start + n, in one CPU call on the CPU -> the chain to verify (1 + m,): the root,
-        then the m drafted ids; None where the eager path runs (as `draft_chain`)."""
+        then the m drafted ids; None where the module path runs (as `draft_chain`)."""
         if (
             self._chain_args is None
             or self._plan is None
@@ -421,7 +429,7 @@ class DraftHead(nn.Module):
             or next_embeds.dtype != torch.float32
         ):
             return None
-        cfg, (cos, sin) = self.cfg, self._rope
+        cos, sin = self._rope
         log_min = math.log(min_value) if min_value > 0 else -math.inf
         return self.steps.draft_cycle(
             features,
@@ -435,13 +443,7 @@ class DraftHead(nn.Module):
             -1 if eos_id is None else eos_id,
             cos,
             sin,
-            *self._chain_args,
-            self._plan.weights,
-            cpu_steps.caches((self.layer,)),
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.norm_eps,
+            *self._native_tail(),
         )
 
     # -- checkpoints ------------------------------------------------------------------------------

@@ -350,7 +350,7 @@ def verify_chain_greedy(model, tokens: torch.Tensor, start: int, root_position: 
     CPU -> (emitted tokens (a+1,): the accepted drafts and the bonus; the pairs for the draft's next extend:
     the target's hidden states at the root and the accepted drafts (a+1, C), the embeddings of the tokens
     after them (a+1, C), their positions (a+1,)). A chain's accepted path is a prefix, so nothing needs
-    committing. None where the eager path runs (no `plan`, or a head or final norm it does not know)."""
+    committing. None where the module path runs (no `plan`, or a head or final norm it does not know)."""
     lm = model.language_model
     if plan is None or not lm.head_fusable(model.lm_head):
         return None
