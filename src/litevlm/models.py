@@ -163,3 +163,17 @@ def _read_config(path: Path) -> dict:
         return json.loads((path / "config.json").read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise LiteVLMError(f"{path / 'config.json'} is not valid JSON: {e.msg} at line {e.lineno}") from None
+
+
+def modules_dir(loaded: Loaded, out: str | Path | None = None) -> Path:
+    """Where a recipe saves the module it trained for `loaded` (`out`, else the model's own folder), with the prompt
+    format it was trained on written there as prompt.json, so that `Pipeline.from_pretrained` rebuilds that prompt."""
+    d = Path(out) if out is not None else loaded.path
+    d.mkdir(parents=True, exist_ok=True)
+    if (d / PROMPT_FILE).is_file() and read_format(d) != loaded.format:
+        raise LiteVLMError(
+            f"{d / PROMPT_FILE} holds another prompt format than the one these modules are trained with; "
+            "save them into a copy of the checkpoint instead"
+        )
+    loaded.format.save(d)
+    return d

@@ -289,6 +289,12 @@ class Pipeline:
         return cls(model, loaded.tokenizer, name=path.name, prompt_format=loaded.format, **parts, **options)
 
     @classmethod
+    def from_loaded(cls, loaded, **options) -> Pipeline:
+        """A pipeline (baseline unless `options` add stages) over a `litevlm.models.Loaded` checkpoint, in its own
+        prompt format: what the recipes prompt their target with."""
+        return cls(loaded.model, loaded.tokenizer, name=loaded.path.name, prompt_format=loaded.format, **options)
+
+    @classmethod
     def from_hf(cls, path: str | Path, **options) -> Pipeline:
         """`from_pretrained` on a transformers InternVL checkpoint folder."""
         return cls.from_pretrained(path, **options)
