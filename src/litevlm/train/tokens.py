@@ -16,12 +16,18 @@ the selector is trained by a listwise KL(p || softmax(scores)), which matches a 
 teacher at every budget r at once. Frames come from the synthetic training stream (seed 0; the
 held-out split is seed 1); view sets mix "the views the question needs (plus random extras)" with
 "all six", as the pipeline feeds the selector.
+
+On the user's data (`--data`) the attention is forced on the target's own greedy
+answer and the prior comes from the questions' c-tag points. Every prompt, synthetic or real, is the target's own
+(`Pipeline.from_loaded`: its chat template and tiling), so the selector learns on the prompts it will serve.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -36,12 +42,17 @@ from litevlm.cameras import CAMERAS
 from litevlm.config import flag
 from litevlm.errors import LiteVLMError
 from litevlm.select.tokens import (
+    C_TAG,
     SelectorConfig,
     TokenSelector,
+    ViewGrid,
+    as_grid,
     attention_rows,
     box_cells,
     fastv_scores,
     keep_count,
+    tag_cells,
+    view_grids,
     visual_index,
 )
 
@@ -75,6 +86,17 @@ class TokenRecipe:
     mlp_hidden: int = 128
     use_tags: bool = True  # the selector's c-tag cell bonuses
     threads: int = flag(2, "torch threads")
+    # --data only (the user's DriveLM data)
+    val_fraction: float = flag(0.1, "with --data: share of the scenes held out for validation (scene_split, seed)")
+    questions: int = flag(0, "with --data: at most this many training questions, in file order (0: all)")
+    val_questions: int = flag(200, "with --data: at most this many held-out questions for the agreement report")
+    teacher_answer: str = flag(
+        "greedy",
+        "with --data: the answer the teacher attention is forced on: the target's own greedy answer, or the "
+        "data's reference answer",
+        choices=("greedy", "reference"),
+    )
+    answer_tokens: int = flag(64, "with --data: the longest greedy answer the target writes for a label")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,16 +105,45 @@ class TokenRecipe:
 
 
 def box_prior(
-    boxes_by_view: dict[str, list[Sequence[float]]], views: Sequence[str], grid: int, tiles_per_view: int
+    boxes_by_view: dict[str, list[Sequence[float]]],
+    views: Sequence[str],
+    grid: int,
+    layout: int | ViewGrid | Sequence[ViewGrid],
 ) -> torch.Tensor:
-    """(N,) distribution over the visual tokens of `views` (prompt order) covered by the boxes; zeros if none."""
-    per_view = grid * grid * tiles_per_view
-    prior = torch.zeros(len(views) * per_view)
-    for i, cam in enumerate(views):
+    """(N,) distribution over the visual tokens of `views` (prompt order) covered by the boxes; zeros if none.
+    `layout`: one `ViewGrid` per view, or one layout for all (an int: tiles side by side)."""
+    grids = _grids(layout, len(views))
+    sizes = [g.tiles * grid * grid for g in grids]
+    prior = torch.zeros(sum(sizes))
+    off = 0
+    for cam, g, size in zip(views, grids, sizes):
         for box in boxes_by_view.get(cam, []):
-            for j in box_cells(box, grid, tiles_per_view):
-                prior[i * per_view + j] = 1.0
+            for j in box_cells(box, grid, g):
+                prior[off + j] = 1.0
+        off += size
     return prior / prior.sum() if prior.sum() > 0 else prior
+
+
+def point_prior(texts: Sequence[str], views: Sequence[str], grid: int, grids: Sequence[ViewGrid]) -> torch.Tensor:
+    """(N,) distribution over the visual tokens of `views` at the cells the texts' c-tags <cK,CAM,x,y> point at (the
+    tiles' cell and the thumbnail's, `tag_cells`); zeros if no tag names a view of the prompt."""
+    sizes = [g.tiles * grid * grid for g in grids]
+    start = dict(zip(views, [sum(sizes[:i]) for i in range(len(sizes))]))
+    where = dict(zip(views, grids))
+    prior = torch.zeros(sum(sizes))
+    for text in texts:
+        for tag in C_TAG.finditer(text or ""):
+            cam = tag.group(1)
+            if cam in where:
+                for j in tag_cells(tag.group(0), grid, where[cam])[0][1]:
+                    prior[start[cam] + j] = 1.0
+    return prior / prior.sum() if prior.sum() > 0 else prior
+
+
+def _grids(layout, n: int) -> list[ViewGrid]:
+    if isinstance(layout, (list, tuple)) and not isinstance(layout, ViewGrid):
+        return list(layout)
+    return [as_grid(layout)] * n
 
 
 def frame_boxes(frame, question: str, answer: str, needed: Sequence[str]) -> dict[str, list[tuple[float, ...]]]:
@@ -183,7 +234,8 @@ def pick_views(rng: random.Random, needed: Sequence[str], recipe: TokenRecipe) -
 
 
 def prompt_embeds(model, tokenizer, visual_by_cam: dict[str, torch.Tensor], question: str, views: Sequence[str]):
-    """The pipeline's prompt for `question` over `views`: (ids, embeds (1, T, C), positions (1, T), view_spans)."""
+    """drive-tiny's prompt (the default format, fixed tiles) for `question` over `views`: (ids, embeds (1, T, C),
+    positions (1, T), view_spans). The recipe itself prompts through the pipeline (`frame_prompt`)."""
     from litevlm.model.prompt import build_prompt
 
     tpv = model.cfg.tokens_per_tile * model.cfg.tiles_per_view
@@ -194,44 +246,179 @@ def prompt_embeds(model, tokenizer, visual_by_cam: dict[str, torch.Tensor], ques
     return layout.ids, embeds, torch.arange(ids.shape[1], device=model.device)[None], layout.view_spans
 
 
-def build_items(
-    model, tokenizer, recipe: TokenRecipe, frame_range: range, rng: random.Random, deadline: float, progress: bool
-):
-    """Render, encode and label frames: (visual bank [frames] of {cam: (tokens, C)}, items)."""
-    from litevlm.data.synthetic import make_frame, render_views
-    from litevlm.model.vlm import image_to_tiles
+def encode_frame(pipe, images) -> dict[str, torch.Tensor]:
+    """Every camera's visual tokens (tiles, tokens_per_tile, C) of one frame, cut by the pipeline's tiling and
+    encoded in one vision pass, kept on the CPU until a prompt needs them."""
+    pixels, counts = pipe.tiles(images, list(CAMERAS))
+    with torch.no_grad():
+        visual = pipe.model.encode_tiles(pixels.to(pipe.model.device)).cpu()  # (tiles, tokens_per_tile, C)
+    return dict(zip(CAMERAS, visual.split([n // pipe.cfg.tokens_per_tile for n in counts])))
 
-    cfg = model.cfg
-    grid = cfg.vision.grid // 2
+
+def frame_prompt(pipe, visual_by_cam: dict[str, torch.Tensor], question: str, views: Sequence[str]):
+    """The pipeline's own prompt (`Pipeline.embed_prompt`) for `question` over `views` of an encoded frame."""
+    visual = torch.cat([visual_by_cam[c] for c in views]).to(pipe.model.device)
+    counts = [visual_by_cam[c].shape[0] * visual_by_cam[c].shape[1] for c in views]
+    return pipe.embed_prompt(question, list(views), visual, counts)
+
+
+def build_items(pipe, recipe: TokenRecipe, frame_range: range, rng: random.Random, deadline: float, progress: bool):
+    """Render, encode and label synthetic frames: (visual bank [frames] of {cam: (tiles, tokens, C)}, items)."""
+    from litevlm.data.synthetic import make_frame, render_views
+
+    model, tokenizer = pipe.model, pipe.tokenizer
+    grid = model.cfg.vision.grid // 2
     bank, items = [], []
     for i in tqdm(frame_range, desc="labelling frames", disable=not progress):
         if time.time() > deadline:
             break
         frame = make_frame(recipe.seed, i)
-        images = render_views(frame, size=tuple(recipe.render_size))
-        pixels = torch.cat([image_to_tiles(images[c], cfg.vision.image_size, cfg.tiles_per_view) for c in CAMERAS]).to(
-            model.device
-        )
-        with torch.no_grad():
-            visual = model.encode_tiles(pixels).reshape(
-                len(CAMERAS), -1, cfg.text.hidden_size
-            )  # (6, tokens per view, C)
-        bank.append({c: visual[j] for j, c in enumerate(CAMERAS)})
+        bank.append(encode_frame(pipe, render_views(frame, size=tuple(recipe.render_size))))
         qas = rng.sample(frame.qas, min(recipe.questions_per_frame, len(frame.qas)))
         for qa in qas:
             views = pick_views(rng, qa.views, recipe)
-            ids, embeds, positions, spans = prompt_embeds(model, tokenizer, bank[-1], qa.question, views)
+            p = frame_prompt(pipe, bank[-1], qa.question, views)
             answer = tokenizer.encode(qa.answer) + [tokenizer.eos_id]
             attn = teacher_attention(
-                model, embeds, positions, spans, answer, recipe.band, recipe.last_row_weight, recipe.row_norm
+                model, p.embeds, p.positions, p.view_spans, answer, recipe.band, recipe.last_row_weight, recipe.row_norm
             ).cpu()
-            prior = box_prior(frame_boxes(frame, qa.question, qa.answer, qa.views), views, grid, cfg.tiles_per_view)
-            items.append(
-                Item(
-                    len(bank) - 1, views, qa.question, ids, spans, label(attn, prior, recipe.prior_weight), attn, prior
-                )
-            )
+            grids = view_grids(pipe.format.tiling, p.view_spans, model.cfg.tokens_per_tile)
+            prior = box_prior(frame_boxes(frame, qa.question, qa.answer, qa.views), views, grid, grids)
+            target = label(attn, prior, recipe.prior_weight)
+            items.append(Item(len(bank) - 1, views, qa.question, p.ids[0].tolist(), p.view_spans, target, attn, prior))
     return bank, items
+
+
+# ---------------------------------------------------------------------------------------------
+# The user's data: teacher labels cached on disk
+# ---------------------------------------------------------------------------------------------
+
+
+class LabelCache:
+    """Teacher attention per question, on disk as safetensors shards (FOLDER/labels-NNNNN.safetensors, tensor name =
+    the question's index in the data), each written whole beside its name and renamed, so a run stopped at any
+    point leaves only whole shards and the rerun labels just what is missing."""
+
+    def __init__(self, folder: Path, every: int = 32):
+        from safetensors.torch import load_file
+
+        self.folder, self.every = folder, every
+        folder.mkdir(parents=True, exist_ok=True)
+        self.done: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, torch.Tensor] = {}
+        self.shards = 0
+        for f in sorted(folder.glob("labels-*.safetensors")):
+            self.done.update({int(k): v for k, v in load_file(str(f)).items()})
+            self.shards += 1
+        self.loaded = len(self.done)
+
+    def get(self, index: int) -> torch.Tensor | None:
+        return self.done.get(index)
+
+    def put(self, index: int, attn: torch.Tensor) -> None:
+        self.done[index] = self.pending[index] = attn.float().contiguous()
+        if len(self.pending) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        path = self.folder / f"labels-{self.shards:05d}.safetensors"
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({str(k): v for k, v in self.pending.items()}, str(tmp))
+        os.replace(tmp, path)
+        self.shards += 1
+        self.pending.clear()
+
+
+def _stat(path: Path) -> list:
+    """What identifies a file's or folder's content cheaply: name, size and modification time of each file."""
+    files = sorted(f for f in path.rglob("*.json") if f.is_file()) if path.is_dir() else [path]
+    files += sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def cache_key(loaded, data, images_root, recipe: TokenRecipe) -> str:
+    """sha256 of what the teacher labels depend on: the checkpoint (its files), its prompt format and dtype, the data
+    (its files), and the recipe settings that change a label."""
+    settings = {
+        k: getattr(recipe, k)
+        for k in (
+            "seed",
+            "band",
+            "last_row_weight",
+            "row_norm",
+            "all_views_prob",
+            "extra_view_prob",
+            "teacher_answer",
+            "answer_tokens",
+        )
+    }
+    key = {
+        "model": _stat(Path(loaded.path).resolve()),
+        "format": loaded.format.to_dict(),
+        "dtype": str(loaded.model.dtype),
+        "data": _stat(Path(data).resolve()),
+        "images": str(Path(images_root).resolve()) if images_root is not None else None,
+        "recipe": settings,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def answer_ids(pipe, p, sample, recipe: TokenRecipe) -> list[int]:
+    """The answer the teacher attention is forced on: the target's own greedy answer to this very prompt (default),
+    or the data's reference answer (a question without one gets the greedy answer)."""
+    from litevlm.model.generate import StageTimer, drain
+
+    if recipe.teacher_answer == "reference" and sample.answer.strip():
+        return pipe.tokenizer.encode(sample.answer) + [pipe.tokenizer.eos_id]
+    timer = StageTimer(pipe.model.device)
+    return list(drain(pipe.decode(pipe.prefill(p, None, sample.question, timer), timer)).tokens)
+
+
+def real_grid(tiling, image, size: int) -> ViewGrid:
+    """The `ViewGrid` `tiling` cuts this image into (its real size decides a dynamic grid)."""
+    cols, rows = tiling.grid(*image.size, size)
+    return ViewGrid(cols, rows, bool(tiling.thumbnail) and cols * rows > 1)
+
+
+def data_items(pipe, indexed, recipe: TokenRecipe, cache: LabelCache, deadline: float, progress: bool, desc: str):
+    """Encode and label the user's questions (`indexed`: (index in the data, Sample)), frame by frame: (visual bank,
+    items, questions left unlabelled by the deadline). A label in the cache is read, not recomputed."""
+    from litevlm.data.drivelm import load_images
+
+    model = pipe.model
+    grid, size = model.cfg.vision.grid // 2, model.cfg.vision.image_size
+    frames: dict[tuple, list] = {}
+    for i, s in indexed:
+        frames.setdefault((s.scene_id, s.frame_id, tuple(sorted(map(str, s.images.values())))), []).append((i, s))
+    bank, items, left = [], [], 0
+    for group in tqdm(frames.values(), desc=desc, disable=not progress):
+        if time.time() > deadline:
+            left += len(group)
+            continue
+        images = load_images(group[0][1], CAMERAS)
+        bank.append(encode_frame(pipe, images))
+        for i, s in group:
+            views = pick_views(random.Random(f"{recipe.seed}:{s.id}"), s.views, recipe)
+            p = frame_prompt(pipe, bank[-1], s.question, views)
+            attn = cache.get(i)
+            if attn is None:
+                answer = answer_ids(pipe, p, s, recipe)
+                attn = teacher_attention(
+                    model, p.embeds, p.positions, p.view_spans, answer, recipe.band, recipe.last_row_weight
+                ).cpu()
+                cache.put(i, attn)
+            grids = [real_grid(pipe.format.tiling, images[c], size) for c in views]
+            prior = point_prior([s.question, s.answer], views, grid, grids)
+            if prior.numel() != attn.numel():
+                raise LiteVLMError(f"the cached label of {s.id} does not fit its prompt: delete {cache.folder}")
+            target = label(attn, prior, recipe.prior_weight)
+            items.append(Item(len(bank) - 1, views, s.question, p.ids[0].tolist(), p.view_spans, target, attn, prior))
+    cache.flush()
+    return bank, items, left
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,16 +428,17 @@ def build_items(
 
 def item_inputs(model, bank, item: Item):
     ids = torch.tensor([item.ids], device=model.device)
-    visual = torch.cat([bank[item.frame][c] for c in item.views])
+    visual = torch.cat([bank[item.frame][c] for c in item.views]).to(model.device)
     with torch.no_grad():
         embeds = model.embed(ids, visual)
     return embeds, torch.arange(len(item.ids), device=model.device)[None]
 
 
-def item_scores(selector: TokenSelector, model, bank, item: Item) -> torch.Tensor:
-    """The selector's (N,) scores for an item, c-tag features included."""
+def item_scores(selector: TokenSelector, model, bank, item: Item, tiling=None) -> torch.Tensor:
+    """The selector's (N,) scores for an item, c-tag features included (placed by the prompt format's tiling)."""
     embeds, positions = item_inputs(model, bank, item)
-    return selector.scores(embeds, positions, item.spans, selector.tag_features(model, item.question, item.spans))[0]
+    tags = selector.tag_features(model, item.question, item.spans, tiling)
+    return selector.scores(embeds, positions, item.spans, tags)[0]
 
 
 def kl_loss(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -266,17 +454,20 @@ def topk_recall(scores: torch.Tensor, target: torch.Tensor, sizes: Sequence[int]
 
 
 @torch.no_grad()
-def agreement(model, selector: TokenSelector | None, bank, items: list[Item], ratios=(0.2, 0.5)) -> dict:
+def agreement(model, selector: TokenSelector | None, bank, items: list[Item], ratios=(0.2, 0.5), tiling=None) -> dict:
     """Label mass kept at each r by the selector (or FastV K=1 when selector is None), mean over items."""
+    if not items:
+        return {}
     out = {r: [] for r in ratios}
     kl = []
     for it in items:
         embeds, positions = item_inputs(model, bank, it)
-        if selector is None:
-            x = model.language_model(embeds, positions, end_layer=1)
-            s = fastv_scores(model, x, positions, it.spans, 1).clamp_min(1e-12).log()
-        else:
-            s = item_scores(selector, model, bank, it)
+        with _autocast(model):
+            if selector is None:
+                x = model.language_model(embeds, positions, end_layer=1)
+                s = fastv_scores(model, x, positions, it.spans, 1).float().clamp_min(1e-12).log()
+            else:
+                s = item_scores(selector, model, bank, it, tiling).float()
         kl.append(float(kl_loss(s, it.target.to(s.device))))
         sizes = [e - b for _, b, e in it.spans]
         for r in ratios:
@@ -286,32 +477,73 @@ def agreement(model, selector: TokenSelector | None, bank, items: list[Item], ra
     return res
 
 
+def _autocast(model):
+    """bf16 / fp16 autocast for a target loaded in that dtype (the selector's weights stay fp32); else nothing."""
+    low = model.dtype in (torch.bfloat16, torch.float16)
+    return torch.autocast(model.device.type, dtype=model.dtype if low else torch.bfloat16, enabled=low)
+
+
 def train_token_selector(
-    model_dir: str | Path, recipe: TokenRecipe | None = None, progress: bool = True, out_dir: str | Path | None = None
+    model_dir="drive-tiny",
+    recipe: TokenRecipe | None = None,
+    progress: bool = True,
+    out_dir: str | Path | None = None,
+    data: str | Path | None = None,
+    images_root: str | Path | None = None,
 ) -> Path:
-    """Train and save a TokenSelector for the model at `model_dir` (into `out_dir or model_dir`/token_selector)."""
-    from litevlm.data.tokenizer import Tokenizer
-    from litevlm.model.hf import load_native
-    from litevlm.models import resolve_model_dir
+    """Train and save a TokenSelector for a checkpoint (a name or folder, or a `litevlm.models.Loaded`) into
+    `modules_dir(loaded, out_dir)`/token_selector: on synthetic frames, or with `data` on the user's DriveLM data,
+    validated on its held-out scenes (`scene_split(..., recipe.val_fraction, seed=recipe.seed)`)."""
+    from litevlm.data.source import load_data, scene_split
+    from litevlm.models import Loaded, load_model, modules_dir
+    from litevlm.pipeline import Pipeline
 
     recipe = recipe or TokenRecipe()
+    if recipe.teacher_answer not in ("greedy", "reference"):
+        raise LiteVLMError(f"teacher_answer must be greedy or reference; got {recipe.teacher_answer!r}")
+    samples = load_data(data, images_root) if data is not None else None  # checked before anything runs
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
     t_start = time.time()
     deadline = t_start + recipe.minutes * 60
-    path = resolve_model_dir(model_dir)
-    model = load_native(path).eval()
+    loaded = model_dir if isinstance(model_dir, Loaded) else load_model(model_dir)
+    model = loaded.model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    tokenizer = Tokenizer.from_dir(path)
+    pipe = Pipeline.from_loaded(loaded, max_new_tokens=recipe.answer_tokens)
+    tiling = pipe.format.tiling
     rng = random.Random(recipe.seed)
 
     # Labels take about a third of the budget at most; training gets the rest.
     label_deadline = t_start + recipe.minutes * 60 * 0.4
-    bank, items = build_items(model, tokenizer, recipe, range(recipe.frames), rng, label_deadline, progress)
-    vbank, val = build_items(
-        model, tokenizer, recipe, range(recipe.frames, recipe.frames + recipe.val_frames), rng, math.inf, progress
-    )
+    if samples is None:
+        bank, items = build_items(pipe, recipe, range(recipe.frames), rng, label_deadline, progress)
+        vbank, val = build_items(
+            pipe, recipe, range(recipe.frames, recipe.frames + recipe.val_frames), rng, math.inf, progress
+        )
+        source = {"data": "synthetic", "seed": recipe.seed, "frames": len(bank), "val_frames": len(vbank)}
+    else:
+        kept, held = scene_split(samples, recipe.val_fraction, seed=recipe.seed)
+        index = {id(s): i for i, s in enumerate(samples)}
+        kept, held = kept[: recipe.questions or None], held[: recipe.val_questions]
+        base = Path(out_dir) if out_dir is not None else loaded.path
+        cache = LabelCache(base / ".cache" / "tokens" / cache_key(loaded, data, images_root, recipe))
+        bank, items, left = data_items(
+            pipe, [(index[id(s)], s) for s in kept], recipe, cache, label_deadline, progress, "labelling questions"
+        )
+        vbank, val, _ = data_items(
+            pipe, [(index[id(s)], s) for s in held], recipe, cache, math.inf, progress, "labelling held-out questions"
+        )
+        source = {
+            "data": str(data),
+            "questions": len(items),
+            "unlabelled_by_the_deadline": left,
+            "val_questions": len(val),
+            "val_scenes": len({s.scene_id for s in held}),
+            "split": f"scene_split(fraction={recipe.val_fraction}, seed={recipe.seed})",
+            "labels_from_cache": cache.loaded,
+            "cache": str(cache.folder),
+        }
     if not items:
         raise LiteVLMError("no training items were labelled within the time budget; raise --minutes")
     selector = TokenSelector.from_model(
@@ -324,7 +556,10 @@ def train_token_selector(
             shared_layer=recipe.shared_layer,
         ),
     ).float()
-    before = {"fastv_k1": agreement(model, None, vbank, val), "selector_init": agreement(model, selector, vbank, val)}
+    before = {
+        "fastv_k1": agreement(model, None, vbank, val, tiling=tiling),
+        "selector_init": agreement(model, selector, vbank, val, tiling=tiling),
+    }
 
     params = [p for p in selector.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
@@ -346,7 +581,9 @@ def train_token_selector(
             opt.zero_grad(set_to_none=True)
             loss_sum = 0.0
             for it in batch:
-                loss = kl_loss(item_scores(selector, model, bank, it), it.target.to(model.device)) / len(batch)
+                with _autocast(model):
+                    scores = item_scores(selector, model, bank, it, tiling)
+                loss = kl_loss(scores, it.target.to(model.device)) / len(batch)
                 loss.backward()
                 loss_sum += float(loss.detach())
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -362,16 +599,17 @@ def train_token_selector(
                 bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     bar.close()
     selector.eval()
-    after = agreement(model, selector, vbank, val)
+    after = agreement(model, selector, vbank, val, tiling=tiling)
     meta = {
         "steps": step,
         "items": len(items),
         "frames_labelled": len(bank),
         "train_seconds": round(time.time() - t_start, 1),
         "final_kl": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4) if losses else None,
+        "source": source,
         "validation": {**before, "selector": after},
     }
-    out = Path(out_dir) if out_dir is not None else path
+    out = modules_dir(loaded, out_dir)
     selector.save(out, recipe=asdict(recipe), extra={"training": meta})
     (out / "token_selector" / "train_log.json").write_text(json.dumps({"loss": losses, **meta}, indent=1))
     return out / "token_selector"
