@@ -17,9 +17,15 @@ teacher at every budget r at once. Frames come from the synthetic training strea
 held-out split is seed 1); view sets mix "the views the question needs (plus random extras)" with
 "all six", as the pipeline feeds the selector.
 
-On the user's data (`--data`) the attention is forced on the target's own greedy
-answer and the prior comes from the questions' c-tag points. Every prompt, synthetic or real, is the target's own
-(`Pipeline.from_loaded`: its chat template and tiling), so the selector learns on the prompts it will serve.
+On the user's data (`--data`) the attention is forced on the target's own greedy answer to the same prompt, not on
+the reference answer: the selector's job is to keep what the served model says unchanged, so the tokens to keep
+are the ones the model reads while writing its own answer (self-distillation, as the draft recipe does), and
+questions without a reference (challenge val/test) get labels too; `--teacher-answer reference` forces the data's
+answers instead. The prior is the cells the c-tag points <cK,CAM,x,y> of the question and its reference answer
+fall in (in the tiles and the thumbnail, under the prompt format's tiling). Labels are cached on disk and a rerun
+continues; the agreement is reported on the held-out scenes of the data (`scene_split`). Every prompt, synthetic
+or real, is the target's own (`Pipeline.from_loaded`: its chat template and tiling), so the selector learns on the
+prompts it will serve.
 """
 
 from __future__ import annotations
@@ -294,6 +300,9 @@ def build_items(pipe, recipe: TokenRecipe, frame_range: range, rng: random.Rando
 # ---------------------------------------------------------------------------------------------
 
 
+MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")  # with the weights: what a label depends on
+
+
 class LabelCache:
     """Teacher attention per question, on disk as safetensors shards (FOLDER/labels-NNNNN.safetensors, tensor name =
     the question's index in the data), each written whole beside its name and renamed, so a run stopped at any
@@ -310,10 +319,12 @@ class LabelCache:
         for f in sorted(folder.glob("labels-*.safetensors")):
             self.done.update({int(k): v for k, v in load_file(str(f)).items()})
             self.shards += 1
-        self.loaded = len(self.done)
+        self.hits = 0  # labels read from the shards instead of computed
 
     def get(self, index: int) -> torch.Tensor | None:
-        return self.done.get(index)
+        found = self.done.get(index)
+        self.hits += found is not None and index not in self.pending
+        return found
 
     def put(self, index: int, attn: torch.Tensor) -> None:
         self.done[index] = self.pending[index] = attn.float().contiguous()
@@ -333,11 +344,9 @@ class LabelCache:
         self.pending.clear()
 
 
-def _stat(path: Path) -> list:
-    """What identifies a file's or folder's content cheaply: name, size and modification time of each file."""
-    files = sorted(f for f in path.rglob("*.json") if f.is_file()) if path.is_dir() else [path]
-    files += sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+def _stat(files) -> list:
+    """What identifies files' content cheaply: name, size and modification time of each."""
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(files) if f.is_file()]
 
 
 def cache_key(loaded, data, images_root, recipe: TokenRecipe) -> str:
@@ -356,11 +365,12 @@ def cache_key(loaded, data, images_root, recipe: TokenRecipe) -> str:
             "answer_tokens",
         )
     }
+    model, data = Path(loaded.path).resolve(), Path(data).resolve()
     key = {
-        "model": _stat(Path(loaded.path).resolve()),
+        "model": _stat(p for p in model.iterdir() if p.suffix == ".safetensors" or p.name in MODEL_FILES),
         "format": loaded.format.to_dict(),
         "dtype": str(loaded.model.dtype),
-        "data": _stat(Path(data).resolve()),
+        "data": _stat(data.rglob("*.json") if data.is_dir() else [data]),
         "images": str(Path(images_root).resolve()) if images_root is not None else None,
         "recipe": settings,
     }
@@ -408,7 +418,14 @@ def data_items(pipe, indexed, recipe: TokenRecipe, cache: LabelCache, deadline: 
             if attn is None:
                 answer = answer_ids(pipe, p, s, recipe)
                 attn = teacher_attention(
-                    model, p.embeds, p.positions, p.view_spans, answer, recipe.band, recipe.last_row_weight
+                    model,
+                    p.embeds,
+                    p.positions,
+                    p.view_spans,
+                    answer,
+                    recipe.band,
+                    recipe.last_row_weight,
+                    recipe.row_norm,
                 ).cpu()
                 cache.put(i, attn)
             grids = [real_grid(pipe.format.tiling, images[c], size) for c in views]
@@ -478,8 +495,8 @@ def agreement(model, selector: TokenSelector | None, bank, items: list[Item], ra
 
 
 def _autocast(model):
-    """bf16 / fp16 autocast for a target loaded in that dtype (the selector's weights stay fp32); else nothing."""
-    low = model.dtype in (torch.bfloat16, torch.float16)
+    """On a GPU, autocast to the dtype of a bf16 / fp16 target (the selector's weights stay fp32); else nothing."""
+    low = model.dtype in (torch.bfloat16, torch.float16) and model.device.type == "cuda"
     return torch.autocast(model.device.type, dtype=model.dtype if low else torch.bfloat16, enabled=low)
 
 
@@ -541,7 +558,7 @@ def train_token_selector(
             "val_questions": len(val),
             "val_scenes": len({s.scene_id for s in held}),
             "split": f"scene_split(fraction={recipe.val_fraction}, seed={recipe.seed})",
-            "labels_from_cache": cache.loaded,
+            "labels_from_cache": cache.hits,
             "cache": str(cache.folder),
         }
     if not items:
