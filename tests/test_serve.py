@@ -314,8 +314,8 @@ def test_ray_flags_without_replicas_are_refused_before_the_model_loads():
 
     parser = build_parser()
     for flags, message in (
-        (["--ray-address", "auto"], "--ray-address apply to --replicas N > 1"),
-        (["--cpus-per-replica", "2"], "--cpus-per-replica apply"),
+        (["--ray-address", "auto"], "--ray-address only with --replicas N > 1"),
+        (["--cpus-per-replica", "2"], "--cpus-per-replica only with"),
         (["--replicas", "0"], "--replicas must be >= 1"),
         (["--replicas", "2", "--cpus-per-replica", "0"], "--cpus-per-replica must be > 0"),
     ):

@@ -138,7 +138,7 @@ def replica_options(args) -> dict | None:
         }
         if any(ray_only.values()):
             flags = ", ".join(f for f, given in ray_only.items() if given)
-            raise LiteVLMError(f"serve: {flags} apply to --replicas N > 1 (Ray Serve); add --replicas N")
+            raise LiteVLMError(f"serve: {flags} only with --replicas N > 1 (Ray Serve replicas)")
         return None
     if not args.cpus_per_replica > 0 or args.gpus_per_replica < 0:
         raise LiteVLMError("serve: --cpus-per-replica must be > 0 and --gpus-per-replica >= 0")

@@ -88,9 +88,13 @@ class Replica:
 
 def _forwarded_scope(scope: dict) -> dict:
     """The parts of an HTTP request's ASGI scope the app reads (plain values: they travel to another process)."""
-    keys = ("type", "http_version", "method", "scheme", "path", "raw_path", "query_string", "client", "server")
+    keys = ("type", "http_version", "method", "scheme", "query_string", "client", "server")
     out = {k: scope[k] for k in keys if k in scope}
     out["headers"] = [(bytes(k), bytes(v)) for k, v in scope.get("headers", [])]
+    # the app is mounted at its own root: the route prefix the proxy matched is not part of its paths
+    root, path = scope.get("root_path", ""), scope["path"]
+    out["path"] = (path[len(root) :] or "/") if root and path.startswith(root) else path
+    out["raw_path"] = out["path"].encode()
     out["asgi"], out["root_path"] = {"version": "3.0"}, ""
     return out
 
@@ -197,10 +201,13 @@ def deploy(
     gpus_per_replica: float = 0.0,
     host: str = "127.0.0.1",
     port: int = 8000,
+    name: str = APP_NAME,
+    route_prefix: str = "/",
 ) -> str:
     """Start Ray Serve's proxy on host:port (on the Ray instance `ray.init` joined) and deploy `replicas`
-    copies of the app with `Front` before them; returns the server's URL. Each replica builds its own
-    pipeline `Pipeline.from_pretrained(model, **pipeline_options)` on `cpus_per_replica` torch threads."""
+    copies of the app with `Front` before them, as the Serve application `name` at `route_prefix`; returns
+    the server's URL. Each replica builds its own pipeline `Pipeline.from_pretrained(model,
+    **pipeline_options)` on `cpus_per_replica` torch threads."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     limit_names = Limits.__dataclass_fields__
@@ -216,8 +223,8 @@ def deploy(
         ray_actor_options={"num_cpus": 0},
     ).bind(replica, {k: getattr(limits, k) for k in limit_names}, retries=replicas)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(front, name=APP_NAME, route_prefix="/", blocking=False)
-    return f"http://{host}:{port}"
+    serve.run(front, name=name, route_prefix=route_prefix, blocking=False)
+    return f"http://{host}:{port}" + route_prefix.rstrip("/")
 
 
 def check_resources(replicas: int, cpus_per_replica: float, gpus_per_replica: float) -> None:
@@ -272,8 +279,9 @@ def serve_replicas(
         ray.shutdown()
 
 
-def shutdown(stop_serve: bool = True) -> None:
-    """Remove the app; with stop_serve, stop Ray Serve as well (not on a shared cluster: other apps use it)."""
-    serve.delete(APP_NAME)
+def shutdown(stop_serve: bool = True, names: tuple[str, ...] = (APP_NAME,)) -> None:
+    """Remove the apps; with stop_serve, stop Ray Serve as well (not on a shared cluster: other apps use it)."""
+    for name in names:
+        serve.delete(name)
     if stop_serve:
         serve.shutdown()
