@@ -100,7 +100,7 @@ def test_labels_carry_the_c_tag_prior_at_its_cell(tiny_model_dir, tmp_path, driv
     from litevlm.data.source import load_data
     from litevlm.models import load_model
     from litevlm.pipeline import Pipeline
-    from litevlm.train.tokens import LabelCache, data_items
+    from litevlm.train.tokens import LabelCache, data_items, frame_groups, label_questions
 
     loaded = load_model(_copy(tiny_model_dir, tmp_path), max_tiles=4, thumbnail=True)
     pipe = Pipeline.from_loaded(loaded, max_new_tokens=4)
@@ -108,7 +108,9 @@ def test_labels_carry_the_c_tag_prior_at_its_cell(tiny_model_dir, tmp_path, driv
     i, s = next((i, s) for i, s in enumerate(samples) if "<c" in s.question)
     recipe = _recipe(all_views_prob=0.0, extra_view_prob=0.0)  # just the views the question needs
     cache = LabelCache(tmp_path / "cache")
-    _, items, left = data_items(pipe, [(i, s)], recipe, cache, float("inf"), False, "labels")
+    groups = frame_groups([(i, s)])
+    left = label_questions(pipe, groups, recipe, cache, float("inf"), False)
+    _, items = data_items(pipe, groups, recipe, cache, False, "labels")
     (item,) = items
     assert left == 0 and torch.isclose(item.target.sum(), torch.tensor(1.0))
     # 160 x 90 under at most 4 tiles: 2 x 1 tiles + thumbnail, 3 tiles of 2 x 2 tokens = 12 tokens per view
@@ -159,3 +161,37 @@ def test_train_tokens_on_data_saves_resumes_and_serves(tiny_model_dir, tmp_path,
     sample = next(s for s in load_data(drivelm_json) if "<c" in s.question)
     answer = pipe.answer(sample.question, load_images(sample))
     assert answer.num_visual_tokens == 6 * 2 * 4 // 2  # r = 0.5 of six views x 2 tiles x 4 tokens
+
+
+def test_train_tokens_under_torchrun_with_two_ranks(tiny_model_dir, tmp_path, drivelm_json):
+    """`torchrun --nproc-per-node 2 -m litevlm train tokens --data D` on CPU (gloo): each rank labels its share of
+    the frames into the shared cache, both train under DDP, rank 0 alone reports and saves a selector that loads."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from litevlm.pipeline import Pipeline
+
+    model_dir = _copy(tiny_model_dir, tmp_path)
+    argv = ["train", "tokens", "--model", str(model_dir), "--data", str(drivelm_json), "--json"]
+    argv += ["--questions", "10", "--val-questions", "4", "--epochs", "2", "--answer-tokens", "6", "--threads", "1"]
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(run + ["-m", "litevlm"] + argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1  # rank 0 alone reports
+    report = json.loads(lines[0])
+    assert report["source"]["ranks"] == 2 and report["items"] == 10 and report["source"]["val_questions"] == 4
+    shards = sorted(Path(report["source"]["cache"]).glob("labels-*.safetensors"))
+    by_rank = {r: set() for r in ("r0", "r1")}
+    for f in shards:
+        by_rank[f.stem.rsplit("-", 1)[1]] |= set(load_file(str(f)))
+    assert by_rank["r0"] and by_rank["r1"] and not by_rank["r0"] & by_rank["r1"]  # labels split, none twice
+    assert len(by_rank["r0"] | by_rank["r1"]) == 14
+    pipe = Pipeline.from_pretrained(model_dir, select_tokens=0.5, max_new_tokens=2)
+    assert pipe.token_selector is not None

@@ -243,20 +243,31 @@ def train_tokens_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train_tokens(args) -> None:
+    """Under `torchrun --nproc-per-node W` (with --data) the ranks share the teacher labels and train under DDP;
+    rank 0 alone saves and reports."""
+    from litevlm.dist import close, init_dist
     from litevlm.options import load_model_from_args
     from litevlm.train.tokens import TokenRecipe, train_token_selector
 
     recipe = recipe_from_args(TokenRecipe, args)
     if args.data is None and args.images is not None:
         raise LiteVLMError("--images names where a --data JSON's images live: give --data too")
-    out = train_token_selector(
-        load_model_from_args(args),
-        recipe,
-        progress=not args.json,
-        out_dir=args.out,
-        data=args.data,
-        images_root=args.images,
-    )
+    d = init_dist(args.device)
+    args.device = d.device  # under torchrun on GPUs: this rank's own GPU
+    try:
+        out = train_token_selector(
+            load_model_from_args(args),
+            recipe,
+            progress=not args.json,
+            out_dir=args.out,
+            data=args.data,
+            images_root=args.images,
+            d=d,
+        )
+    finally:
+        close(d)
+    if out is None:  # not rank 0: rank 0 reports for every rank
+        return
     meta = json.loads((out / "config.json").read_text())["training"]
     if args.json:
         _print_json({"path": str(out), **{k: meta[k] for k in ("steps", "items", "source", "validation")}})

@@ -562,6 +562,10 @@ class TokenSelector(nn.Module):
             grids = view_grids(tiling, view_spans, model.cfg.tokens_per_tile)
         return tag_features(question, view_spans, model.cfg.vision.grid // 2, grids).to(model.device)
 
+    def forward(self, embeds, positions, view_spans: Sequence[Span], tags: torch.Tensor | None = None) -> torch.Tensor:
+        """`scores`: what a data-parallel wrapper (DDP) calls in training."""
+        return self.scores(embeds, positions, view_spans, tags)
+
     def scores(
         self,
         embeds: torch.Tensor,

@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.config import flag
+from litevlm.dist import Dist, all_reduce_mean, barrier, ddp, shard
 from litevlm.errors import LiteVLMError
 from litevlm.select.tokens import (
     C_TAG,
@@ -304,27 +305,28 @@ MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")  # with
 
 
 class LabelCache:
-    """Teacher attention per question, on disk as safetensors shards (FOLDER/labels-NNNNN.safetensors, tensor name =
-    the question's index in the data), each written whole beside its name and renamed, so a run stopped at any
-    point leaves only whole shards and the rerun labels just what is missing."""
+    """Teacher attention per question, on disk as safetensors shards (FOLDER/labels-*.safetensors, tensor name = the
+    question's index in the data), each written whole beside its name and renamed, so a run stopped at any point
+    leaves only whole shards and the rerun labels just what is missing. Ranks of a torchrun job write their own
+    shards into one folder (`rank` in the name); every rank reads all of them (`reload`)."""
 
-    def __init__(self, folder: Path, every: int = 32):
-        from safetensors.torch import load_file
-
-        self.folder, self.every = folder, every
+    def __init__(self, folder: Path, every: int = 32, rank: int = 0):
+        self.folder, self.every, self.rank = folder, every, rank
         folder.mkdir(parents=True, exist_ok=True)
         self.done: dict[int, torch.Tensor] = {}
         self.pending: dict[int, torch.Tensor] = {}
-        self.shards = 0
-        for f in sorted(folder.glob("labels-*.safetensors")):
+        self.reload()
+        self.cached = len(self.done)  # labels that were on disk when the run began
+
+    def reload(self) -> None:
+        """Read every shard in the folder (those other ranks wrote meanwhile too)."""
+        from safetensors.torch import load_file
+
+        for f in sorted(self.folder.glob("labels-*.safetensors")):
             self.done.update({int(k): v for k, v in load_file(str(f)).items()})
-            self.shards += 1
-        self.hits = 0  # labels read from the shards instead of computed
 
     def get(self, index: int) -> torch.Tensor | None:
-        found = self.done.get(index)
-        self.hits += found is not None and index not in self.pending
-        return found
+        return self.done.get(index)
 
     def put(self, index: int, attn: torch.Tensor) -> None:
         self.done[index] = self.pending[index] = attn.float().contiguous()
@@ -336,11 +338,10 @@ class LabelCache:
 
         if not self.pending:
             return
-        path = self.folder / f"labels-{self.shards:05d}.safetensors"
+        path = self.folder / f"labels-{time.time_ns()}-r{self.rank}.safetensors"
         tmp = path.with_name(path.name + ".tmp")
         save_file({str(k): v for k, v in self.pending.items()}, str(tmp))
         os.replace(tmp, path)
-        self.shards += 1
         self.pending.clear()
 
 
@@ -394,48 +395,78 @@ def real_grid(tiling, image, size: int) -> ViewGrid:
     return ViewGrid(cols, rows, bool(tiling.thumbnail) and cols * rows > 1)
 
 
-def data_items(pipe, indexed, recipe: TokenRecipe, cache: LabelCache, deadline: float, progress: bool, desc: str):
-    """Encode and label the user's questions (`indexed`: (index in the data, Sample)), frame by frame: (visual bank,
-    items, questions left unlabelled by the deadline). A label in the cache is read, not recomputed."""
+def frame_groups(indexed) -> list[list]:
+    """The user's questions (`indexed`: (index in the data, Sample)) grouped by the frame whose images they share, in
+    file order: each frame is encoded once for all its questions."""
+    frames: dict[tuple, list] = {}
+    for i, s in indexed:
+        frames.setdefault((s.scene_id, s.frame_id, tuple(sorted(map(str, s.images.values())))), []).append((i, s))
+    return list(frames.values())
+
+
+def label_questions(pipe, groups, recipe: TokenRecipe, cache: LabelCache, deadline: float, progress: bool) -> int:
+    """Compute the teacher labels the cache lacks for these frame groups (a frame whose questions are all cached is
+    not even encoded); returns how many questions the deadline left unlabelled."""
+    from litevlm.data.drivelm import load_images
+
+    left = 0
+    for group in tqdm(groups, desc="teacher labels", disable=not progress):
+        todo = [(i, s) for i, s in group if cache.get(i) is None]
+        if not todo:
+            continue
+        if time.time() > deadline:
+            left += len(todo)
+            continue
+        visual = encode_frame(pipe, load_images(todo[0][1], CAMERAS))
+        for i, s in todo:
+            p = frame_prompt(pipe, visual, s.question, question_views(s, recipe))
+            answer = answer_ids(pipe, p, s, recipe)
+            attn = teacher_attention(
+                pipe.model,
+                p.embeds,
+                p.positions,
+                p.view_spans,
+                answer,
+                recipe.band,
+                recipe.last_row_weight,
+                recipe.row_norm,
+            )
+            cache.put(i, attn.cpu())
+    cache.flush()
+    return left
+
+
+def question_views(sample, recipe: TokenRecipe) -> tuple[str, ...]:
+    """The views a question's prompt holds: drawn by `pick_views` from a generator seeded by the question's id, so
+    the labels, the items and every rank agree on them."""
+    return pick_views(random.Random(f"{recipe.seed}:{sample.id}"), sample.views, recipe)
+
+
+def data_items(pipe, groups, recipe: TokenRecipe, cache: LabelCache, progress: bool, desc: str):
+    """The training items of the labelled questions of these frame groups: (visual bank, items). Each label is the
+    cached teacher attention mixed with the question's c-tag prior."""
     from litevlm.data.drivelm import load_images
 
     model = pipe.model
     grid, size = model.cfg.vision.grid // 2, model.cfg.vision.image_size
-    frames: dict[tuple, list] = {}
-    for i, s in indexed:
-        frames.setdefault((s.scene_id, s.frame_id, tuple(sorted(map(str, s.images.values())))), []).append((i, s))
-    bank, items, left = [], [], 0
-    for group in tqdm(frames.values(), desc=desc, disable=not progress):
-        if time.time() > deadline:
-            left += len(group)
+    bank, items = [], []
+    for group in tqdm(groups, desc=desc, disable=not progress):
+        done = [(i, s) for i, s in group if cache.get(i) is not None]
+        if not done:
             continue
-        images = load_images(group[0][1], CAMERAS)
+        images = load_images(done[0][1], CAMERAS)
         bank.append(encode_frame(pipe, images))
-        for i, s in group:
-            views = pick_views(random.Random(f"{recipe.seed}:{s.id}"), s.views, recipe)
+        for i, s in done:
+            views = question_views(s, recipe)
             p = frame_prompt(pipe, bank[-1], s.question, views)
             attn = cache.get(i)
-            if attn is None:
-                answer = answer_ids(pipe, p, s, recipe)
-                attn = teacher_attention(
-                    model,
-                    p.embeds,
-                    p.positions,
-                    p.view_spans,
-                    answer,
-                    recipe.band,
-                    recipe.last_row_weight,
-                    recipe.row_norm,
-                ).cpu()
-                cache.put(i, attn)
             grids = [real_grid(pipe.format.tiling, images[c], size) for c in views]
             prior = point_prior([s.question, s.answer], views, grid, grids)
             if prior.numel() != attn.numel():
                 raise LiteVLMError(f"the cached label of {s.id} does not fit its prompt: delete {cache.folder}")
             target = label(attn, prior, recipe.prior_weight)
             items.append(Item(len(bank) - 1, views, s.question, p.ids[0].tolist(), p.view_spans, target, attn, prior))
-    cache.flush()
-    return bank, items, left
+    return bank, items
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,11 +482,19 @@ def item_inputs(model, bank, item: Item):
     return embeds, torch.arange(len(item.ids), device=model.device)[None]
 
 
-def item_scores(selector: TokenSelector, model, bank, item: Item, tiling=None) -> torch.Tensor:
-    """The selector's (N,) scores for an item, c-tag features included (placed by the prompt format's tiling)."""
+def item_scores(selector: TokenSelector, model, bank, item: Item, tiling=None, module=None) -> torch.Tensor:
+    """The selector's (N,) scores for an item, c-tag features included (placed by the prompt format's tiling).
+
+    `module`: the selector wrapped for data parallelism (`litevlm.dist.ddp`), called instead; a question without
+    c-tags then gets all-zero tag features, so that every parameter takes part in every step, as DDP requires.
+    """
     embeds, positions = item_inputs(model, bank, item)
     tags = selector.tag_features(model, item.question, item.spans, tiling)
-    return selector.scores(embeds, positions, item.spans, tags)[0]
+    if module is None or module is selector:
+        return selector.scores(embeds, positions, item.spans, tags)[0]
+    if tags is None:
+        tags = torch.zeros(2, sum(e - b for _, b, e in item.spans), device=model.device)
+    return module(embeds, positions, item.spans, tags)[0]
 
 
 def kl_loss(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -507,17 +546,26 @@ def train_token_selector(
     out_dir: str | Path | None = None,
     data: str | Path | None = None,
     images_root: str | Path | None = None,
-) -> Path:
+    d: Dist | None = None,
+) -> Path | None:
     """Train and save a TokenSelector for a checkpoint (a name or folder, or a `litevlm.models.Loaded`) into
     `modules_dir(loaded, out_dir)`/token_selector: on synthetic frames, or with `data` on the user's DriveLM data,
-    validated on its held-out scenes (`scene_split(..., recipe.val_fraction, seed=recipe.seed)`)."""
+    validated on its held-out scenes (`scene_split(..., recipe.val_fraction, seed=recipe.seed)`).
+
+    Under torchrun (`d`, `litevlm.dist.init_dist`; `data` only) each rank labels its share of the frames into the
+    shared cache, every rank then reads all labels, trains its share of each batch under DDP, and rank 0 validates
+    and saves; the other ranks return None.
+    """
     from litevlm.data.source import load_data, scene_split
     from litevlm.models import Loaded, load_model, modules_dir
     from litevlm.pipeline import Pipeline
 
+    d = d or Dist()
     recipe = recipe or TokenRecipe()
     if recipe.teacher_answer not in ("greedy", "reference"):
         raise LiteVLMError(f"teacher_answer must be greedy or reference; got {recipe.teacher_answer!r}")
+    if data is None and d.world_size > 1:
+        raise LiteVLMError("under torchrun the recipe needs --data: synthetic frames are labelled in one process")
     samples = load_data(data, images_root) if data is not None else None  # checked before anything runs
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
@@ -530,6 +578,7 @@ def train_token_selector(
     pipe = Pipeline.from_loaded(loaded, max_new_tokens=recipe.answer_tokens)
     tiling = pipe.format.tiling
     rng = random.Random(recipe.seed)
+    shown = progress and d.is_main
 
     # Labels take about a third of the budget at most; training gets the rest.
     label_deadline = t_start + recipe.minutes * 60 * 0.4
@@ -544,22 +593,28 @@ def train_token_selector(
         index = {id(s): i for i, s in enumerate(samples)}
         kept, held = kept[: recipe.questions or None], held[: recipe.val_questions]
         base = Path(out_dir) if out_dir is not None else loaded.path
-        cache = LabelCache(base / ".cache" / "tokens" / cache_key(loaded, data, images_root, recipe))
-        bank, items, left = data_items(
-            pipe, [(index[id(s)], s) for s in kept], recipe, cache, label_deadline, progress, "labelling questions"
-        )
-        vbank, val, _ = data_items(
-            pipe, [(index[id(s)], s) for s in held], recipe, cache, math.inf, progress, "labelling held-out questions"
-        )
+        cache = LabelCache(base / ".cache" / "tokens" / cache_key(loaded, data, images_root, recipe), rank=d.rank)
+        train_q, val_q = [(index[id(s)], s) for s in kept], [(index[id(s)], s) for s in held]
+        # each rank labels every W-th question (a frame shared by two ranks is encoded by both)
+        left = label_questions(pipe, frame_groups(shard(train_q, d)), recipe, cache, label_deadline, shown)
+        label_questions(pipe, frame_groups(shard(val_q, d)), recipe, cache, math.inf, shown)
+        barrier(d)
+        cache.reload()  # every rank's labels
+        bank, items = data_items(pipe, frame_groups(train_q), recipe, cache, shown, "training prompts")
+        if d.is_main:
+            vbank, val = data_items(pipe, frame_groups(val_q), recipe, cache, shown, "held-out prompts")
+        else:
+            vbank, val = [], []
         source = {
             "data": str(data),
             "questions": len(items),
-            "unlabelled_by_the_deadline": left,
+            "unlabelled_by_the_deadline": round(all_reduce_mean(float(left), d) * d.world_size),
             "val_questions": len(val),
             "val_scenes": len({s.scene_id for s in held}),
             "split": f"scene_split(fraction={recipe.val_fraction}, seed={recipe.seed})",
-            "labels_from_cache": cache.hits,
+            "labels_from_cache": cache.cached,
             "cache": str(cache.folder),
+            "ranks": d.world_size,
         }
     if not items:
         raise LiteVLMError("no training items were labelled within the time budget; raise --minutes")
@@ -573,23 +628,27 @@ def train_token_selector(
             shared_layer=recipe.shared_layer,
         ),
     ).float()
-    before = {
-        "fastv_k1": agreement(model, None, vbank, val, tiling=tiling),
-        "selector_init": agreement(model, selector, vbank, val, tiling=tiling),
-    }
+    before = {}
+    if d.is_main:
+        before = {
+            "fastv_k1": agreement(model, None, vbank, val, tiling=tiling),
+            "selector_init": agreement(model, selector, vbank, val, tiling=tiling),
+        }
+    module = ddp(selector, d)  # rank 0's initial weights on every rank; gradients averaged over the ranks
 
     params = [p for p in selector.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
     steps_per_epoch = math.ceil(len(items) / recipe.batch)
     total = steps_per_epoch * recipe.epochs
-    bar = tqdm(total=total, desc="training token selector", disable=not progress)
+    bar = tqdm(total=total, desc="training token selector", disable=not shown)
     losses, step, t_loop = [], 0, time.time()
     selector.train()
     for epoch in range(recipe.epochs):
         order = list(range(len(items)))
         rng.shuffle(order)
         for s in range(steps_per_epoch):
-            if time.time() > deadline or step >= total:
+            stop = time.time() > deadline or step >= total
+            if all_reduce_mean(float(stop), d) > 0:  # every rank stops at the same step
                 break
             lr = recipe.lr * 0.5 * (1 + math.cos(math.pi * step / total))
             for g in opt.param_groups:
@@ -597,10 +656,12 @@ def train_token_selector(
             batch = [items[i] for i in order[s * recipe.batch : (s + 1) * recipe.batch]]
             opt.zero_grad(set_to_none=True)
             loss_sum = 0.0
-            for it in batch:
+            for it, share in batch_share(batch, d):
                 with _autocast(model):
-                    scores = item_scores(selector, model, bank, it, tiling)
+                    scores = item_scores(selector, model, bank, it, tiling, module)
                 loss = kl_loss(scores, it.target.to(model.device)) / len(batch)
+                if d.world_size > 1:  # DDP averages over the ranks: each rank's sum counts W times
+                    loss = loss * share
                 loss.backward()
                 loss_sum += float(loss.detach())
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -608,14 +669,18 @@ def train_token_selector(
             losses.append(loss_sum)
             step += 1
             if step == 20:  # re-plan the cosine schedule to what the time budget allows
-                per_step = (time.time() - t_loop) / 20
-                total = max(step + 1, min(total, int(step + (deadline - time.time()) / per_step)))
+                per_step = all_reduce_mean((time.time() - t_loop) / 20, d)
+                left_s = all_reduce_mean(deadline - time.time(), d)
+                total = max(step + 1, min(total, int(step + left_s / per_step)))
                 bar.total = total
             bar.update(1)
             if step % 10 == 0:
                 bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     bar.close()
     selector.eval()
+    if not d.is_main:
+        barrier(d)
+        return None
     after = agreement(model, selector, vbank, val, tiling=tiling)
     meta = {
         "steps": step,
@@ -629,4 +694,15 @@ def train_token_selector(
     out = modules_dir(loaded, out_dir)
     selector.save(out, recipe=asdict(recipe), extra={"training": meta})
     (out / "token_selector" / "train_log.json").write_text(json.dumps({"loss": losses, **meta}, indent=1))
+    barrier(d)
     return out / "token_selector"
+
+
+def batch_share(batch: list[Item], d: Dist) -> list[tuple[Item, float]]:
+    """This rank's items of a batch, (item, weight): items r, r + W, ... weighted W, padded with weight-0 items to
+    ceil(len / W), so that every rank runs as many forward and backward passes (DDP's collectives pair them up).
+    A world of one: the whole batch."""
+    if d.world_size == 1:
+        return [(it, 1.0) for it in batch]
+    mine = [(it, float(d.world_size)) for it in batch[d.rank :: d.world_size]]
+    return mine + [(batch[0], 0.0)] * (math.ceil(len(batch) / d.world_size) - len(mine))
