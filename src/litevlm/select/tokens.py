@@ -51,6 +51,7 @@ from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps, native
 from litevlm.model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_table, rotate_head_rows
 from litevlm.model.lm import DecoderLayer
+from litevlm.model.prompt import Tiling, closest_grid
 
 SELECTOR_DIR = "token_selector"
 SELECTOR_FORMAT = "litevlm-token-selector"
@@ -173,7 +174,7 @@ def as_grid(layout: int | ViewGrid) -> ViewGrid:
     return layout if isinstance(layout, ViewGrid) else ViewGrid(int(layout))
 
 
-def view_grid(tiling, n_tiles: int) -> ViewGrid:
+def view_grid(tiling: Tiling, n_tiles: int) -> ViewGrid:
     """The grid of a view that `tiling` cut into `n_tiles` tiles (thumbnail included), from the count alone.
 
     A dynamic grid is the one of exactly that many tiles whose aspect is closest to the DriveLM frame's (1600x900,
@@ -188,13 +189,11 @@ def view_grid(tiling, n_tiles: int) -> ViewGrid:
         return ViewGrid(tiling.tiles, 1, thumb)
     if not 1 <= m <= tiling.max_tiles:
         raise LiteVLMError(f"a view of {n_tiles} tiles does not fit dynamic tiling of at most {tiling.max_tiles}")
-    from litevlm.model.prompt import closest_grid
-
     cols, rows = closest_grid(IMAGE_WIDTH, IMAGE_HEIGHT, 1, m, min_tiles=m)
     return ViewGrid(cols, rows, thumb)
 
 
-def view_grids(tiling, view_spans: Sequence[Span], tokens_per_tile: int) -> list[ViewGrid]:
+def view_grids(tiling: Tiling, view_spans: Sequence[Span], tokens_per_tile: int) -> list[ViewGrid]:
     """`view_grid` of every view of a prompt, from its token count."""
     out = []
     for cam, s, e in view_spans:
@@ -551,7 +550,9 @@ class TokenSelector(nn.Module):
                     "train a selector for this model (`litevlm train tokens`)"
                 )
 
-    def tag_features(self, model, question: str | None, view_spans: Sequence[Span], tiling=None) -> torch.Tensor | None:
+    def tag_features(
+        self, model, question: str | None, view_spans: Sequence[Span], tiling: Tiling | None = None
+    ) -> torch.Tensor | None:
         """(2, N) c-tag features for `scores`, or None when the question has none or tags are off. `tiling`: the
         prompt format's (`litevlm.model.prompt.Tiling`); None: the model's fixed tiles per view."""
         if not self.cfg.use_tags or not question or not C_TAG.search(question):
@@ -716,7 +717,7 @@ class TokenSelector(nn.Module):
         keep_ratio: float | None = None,
         min_per_view: int | None = None,
         question: str | None = None,
-        tiling=None,
+        tiling: Tiling | None = None,
     ):
         """Keep a fraction r of the visual tokens (batch 1): (embeds_kept, positions_kept, kept_index).
 
@@ -746,7 +747,7 @@ class TokenSelector(nn.Module):
         keep_ratio: float | None = None,
         min_per_view: int | None = None,
         question: str | None = None,
-        tiling=None,
+        tiling: Tiling | None = None,
     ) -> Pruning:
         """Selection inside the decoder (shared_layer, batch 1), the hook generation calls after decoder layer 0: the
         head ranks from that layer's output and keeps what `select` keeps (timed as "select_tokens", the c-tags read
