@@ -124,7 +124,7 @@ def test_train_views_on_data_is_used_by_the_pipeline(tmp_path, tiny_model_dir, c
     assert (model / "prompt.json").is_file()  # saved with the prompt format, as every module beside a model
 
     pipe = Pipeline.from_pretrained(model, select_views=True, max_new_tokens=2)
-    assert pipe.view_selector.meta["data"]["data"] == str(data)  # the selector just trained
+    assert pipe.view_selector.meta["data"]["path"] == str(data)  # the selector just trained
     single = next(s for s in samples if len(s.views) == 1 and "<c" in s.question)
     camera = single.views[0]
     ans = pipe.answer(single.question, load_images(single))

@@ -348,7 +348,7 @@ class DataExamples:
 
     def summary(self) -> dict:
         return {
-            "data": self.path,
+            "path": self.path,
             "train_questions": len(self.train),
             "val_questions": len(self.val),
             "train_scenes": self.train_scenes,
