@@ -195,3 +195,31 @@ def test_train_tokens_under_torchrun_with_two_ranks(tiny_model_dir, tmp_path, dr
     assert len(by_rank["r0"] | by_rank["r1"]) == 14
     pipe = Pipeline.from_pretrained(model_dir, select_tokens=0.5, max_new_tokens=2)
     assert pipe.token_selector is not None
+
+
+def test_an_hf_checkpoint_with_dynamic_tiling_serves_the_selector_it_trained(tiny_model_dir, tmp_path, drivelm_json):
+    """A transformers (-hf) checkpoint prompted with a system message and InternVL's dynamic tiling plus thumbnail:
+    the selector is saved beside it with that prompt format, and `Pipeline.from_pretrained` rebuilds both."""
+    from litevlm.data.drivelm import load_images
+    from litevlm.data.source import load_data
+    from litevlm.data.tokenizer import Tokenizer
+    from litevlm.model.hf import load_native, save_hf
+    from litevlm.models import load_model
+    from litevlm.pipeline import Pipeline
+    from litevlm.train.tokens import train_token_selector
+
+    hf = save_hf(load_native(tiny_model_dir), tmp_path / "hf", tokenizer=Tokenizer.from_dir(tiny_model_dir))
+    config = json.loads((hf / "config.json").read_text())
+    config.pop("litevlm")  # a checkpoint of transformers' own, as a user brings it: no entry of ours
+    (hf / "config.json").write_text(json.dumps(config))
+    loaded = load_model(hf, system="You answer driving questions.", max_tiles=4, thumbnail=True)
+    recipe = _recipe(questions=6, val_questions=2, epochs=1)
+    out = train_token_selector(loaded, recipe, progress=False, data=drivelm_json)
+    assert out == hf / "token_selector" and (hf / "prompt.json").is_file()
+    pipe = Pipeline.from_pretrained(hf, select_tokens=0.5, max_new_tokens=2)
+    assert pipe.format.tiling == Tiling(max_tiles=4, thumbnail=True)
+    assert pipe.format.system == "You answer driving questions."
+    sample = next(s for s in load_data(drivelm_json) if "<c" in s.question)
+    answer = pipe.answer(sample.question, load_images(sample))
+    # six 160 x 90 views, each 2 x 1 tiles + thumbnail of 4 tokens: 72 visual tokens, half of them kept
+    assert answer.num_visual_tokens == 36

@@ -334,9 +334,11 @@ def run_train_tokens(args) -> None:
     if src["data"] == "synthetic":
         print(f"trained on {meta['items']} prompts of {src['frames']} synthetic frames (seed {src['seed']})")
     else:
+        left = src["unlabelled_by_the_deadline"]
         print(
-            f"trained on {meta['items']} questions of {src['data']} ({src['labels_from_cache']} labels from the cache, "
-            f"{src['unlabelled_by_the_deadline']} left unlabelled by the time budget: rerun to continue)"
+            f"trained on {meta['items']} questions of {src['data']} on {src['ranks']} rank(s) "
+            f"({src['labels_from_cache']} labels from the cache"
+            + (f"; {left} left unlabelled by the time budget: rerun to continue)" if left else ")")
         )
         print(f"validation: {src['val_questions']} questions of {src['val_scenes']} held-out scenes, {src['split']}")
     for name in ("fastv_k1", "selector_init", "selector"):
