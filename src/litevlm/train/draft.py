@@ -1,15 +1,16 @@
-"""Training recipe for the EAGLE draft head of a trained target VLM.
+"""Training recipe for the EAGLE draft head of a target VLM: self-distillation, on any checkpoint and data.
 
-The data are the target's own answers (EAGLE-1 Table 6 and EAGLE-3 regenerate answers with the
-target: the draft should imitate what the target says, not what a dataset says): synthetic training
-frames (seed 0, the frames the VLM itself trained on, never the held-out seed-1 split), each
-question answered greedily by the target with its images, batched. Along prompt + answer the
-target's final post-norm hidden states are recorded. The head is then trained teacher-forced
-(EAGLE 3.2): pair j = (f_j + noise, embedding of x_{j+1}) predicts f_{j+1}, with a SmoothL1 loss on
-the feature and 0.1 x the cross-entropy between the target's next-token distribution
-softmax(LMHead(f_{j+1})) and the draft's LMHead(f^_{j+1}), on the answer's pairs. Uniform noise on
-the input features (relative to their RMS) makes the head robust to its own errors when it drafts
-several tokens ahead; optional training-time-test passes (EAGLE-3) train on them directly.
+The data are the target's own answers (EAGLE-1 Table 6, EAGLE-3, SpecForge and vLLM's speculators regenerate
+answers with the target: the draft should imitate what the target says, not what a dataset says): each question of
+the user's data (`--data`) or of synthetic training frames (seed 0, never the held-out seed-1 split) answered
+greedily by the target with its images, batched, in the pipeline's own prompt format. Along prompt + answer the
+target's final post-norm hidden states are recorded: in memory while training (online), or first cached to disk as
+safetensors shards that a rerun resumes from (offline). The head is then trained teacher-forced (EAGLE 3.2):
+pair j = (f_j + noise, embedding of x_{j+1}) predicts f_{j+1}, with a SmoothL1 loss on the feature and 0.1 x the
+cross-entropy between the target's next-token distribution softmax(LMHead(f_{j+1})) and the draft's
+LMHead(f^_{j+1}), on the answer's pairs. Uniform noise on the input features (relative to their RMS) makes the head
+robust to its own errors when it drafts several tokens ahead; optional training-time-test passes (EAGLE-3) train on
+them directly.
 
 The head is sized for a small target on a CPU, where a draft step must cost a small fraction of a
 target step: a narrow MLP, a draft vocabulary of the tokens the target's answers use, and a window
@@ -19,11 +20,15 @@ and inference.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,6 +37,7 @@ from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.config import flag
+from litevlm.data.drivelm import Sample
 from litevlm.errors import LiteVLMError
 from litevlm.spec.draft import DRAFT_SUBDIR, DraftConfig, DraftHead
 
@@ -39,9 +45,11 @@ from litevlm.spec.draft import DRAFT_SUBDIR, DraftConfig, DraftHead
 @dataclass
 class DraftRecipe:
     frames: int = flag(
-        150, "synthetic frames (seed, 0..frames-1) whose questions (~18 each) the model answers to make the data"
+        150,
+        "without --data: synthetic frames (seed, 0..frames-1) whose questions (~18 each) the model answers to make "
+        "the data",
     )
-    seed: int = flag(0, "frames (seed, 0..frames-1); the held-out split is seed 1")
+    seed: int = flag(0, "the seed of the frames (held-out split: seed 1), of the views and of the split by scene")
     max_new_tokens: int = 96  # answer length cap while generating the data
     view_subset_prob: float = 0.5  # prompts with only the needed views (+ random extras), as view selection feeds
     render_size: tuple[int, int] = (400, 225)
@@ -81,12 +89,18 @@ class Sequence:
     prompt_len: int
     answer: list[int] = field(default_factory=list)  # the answer's token ids (the last n - prompt_len tokens)
     offset: int = 0  # position of the first token (> 0 once the prompt is windowed)
+    question: str = ""
+    held_out: bool = False  # a validation question
 
     def window(self, context: int) -> Sequence:
         """Only the last `context` prompt tokens (what a windowed draft sees), positions kept."""
         start = max(0, self.prompt_len - context) if context else 0
-        return Sequence(
-            self.embeds[start:], self.features[start:], self.prompt_len - start, self.answer, self.offset + start
+        return replace(
+            self,
+            embeds=self.embeds[start:],
+            features=self.features[start:],
+            prompt_len=self.prompt_len - start,
+            offset=self.offset + start,
         )
 
 
@@ -146,50 +160,283 @@ def greedy_batch(
     return out
 
 
-@torch.no_grad()
-def build_sequences(model, tokenizer, recipe: DraftRecipe, frames: range, progress: bool = True) -> list[Sequence]:
-    """Answer every question of `frames` with the target; keep embeddings and features (fp16 on the CPU)."""
+# ------------------------------------------------------------------------------------------------
+# The questions, in the order the target answers them
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Frame:
+    """The questions asked about one set of camera images, and how to open those images."""
+
+    samples: list[Sample]
+    images: Callable[[], dict]  # () -> camera -> PIL image
+
+
+@dataclass
+class Item:
+    """One question to answer: its sample, the views its prompt shows, and whether validation holds it out."""
+
+    sample: Sample
+    views: list[str]
+    held_out: bool = False
+
+
+def synthetic_frames(recipe: DraftRecipe) -> list[Frame]:
+    """Synthetic training frames (recipe.seed, 0..frames-1), rendered when their turn comes."""
+    from litevlm.data.drivelm import samples_from_frame
     from litevlm.data.synthetic import make_frame, render_views
-    from litevlm.model.prompt import build_prompt
-    from litevlm.model.vlm import image_to_tiles
 
-    cfg = model.cfg
-    rng = random.Random(recipe.seed)
-    tpv = cfg.tokens_per_tile * cfg.tiles_per_view
-    pending: list[tuple[int, torch.Tensor]] = []  # (expected answer length, prompt embeddings)
-    seqs: list[Sequence] = []
-
-    def flush():
-        # Batch prompts whose reference answers have similar lengths: a batch runs as long as its longest answer.
-        pending.sort(key=lambda p: p[0])
-        for i in range(0, len(pending), recipe.gen_batch):
-            chunk = [emb for _, emb in pending[i : i + recipe.gen_batch]]
-            for emb, (answer, feats) in zip(chunk, greedy_batch(model, chunk, recipe.max_new_tokens, tokenizer.eos_id)):
-                ans = model.language_model.embed_tokens(torch.tensor(answer, device=emb.device))
-                seqs.append(Sequence(torch.cat([emb, ans]).half().cpu(), feats.half().cpu(), emb.shape[0], answer))
-        pending.clear()
-
-    for i in tqdm(frames, desc="target answers", disable=not progress):
+    frames = []
+    for i in range(recipe.frames):
         frame = make_frame(recipe.seed, i)
-        views = render_views(frame, size=recipe.render_size)
-        pixels = torch.cat([image_to_tiles(views[c], cfg.vision.image_size, cfg.tiles_per_view) for c in CAMERAS])
-        visual = model.encode_tiles(pixels.to(model.device))  # (6 * tiles, tokens, C)
-        visual = visual.view(len(CAMERAS), -1, visual.shape[-1])  # (view, tokens per view, C)
-        for qa in frame.qas:
+        frames.append(Frame(samples_from_frame(frame), partial(render_views, frame, size=recipe.render_size)))
+    return frames
+
+
+def data_frames(samples: list[Sample]) -> list[Frame]:
+    """The user's questions grouped by the images they are asked about (their key frame), in file order."""
+    from litevlm.data.drivelm import load_images
+
+    groups: dict[tuple[str, ...], list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(tuple(str(s.images.get(c)) for c in CAMERAS), []).append(s)
+    return [Frame(g, partial(load_images, g[0], list(CAMERAS))) for g in groups.values()]
+
+
+def plan(frames: list[Frame], recipe: DraftRecipe, held_out: frozenset[str] = frozenset()) -> list[list[tuple]]:
+    """Each question's views, as the pipeline feeds the target: all six, or (with probability view_subset_prob) the
+    ones it needs plus random extras, as view selection does. Frames are grouped into shards of at least
+    8 x gen_batch questions: the unit of batched generation and of the offline cache. -> shards of (frame, items)."""
+    rng = random.Random(recipe.seed)
+    shards, shard, n = [], [], 0
+    for frame in frames:
+        items = []
+        for s in frame.samples:
             cams = list(CAMERAS)
             if rng.random() < recipe.view_subset_prob:
-                keep = set(qa.views) | {c for c in CAMERAS if rng.random() < 0.15}
-                cams = [c for c in CAMERAS if c in keep]
-            ids = build_prompt(tokenizer, qa.question, cams, tpv).ids
-            vis = visual[[CAMERAS.index(c) for c in cams]]
-            pending.append(
-                (len(tokenizer.encode(qa.answer)), model.embed(torch.tensor([ids], device=model.device), vis)[0])
-            )
-        if len(pending) >= 8 * recipe.gen_batch:
-            flush()
-    if pending:
-        flush()
+                keep = set(s.views) | {c for c in CAMERAS if rng.random() < 0.15}
+                cams = [c for c in CAMERAS if c in keep] or cams
+            items.append(Item(s, cams, s.id in held_out))
+        shard.append((frame, items))
+        n += len(items)
+        if n >= 8 * recipe.gen_batch:
+            shards.append(shard)
+            shard, n = [], 0
+    if shard:
+        shards.append(shard)
+    return shards
+
+
+@torch.no_grad()
+def answer_shard(pipe, shard: list[tuple], recipe: DraftRecipe, store_dtype: torch.dtype) -> list[Sequence]:
+    """The target's greedy answers to one shard's questions, batched, and its features along prompt + answer,
+    windowed to the head's context and kept on the CPU in `store_dtype`. Prompts are the pipeline's own
+    (`Pipeline.tiles`, `encode_tiles`, `Pipeline.embed_prompt`), in the checkpoint's format."""
+    model, tok = pipe.model, pipe.tokenizer
+    pending = []  # (reference answer length, prompt embeddings (T, C), item)
+    for frame, items in shard:
+        pixels, counts = pipe.tiles(frame.images(), list(CAMERAS))
+        visual = model.encode_tiles(pixels.to(model.device))  # (tiles, tokens per tile, C)
+        per_view = visual.split([n // model.cfg.tokens_per_tile for n in counts])  # view -> (tiles, tokens, C)
+        for item in items:
+            idx = [CAMERAS.index(c) for c in item.views]
+            vis = torch.cat([per_view[i] for i in idx])
+            prompt = pipe.embed_prompt(item.sample.question, item.views, vis, [counts[i] for i in idx])
+            pending.append((len(tok.encode(item.sample.answer)), prompt.embeds[0], item))
+    # Batch prompts whose reference answers have similar lengths: a batch runs as long as its longest answer.
+    pending.sort(key=lambda p: p[0])
+    seqs = []
+    for i in range(0, len(pending), recipe.gen_batch):
+        chunk = pending[i : i + recipe.gen_batch]
+        out = greedy_batch(model, [emb for _, emb, _ in chunk], recipe.max_new_tokens, tok.eos_id)
+        for (_, emb, item), (answer, feats) in zip(chunk, out):
+            ans = model.language_model.embed_tokens(torch.tensor(answer, device=emb.device))
+            whole = Sequence(
+                torch.cat([emb, ans]).to(store_dtype).cpu(),
+                feats.to(store_dtype).cpu(),
+                emb.shape[0],
+                answer,
+                question=item.sample.question,
+                held_out=item.held_out,
+            ).window(recipe.context)
+            seqs.append(replace(whole, embeds=whole.embeds.clone(), features=whole.features.clone()))  # own storage
     return seqs
+
+
+# ------------------------------------------------------------------------------------------------
+# Offline: the target's answers and features cached in safetensors shards
+# ------------------------------------------------------------------------------------------------
+FEATURES_FORMAT = "litevlm-draft-features"
+INDEX_FILE = "index.json"
+
+
+def shard_path(folder: Path, i: int) -> Path:
+    return folder / f"shard-{i:05d}.safetensors"
+
+
+def cache_key(loaded, recipe: DraftRecipe, data: str, questions: int) -> dict:
+    """What the cached answers and features depend on: the target (folder, weights, dtype, prompt format), the
+    questions and the settings of their generation."""
+    weights = sum(f.stat().st_size for f in sorted(loaded.path.glob("*.safetensors")))
+    key = {
+        "model": str(loaded.path.resolve()),
+        "weights_bytes": weights,
+        "dtype": str(loaded.model.dtype).removeprefix("torch."),
+        "format": loaded.format.to_dict(),
+        "data": data or "synthetic",
+        "questions": questions,
+        "seed": recipe.seed,
+        "max_new_tokens": recipe.max_new_tokens,
+        "view_subset_prob": recipe.view_subset_prob,
+        "gen_batch": recipe.gen_batch,
+        "context": recipe.context,
+    }
+    if data:
+        key["val_fraction"] = recipe.val_fraction
+    else:
+        key.update(frames=recipe.frames, render_size=list(recipe.render_size))
+    return key
+
+
+def save_shard(path: Path, seqs: list[Sequence]) -> None:
+    """One shard, written whole or not at all (a temporary file renamed into place)."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        "embeds": torch.cat([s.embeds for s in seqs]).contiguous(),  # (sum n, C)
+        "features": torch.cat([s.features for s in seqs]).contiguous(),  # (sum n - 1, C)
+        "answers": torch.tensor([t for s in seqs for t in s.answer], dtype=torch.long),
+        "lengths": torch.tensor([s.embeds.shape[0] for s in seqs], dtype=torch.long),
+        "prompt_lens": torch.tensor([s.prompt_len for s in seqs], dtype=torch.long),
+        "answer_lens": torch.tensor([len(s.answer) for s in seqs], dtype=torch.long),
+        "offsets": torch.tensor([s.offset for s in seqs], dtype=torch.long),
+        "held_out": torch.tensor([s.held_out for s in seqs], dtype=torch.bool),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"questions": json.dumps([s.question for s in seqs])})
+    os.replace(tmp, path)
+
+
+def load_shard(path: Path, features: bool = True) -> list[Sequence]:
+    """A shard's sequences (without `features`: questions and answers only, empty tensors)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            questions = json.loads(f.metadata()["questions"])
+            meta = {k: f.get_tensor(k).tolist() for k in ("lengths", "prompt_lens", "answer_lens", "offsets")}
+            held = f.get_tensor("held_out").tolist()
+            answers = f.get_tensor("answers").tolist()
+            embeds = f.get_tensor("embeds") if features else None
+            feats = f.get_tensor("features") if features else None
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        raise LiteVLMError(
+            f"cannot read the feature shard {path}: {e}; delete it and run again to rewrite it"
+        ) from None
+    seqs, e0, f0, a0 = [], 0, 0, 0
+    for i, n in enumerate(meta["lengths"]):
+        a = meta["answer_lens"][i]
+        emb = embeds[e0 : e0 + n] if features else torch.empty(0)
+        fea = feats[f0 : f0 + n - 1] if features else torch.empty(0)
+        seqs.append(
+            Sequence(emb, fea, meta["prompt_lens"][i], answers[a0 : a0 + a], meta["offsets"][i], questions[i], held[i])
+        )
+        e0, f0, a0 = e0 + n, f0 + n - 1, a0 + a
+    if len(questions) != len(seqs) or (features and (e0 != embeds.shape[0] or f0 != feats.shape[0])):
+        raise LiteVLMError(f"the feature shard {path} is inconsistent; delete it and run again to rewrite it")
+    return seqs
+
+
+def read_index(folder: Path) -> dict | None:
+    path = folder / INDEX_FILE
+    if not path.is_file():
+        return None
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise LiteVLMError(f"{path} is not valid JSON ({e.msg}); delete the folder or pick another") from None
+    if index.get("format") != FEATURES_FORMAT:
+        raise LiteVLMError(f"{path} is not an index of draft features: pick an empty folder for --offline")
+    return index
+
+
+def check_index(index: dict, key: dict, folder: Path, fields=None) -> None:
+    """An error naming what differs where the cache in `folder` was made for other questions or settings."""
+    theirs = index.get("key", {})
+    diff = [k for k in (fields or sorted(set(key) | set(theirs))) if key.get(k) != theirs.get(k)]
+    if diff:
+        changes = "; ".join(f"{k}: {theirs.get(k)!r} there, {key.get(k)!r} now" for k in diff)
+        raise LiteVLMError(
+            f"the draft features in {folder} were made for another target, data or settings ({changes}): "
+            "pick another --offline folder, or delete this one"
+        )
+
+
+def disk_estimate(pipe, shards: list[list[tuple]], recipe: DraftRecipe, store_dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes per token, tokens expected): an embedding and a feature per token; each sequence is its prompt
+    (the window, or the whole prompt at the most tiles a view can make) and its answer (as long as the reference
+    answer and EOS, at most max_new_tokens)."""
+    per_token = 2 * pipe.model.cfg.text.hidden_size * torch.empty(0, dtype=store_dtype).element_size()
+    view_tokens = pipe.cfg.tokens_per_tile * pipe.format.tiling.most()
+    tokens = 0
+    for shard in shards:
+        for _, items in shard:
+            for it in items:
+                if recipe.context:  # a prompt's visual tokens alone outnumber the window
+                    prompt = recipe.context
+                else:
+                    prompt = len(pipe.format.build(pipe.tokenizer, it.sample.question, it.views, view_tokens).ids)
+                answer = min(len(pipe.tokenizer.encode(it.sample.answer)) + 1, recipe.max_new_tokens)
+                tokens += prompt + answer
+    return per_token, tokens
+
+
+def offline_sequences(
+    pipe, shards, recipe: DraftRecipe, folder, key: dict, store_dtype: torch.dtype, progress: bool = True
+) -> list[Sequence]:
+    """Write the shards `folder` does not hold yet (the disk cost printed first), then read them all."""
+    folder = Path(folder)
+    index = read_index(folder)
+    if index is not None:
+        check_index(index, key, folder)
+    per_token, tokens = disk_estimate(pipe, shards, recipe, store_dtype)
+    done = sum(shard_path(folder, i).is_file() for i in range(len(shards)))
+    questions = sum(len(items) for shard in shards for _, items in shard)
+    print(
+        f"offline draft features in {folder}: {questions} questions in {len(shards)} shards, about {tokens:,} tokens "
+        f"x {per_token:,} bytes/token = {per_token * tokens / 2**20:,.1f} MiB on disk"
+        + (f"; {done} shards already written, resuming" if done else "")
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"format": FEATURES_FORMAT, "version": 1, "key": key, "shards": len(shards), "questions": questions}
+    meta.update(bytes_per_token=per_token, tokens_estimated=tokens, dtype=str(store_dtype).removeprefix("torch."))
+    tmp = folder / (INDEX_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, folder / INDEX_FILE)
+    bar = tqdm(total=questions, desc="target answers", disable=not progress)
+    for i, shard in enumerate(shards):
+        if not shard_path(folder, i).is_file():
+            save_shard(shard_path(folder, i), answer_shard(pipe, shard, recipe, store_dtype))
+        bar.update(sum(len(items) for _, items in shard))
+    bar.close()
+    return [s for i in range(len(shards)) for s in load_shard(shard_path(folder, i))]
+
+
+def cached_answers(folder, key: dict) -> list[Sequence] | None:
+    """The target's answers (no features) in a complete offline cache made for the same target and questions,
+    None where `folder` holds no cache; an error where it holds one for another target or data, or an incomplete
+    one."""
+    folder = Path(folder)
+    index = read_index(folder)
+    if index is None:
+        return None
+    check_index(index, key, folder, fields=("model", "weights_bytes", "format", "data", "questions"))
+    missing = [i for i in range(index["shards"]) if not shard_path(folder, i).is_file()]
+    if missing:
+        raise LiteVLMError(
+            f"the draft features in {folder} are incomplete ({len(missing)} of {index['shards']} shards missing): "
+            "finish them with `litevlm train draft --offline` first"
+        )
+    return [s for i in range(index["shards"]) for s in load_shard(shard_path(folder, i), features=False)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -315,49 +562,121 @@ def evaluate(head: DraftHead, seqs: list[Sequence], batch: int, device, chain: i
     return {"top1": hits / max(1, total), "chain_accept": run_len / max(1, runs)}
 
 
+# ------------------------------------------------------------------------------------------------
+# The recipe
+# ------------------------------------------------------------------------------------------------
+def target_sequences(
+    loaded, recipe: DraftRecipe, samples: list[Sample] | None, data: str, offline=None, progress: bool = True
+) -> list[Sequence]:
+    """The target's greedy answers and features for the questions of `samples` (those of scenes held out for
+    validation marked `held_out`, split by `scene_split` with the recipe's seed) or, without samples, of the
+    synthetic frames; cached in `offline` shards when given."""
+    from litevlm.data.source import scene_split
+    from litevlm.pipeline import Pipeline
+
+    if samples is None:
+        frames, held = synthetic_frames(recipe), frozenset()
+    else:
+        frames = data_frames(samples)
+        held = frozenset(s.id for s in scene_split(samples, recipe.val_fraction, recipe.seed)[1])
+    shards = plan(frames, recipe, held)
+    pipe = Pipeline.from_loaded(loaded)
+    model = loaded.model
+    store = torch.float16 if model.dtype == torch.float32 else model.dtype  # bf16 targets keep their own dtype
+    if offline is not None:
+        key = cache_key(loaded, recipe, data, sum(len(f.samples) for f in frames))
+        return offline_sequences(pipe, shards, recipe, offline, key, store, progress)
+    seqs = []
+    with tqdm(total=sum(len(f.samples) for f in frames), desc="target answers", disable=not progress) as bar:
+        for shard in shards:
+            seqs += answer_shard(pipe, shard, recipe, store)
+            bar.update(sum(len(items) for _, items in shard))
+    return seqs
+
+
 def train_draft(
-    model_dir: str | Path, out_dir: str | Path | None = None, recipe: DraftRecipe | None = None, progress: bool = True
+    model,
+    out: str | Path | None = None,
+    recipe: DraftRecipe | None = None,
+    *,
+    samples: list[Sample] | None = None,
+    data: str = "",
+    offline: str | Path | None = None,
+    progress: bool = True,
 ) -> Path:
-    """Train a draft head for the model in `model_dir`; saved to out_dir (default model_dir/draft)."""
-    from litevlm.data.tokenizer import Tokenizer
-    from litevlm.model.hf import load_native
+    """Train a draft head for `model` (a `litevlm.models.Loaded` checkpoint, or a name or folder to load) on the
+    target's own answers to the questions of `samples` (the user's data, named by `data`; validation on scenes held
+    out) or, without samples, of synthetic frames. Saved in `modules_dir(loaded, out)/draft`, where
+    `Pipeline.from_pretrained(..., speculative=True)` finds it. `offline`: a folder where the answers and features
+    are cached as safetensors shards first (a rerun resumes), then read for training."""
+    from litevlm.models import Loaded, load_model, modules_dir
 
     recipe = recipe or DraftRecipe()
     if recipe.passes < 1:
         raise ValueError(f"passes must be at least 1 (1 = teacher forcing only), got {recipe.passes}")
+    loaded = model if isinstance(model, Loaded) else load_model(model)
+    check_out(loaded, out)
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise LiteVLMError(f"no model at {model_dir}: train one with `litevlm train vlm` first")
-    out = Path(out_dir) if out_dir is not None else model_dir / DRAFT_SUBDIR
-    model = load_native(model_dir).float().eval()
-    model.requires_grad_(False)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    return train_draft_for(model, tokenizer, out, recipe, progress, source=model_dir.name)
-
-
-def train_draft_for(
-    model, tokenizer, out: str | Path, recipe: DraftRecipe, progress: bool = True, source: str = ""
-) -> Path:
-    """The recipe on an already-loaded target (fp32, frozen) and its tokenizer."""
+    target = loaded.model.eval()
+    target.requires_grad_(False)
     t0 = time.time()
-    torch.manual_seed(recipe.seed)
-    dev = model.device
-    seqs = [s.window(recipe.context) for s in build_sequences(model, tokenizer, recipe, range(recipe.frames), progress)]
+    seqs = target_sequences(loaded, recipe, samples, data, offline, progress)
     gen_s = time.time() - t0
     rng = random.Random(recipe.seed)
-    rng.shuffle(seqs)
-    n_val = max(1, int(len(seqs) * recipe.val_fraction))
-    val, train = seqs[:n_val], seqs[n_val:]
+    if samples is None:  # synthetic frames: a random share of the sequences
+        rng.shuffle(seqs)
+        n_val = max(1, int(len(seqs) * recipe.val_fraction))
+        val, train = seqs[:n_val], seqs[n_val:]
+    else:  # the user's data: whole scenes held out
+        val, train = [s for s in seqs if s.held_out], [s for s in seqs if not s.held_out]
+        rng.shuffle(train)
+    if not train:
+        raise LiteVLMError("no training questions are left once the validation scenes are held out")
 
-    draft_vocab = min(recipe.draft_vocab, model.cfg.text.vocab_size)
-    cfg = DraftConfig.for_target(model.cfg.text, recipe.intermediate_size or None, draft_vocab, recipe.context)
-    head = DraftHead(cfg, model).to(dev)
+    dev = target.device
+    draft_vocab = min(recipe.draft_vocab, target.cfg.text.vocab_size)
+    cfg = DraftConfig.for_target(target.cfg.text, recipe.intermediate_size or None, draft_vocab, recipe.context)
+    head = DraftHead(cfg, target).to(dev)  # fp32 weights whatever the target's dtype: it loads in the target's
     _init(head, recipe.seed)
     if draft_vocab:
-        head.set_draft_vocab(frequent_tokens(train, draft_vocab, tokenizer.eos_id))
-    head.train()
+        head.set_draft_vocab(frequent_tokens(train, draft_vocab, loaded.tokenizer.eos_id))
+    steps, hist = fit(head, train, recipe, rng, progress)
+    head.eval()
+    metrics = evaluate(head, val, recipe.batch, dev) if val else {"top1": None, "chain_accept": None}
+    metrics.update(
+        steps=steps,
+        train_sequences=len(train),
+        val_sequences=len(val),
+        validation="scenes held out" if samples is not None else "random share of the synthetic questions",
+        data_seconds=round(gen_s, 1),
+        train_seconds=round(time.time() - t0 - gen_s, 1),
+        parameters=head.num_parameters(),
+    )
+    head.recipe = {**asdict(recipe), "target": loaded.path.name, "data": data or "synthetic", "answers": "target"}
+    head.metrics = metrics
+    metrics["loss_curve"] = [
+        round(sum(h["reg"] + recipe.ce_weight * h["ce"] for h in hist[i : i + 50]) / len(hist[i : i + 50]), 4)
+        for i in range(0, len(hist), max(50, len(hist) // 20))
+    ]
+    return head.save(modules_dir(loaded, out) / DRAFT_SUBDIR)
+
+
+def check_out(loaded, out) -> None:
+    """Refuse, before any work, an `out` folder whose prompt.json holds another format than the target's."""
+    from litevlm.model.prompt import PROMPT_FILE, read_format
+
+    if out is not None and (Path(out) / PROMPT_FILE).is_file() and read_format(Path(out)) != loaded.format:
+        raise LiteVLMError(
+            f"{Path(out) / PROMPT_FILE} holds another prompt format than {loaded.path.name}'s: the draft head would "
+            "not match the modules already there; pick another --out"
+        )
+
+
+def fit(head: DraftHead, train: list[Sequence], recipe: DraftRecipe, rng: random.Random, progress: bool = True):
+    """AdamW on the teacher-forced pairs within the time budget (cosine schedule, re-planned to the budget).
+    -> (steps, per-step stats)."""
+    dev = head.fc.weight.device
     decay = [p for p in head.parameters() if p.ndim >= 2]
     rest = [p for p in head.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -365,6 +684,7 @@ def train_draft_for(
         lr=recipe.lr,
         betas=(0.9, 0.95),
     )
+    head.train()
     steps_per_epoch = math.ceil(len(train) / recipe.batch)
     total = recipe.epochs * steps_per_epoch
     deadline = time.time() + recipe.minutes * 60
@@ -401,23 +721,7 @@ def train_draft_for(
                     acc=f"{sum(h['acc'] for h in last) / len(last):.3f}",
                 )
     bar.close()
-    head.eval()
-    metrics = evaluate(head, val, recipe.batch, dev)
-    metrics.update(
-        steps=step,
-        train_sequences=len(train),
-        val_sequences=len(val),
-        data_seconds=round(gen_s, 1),
-        train_seconds=round(time.time() - t0 - gen_s, 1),
-        parameters=head.num_parameters(),
-    )
-    head.recipe = {**asdict(recipe), "target": source}
-    head.metrics = metrics
-    metrics["loss_curve"] = [
-        round(sum(h["reg"] + recipe.ce_weight * h["ce"] for h in hist[i : i + 50]) / len(hist[i : i + 50]), 4)
-        for i in range(0, len(hist), max(50, len(hist) // 20))
-    ]
-    return head.save(out)
+    return step, hist
 
 
 def _init(head: DraftHead, seed: int) -> None:
