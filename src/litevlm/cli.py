@@ -302,7 +302,7 @@ def train_openings_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--frames", type=int, default=3000, help="without --data: synthetic training frames whose answers are counted"
     )
-    p.add_argument("--seed", type=int, default=0, help="frames (seed, 0..frames-1) and the split by scene")
+    p.add_argument("--seed", type=int, default=0, help="without --data: frames (seed, 0..frames-1)")
     p.add_argument("--depth", type=int, default=4, help="tokens per opening, EOS included")
     p.add_argument("--max-nodes", type=int, default=12, help="nodes of one question's trie (extra prompt rows)")
     p.add_argument(

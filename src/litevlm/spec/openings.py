@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -209,8 +209,8 @@ def build_openings(
     draft head (`modules_dir(loaded, out)/draft/openings.json`).
 
     With `samples` (the user's data, named by `data`): the target's own greedy answers to the training split's
-    questions (the scenes `litevlm train draft` does not hold out, same seed), read from the draft's `offline`
-    cache when given, else generated as the draft recipe does. Without: the reference answers of synthetic
+    questions (the scenes `litevlm train draft` does not hold out), read from the draft's `offline` cache when
+    given, else generated with the settings the draft head was trained with. Without: the reference answers of synthetic
     training frames (seed, 0..frames-1; the held-out split is seed 1)."""
     from litevlm.models import DRAFT_SUBDIR, Loaded, load_model
 
@@ -225,7 +225,7 @@ def build_openings(
         raise LiteVLMError(f"--frames must be >= 1; got {frames}")
     tok = loaded.tokenizer
     if samples is not None:
-        pairs, source = target_answers(loaded, samples, data, offline, seed, progress), "target"
+        pairs, source = target_answers(loaded, folder, samples, data, offline, progress), "target"
         eos = [tok.eos_id]
         pairs = [(q, a[:-1] if a[-1:] == eos else a) for q, a in pairs]  # `build` appends EOS itself
     else:
@@ -248,11 +248,7 @@ def build_openings(
         min_share=min_share,
         key_words=key_words,
         recipe={
-            **(
-                {"data": data or "given", "split_seed": seed}
-                if samples is not None
-                else {"frames": frames, "seed": seed}
-            ),
+            **({"data": data or "given"} if samples is not None else {"frames": frames, "seed": seed}),
             "depth": depth,
             "max_nodes": max_nodes,
             "min_share": min_share,
@@ -265,13 +261,15 @@ def build_openings(
 
 
 def target_answers(
-    loaded, samples, data: str, offline, seed: int, progress: bool = True
+    loaded, draft: Path, samples, data: str, offline, progress: bool = True
 ) -> list[tuple[str, list[int]]]:
     """(question, the target's greedy answer ids) for the questions of the training split of `samples`: from the
     draft recipe's offline cache in `offline` when it holds one for this target and data, else generated."""
     from litevlm.train.draft import DraftRecipe, answer_shard, cache_key, cached_answers, data_frames, plan
 
-    recipe = DraftRecipe(seed=seed)
+    saved = json.loads((draft / "config.json").read_text()).get("recipe", {})
+    recipe = DraftRecipe(**{f.name: saved[f.name] for f in fields(DraftRecipe) if f.name in saved})
+    recipe.render_size = tuple(recipe.render_size)  # a list in JSON
     seqs = None
     if offline is not None:
         seqs = cached_answers(offline, cache_key(loaded, recipe, data, len(samples)))
@@ -283,7 +281,7 @@ def target_answers(
         from litevlm.data.source import scene_split
         from litevlm.pipeline import Pipeline
 
-        held = frozenset(s.id for s in scene_split(samples, recipe.val_fraction, seed)[1])
+        held = frozenset(s.id for s in scene_split(samples, recipe.val_fraction, recipe.seed)[1])
         shards = [  # the draft recipe's plan (the same views per question), the training split only
             [(f, kept) for f, items in shard if (kept := [it for it in items if not it.held_out])]
             for shard in plan(data_frames(samples), recipe, held)
