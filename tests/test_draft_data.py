@@ -16,9 +16,10 @@ from litevlm.data.source import load_data, scene_split
 from litevlm.errors import LiteVLMError
 from litevlm.models import load_model
 from litevlm.pipeline import Pipeline
-from litevlm.spec.openings import Openings, build_openings
+from litevlm.spec.openings import Openings
 from litevlm.train import draft as recipe_module
 from litevlm.train.draft import DraftRecipe, load_shard, shard_path, target_sequences, train_draft
+from litevlm.train.openings import build_openings
 
 # Tiny and quick: every question shown with all six views (so one can be asked again through `Pipeline.answer`),
 # short answers, a few training steps.

@@ -318,7 +318,7 @@ def train_openings_arguments(p: argparse.ArgumentParser) -> None:
 def run_train_openings(args) -> None:
     from litevlm.data.source import load_data
     from litevlm.options import load_model_from_args
-    from litevlm.spec.openings import build_openings
+    from litevlm.train.openings import build_openings
 
     try:
         key_words = tuple(int(w) for w in args.key_words.split(","))

@@ -20,6 +20,7 @@ and inference.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -273,17 +274,21 @@ def shard_path(folder: Path, i: int) -> Path:
     return folder / f"shard-{i:05d}.safetensors"
 
 
-def cache_key(loaded, recipe: DraftRecipe, data: str, questions: int) -> dict:
+def cache_key(loaded, recipe: DraftRecipe, data: str, samples: list[Sample]) -> dict:
     """What the cached answers and features depend on: the target (folder, weights, dtype, prompt format), the
-    questions and the settings of their generation."""
+    questions (their ids, text and images) and the settings of their generation."""
     weights = sum(f.stat().st_size for f in sorted(loaded.path.glob("*.safetensors")))
+    digest = hashlib.sha256()
+    for s in samples:
+        digest.update(json.dumps([s.id, s.question, sorted((c, str(p)) for c, p in s.images.items())]).encode())
     key = {
         "model": str(loaded.path.resolve()),
         "weights_bytes": weights,
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
         "format": loaded.format.to_dict(),
         "data": data or "synthetic",
-        "questions": questions,
+        "questions": len(samples),
+        "questions_sha256": digest.hexdigest(),
         "seed": recipe.seed,
         "max_new_tokens": recipe.max_new_tokens,
         "view_subset_prob": recipe.view_subset_prob,
@@ -585,7 +590,7 @@ def target_sequences(
     model = loaded.model
     store = torch.float16 if model.dtype == torch.float32 else model.dtype  # bf16 targets keep their own dtype
     if offline is not None:
-        key = cache_key(loaded, recipe, data, sum(len(f.samples) for f in frames))
+        key = cache_key(loaded, recipe, data, [s for f in frames for s in f.samples])
         return offline_sequences(pipe, shards, recipe, offline, key, store, progress)
     seqs = []
     with tqdm(total=sum(len(f.samples) for f in frames), desc="target answers", disable=not progress) as bar:
