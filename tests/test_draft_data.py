@@ -6,6 +6,7 @@ from the target's answers."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -195,5 +196,48 @@ def test_a_transformers_checkpoint_with_its_chat_template_gets_a_lossless_head(w
     spec = Pipeline.from_pretrained(hf, speculative=True, max_new_tokens=10)
     assert spec.format.system == "You drive." and spec.draft.metrics["top1"] is None  # one scene: no validation
     for s in few[:4]:
+        images = load_images(s)
+        assert spec.answer(s.question, images).tokens == plain.answer(s.question, images).tokens
+
+
+def test_two_ranks_share_the_generation_train_one_head_and_the_cache_fits_one_process(
+    world, tmp_path, monkeypatch, capsys
+):
+    """`torchrun --nproc-per-node 2 -m litevlm train draft`: each rank answers its shards (gloo on the CPU), the head
+    trains through DDP and rank 0 alone saves and prints; a single process then finds the whole cache made."""
+    import os
+    import subprocess
+    import sys
+
+    model_dir, data, samples = world
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model, ignore=shutil.ignore_patterns("draft", "prompt.json"))
+    cache = tmp_path / "features"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "litevlm"]
+    cmd += ["--", "train", "draft", "--model", str(model), "--data", str(data), "--offline", str(cache)]
+    cmd += ["--minutes", "0.05", "--threads", "1", "--max-new-tokens", "6", "--gen-batch", "8"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("saved to") == 1 and done.stdout.count("bytes/token") == 1  # rank 0 alone prints
+    share = int(re.search(r"target answers: +0%.*?/(\d+)", done.stderr).group(1))  # rank 0's progress bar
+    assert 0 < share < len(samples)  # it answered its shards only
+    head = json.loads((model / "draft" / "config.json").read_text())
+    held = scene_split(samples, DraftRecipe.val_fraction, DraftRecipe.seed)[1]
+    assert head["metrics"]["ranks"] == 2 and head["metrics"]["steps"] >= 1
+    assert head["metrics"]["train_sequences"] == len(samples) - len(held)
+    assert head["metrics"]["val_sequences"] == len(held)
+
+    torch.set_num_threads(1)  # as each rank ran: the same kernels, so the same bits
+    recipe = DraftRecipe(minutes=0.05, threads=1, max_new_tokens=6, gen_batch=8)
+    counter = CountingTarget(monkeypatch, capsys)
+    cached = target_sequences(load_model(model), recipe, samples, str(data), cache, progress=False)
+    assert counter.calls == 0  # both ranks' shards are there, and fit a single process's key
+    online = target_sequences(load_model(model), recipe, samples, str(data), None, progress=False)
+    assert [s.answer for s in cached] == [s.answer for s in online]
+    assert all(torch.equal(a.features, b.features) for a, b in zip(cached, online))
+
+    plain = Pipeline.from_pretrained(model, max_new_tokens=12)
+    spec = Pipeline.from_pretrained(model, speculative=True, max_new_tokens=12)
+    for s in samples[:: len(samples) // 3]:
         images = load_images(s)
         assert spec.answer(s.question, images).tokens == plain.answer(s.question, images).tokens

@@ -137,7 +137,8 @@ def test_the_cli_passes_the_model_data_and_recipe_to_the_recipe(monkeypatch, tmp
 
     seen = []
 
-    def fake(loaded, out, recipe, *, samples, data, offline):
+    def fake(loaded, out, recipe, *, samples, data, offline, d):
+        assert d.world_size == 1  # not under torchrun
         seen.append((loaded, out, recipe, samples, data, offline))
         (tmp_path / "config.json").write_text(
             '{"metrics": {"top1": 0.5, "chain_accept": 1.5, "validation": "v",'

@@ -264,15 +264,31 @@ def train_draft_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train_draft(args) -> None:
+    """Under `torchrun --nproc-per-node W` each rank answers its share of the questions and trains the head through
+    DDP; rank 0 validates, saves and prints."""
     from litevlm.data.source import load_data
+    from litevlm.dist import close, init_dist
     from litevlm.options import load_model_from_args
     from litevlm.train.draft import DraftRecipe, train_draft
 
     recipe = recipe_from_args(DraftRecipe, args)
     samples = load_data(args.data, args.images) if args.data else None
-    out = train_draft(
-        load_model_from_args(args), args.out, recipe, samples=samples, data=args.data or "", offline=args.offline
-    )
+    d = init_dist(args.device)
+    args.device = d.device  # under torchrun on GPUs: this rank's own GPU
+    try:
+        out = train_draft(
+            load_model_from_args(args),
+            args.out,
+            recipe,
+            samples=samples,
+            data=args.data or "",
+            offline=args.offline,
+            d=d,
+        )
+    finally:
+        close(d)
+    if not d.is_main:
+        return
     m = json.loads((out / "config.json").read_text())["metrics"]
     if m["top1"] is None:
         print(f"validation: none ({m['validation']}: the data has a single scene)")

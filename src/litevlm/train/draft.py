@@ -33,12 +33,14 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.config import flag
 from litevlm.data.drivelm import Sample
+from litevlm.dist import Dist, barrier, ddp, gather, shard
 from litevlm.errors import LiteVLMError
 from litevlm.spec.draft import DRAFT_SUBDIR, DraftConfig, DraftHead
 
@@ -51,10 +53,10 @@ class DraftRecipe:
         "the data",
     )
     seed: int = flag(0, "the seed of the frames (held-out split: seed 1), of the views and of the split by scene")
-    max_new_tokens: int = 96  # answer length cap while generating the data
+    max_new_tokens: int = flag(96, "the target's answers are cut at this many tokens")
     view_subset_prob: float = 0.5  # prompts with only the needed views (+ random extras), as view selection feeds
     render_size: tuple[int, int] = (400, 225)
-    gen_batch: int = 16  # questions answered at once while generating the data
+    gen_batch: int = flag(16, "questions the target answers at once (a shard holds 8 x this many or more)")
     # The head's shape. On a small target the draft must be much cheaper than a target step: a narrow
     # MLP, a draft vocabulary of the tokens answers actually use, and a window over the prompt (the
     # target's features already carry what it saw).
@@ -208,7 +210,7 @@ def plan(frames: list[Frame], recipe: DraftRecipe, held_out: frozenset[str] = fr
     ones it needs plus random extras, as view selection does. Frames are grouped into shards of at least
     8 x gen_batch questions: the unit of batched generation and of the offline cache. -> shards of (frame, items)."""
     rng = random.Random(recipe.seed)
-    shards, shard, n = [], [], 0
+    shards, group, n = [], [], 0
     for frame in frames:
         items = []
         for s in frame.samples:
@@ -217,24 +219,24 @@ def plan(frames: list[Frame], recipe: DraftRecipe, held_out: frozenset[str] = fr
                 keep = set(s.views) | {c for c in CAMERAS if rng.random() < 0.15}
                 cams = [c for c in CAMERAS if c in keep] or cams
             items.append(Item(s, cams, s.id in held_out))
-        shard.append((frame, items))
+        group.append((frame, items))
         n += len(items)
         if n >= 8 * recipe.gen_batch:
-            shards.append(shard)
-            shard, n = [], 0
-    if shard:
-        shards.append(shard)
+            shards.append(group)
+            group, n = [], 0
+    if group:
+        shards.append(group)
     return shards
 
 
 @torch.no_grad()
-def answer_shard(pipe, shard: list[tuple], recipe: DraftRecipe, store_dtype: torch.dtype) -> list[Sequence]:
+def answer_shard(pipe, group: list[tuple], recipe: DraftRecipe, store_dtype: torch.dtype) -> list[Sequence]:
     """The target's greedy answers to one shard's questions, batched, and its features along prompt + answer,
     windowed to the head's context and kept on the CPU in `store_dtype`. Prompts are the pipeline's own
     (`Pipeline.tiles`, `encode_tiles`, `Pipeline.embed_prompt`), in the checkpoint's format."""
     model, tok = pipe.model, pipe.tokenizer
     pending = []  # (reference answer length, prompt embeddings (T, C), item)
-    for frame, items in shard:
+    for frame, items in group:
         pixels, counts = pipe.tiles(frame.images(), list(CAMERAS))
         visual = model.encode_tiles(pixels.to(model.device))  # (tiles, tokens per tile, C)
         per_view = visual.split([n // model.cfg.tokens_per_tile for n in counts])  # view -> (tiles, tokens, C)
@@ -383,8 +385,8 @@ def disk_estimate(pipe, shards: list[list[tuple]], recipe: DraftRecipe, store_dt
     per_token = 2 * pipe.model.cfg.text.hidden_size * torch.empty(0, dtype=store_dtype).element_size()
     view_tokens = pipe.cfg.tokens_per_tile * pipe.format.tiling.most()
     tokens = 0
-    for shard in shards:
-        for _, items in shard:
+    for group in shards:
+        for _, items in group:
             for it in items:
                 if recipe.context:  # a prompt's visual tokens alone outnumber the window
                     prompt = recipe.context
@@ -396,34 +398,47 @@ def disk_estimate(pipe, shards: list[list[tuple]], recipe: DraftRecipe, store_dt
 
 
 def offline_sequences(
-    pipe, shards, recipe: DraftRecipe, folder, key: dict, store_dtype: torch.dtype, progress: bool = True
+    pipe,
+    shards,
+    recipe: DraftRecipe,
+    folder,
+    key: dict,
+    store_dtype: torch.dtype,
+    progress: bool = True,
+    d: Dist = Dist(),
 ) -> list[Sequence]:
-    """Write the shards `folder` does not hold yet (the disk cost printed first), then read them all."""
+    """Write the shards `folder` does not hold yet (the disk cost printed first), then read them. Under torchrun
+    rank r writes and reads shards r, r + W, ... (`litevlm.dist.shard`); rank 0 alone prints and writes the index."""
     folder = Path(folder)
     index = read_index(folder)
     if index is not None:
         check_index(index, key, folder)
     per_token, tokens = disk_estimate(pipe, shards, recipe, store_dtype)
     done = sum(shard_path(folder, i).is_file() for i in range(len(shards)))
-    questions = sum(len(items) for shard in shards for _, items in shard)
-    print(
-        f"offline draft features in {folder}: {questions} questions in {len(shards)} shards, about {tokens:,} tokens "
-        f"x {per_token:,} bytes/token = {per_token * tokens / 2**20:,.1f} MiB on disk"
-        + (f"; {done} shards already written, resuming" if done else "")
+    questions = sum(len(items) for group in shards for _, items in group)
+    if d.is_main:
+        print(
+            f"offline draft features in {folder}: {questions} questions in {len(shards)} shards, about {tokens:,} "
+            f"tokens x {per_token:,} bytes/token = {per_token * tokens / 2**20:,.1f} MiB on disk"
+            + (f"; {done} shards already written, resuming" if done else "")
+        )
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = {"format": FEATURES_FORMAT, "version": 1, "key": key, "shards": len(shards), "questions": questions}
+        meta.update(bytes_per_token=per_token, tokens_estimated=tokens, dtype=str(store_dtype).removeprefix("torch."))
+        tmp = folder / (INDEX_FILE + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, folder / INDEX_FILE)
+    barrier(d)  # every rank has checked the key before rank 0 rewrites the index
+    mine = shard(range(len(shards)), d)
+    bar = tqdm(
+        total=sum(len(items) for i in mine for _, items in shards[i]), desc="target answers", disable=not progress
     )
-    folder.mkdir(parents=True, exist_ok=True)
-    meta = {"format": FEATURES_FORMAT, "version": 1, "key": key, "shards": len(shards), "questions": questions}
-    meta.update(bytes_per_token=per_token, tokens_estimated=tokens, dtype=str(store_dtype).removeprefix("torch."))
-    tmp = folder / (INDEX_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, folder / INDEX_FILE)
-    bar = tqdm(total=questions, desc="target answers", disable=not progress)
-    for i, shard in enumerate(shards):
+    for i in mine:
         if not shard_path(folder, i).is_file():
-            save_shard(shard_path(folder, i), answer_shard(pipe, shard, recipe, store_dtype))
-        bar.update(sum(len(items) for _, items in shard))
+            save_shard(shard_path(folder, i), answer_shard(pipe, shards[i], recipe, store_dtype))
+        bar.update(sum(len(items) for _, items in shards[i]))
     bar.close()
-    return [s for i in range(len(shards)) for s in load_shard(shard_path(folder, i))]
+    return [s for i in mine for s in load_shard(shard_path(folder, i))]
 
 
 def cached_answers(folder, key: dict) -> list[Sequence] | None:
@@ -471,21 +486,19 @@ def collate(seqs: list[Sequence], device) -> dict[str, torch.Tensor]:
 
 
 def draft_loss(
-    head: DraftHead, batch: dict, noise: float = 0.0, ce_weight: float = 0.1, passes: int = 1
+    head: DraftHead, batch: dict, noise: float = 0.0, ce_weight: float = 0.1, passes: int = 1, forward=None
 ) -> tuple[torch.Tensor, dict]:
     """SmoothL1 on the predicted feature + ce_weight x soft cross-entropy through the frozen LM head.
 
     passes > 1 adds the training-time-test passes (`DraftHead.forward_unrolled`), weighted 0.8^(s-1);
-    pass s is scored where its whole drafted path lies in the answer. Stats are pass 1's.
+    pass s is scored where its whole drafted path lies in the answer. Stats are pass 1's. `forward`: the
+    `Unrolled` head, DDP-wrapped under torchrun.
     """
     feats = batch["feats"]
     if noise > 0:
         rms = feats.pow(2).mean(-1, keepdim=True).sqrt()
         feats = feats + (torch.rand_like(feats) * 2 - 1) * noise * rms
-    if passes == 1:
-        preds = [head(feats, batch["nxt"], batch["positions"])]  # (B, T, C)
-    else:
-        preds = head.forward_unrolled(feats, batch["nxt"], batch["positions"], passes)
+    preds = (forward or Unrolled(head))(feats, batch["nxt"], batch["positions"], passes)  # passes x (B, T, C)
     total, stats = 0.0, {}
     for s, pred in enumerate(preds):
         m = batch["mask"].clone()
@@ -507,10 +520,10 @@ def draft_loss(
     return total, stats
 
 
-def frequent_tokens(seqs: list[Sequence], n: int, eos_id: int) -> list[int]:
+def frequent_tokens(answers: list[list[int]], n: int, eos_id: int) -> list[int]:
     """The n most frequent answer tokens (EOS always among them), as ascending ids; when the answers
     use fewer than n distinct tokens, the lowest unused ids fill the rest."""
-    counts = Counter(t for s in seqs for t in s.answer)
+    counts = Counter(t for a in answers for t in a)
     counts[eos_id] = max(counts.values(), default=0) + 1
     ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))][:n]
     chosen = set(ranked)
@@ -572,11 +585,17 @@ def evaluate(head: DraftHead, seqs: list[Sequence], batch: int, device, chain: i
 # The recipe
 # ------------------------------------------------------------------------------------------------
 def target_sequences(
-    loaded, recipe: DraftRecipe, samples: list[Sample] | None, data: str, offline=None, progress: bool = True
+    loaded,
+    recipe: DraftRecipe,
+    samples: list[Sample] | None,
+    data: str,
+    offline=None,
+    progress: bool = True,
+    d: Dist = Dist(),
 ) -> list[Sequence]:
     """The target's greedy answers and features for the questions of `samples` (those of scenes held out for
     validation marked `held_out`, split by `scene_split` with the recipe's seed) or, without samples, of the
-    synthetic frames; cached in `offline` shards when given."""
+    synthetic frames; cached in `offline` shards when given. Under torchrun, this rank's shards only."""
     from litevlm.data.source import scene_split
     from litevlm.pipeline import Pipeline
 
@@ -591,12 +610,13 @@ def target_sequences(
     store = torch.float16 if model.dtype == torch.float32 else model.dtype  # bf16 targets keep their own dtype
     if offline is not None:
         key = cache_key(loaded, recipe, data, [s for f in frames for s in f.samples])
-        return offline_sequences(pipe, shards, recipe, offline, key, store, progress)
+        return offline_sequences(pipe, shards, recipe, offline, key, store, progress, d)
+    mine = shard(shards, d)
     seqs = []
-    with tqdm(total=sum(len(f.samples) for f in frames), desc="target answers", disable=not progress) as bar:
-        for shard in shards:
-            seqs += answer_shard(pipe, shard, recipe, store)
-            bar.update(sum(len(items) for _, items in shard))
+    with tqdm(total=sum(len(it) for s in mine for _, it in s), desc="target answers", disable=not progress) as bar:
+        for items in mine:
+            seqs += answer_shard(pipe, items, recipe, store)
+            bar.update(sum(len(it) for _, it in items))
     return seqs
 
 
@@ -609,12 +629,17 @@ def train_draft(
     data: str = "",
     offline: str | Path | None = None,
     progress: bool = True,
+    d: Dist = Dist(),
 ) -> Path:
     """Train a draft head for `model` (a `litevlm.models.Loaded` checkpoint, or a name or folder to load) on the
     target's own answers to the questions of `samples` (the user's data, named by `data`; validation on scenes held
     out) or, without samples, of synthetic frames. Saved in `modules_dir(loaded, out)/draft`, where
     `Pipeline.from_pretrained(..., speculative=True)` finds it. `offline`: a folder where the answers and features
-    are cached as safetensors shards first (a rerun resumes), then read for training."""
+    are cached as safetensors shards first (a rerun resumes), then read for training.
+
+    d: this process's rank under torchrun (`litevlm.dist.init_dist`): each rank answers its share of the shards and
+    trains on it, the head wrapped in DDP (gradients averaged, every rank the same steps); rank 0 validates and
+    saves."""
     from litevlm.models import Loaded, load_model, modules_dir
 
     recipe = recipe or DraftRecipe()
@@ -622,23 +647,27 @@ def train_draft(
         raise ValueError(f"passes must be at least 1 (1 = teacher forcing only), got {recipe.passes}")
     loaded = model if isinstance(model, Loaded) else load_model(model)
     check_out(loaded, out)
+    progress = progress and d.is_main
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
     target = loaded.model.eval()
     target.requires_grad_(False)
     t0 = time.time()
-    seqs = target_sequences(loaded, recipe, samples, data, offline, progress)
+    seqs = target_sequences(loaded, recipe, samples, data, offline, progress, d)
     gen_s = time.time() - t0
     rng = random.Random(recipe.seed)
-    if samples is None:  # synthetic frames: a random share of the sequences
+    if samples is None:  # synthetic frames: a random share of (this rank's) sequences
         rng.shuffle(seqs)
         n_val = max(1, int(len(seqs) * recipe.val_fraction))
         val, train = seqs[:n_val], seqs[n_val:]
     else:  # the user's data: whole scenes held out
         val, train = [s for s in seqs if s.held_out], [s for s in seqs if not s.held_out]
         rng.shuffle(train)
-    if not train:
+    if d.world_size > 1 and min(everyone(len(train), d)) == 0:  # fewer shards than ranks: share the sequences
+        train = shard([s for part in everyone(train, d) for s in part], d)
+    if min(everyone(len(train), d)) == 0:
         raise LiteVLMError("no training questions are left once the validation scenes are held out")
+    val = [s for part in gather([val], d) or [] for s in part]  # every rank's, on rank 0
 
     dev = target.device
     draft_vocab = min(recipe.draft_vocab, target.cfg.text.vocab_size)
@@ -646,13 +675,19 @@ def train_draft(
     head = DraftHead(cfg, target).to(dev)  # fp32 weights whatever the target's dtype: it loads in the target's
     _init(head, recipe.seed)
     if draft_vocab:
-        head.set_draft_vocab(frequent_tokens(train, draft_vocab, loaded.tokenizer.eos_id))
-    steps, hist = fit(head, train, recipe, rng, progress)
+        answers = [a for part in everyone([s.answer for s in train], d) for a in part]  # every rank's
+        head.set_draft_vocab(frequent_tokens(answers, draft_vocab, loaded.tokenizer.eos_id))
+    steps, hist = fit(head, train, recipe, rng, progress, d)
+    n_train = sum(everyone(len(train), d))
+    if not d.is_main:
+        barrier(d)  # rank 0 validates and saves
+        return (Path(out) if out is not None else loaded.path) / DRAFT_SUBDIR
     head.eval()
     metrics = evaluate(head, val, recipe.batch, dev) if val else {"top1": None, "chain_accept": None}
     metrics.update(
         steps=steps,
-        train_sequences=len(train),
+        train_sequences=n_train,
+        ranks=d.world_size,
         val_sequences=len(val),
         validation="scenes held out" if samples is not None else "random share of the synthetic questions",
         data_seconds=round(gen_s, 1),
@@ -665,7 +700,9 @@ def train_draft(
         round(sum(h["reg"] + recipe.ce_weight * h["ce"] for h in hist[i : i + 50]) / len(hist[i : i + 50]), 4)
         for i in range(0, len(hist), max(50, len(hist) // 20))
     ]
-    return head.save(modules_dir(loaded, out) / DRAFT_SUBDIR)
+    path = head.save(modules_dir(loaded, out) / DRAFT_SUBDIR)
+    barrier(d)
+    return path
 
 
 def check_out(loaded, out) -> None:
@@ -679,10 +716,42 @@ def check_out(loaded, out) -> None:
         )
 
 
-def fit(head: DraftHead, train: list[Sequence], recipe: DraftRecipe, rng: random.Random, progress: bool = True):
+class Unrolled(nn.Module):
+    """The head's training forward, every training-time-test pass in one module call (what DDP wraps: it averages
+    the gradients of the parameters its forward used)."""
+
+    def __init__(self, head: DraftHead):
+        super().__init__()
+        self.head = head
+
+    def forward(self, feats, nxt, positions, passes: int = 1) -> list[torch.Tensor]:
+        if passes == 1:
+            return [self.head(feats, nxt, positions)]  # (B, T, C)
+        return self.head.forward_unrolled(feats, nxt, positions, passes)
+
+
+def everyone(obj, d: Dist) -> list:
+    """`obj` of every rank, on every rank, in rank order (`[obj]` in a world of one)."""
+    if d.world_size == 1:
+        return [obj]
+    out = [None] * d.world_size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def fit(
+    head: DraftHead,
+    train: list[Sequence],
+    recipe: DraftRecipe,
+    rng: random.Random,
+    progress: bool = True,
+    d: Dist = Dist(),
+):
     """AdamW on the teacher-forced pairs within the time budget (cosine schedule, re-planned to the budget).
-    -> (steps, per-step stats)."""
+    Under torchrun every rank trains on its own sequences through DDP and takes the same number of steps (the
+    fewest any rank's data and time allow). -> (steps, per-step stats)."""
     dev = head.fc.weight.device
+    forward = ddp(Unrolled(head), d)
     decay = [p for p in head.parameters() if p.ndim >= 2]
     rest = [p for p in head.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -691,7 +760,7 @@ def fit(head: DraftHead, train: list[Sequence], recipe: DraftRecipe, rng: random
         betas=(0.9, 0.95),
     )
     head.train()
-    steps_per_epoch = math.ceil(len(train) / recipe.batch)
+    steps_per_epoch = min(everyone(math.ceil(len(train) / recipe.batch), d))
     total = recipe.epochs * steps_per_epoch
     deadline = time.time() + recipe.minutes * 60
     bar = tqdm(total=total, desc="training draft", disable=not progress)
@@ -699,16 +768,16 @@ def fit(head: DraftHead, train: list[Sequence], recipe: DraftRecipe, rng: random
     # Sequences of similar length batch together (less padding); batches are shuffled.
     order = sorted(range(len(train)), key=lambda i: train[i].features.shape[0])
     batches = [order[i : i + recipe.batch] for i in range(0, len(order), recipe.batch)]
-    while step < total and time.time() < deadline:
+    alone = d.world_size == 1  # several ranks stop together, at the step count they agree on
+    while step < total and (time.time() < deadline or not alone):
         rng.shuffle(batches)
         for idx in batches:
-            if step >= total or time.time() >= deadline:
+            if step >= total or (alone and time.time() >= deadline):
                 break
             for g in opt.param_groups:
                 g["lr"] = _lr(step, total, recipe)
-            loss, stats = draft_loss(
-                head, collate([train[i] for i in idx], dev), recipe.feature_noise, recipe.ce_weight, recipe.passes
-            )
+            batch = collate([train[i] for i in idx], dev)
+            loss, stats = draft_loss(head, batch, recipe.feature_noise, recipe.ce_weight, recipe.passes, forward)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_value_(head.parameters(), recipe.grad_clip)
@@ -718,6 +787,7 @@ def fit(head: DraftHead, train: list[Sequence], recipe: DraftRecipe, rng: random
             if step == 20 or step % 200 == 0:  # re-plan the schedule to the time budget
                 per_step = (time.time() - t_loop) / step
                 total = min(recipe.epochs * steps_per_epoch, int(step + (deadline - time.time()) / per_step))
+                total = min(everyone(max(total, step), d))
                 bar.total = total
             bar.update(1)
             if step % 10 == 0:
