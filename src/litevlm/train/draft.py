@@ -78,7 +78,9 @@ class DraftRecipe:
         1, "training-time test: 1 = teacher forcing only (EAGLE-2); s > 1 also trains on the head's own s-1 predictions"
     )
     ce_weight: float = 0.1
-    val_fraction: float = 0.05
+    val_fraction: float = flag(
+        0.05, "held out for validation: this share of the scenes (--data), else of the synthetic questions"
+    )
     threads: int = flag(2, "torch threads")
 
 
@@ -656,19 +658,7 @@ def train_draft(
     seqs = target_sequences(loaded, recipe, samples, data, offline, progress, d)
     gen_s = time.time() - t0
     rng = random.Random(recipe.seed)
-    if samples is None:  # synthetic frames: a random share of (this rank's) sequences
-        rng.shuffle(seqs)
-        n_val = max(1, int(len(seqs) * recipe.val_fraction))
-        val, train = seqs[:n_val], seqs[n_val:]
-    else:  # the user's data: whole scenes held out
-        val, train = [s for s in seqs if s.held_out], [s for s in seqs if not s.held_out]
-        rng.shuffle(train)
-    if d.world_size > 1 and min(everyone(len(train), d)) == 0:  # fewer shards than ranks: share the sequences
-        train = shard([s for part in everyone(train, d) for s in part], d)
-    if min(everyone(len(train), d)) == 0:
-        raise LiteVLMError("no training questions are left once the validation scenes are held out")
-    val = [s for part in gather([val], d) or [] for s in part]  # every rank's, on rank 0
-
+    train, val = split(seqs, samples is not None, recipe, rng, d)
     dev = target.device
     draft_vocab = min(recipe.draft_vocab, target.cfg.text.vocab_size)
     cfg = DraftConfig.for_target(target.cfg.text, recipe.intermediate_size or None, draft_vocab, recipe.context)
@@ -703,6 +693,25 @@ def train_draft(
     path = head.save(modules_dir(loaded, out) / DRAFT_SUBDIR)
     barrier(d)
     return path
+
+
+def split(
+    seqs: list[Sequence], by_scene: bool, recipe: DraftRecipe, rng: random.Random, d: Dist = Dist()
+) -> tuple[list[Sequence], list[Sequence]]:
+    """(this rank's training sequences, shuffled; every rank's validation sequences on rank 0). By scene: those
+    marked `held_out` validate; else a random `val_fraction` of the (rank's) sequences."""
+    if by_scene:
+        val, train = [s for s in seqs if s.held_out], [s for s in seqs if not s.held_out]
+        rng.shuffle(train)
+    else:
+        rng.shuffle(seqs)
+        n_val = max(1, int(len(seqs) * recipe.val_fraction))
+        val, train = seqs[:n_val], seqs[n_val:]
+    if d.world_size > 1 and min(everyone(len(train), d)) == 0:  # fewer shards than ranks: share the sequences
+        train = shard([s for part in everyone(train, d) for s in part], d)
+    if min(everyone(len(train), d)) == 0:
+        raise LiteVLMError("no training questions are left once the validation questions are held out")
+    return train, [s for part in gather([val], d) or [] for s in part]
 
 
 def check_out(loaded, out) -> None:
