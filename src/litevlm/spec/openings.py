@@ -3,10 +3,10 @@
 A speculative cycle needs the draft head, and the draft head needs the target's features, so the first cycle can
 only start once the prefill is done: a short answer ("Yes." + EOS) then pays a whole target pass over the weights
 for its last two tokens. But many questions of a kind open their answers the same way ("Is there ...?" -> "Yes." /
-"No."; "What will <c> do next?" -> "Keep ..."). `Openings` is a table, built from training questions and answers,
-from a question's first words to a small trie of the answer openings seen most often after them (a
-retrieval-style draft, as in REST, arXiv 2311.08252). The trie's nodes ride along with the prompt in the prefill's
-one forward pass: every node sees the whole prompt and its own ancestors (the tree mask), at position
+"No."; "What will <c> do next?" -> "Keep ..."). `Openings` is a table, built from training questions and answers
+(`litevlm.train.openings`), from a question's first words to a small trie of the answer openings seen most often
+after them (a retrieval-style draft, as in REST, arXiv 2311.08252). The trie's nodes ride along with the prompt in
+the prefill's one forward pass: every node sees the whole prompt and its own ancestors (the tree mask), at position
 prompt end + depth. Greedy acceptance then walks the trie from the prompt's own next token exactly as a
 verification does (`accept_opening`, in `litevlm.model.generate`), so the output is unchanged token for token; an
 answer the trie covers to its
