@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import HF_IMAGE_SIZE, HF_SYSTEM  # noqa: E402
+from conftest import user_model_script  # noqa: E402
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil  # noqa: E402
 
 from litevlm.cameras import CAMERAS  # noqa: E402
@@ -29,6 +29,7 @@ from litevlm.pipeline import Pipeline  # noqa: E402
 from litevlm.spec.draft import DraftConfig, DraftHead  # noqa: E402
 from litevlm.train.draft import Sequence, collate, draft_loss, greedy_batch  # noqa: E402
 
+USER = user_model_script()  # the tiny checkpoint's settings (benchmarks/tiny_user_model.py)
 NEW_TOKENS = 24
 CONTEXT = 32  # the draft head's window over the prompt
 SUBSET = ["CAM_FRONT_LEFT", "CAM_BACK"]
@@ -125,16 +126,17 @@ def transformers_inputs(checkpoint, tiling: str, question: str, images: dict, vi
     _, processor_class, settings = TILINGS[tiling]
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     image_processor = processor_class(
-        size={"height": HF_IMAGE_SIZE, "width": HF_IMAGE_SIZE},
+        size={"height": USER.HF_IMAGE_SIZE, "width": USER.HF_IMAGE_SIZE},
         image_mean=list(IMAGENET_MEAN),
         image_std=list(IMAGENET_STD),
         **settings,
     )
-    processor = ImageProcessor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4)
+    processor = ImageProcessor(image_processor, tokenizer, image_seq_length=USER.IMAGE_SEQ_LENGTH)
     content = [item for c in views for item in ({"type": "text", "text": f"{c}: "}, {"type": "image"})]
     messages = [{"role": "user", "content": [*content, {"type": "text", "text": question}]}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text.startswith(f"<|im_start|>system\n{HF_SYSTEM}<|im_end|>\n<|im_start|>user\n{views[0]}: <IMG_CONTEXT>\n")
+    system = f"<|im_start|>system\n{USER.HF_SYSTEM}<|im_end|>\n"
+    assert text.startswith(f"{system}<|im_start|>user\n{views[0]}: <IMG_CONTEXT>\n")  # the template's default system
     out = processor(
         text=text, images=[images[c] for c in views], return_tensors="pt", **{"crop_to_patches": False, **settings}
     )
