@@ -389,54 +389,58 @@ def run_score(args) -> None:
 
 
 def quantize_arguments(p: argparse.ArgumentParser) -> None:
-    from litevlm.quant.fp8 import FP8Recipe
+    from litevlm.data.source import add_data_options
+    from litevlm.quant.fp8 import SYNTH_CALIB_SEED, FP8Recipe
 
-    p.add_argument("--out", required=True)
-    p.add_argument("--calib", type=int, default=64, help="calibration questions (drawn from seed-2 synthetic frames)")
+    p.add_argument("--out", required=True, help="the FP8 checkpoint's folder, written whole or not at all")
+    p.add_argument("--calib", type=int, default=64, help="calibration questions (default: %(default)s)")
+    add_data_options(p, default_help=f"synthetic frames of seed {SYNTH_CALIB_SEED}")
+    p.add_argument(
+        "--calib-fraction",
+        type=float,
+        default=0.1,
+        help="with --data: the fraction of its scenes held out, whose questions calibrate (default: %(default)s)",
+    )
+    p.add_argument("--calib-seed", type=int, default=0, help="with --data: the seed of that split (default: 0)")
     add_recipe_options(p, FP8Recipe)
     _json_flag(p)
     add_pipeline_options(p)
 
 
 def run_quantize(args) -> None:
-    """FP8 post-training quantisation calibrated on what the deployed pipeline's layers really see."""
-    import shutil
-
-    from litevlm.data.drivelm import samples_from_frame
-    from litevlm.data.synthetic import make_frame, render_views
+    """FP8 post-training quantisation calibrated on what the deployed pipeline's layers really see: the pipeline the
+    flags describe answers the calibration questions (held-out scenes of --data, else synthetic frames)."""
     from litevlm.models import resolve_model_dir
-    from litevlm.quant.fp8 import FP8Recipe, calibrate, quantize_model, save_fp8
+    from litevlm.quant.fp8 import FP8Recipe, calibrate, calibration_set, check_out_dir, quantize_model, save_fp8
 
-    if args.calib < 1:
-        raise LiteVLMError("--calib must be at least 1 calibration question")
-    pipe = pipeline_from_args(args)
     recipe = recipe_from_args(FP8Recipe, args)
-    # Calibration questions come from seed 2 frames: neither the training (0) nor the held-out (1) split.
-    samples, i = [], 0
-    while len(samples) < args.calib:
-        frame = make_frame(2, i)
-        samples += samples_from_frame(frame, render_views(frame, size=(800, 450)))
-        i += 1
-    samples = samples[: args.calib]
+    source = resolve_model_dir(args.model)
+    check_out_dir(args.out, source)
+    calib = None
+    if recipe.static:  # the dynamic recipe scales each row at run time: nothing to calibrate
+        calib = calibration_set(args.calib, args.data, args.images, args.calib_fraction, args.calib_seed)
+    pipe = pipeline_from_args(args)
     amax = None
-    if recipe.static:
-        amax = calibrate(
-            pipe.model,
-            [(lambda s=s: pipe.answer(s.question, s.images)) for s in samples],
-            recipe,
-            progress=not args.json,
-            total=len(samples),
-        )
+    if calib is not None:
+        runs = [(lambda s=s: pipe.answer(s.question, s.images)) for s in calib.samples]
+        amax = calibrate(pipe.model, runs, recipe, progress=not args.json, total=len(runs))
     report = quantize_model(pipe.model, recipe, amax)
-    src = resolve_model_dir(args.model)
-    out = save_fp8(pipe.model, args.out, recipe, report, tokenizer_dir=src)
-    for part in ("view_selector", "token_selector", "draft"):  # the small modules stay in full precision
-        if (src / part).is_dir() and not (out / part).exists():
-            shutil.copytree(src / part, out / part)
+    out = save_fp8(
+        pipe.model,
+        args.out,
+        recipe,
+        report,
+        source,
+        tokenizer=pipe.tokenizer,
+        prompt_format=pipe.format,
+        calibration=calib.source if calib else None,
+    )
     if args.json:
-        _print_json({"out": str(out), "recipe": recipe.name, "calib": len(samples), **report.to_dict()})
+        _print_json({"out": str(out), "recipe": recipe.name, "calibration": calib and calib.source, **report.to_dict()})
     else:
         print(report.summary())
+        if calib is not None:
+            print(calib.describe())
         print(f"wrote {out}")
 
 
