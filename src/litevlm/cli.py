@@ -308,10 +308,10 @@ def run_train_average(args) -> None:
 # eval, quantize, bench, serve, convert
 # ------------------------------------------------------------------------------------------------
 def eval_arguments(p: argparse.ArgumentParser) -> None:
+    from litevlm.data.source import add_data_options
     from litevlm.eval.score import add_scoring_options
 
-    p.add_argument("--data", required=True, help="a folder written by `litevlm data synth`, or a DriveLM JSON file")
-    p.add_argument("--images", default=None, help="image root for a DriveLM JSON file")
+    add_data_options(p, required=True)
     p.add_argument("--n", type=int, default=None, help="evaluate the first N questions only")
     p.add_argument(
         "--blank", action="store_true", help="replace every camera image by an empty road (does the model look?)"
@@ -445,10 +445,11 @@ def run_quantize(args) -> None:
 
 
 def bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="drive-tiny")
-    p.add_argument(
-        "--data", default=None, help="a synth folder or DriveLM JSON (default: held-out synthetic frames, seed 1)"
-    )
+    from litevlm.data.source import add_data_options
+    from litevlm.options import add_model_options
+
+    add_model_options(p)
+    add_data_options(p, default_help="held-out synthetic frames, seed 1")
     p.add_argument("--n", type=int, default=60, help="questions measured (after the warm-up ones)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument(
@@ -477,11 +478,17 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_bench_command(args) -> None:
     from litevlm.eval.bench import format_shares, format_table, plot, run_bench
+    from litevlm.options import format_options
     from litevlm.presets import configs_named
 
+    load = format_options(args)
+    if args.device != "cpu" or args.dtype != "float32":
+        load.update(device=args.device, dtype=args.dtype)
     result, per_question = run_bench(
         args.model,
         data=args.data,
+        images_root=args.images,
+        load=load,
         n=args.n,
         shape=args.shape,
         configs=configs_named(args.configs) if args.configs else None,
