@@ -367,6 +367,7 @@ def calibrate(
     *,
     progress: bool = True,
     total: int | None = None,
+    d=None,
 ) -> dict[str, float]:
     """Max calibration: the running max |x| of each selected layer's input while `batches` drives the model.
 
@@ -374,6 +375,8 @@ def calibrate(
     iterable of zero-argument callables (one per sample, e.g. `functools.partial(pipe.answer, q, images)`),
     shown with a progress bar. Run it eagerly: forward pre-hooks do not fire inside a captured CUDA graph.
     `layer_filter` is a recipe (the layers it would quantise; default `FP8Recipe()`) or a predicate.
+    `d`: the `litevlm.dist.Dist` of a `torchrun` job whose ranks each drive their own share of the inputs;
+    every rank gets the max over all of them (`reduce_amax`).
     """
     if layer_filter is None or isinstance(layer_filter, FP8Recipe):
         layer_filter = recipe_filter(layer_filter or FP8Recipe())
@@ -388,7 +391,8 @@ def calibrate(
 
         return hook
 
-    handles = [m.register_forward_pre_hook(observer(n)) for n, m in model.named_modules() if layer_filter(n, m)]
+    names = [n for n, m in model.named_modules() if layer_filter(n, m)]
+    handles = [model.get_submodule(n).register_forward_pre_hook(observer(n)) for n in names]
     if not handles:
         raise LiteVLMError("calibration selected no layers: the filter matches no Linear of this model")
     try:
@@ -406,7 +410,21 @@ def calibrate(
         raise LiteVLMError(
             f"calibration saw non-finite inputs (inf/NaN) at {', '.join(bad)}: check the model and inputs"
         )
-    return out
+    return reduce_amax(out, names, d) if d is not None else out
+
+
+def reduce_amax(amax: dict[str, float], names: list[str], d) -> dict[str, float]:
+    """The largest calibrated amax of each layer over the ranks of a `torchrun` job (`litevlm.dist.Dist` `d`),
+    on every rank. `names` lists the calibrated layers in the same order on every rank; a layer no sample reached
+    on a rank counts as absent there (-1 under the max), and stays absent if it is absent everywhere."""
+    if d.world_size == 1:
+        return dict(amax)
+    import torch.distributed as dist
+
+    device = d.device if d.device.startswith("cuda") else "cpu"
+    t = torch.tensor([amax.get(n, -1.0) for n in names], dtype=torch.float64, device=device)  # (layers,)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {n: float(a) for n, a in zip(names, t.tolist()) if a >= 0.0}
 
 
 def quantize_model(
@@ -517,20 +535,6 @@ def calibration_set(n: int, data=None, images_root=None, fraction: float = 0.1, 
             "held_out_questions": len(held),
         },
     )
-
-
-def reduce_amax(amax: dict[str, float], names: list[str], d) -> dict[str, float]:
-    """The largest calibrated amax of each layer over the ranks of a `torchrun` job (`litevlm.dist.Dist` `d`),
-    on every rank. `names` lists the calibrated layers in the same order on every rank; a layer no sample reached
-    on a rank counts as absent there (-1 under the max), and stays absent if it is absent everywhere."""
-    if d.world_size == 1:
-        return dict(amax)
-    import torch.distributed as dist
-
-    device = d.device if d.device.startswith("cuda") else "cpu"
-    t = torch.tensor([amax.get(n, -1.0) for n in names], dtype=torch.float64, device=device)  # (layers,)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {n: float(a) for n, a in zip(names, t.tolist()) if a >= 0.0}
 
 
 # ================================================================================================
