@@ -6,7 +6,8 @@ follows the same one (a row after a similar one finds the caches warm); the firs
 and are not counted. Stage times are the pipeline's own (device synchronised at stage boundaries), medians
 over questions; extend-one = decode time / tokens generated after the first. The DriveLM score of each row
 comes from the answers of this same run. The `transformers` rows run transformers' `generate` on the same
-weights, exported through `litevlm convert`, with the dynamic ("eager") and the static cache.
+weights, exported through `litevlm convert`, with the dynamic ("eager") and the static cache, on the baseline's own
+prompt ids and tiles (the checkpoint's chat template and tiling): both sides answer from identical inputs.
 """
 
 from __future__ import annotations
@@ -378,7 +379,7 @@ def run_bench(
         if shape is None:
             row["closed_accuracy"] = closed_accuracy(log.records)
         rows.append(row)
-    dev = "cuda" if torch.cuda.is_available() and shape else "cpu"
+    dev = next(iter(pipes.values())).model.device.type  # every row runs on one device
     per_question = {
         name: {"views": log.views, "vit": log.vit, "input_tokens": log.input_tokens, "prefill": log.prefill}
         for name, log in logs.items()
