@@ -95,6 +95,14 @@ def benchmarks() -> list[Benchmark]:
         Benchmark(
             "serve_load", ["benchmarks/serve_load.py", "--model", MODEL], n=200, n_flag="--requests", pinned=False
         ),
+        # not pinned: each replica runs one thread, on a core of its own where the machine has two
+        Benchmark(
+            "serve_replicas",
+            ["benchmarks/serve_replicas.py", "--model", MODEL],
+            n=64,
+            n_flag="--requests",
+            pinned=False,
+        ),
     ]
     if (ROOT / "benchmarks" / "compile_vs_native.py").exists():
         out.append(Benchmark("compile_vs_native", ["benchmarks/compile_vs_native.py"], pinned=False))
@@ -463,6 +471,35 @@ def section_serve(run: dict | None) -> list[str]:
     return out + provenance(run)
 
 
+def section_scale(run: dict | None) -> list[str]:
+    out = ["## Scale-out: `litevlm serve --replicas N` under Ray Serve", ""]
+    if run is None:
+        return out + missing("Ray Serve replicas", "python benchmarks/report.py --run --only serve_replicas")
+    res = run["result"]
+    load = res.get("load_average") or {}
+    out += [
+        f"One machine ({res.get('host')}), a local Ray instance, {res.get('threads_per_replica')} torch thread per"
+        f" replica; {res.get('rounds')} rounds of {res.get('requests_per_round')} streamed requests from"
+        f" {res.get('clients')} clients, one replica and two alternating, the same requests for both. The load"
+        f" average was {fmt(load.get('before'))} before the run and {fmt(load.get('after'))} after (other work"
+        " shares the cores). Milliseconds.",
+        "",
+        f"Two replicas: **{fmt(res.get('throughput_ratio'))}x** the answers/s of one.",
+        "",
+    ]
+    cols = ["replicas", "answered", "5xx", "mismatches", "answers/s", "p50", "p99", "first token p50"]
+    cols.append("first token p99")
+    rows = []
+    for n, r in sorted((res.get("replicas") or {}).items(), key=lambda kv: int(kv[0])):
+        lat, ttft = r.get("latency_ms") or {}, r.get("ttft_ms") or {}
+        rows.append(
+            [n, r.get("answered"), r.get("five_xx"), r.get("mismatches_vs_one_at_a_time"), r.get("throughput_rps")]
+            + [lat.get("p50"), lat.get("p99"), ttft.get("p50"), ttft.get("p99")]
+        )
+    out += table(cols, rows)
+    return out + provenance(run)
+
+
 def section_compile(run: dict | None) -> list[str]:
     out = ["## torch.compile against the native CPU steps", ""]
     if run is None:
@@ -596,6 +633,7 @@ def render(runs: dict) -> str:
         *section_views(runs.get("view_selection")),
         *section_scores(runs),
         *section_serve(runs.get("serve_load")),
+        *section_scale(runs.get("serve_replicas")),
         *section_compile(runs.get("compile_vs_native")),
         *section_gpu(runs),
     ]

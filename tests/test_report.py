@@ -313,3 +313,40 @@ def test_the_compile_table_names_each_failed_build_and_its_error(tmp_path, repor
     page = write(tmp_path, report, {**FIXTURES, "compile_vs_native": run_file("compile_vs_native", result, "c")})
     assert "| decode step | 1 | 3.2 | 0.88 | 1.6 | n/a | inductor 2.57, aoti failed |" in page
     assert "- decode step, aoti failed: TypeError: x" in page
+
+
+def test_the_scale_out_table_shows_one_and_two_replicas_side_by_side(tmp_path, report):
+    def replicas(answered, rps, p50, p99, t50, t99):
+        return {
+            "statuses": {"200": answered},
+            "answered": answered,
+            "five_xx": 0,
+            "mismatches_vs_one_at_a_time": 0,
+            "wall_s": 20.0,
+            "throughput_rps": rps,
+            "latency_ms": {"p50": p50, "p99": p99},
+            "ttft_ms": {"p50": t50, "p99": t99},
+        }
+
+    result = {
+        "requests_per_round": 64,
+        "rounds": 2,
+        "clients": 8,
+        "threads_per_replica": 1,
+        "host": "x86_64 2 cpus",
+        "load_average": {"before": 0.4, "after": 2.1},
+        "replicas": {
+            "2": replicas(128, 9.1, 800.2, 1500.0, 780.5, 1490.1),
+            "1": replicas(128, 5.2, 1500.3, 2100.9, 1480.0, 2090.2),
+        },
+        "throughput_ratio": 1.75,
+    }
+    command = "python benchmarks/serve_replicas.py --requests 64"
+    page = write(tmp_path, report, {**FIXTURES, "serve_replicas": run_file("serve_replicas", result, command)})
+    assert "## Scale-out" in page and "Two replicas: **1.75x** the answers/s of one." in page
+    assert "| 1 | 128 | 0 | 0 | 5.2 | 1500.3 | 2100.9 | 1480.0 | 2090.2 |" in page
+    assert "| 2 | 128 | 0 | 0 | 9.1 | 800.2 | 1500.0 | 780.5 | 1490.1 |" in page
+    assert page.index("| 1 | 128 |") < page.index("| 2 | 128 |")
+    assert "load average was 0.4 before the run and 2.1 after" in page and f"Command: `{command}`" in page
+    (tmp_path / "none").mkdir()
+    assert "**Not measured:** no results file for Ray Serve replicas" in write(tmp_path / "none", report, FIXTURES)

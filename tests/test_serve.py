@@ -305,3 +305,21 @@ def test_cli_parses_serve_options_and_checks_them_before_the_model_loads():
     for flag in ("--header-timeout", "--body-timeout", "--max-connections"):
         assert flag in help_text
     assert "(default: 10.0)" in help_text and "(default: 256)" in help_text
+
+
+def test_ray_flags_without_replicas_are_refused_before_the_model_loads():
+    from litevlm.cli import build_parser
+    from litevlm.errors import LiteVLMError
+    from litevlm.serve import serve_main
+
+    parser = build_parser()
+    for flags, message in (
+        (["--ray-address", "auto"], "--ray-address only with --replicas N > 1"),
+        (["--cpus-per-replica", "2"], "--cpus-per-replica only with"),
+        (["--replicas", "0"], "--replicas must be >= 1"),
+        (["--replicas", "2", "--cpus-per-replica", "0"], "--cpus-per-replica must be > 0"),
+    ):
+        bad = parser.parse_args(["serve", *flags])
+        bad.make_pipeline = lambda a: pytest.fail("the flags are checked before the model loads")
+        with pytest.raises(LiteVLMError, match=message):
+            serve_main(bad)

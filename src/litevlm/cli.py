@@ -327,27 +327,52 @@ def eval_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="write the challenge's submission list [{id, question, answer}] for every question (not with --n)",
     )
+    p.add_argument(
+        "--resume-dir",
+        default=None,
+        metavar="DIR",
+        help="keep each answer in DIR as it is made; a rerun with the same options answers only what is left",
+    )
     _json_flag(p)
     add_scoring_options(p)
     add_pipeline_options(p)
 
 
 def run_eval(args) -> None:
+    """Under `torchrun --nproc-per-node W` each rank answers every W-th question and rank 0 alone scores,
+    prints and writes; the other ranks print nothing."""
+    from litevlm.dist import ShardStore, close, init_dist
     from litevlm.eval.run import evaluate
     from litevlm.eval.score import print_scores, scoring_from_args, write_submission
+    from litevlm.options import pipeline_options
 
     if args.predictions_out and args.n:
         raise LiteVLMError("--predictions-out writes a whole submission: drop --n (a partial file is never written)")
     scoring = scoring_from_args(args)
-    result = evaluate(
-        pipeline_from_args(args),
-        args.data,
-        images_root=args.images,
-        limit=args.n,
-        blank=args.blank,
-        progress=not args.json,
-        **scoring,
-    )
+    d = init_dist(args.device)
+    args.device = d.device  # under torchrun on GPUs: this rank's own GPU
+    store = None
+    if args.resume_dir:
+        # answers depend on the data, the images and the pipeline, not on the rank's device
+        meta = {"data": str(args.data), "images": args.images, "blank": args.blank, "pipeline": pipeline_options(args)}
+        meta["pipeline"].pop("device")
+        store = ShardStore(args.resume_dir, "eval", d, meta=json.loads(json.dumps(meta)))
+    try:
+        result = evaluate(
+            pipeline_from_args(args),
+            args.data,
+            images_root=args.images,
+            limit=args.n,
+            blank=args.blank,
+            progress=not args.json,
+            d=d,
+            store=store,
+            **scoring,
+        )
+    finally:
+        close(d)
+    if result is None:  # not rank 0: rank 0 reports for every rank
+        return
     records = result.pop("records")
     if args.records:
         Path(args.records).write_text(json.dumps(records, indent=1))

@@ -1,4 +1,9 @@
-"""Run a pipeline over a DriveLM-format dataset and score its answers with DriveLM's evaluation."""
+"""Run a pipeline over a DriveLM-format dataset and score its answers with DriveLM's evaluation.
+
+Under `torchrun` each rank answers its share of the questions (`litevlm.dist.shard`) and rank 0 gathers
+the records back in the file's order and scores them, so the scores equal a single process's; with a
+`ShardStore` every finished answer is kept on disk and a rerun answers only what is left.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from litevlm.dist import Dist, ShardStore, gather, shard
 from litevlm.eval.metrics import closed_accuracy
 from litevlm.eval.score import drivelm_score, has_answers, record
 
@@ -21,7 +27,9 @@ def evaluate(
     judge=None,
     gate: bool = True,
     renormalise: bool = False,
-) -> dict:
+    d: Dist | None = None,
+    store: ShardStore | None = None,
+) -> dict | None:
     """Answer every question of `data` with `pipe`; return the DriveLM scores, per-question records included.
 
     Scoring is `litevlm.eval.score.drivelm_score`: the official evaluation by default (gate on, official
@@ -29,6 +37,8 @@ def evaluate(
     answers (the released challenge questions) is answered and not scored: `scored` is False.
     blank=True replaces every camera image by the same empty road: a model that really looks at
     the images must then lose most of its closed-question accuracy.
+    d: this process's rank (`litevlm.dist.init_dist`); it answers its share only, and only rank 0 returns
+    the result (None elsewhere). store: skip the questions it holds, keep each new answer in it.
     """
     from litevlm.data.drivelm import load_samples
 
@@ -40,23 +50,32 @@ def evaluate(
         from litevlm.data.synthetic import render_empty_road
 
         empty = render_empty_road()
-    records, views, vtok, totals = [], [], [], []
-    for s in tqdm(samples, desc="evaluating", disable=not progress):
-        images = empty if blank else s.images
-        ans = pipe.answer(s.question, images)
-        records.append(
-            {
-                **record(s, ans.text),
-                "category": s.category,
-                "views": ans.views,
-                "needed_views": list(s.views),
-                "visual_tokens": ans.num_visual_tokens,
-                "timings_ms": ans.timings_ms,
-            }
-        )
-        views.append(len(ans.views))
-        vtok.append(ans.num_visual_tokens)
-        totals.append(ans.timings_ms["total"])
+    d = d or Dist()
+    done = store.done() if store is not None else {}
+    mine = []
+    for i in tqdm(shard(list(range(len(samples))), d), desc="evaluating", disable=not (progress and d.is_main)):
+        if str(i) in done:
+            mine.append(done[str(i)])
+            continue
+        s = samples[i]
+        ans = pipe.answer(s.question, empty if blank else s.images)
+        rec = {
+            **record(s, ans.text),
+            "category": s.category,
+            "views": ans.views,
+            "needed_views": list(s.views),
+            "visual_tokens": ans.num_visual_tokens,
+            "timings_ms": ans.timings_ms,
+        }
+        if store is not None:
+            store.put(str(i), rec)
+        mine.append(rec)
+    records = gather(mine, d)
+    if records is None:
+        return None
+    views = [len(r["views"]) for r in records]
+    vtok = [r["visual_tokens"] for r in records]
+    totals = [r["timings_ms"]["total"] for r in records]
     if has_answers(samples):
         result = drivelm_score(records, judge=judge, gate=gate, renormalise=renormalise)
         result["scored"] = True

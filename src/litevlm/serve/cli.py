@@ -66,6 +66,28 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="longest question in characters (default: %(default)s)",
     )
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    r = p.add_argument_group("replicas (Ray Serve; pip install 'litevlm[ray]')")
+    r.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="copies of the pipeline behind Ray Serve's HTTP proxy; 1 is the one-process server (default: %(default)s)",
+    )
+    r.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="an existing Ray cluster (e.g. ray://head:10001 or auto); default: a Ray instance on this machine",
+    )
+    r.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        default=1.0,
+        help="CPUs Ray reserves for each replica; its torch threads (default: %(default)s)",
+    )
+    r.add_argument(
+        "--gpus-per-replica", type=float, default=0.0, help="GPUs Ray reserves for each replica (default: %(default)s)"
+    )
 
 
 def app_options(args) -> dict:
@@ -103,8 +125,46 @@ def run_server(pipe, args) -> None:
     serve_forever(app, args.host, args.port, args.log_level)
 
 
+def replica_options(args) -> dict | None:
+    """`serve_replicas` keyword arguments from the parsed flags, or None for the one-process server;
+    LiteVLMError for a bad combination."""
+    if args.replicas < 1:
+        raise LiteVLMError(f"serve: --replicas must be >= 1, got {args.replicas}")
+    if args.replicas == 1:
+        ray_only = {
+            "--ray-address": args.ray_address is not None,
+            "--cpus-per-replica": args.cpus_per_replica != 1.0,
+            "--gpus-per-replica": args.gpus_per_replica != 0.0,
+        }
+        if any(ray_only.values()):
+            flags = ", ".join(f for f, given in ray_only.items() if given)
+            raise LiteVLMError(f"serve: {flags} only with --replicas N > 1 (Ray Serve replicas)")
+        return None
+    if not args.cpus_per_replica > 0 or args.gpus_per_replica < 0:
+        raise LiteVLMError("serve: --cpus-per-replica must be > 0 and --gpus-per-replica >= 0")
+    return dict(
+        replicas=args.replicas,
+        address=args.ray_address,
+        cpus_per_replica=args.cpus_per_replica,
+        gpus_per_replica=args.gpus_per_replica,
+        host=args.host,
+        port=args.port,
+    )
+
+
 def serve_main(args) -> None:
     """The `serve` command (`litevlm.cli` registers it): the flags checked, then the pipeline built by
-    `args.make_pipeline`, then served."""
-    app_options(args)
-    run_server(args.make_pipeline(args), args)
+    `args.make_pipeline` and served; with --replicas N > 1, the options handed to Ray Serve, where each
+    replica builds its own pipeline."""
+    options = app_options(args)
+    scale = replica_options(args)
+    if scale is None:
+        run_server(args.make_pipeline(args), args)
+        return
+    try:
+        from litevlm.serve.replicas import serve_replicas
+    except ImportError as e:
+        raise LiteVLMError(f"serve --replicas needs Ray Serve ({e}): pip install 'litevlm[ray]'") from None
+    from litevlm.options import pipeline_options
+
+    serve_replicas(args.model, pipeline_options(args), options, **scale)
