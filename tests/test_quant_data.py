@@ -116,6 +116,25 @@ def drivelm(tmp_path_factory):
     return write_drivelm(tmp_path_factory.mktemp("drivelm"))
 
 
+def run_bounded(cmd: list[str], env: dict, timeout: float):
+    """Run `cmd` in its own process group; past `timeout` seconds the whole group (torchrun and its ranks) is
+    killed and the test fails, so no rank outlives it."""
+    import os
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:8])} ... ran past {timeout} s")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_cli(capsys, *argv) -> dict:
     assert main(list(argv)) == 0, capsys.readouterr().err
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -239,3 +258,53 @@ def test_eval_runs_on_the_hf_checkpoint_in_its_own_prompt(hf_dir, hf_full, drive
     assert baseline["n"] == litevlm["n"] == 3 and baseline["scored"]
     assert baseline["visual_tokens"] == 6 * 12  # six views of 3 tiles x 4 tokens: the dynamic tiling was applied
     assert litevlm["views_per_question"] <= 6
+
+
+def test_calibration_under_torchrun_on_two_ranks_gives_the_scales_of_one_process(hf_full, drivelm, tmp_path, capsys):
+    """`torchrun --nproc-per-node 2 -m litevlm quantize`: each rank answers half the questions, the per-layer maxima
+    are reduced with all_reduce(MAX), rank 0 alone writes; the checkpoint equals the one a single process writes."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from litevlm.quant.fp8 import calibrate, load_fp8
+
+    data, images = drivelm
+    argv = ["quantize", "--model", str(hf_full), "--data", str(data), "--images", str(images), "--calib", "4"]
+    argv += ["--calib-fraction", "0.5", *NEW_TOKENS]
+    torch.set_num_threads(1)  # as each torchrun rank (OMP_NUM_THREADS=1): the same kernels, the same bits
+    run_cli(capsys, *argv, "--out", str(tmp_path / "one"), "--json")
+    src = str(Path(__import__("litevlm").__file__).parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    # Calibration's hooks keep every decoder layer on the module path, so the native CPU steps never run in this
+    # command: the ranks skip building them.
+    env["LITEVLM_NATIVE"] = "0"
+    # `--` ends torchrun's own options, which it would otherwise match against abbreviations of ours
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "litevlm",
+        "--",
+    ]
+    done = run_bounded([*cmd, *argv, "--out", str(tmp_path / "two"), "--json"], env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(printed) == 1  # rank 0 alone reports
+    one, two = load_fp8(tmp_path / "one"), load_fp8(tmp_path / "two")
+    _, report = read_fp8_meta(tmp_path / "two")
+    for name in report.quantized:
+        assert torch.equal(one.get_submodule(name).input_scale, two.get_submodule(name).input_scale), name
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["fp8"]["calibration"]["questions"] == 4
+
+    # Rank 0's own share (questions 0 and 2) alone stays below the reduced maximum somewhere: the reduction mattered.
+    pipe = Pipeline.from_pretrained(hf_full, max_new_tokens=4)
+    share = calibration_set(4, data, images, 0.5, 0).samples[::2]
+    own = calibrate(pipe.model, [(lambda s=s: pipe.answer(s.question, s.images)) for s in share], progress=False)
+    reduced = {n: float(two.get_submodule(n).input_scale) * 448.0 for n in report.quantized}
+    assert all(own[n] <= reduced[n] * (1 + 1e-6) for n in report.quantized)  # scale = amax / 448 in fp32
+    assert any(own[n] < reduced[n] * (1 - 1e-3) for n in report.quantized)

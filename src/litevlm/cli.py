@@ -434,7 +434,11 @@ def quantize_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_quantize(args) -> None:
     """FP8 post-training quantisation calibrated on what the deployed pipeline's layers really see: the pipeline the
-    flags describe answers the calibration questions (held-out scenes of --data, else synthetic frames)."""
+    flags describe answers the calibration questions (held-out scenes of --data, else synthetic frames).
+
+    Under `torchrun --nproc-per-node W` each rank answers every W-th calibration question, the ranks' per-layer
+    maxima are reduced to one, and rank 0 alone writes the checkpoint and prints."""
+    from litevlm.dist import close, init_dist, shard
     from litevlm.models import resolve_model_dir
     from litevlm.quant.fp8 import FP8Recipe, calibrate, calibration_set, check_out_dir, quantize_model, save_fp8
 
@@ -444,11 +448,18 @@ def run_quantize(args) -> None:
     calib = None
     if recipe.static:  # the dynamic recipe scales each row at run time: nothing to calibrate
         calib = calibration_set(args.calib, args.data, args.images, args.calib_fraction, args.calib_seed)
-    pipe = pipeline_from_args(args)
-    amax = None
-    if calib is not None:
-        runs = [(lambda s=s: pipe.answer(s.question, s.images)) for s in calib.samples]
-        amax = calibrate(pipe.model, runs, recipe, progress=not args.json, total=len(runs))
+    d = init_dist(args.device)
+    args.device = d.device  # under torchrun on GPUs: this rank's own GPU
+    try:
+        pipe = pipeline_from_args(args)
+        amax = None
+        if calib is not None:
+            runs = [(lambda s=s: pipe.answer(s.question, s.images)) for s in shard(calib.samples, d)]
+            amax = calibrate(pipe.model, runs, recipe, progress=not args.json and d.is_main, total=len(runs), d=d)
+    finally:
+        close(d)
+    if not d.is_main:
+        return
     report = quantize_model(pipe.model, recipe, amax)
     out = save_fp8(
         pipe.model,
@@ -465,7 +476,9 @@ def run_quantize(args) -> None:
     else:
         print(report.summary())
         if calib is not None:
-            print(calib.describe())
+            print(calib.describe() + (f" on {d.world_size} ranks" if d.world_size > 1 else ""))
+        elif args.data:
+            print(f"{recipe.name} scales each row at run time: nothing calibrated, {args.data} not read")
         print(f"wrote {out}")
 
 
