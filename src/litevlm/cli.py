@@ -208,24 +208,82 @@ def run_train_vlm(args) -> None:
 
 
 def train_views_arguments(p: argparse.ArgumentParser) -> None:
+    from litevlm.data.source import add_data_options
+    from litevlm.options import MODEL_HELP, add_format_options
     from litevlm.train.views import ViewRecipe
 
-    p.add_argument("--out", required=True, help="model directory; the selector is written to OUT/view_selector/")
     p.add_argument(
-        "--labels", nargs="*", default=[], help='extra JSONL of {"question", "views"} lines (litevlm label-views)'
+        "--model",
+        default=None,
+        help=MODEL_HELP + "; the selector is saved beside it with its prompt format (its weights are not used: "
+        "the selector reads questions only)",
     )
+    p.add_argument("--out", default=None, help="folder for the selector (OUT/view_selector/); default: --model's")
+    add_data_options(p, default_help="the synthetic generator's frames (--frames, --val-frames)")
+    p.add_argument(
+        "--labels",
+        nargs="*",
+        default=[],
+        help='JSONL of {"question", "views"} lines (litevlm label-views); with --data, the labels of its questions '
+        "that name no camera",
+    )
+    add_format_options(p)
     add_recipe_options(p, ViewRecipe)
     _json_flag(p)
 
 
+def _views_model(args):
+    """The loaded --model that `train views` saves beside (None: only --out), after checking the flags agree."""
+    from litevlm.options import format_options
+
+    if args.model is None and args.out is None:
+        raise LiteVLMError("train views needs --out DIR or --model M: where to save the selector")
+    if args.images is not None and args.data is None:
+        raise LiteVLMError("--images says where --data's images live: pass --data too")
+    if args.model is None:
+        given = [k for k, v in format_options(args).items() if v is not None]
+        if given:
+            raise LiteVLMError(f"prompt-format options ({', '.join(given)}) describe a model's prompt: pass --model")
+        return None
+    import torch
+
+    from litevlm.models import load_model
+
+    # bf16: the weights are loaded only to check the checkpoint and its tokenizer, at half fp32's memory
+    return load_model(args.model, dtype=torch.bfloat16, **format_options(args))
+
+
 def run_train_views(args) -> None:
-    from litevlm.train.views import ViewRecipe, train_view_selector
+    from litevlm.models import modules_dir
+    from litevlm.train.views import ViewRecipe, data_examples, train_view_selector
 
     recipe = recipe_from_args(ViewRecipe, args)
-    out = train_view_selector(args.out, recipe, extra_labels=args.labels, progress=not args.json)
+    loaded = _views_model(args)
+    data = None
+    if args.data is not None:
+        cache = Path(args.out) if args.out is not None else loaded.path
+        data = data_examples(
+            args.data, args.images, args.labels, recipe, cache / ".cache" / "views", progress=not args.json
+        )
+        if not args.json:
+            src = data.sources
+            print(
+                f"{args.data}: {len(data.train)} training questions ({data.train_scenes} scenes), "
+                f"{len(data.val)} validation questions ({data.val_scenes} scenes held out, seed {data.seed}); labels: "
+                f"{src['c-tag']} from c-tags, {src['lexical']} lexical, {src['label-views']} from label-views, "
+                f"{src['all six']} all six (no camera named, no label)"
+                + (f"; {len(data.extra)} label lines not in the data trained on as well" if data.extra else "")
+            )
+    out = train_view_selector(
+        modules_dir(loaded, args.out) if loaded is not None else Path(args.out),
+        recipe,
+        extra_labels=() if data is not None else args.labels,
+        progress=not args.json,
+        data=data,
+    )
     meta = json.loads((out / "config.json").read_text())
     if args.json:
-        _print_json({"path": str(out), **{k: meta[k] for k in ("weight", "threshold", "validation")}})
+        _print_json({"path": str(out), **{k: meta[k] for k in ("weight", "threshold", "validation", "data")}})
     else:
         print(f"saved to {out}")
 
