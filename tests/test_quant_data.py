@@ -217,6 +217,9 @@ def test_quantize_refuses_bad_input_before_writing_anything(hf_full, drivelm, tm
     assert "holds the checkpoint being quantised" in capsys.readouterr().err
     assert (hf_full / "model.safetensors").is_file() and not (hf_full / "config.json").read_text().count('"fp8"')
 
+    assert main([*base, "--images", str(images), "--out", str(out)]) == 2
+    assert "pass --data too" in capsys.readouterr().err and not out.exists()
+
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "todo.txt").write_text("mine")

@@ -500,6 +500,8 @@ def run_quantize(args) -> None:
     from litevlm.models import resolve_model_dir
     from litevlm.quant.fp8 import FP8Recipe, calibrate, calibration_set, check_out_dir, quantize_model, save_fp8
 
+    if args.images is not None and args.data is None:
+        raise LiteVLMError("--images says where --data's images live: pass --data too")
     recipe = recipe_from_args(FP8Recipe, args)
     source = resolve_model_dir(args.model)
     check_out_dir(args.out, source)
