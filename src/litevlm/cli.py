@@ -302,24 +302,81 @@ def run_train_tokens(args) -> None:
 
 
 def train_draft_arguments(p: argparse.ArgumentParser) -> None:
+    from litevlm.data.source import add_data_options
+    from litevlm.options import add_model_options
     from litevlm.train.draft import DraftRecipe
 
-    _model_dir("the draft head is saved inside it")(p)
+    add_model_options(p)
+    add_data_options(p, default_help="synthetic frames (--frames)")
+    p.add_argument(
+        "--out", default=None, help="folder the head is saved in, as OUT/draft/ (default: the model's own folder)"
+    )
+    p.add_argument(
+        "--offline",
+        default=None,
+        metavar="DIR",
+        help="cache the target's answers and features in safetensors shards in DIR first (a rerun resumes), then "
+        "train from them",
+    )
     add_recipe_options(p, DraftRecipe)
 
 
 def run_train_draft(args) -> None:
+    """Under `torchrun --nproc-per-node W` each rank answers its share of the questions and trains the head through
+    DDP; rank 0 validates, saves and prints."""
+    from litevlm.data.source import load_data
+    from litevlm.dist import close, init_dist
+    from litevlm.options import load_model_from_args
     from litevlm.train.draft import DraftRecipe, train_draft
 
-    print(f"saved to {train_draft(args.model_dir, recipe=recipe_from_args(DraftRecipe, args))}")
+    recipe = recipe_from_args(DraftRecipe, args)
+    samples = load_data(args.data, args.images) if args.data else None
+    d = init_dist(args.device)
+    args.device = d.device  # under torchrun on GPUs: this rank's own GPU
+    try:
+        out = train_draft(
+            load_model_from_args(args),
+            args.out,
+            recipe,
+            samples=samples,
+            data=args.data or "",
+            offline=args.offline,
+            d=d,
+        )
+    finally:
+        close(d)
+    if not d.is_main:
+        return
+    m = json.loads((out / "config.json").read_text())["metrics"]
+    if m["top1"] is None:
+        print(f"validation: none ({m['validation']}: the data has a single scene)")
+    else:
+        print(
+            f"validation ({m['validation']}, {m['val_sequences']} questions): top-1 agreement {m['top1']:.3f}, "
+            f"chain acceptance {m['chain_accept']:.2f}; trained on {m['train_sequences']} questions"
+        )
+    print(f"saved to {out}")
 
 
 def train_openings_arguments(p: argparse.ArgumentParser) -> None:
-    _model_dir("with a draft head")(p)
+    from litevlm.data.source import add_data_options
+    from litevlm.options import add_model_options
+
+    add_model_options(p)
+    add_data_options(p, default_help="synthetic frames (--frames) and their reference answers")
     p.add_argument(
-        "--frames", type=int, default=3000, help="synthetic training frames whose questions and answers are counted"
+        "--out", default=None, help="the folder the draft head was saved in (OUT/draft/; default: the model's own)"
     )
-    p.add_argument("--seed", type=int, default=0, help="frames (seed, 0..frames-1); the held-out split is seed 1")
+    p.add_argument(
+        "--offline",
+        default=None,
+        metavar="DIR",
+        help="with --data: the target's answers cached by `litevlm train draft --offline DIR` (else generated)",
+    )
+    p.add_argument(
+        "--frames", type=int, default=3000, help="without --data: synthetic training frames whose answers are counted"
+    )
+    p.add_argument("--seed", type=int, default=0, help="without --data: frames (seed, 0..frames-1)")
     p.add_argument("--depth", type=int, default=4, help="tokens per opening, EOS included")
     p.add_argument("--max-nodes", type=int, default=12, help="nodes of one question's trie (extra prompt rows)")
     p.add_argument(
@@ -333,14 +390,23 @@ def train_openings_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train_openings(args) -> None:
-    from litevlm.spec.openings import build_openings
+    from litevlm.data.source import load_data
+    from litevlm.options import load_model_from_args
+    from litevlm.train.openings import build_openings
 
     try:
         key_words = tuple(int(w) for w in args.key_words.split(","))
     except ValueError:
         raise LiteVLMError(f"--key-words takes comma-separated word counts, e.g. 4,2; got {args.key_words!r}") from None
+    if args.offline and not args.data:
+        raise LiteVLMError("--offline reads the target's answers to --data: pass the same --data as `train draft`")
+    samples = load_data(args.data, args.images) if args.data else None
     path = build_openings(
-        args.model_dir,
+        load_model_from_args(args),
+        args.out,
+        samples=samples,
+        data=args.data or "",
+        offline=args.offline,
         frames=args.frames,
         seed=args.seed,
         depth=args.depth,
@@ -669,12 +735,12 @@ COMMANDS: dict[str, Command | Group] = {
                 run_train_tokens,
             ),
             "draft": Command(
-                "train the EAGLE-2 draft head of a model (saved in MODEL_DIR/draft)",
+                "train the EAGLE-2 draft head of a model on its own answers (saved in MODEL/draft)",
                 train_draft_arguments,
                 run_train_draft,
             ),
             "openings": Command(
-                "the answer openings a draft head verifies with the prompt (MODEL_DIR/draft/openings.json)",
+                "answer openings verified with the prompt, from the model's answers (MODEL/draft/openings.json)",
                 train_openings_arguments,
                 run_train_openings,
             ),
