@@ -289,16 +289,62 @@ def run_train_views(args) -> None:
 
 
 def train_tokens_arguments(p: argparse.ArgumentParser) -> None:
+    from litevlm.data.source import add_data_options
+    from litevlm.options import add_model_options
     from litevlm.train.tokens import TokenRecipe
 
-    _model_dir("the selector is saved inside it")(p)
+    add_model_options(p)
+    add_data_options(p, default_help="synthetic frames")
+    p.add_argument("--out", default=None, help="where token_selector/ is saved (default: the model's own folder)")
     add_recipe_options(p, TokenRecipe)
+    _json_flag(p)
 
 
 def run_train_tokens(args) -> None:
+    """Under `torchrun --nproc-per-node W` (with --data) the ranks share the teacher labels and train under DDP;
+    rank 0 alone saves and reports."""
+    from litevlm.dist import close, init_dist
+    from litevlm.options import load_model_from_args
     from litevlm.train.tokens import TokenRecipe, train_token_selector
 
-    print(f"saved to {train_token_selector(args.model_dir, recipe_from_args(TokenRecipe, args))}")
+    recipe = recipe_from_args(TokenRecipe, args)
+    if args.data is None and args.images is not None:
+        raise LiteVLMError("--images names where a --data JSON's images live: give --data too")
+    d = init_dist(args.device)
+    args.device = d.device  # under torchrun on GPUs: this rank's own GPU
+    try:
+        out = train_token_selector(
+            load_model_from_args(args),
+            recipe,
+            progress=not args.json,
+            out_dir=args.out,
+            data=args.data,
+            images_root=args.images,
+            d=d,
+        )
+    finally:
+        close(d)
+    if out is None:  # not rank 0: rank 0 reports for every rank
+        return
+    meta = json.loads((out / "config.json").read_text())["training"]
+    if args.json:
+        _print_json({"path": str(out), **{k: meta[k] for k in ("steps", "items", "source", "validation")}})
+        return
+    src, val = meta["source"], meta["validation"]
+    if src["data"] == "synthetic":
+        print(f"trained on {meta['items']} prompts of {src['frames']} synthetic frames (seed {src['seed']})")
+    else:
+        left = src["unlabelled_by_the_deadline"]
+        print(
+            f"trained on {meta['items']} questions of {src['data']} on {src['ranks']} rank(s) "
+            f"({src['labels_from_cache']} labels from the cache"
+            + (f"; {left} left unlabelled by the time budget: rerun to continue)" if left else ")")
+        )
+        print(f"validation: {src['val_questions']} questions of {src['val_scenes']} held-out scenes, {src['split']}")
+    for name in ("fastv_k1", "selector_init", "selector"):
+        if val.get(name):
+            print(f"  {name:14s} " + "  ".join(f"{k} {v}" for k, v in val[name].items()))
+    print(f"saved to {out}")
 
 
 def train_draft_arguments(p: argparse.ArgumentParser) -> None:
