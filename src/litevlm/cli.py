@@ -518,7 +518,10 @@ def run_eval(args) -> None:
 
     if args.predictions_out and args.n:
         raise LiteVLMError("--predictions-out writes a whole submission: drop --n (a partial file is never written)")
+    from litevlm.data.source import load_data
+
     scoring = scoring_from_args(args)
+    samples = load_data(args.data, args.images, require_images=not args.blank)  # every image checked before the model
     d = init_dist(args.device)
     args.device = d.device  # under torchrun on GPUs: this rank's own GPU
     store = None
@@ -537,6 +540,7 @@ def run_eval(args) -> None:
             progress=not args.json,
             d=d,
             store=store,
+            samples=samples,
             **scoring,
         )
     finally:
@@ -547,9 +551,6 @@ def run_eval(args) -> None:
     if args.records:
         Path(args.records).write_text(json.dumps(records, indent=1))
     if args.predictions_out:
-        from litevlm.data.drivelm import load_samples
-
-        samples = load_samples(args.data, images_root=args.images)
         write_submission(args.predictions_out, samples, [r["answer"] for r in records])
     if args.json:
         _print_json(result)

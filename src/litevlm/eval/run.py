@@ -29,6 +29,7 @@ def evaluate(
     renormalise: bool = False,
     d: Dist | None = None,
     store: ShardStore | None = None,
+    samples: list | None = None,
 ) -> dict | None:
     """Answer every question of `data` with `pipe`; return the DriveLM scores, per-question records included.
 
@@ -39,10 +40,12 @@ def evaluate(
     the images must then lose most of its closed-question accuracy.
     d: this process's rank (`litevlm.dist.init_dist`); it answers its share only, and only rank 0 returns
     the result (None elsewhere). store: skip the questions it holds, keep each new answer in it.
+    samples: `data`'s questions when already loaded (`litevlm.data.source.load_data`, every image checked).
     """
-    from litevlm.data.drivelm import load_samples
+    from litevlm.data.source import load_data
 
-    samples = load_samples(data, images_root=images_root)
+    if samples is None:
+        samples = load_data(data, images_root=images_root, require_images=not blank)
     if limit:
         samples = samples[:limit]
     empty = None
