@@ -46,7 +46,7 @@ def replicas_url():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
     try:
         yield replicas.deploy(MODEL, {"max_new_tokens": NEW_TOKENS}, APP, replicas=2, cpus_per_replica=1, port=port)
     finally:

@@ -253,11 +253,11 @@ def serve_replicas(
     host: str = "127.0.0.1",
     port: int = 8000,
 ) -> None:
-    """`litevlm serve --replicas N`: join the Ray cluster at `address` (or start Ray on this machine), deploy,
-    and serve until interrupted; then remove the app (and stop the Ray this command started)."""
+    """`litevlm serve --replicas N`: join the Ray cluster at `address` (default: start a new Ray instance on
+    this machine), deploy, and serve until interrupted; then remove the app (and stop the Ray it started)."""
     import ray
 
-    ray.init(address=address, logging_level="warning")
+    ray.init(address=address or "local", logging_level="warning")
     try:
         check_resources(replicas, cpus_per_replica, gpus_per_replica)
         url = deploy(
