@@ -16,17 +16,69 @@ import typing
 from litevlm.errors import LiteVLMError
 from litevlm.presets import LITEVLM
 
+MODEL_HELP = (
+    "bundled model name or checkpoint directory: ours, a transformers InternVL (-hf) folder or the original "
+    "InternVL layout, with its tokenizer"
+)
+
+
+def add_format_options(p: argparse.ArgumentParser) -> None:
+    """How the checkpoint was prompted in fine-tuning, for a model folder without a prompt.json (a folder with one
+    keeps it: its trained modules were made with it)."""
+    g = p.add_argument_group("prompt format (saved as prompt.json beside the trained modules)")
+    g.add_argument("--system", default=None, help="the system message (default: the chat template's own, if any)")
+    g.add_argument(
+        "--camera-label",
+        default=None,
+        metavar="FORMAT",
+        help='written before each view\'s image; {camera} is its name, {index} its place (default "{camera}: ")',
+    )
+    g.add_argument(
+        "--tiles-per-view", type=int, default=None, metavar="N", help="fixed tiles per view, cut left to right"
+    )
+    g.add_argument(
+        "--max-tiles", type=int, default=None, metavar="N", help="InternVL's dynamic tiling with at most N tiles a view"
+    )
+    g.add_argument(
+        "--thumbnail",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add the whole view as one more tile when it is cut into several",
+    )
+
+
+def format_options(args: argparse.Namespace) -> dict:
+    """`litevlm.models.load_model`'s prompt-format keyword arguments from parsed format options."""
+    return dict(
+        system=args.system,
+        camera_label=args.camera_label,
+        tiles=args.tiles_per_view,
+        max_tiles=args.max_tiles,
+        thumbnail=args.thumbnail,
+    )
+
+
+def add_model_options(p: argparse.ArgumentParser, default: str | None = "drive-tiny") -> None:
+    """`--model`, the device and dtype, and the prompt format options: what a recipe needs to load its target."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=default, required=default is None, help=MODEL_HELP)
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    add_format_options(p)
+
+
+def load_model_from_args(args: argparse.Namespace):
+    """The `litevlm.models.Loaded` that parsed model options describe."""
+    from litevlm.models import load_model
+    from litevlm.pipeline import torch_dtype
+
+    return load_model(args.model, device=args.device, dtype=torch_dtype(args.dtype), **format_options(args))
+
 
 def add_pipeline_options(p: argparse.ArgumentParser) -> None:
     """The options of `Pipeline.from_pretrained`, as flags of the commands that build a pipeline."""
+    add_model_options(p)
     g = p.add_argument_group("pipeline")
-    g.add_argument(
-        "--model",
-        default="drive-tiny",
-        help="bundled model name or checkpoint directory (ours or transformers InternVL)",
-    )
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     g.add_argument("--max-new-tokens", type=int, default=160)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -107,6 +159,7 @@ def pipeline_options(args: argparse.Namespace) -> dict:
         matmul=args.matmul,
         min_select_tokens=args.select_min_tokens,
         openings=not args.no_openings,
+        **format_options(args),
     )
     if args.litevlm:
         opts.update({k: v for k, v in LITEVLM.items() if opts[k] is None or opts[k] is False})

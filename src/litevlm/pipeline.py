@@ -13,7 +13,6 @@ decoding and resizing are reported apart as `preprocess`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from contextlib import closing
 from dataclasses import dataclass, field, replace
@@ -32,9 +31,9 @@ from litevlm.model.generate import (
     prefill_prompt,
     stream_decode,
 )
-from litevlm.model.prompt import build_prompt
-from litevlm.model.vlm import VLM, image_to_tiles, load_image
-from litevlm.models import part_dir, resolve_model_dir
+from litevlm.model.prompt import SPECIAL_STRINGS, PromptFormat, Tiling
+from litevlm.model.vlm import VLM, load_image, normalize_tiles
+from litevlm.models import load_model, part_dir
 from litevlm.quant.fp8 import precision_of
 from litevlm.select.tokens import Pruning, fastv_pruning
 from litevlm.spec.decode import stream_speculative
@@ -127,6 +126,8 @@ class Pipeline:
     draft + tree: EAGLE-2 speculative decoding with this draft head and tree envelope, or None.
     openings: with a draft head that has answer openings (`litevlm.spec.openings`, built by `litevlm train openings`),
         greedy decoding verifies the question's likely answer openings inside the prefill's pass.
+    prompt_format: the checkpoint's chat template, system message, camera labels and tiling
+        (`litevlm.model.prompt.PromptFormat`; default: ChatML, `{camera}: ` labels, the config's tiles per view).
     cuda_graphs: on a CUDA device, the GPU fast path: plain decode steps and speculative verifications of the
         configured tree size replay as one captured graph each, and a prompt's prefill runs compiled for its length
         bucket (drafting, FastV and the TokenSelector's pruned prefill stay eager). Capture and compile time go to
@@ -153,6 +154,7 @@ class Pipeline:
         name: str = "custom",
         cuda_graphs: bool = False,
         openings: bool = True,
+        prompt_format: PromptFormat | None = None,
     ):
         if token_selector is not None and fastv is not None:
             raise LiteVLMError("choose TokenSelector or FastV, not both")
@@ -186,9 +188,11 @@ class Pipeline:
         self._prefill_buckets = None  # the compiled prefill per prompt-length bucket, made on first use
         self._graph_ms = 0.0  # one-off CUDA-graph capture cost, kept apart from the measurements
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
-        self.tokens_per_view = self.cfg.tokens_per_tile * self.cfg.tiles_per_view
-        # Room for the longest prompt (all views, longest question) plus the answer and a draft tree.
-        self.max_len = 96 + len(CAMERAS) * (self.tokens_per_view + 16) + max_question_tokens + max_new_tokens
+        self.format = prompt_format or PromptFormat(tiling=Tiling(tiles=self.cfg.tiles_per_view))
+        self.tokens_per_view = self.cfg.tokens_per_tile * self.format.tiling.most()  # the most one view can take
+        # Room for the longest prompt (the template, all views, longest question) plus the answer and a draft tree.
+        template = len(self.format.build(tokenizer, "?", [], []).ids)
+        self.max_len = 96 + template + len(CAMERAS) * (self.tokens_per_view + 16) + max_question_tokens + max_new_tokens
         model.language_model.setup_cache(1, self.max_len)
 
     # -- construction ---------------------------------------------------------------------------
@@ -210,9 +214,16 @@ class Pipeline:
         tree_min_value: float | None = None,
         fp8: str | None = None,
         matmul: str = "fp32",
+        system: str | None = None,
+        camera_label: str | None = None,
+        tiles: int | None = None,
+        max_tiles: int | None = None,
+        thumbnail: bool | None = None,
         **options,
     ) -> Pipeline:
-        """A pipeline over a bundled model ("drive-tiny") or a checkpoint directory.
+        """A pipeline over a bundled model ("drive-tiny") or a checkpoint directory: ours, a transformers InternVL
+        (`-hf`) folder or the original InternVL layout, with the modules trained for it in its subfolders and the
+        prompt format they were trained with (its prompt.json; else the checkpoint's chat template).
 
         select_views: use the model's ViewSelector (model_dir/view_selector).
         select_tokens=r: use its TokenSelector (model_dir/token_selector), keeping a fraction r.
@@ -223,21 +234,20 @@ class Pipeline:
             `litevlm quantize` is FP8 already (static scales) and needs no option.
         matmul: "bf16" runs the vision tower and a prompt's prefill in bf16 (from 32 rows) on CPUs with AMX or
             AVX512-BF16, the CPU's counterpart of the paper's low-precision step; decode stays fp32.
+        system, camera_label, tiles, max_tiles, thumbnail: the prompt format of a checkpoint that has no prompt.json
+            yet (`litevlm.models.load_model`).
         """
-        from litevlm.data.tokenizer import Tokenizer
-        from litevlm.model.hf import load_native
-
-        path = resolve_model_dir(name_or_path)
-        meta = json.loads((path / "config.json").read_text())
-        torch_dtype = _dtype(dtype)
-        if "litevlm" not in meta:  # a transformers checkpoint
-            return cls.from_hf(path, device=device, dtype=dtype, **options)
-        if "fp8" in meta:
-            from litevlm.quant.fp8 import load_fp8
-
-            model = load_fp8(path, device=device, dtype=torch_dtype)
-        else:
-            model = load_native(path).to(device=device, dtype=torch_dtype)
+        loaded = load_model(
+            name_or_path,
+            device=device,
+            dtype=torch_dtype(dtype),
+            system=system,
+            camera_label=camera_label,
+            tiles=tiles,
+            max_tiles=max_tiles,
+            thumbnail=thumbnail,
+        )
+        model, path = loaded.model, loaded.path
         if fp8 is not None:
             from litevlm.quant.fp8 import FP8Recipe, quantize_model
 
@@ -276,17 +286,18 @@ class Pipeline:
                 total_tokens=tree_total or 0,  # 0: derived
                 min_value=default.min_value if tree_min_value is None else tree_min_value,
             )
-        return cls(model, Tokenizer.from_dir(path), name=path.name, **parts, **options)
+        return cls(model, loaded.tokenizer, name=path.name, prompt_format=loaded.format, **parts, **options)
 
     @classmethod
-    def from_hf(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32", **options) -> Pipeline:
-        from litevlm.data.tokenizer import Tokenizer
-        from litevlm.model.hf import load_hf
+    def from_loaded(cls, loaded, **options) -> Pipeline:
+        """A pipeline (baseline unless `options` add stages) over a `litevlm.models.Loaded` checkpoint, in its own
+        prompt format: what the recipes prompt their target with."""
+        return cls(loaded.model, loaded.tokenizer, name=loaded.path.name, prompt_format=loaded.format, **options)
 
-        model, tok_dir = load_hf(path, dtype=_dtype(dtype), device=device)
-        if tok_dir is None:
-            raise LiteVLMError(f"{path} has no tokenizer.json: a pipeline needs the checkpoint's tokenizer")
-        return cls(model, Tokenizer.from_dir(tok_dir), name=Path(path).name, **options)
+    @classmethod
+    def from_hf(cls, path: str | Path, **options) -> Pipeline:
+        """`from_pretrained` on a transformers InternVL checkpoint folder."""
+        return cls.from_pretrained(path, **options)
 
     @property
     def config_name(self) -> str:
@@ -310,6 +321,9 @@ class Pipeline:
         ids = self.tokenizer.encode(question)
         if len(ids) > self.max_question_tokens:
             raise LiteVLMError(f"the question is {len(ids)} tokens long; the limit is {self.max_question_tokens}")
+        marks = [m for m in SPECIAL_STRINGS if m in question]
+        if marks:
+            raise LiteVLMError(f"the question contains the prompt's special token(s) {', '.join(marks)}")
         return ids
 
     @staticmethod
@@ -329,25 +343,28 @@ class Pipeline:
             return list(CAMERAS)
         return self.view_selector.select(question)[0]
 
-    @torch.no_grad()
-    def vision(self, images: Mapping, views: list[str], timer: StageTimer) -> torch.Tensor:
-        """The chosen views' visual tokens (tiles, tokens_per_tile, C): images to tiles ("preprocess"), then the vision
-        tower and projector ("vit")."""
-        with timer("preprocess"):
-            pixels = torch.cat(
-                [
-                    image_to_tiles(load_image(images[c]), self.cfg.vision.image_size, self.cfg.tiles_per_view)
-                    for c in views
-                ]
-            )
-            pixels = pixels.to(self.model.device)
-        with timer("vit"):
-            return self.model.encode_tiles(pixels)  # (tiles, tokens_per_tile, C)
+    def tiles(self, images: Mapping, views: list[str]) -> tuple[torch.Tensor, list[int]]:
+        """The chosen views' images cut into normalised tiles (the prompt format's tiling): (tiles, 3, S, S) and the
+        number of visual tokens each view gives."""
+        size = self.cfg.vision.image_size
+        cut = [torch.from_numpy(self.format.tiling.cut(load_image(images[c]), size)) for c in views]
+        return normalize_tiles(torch.cat(cut)), [t.shape[0] * self.cfg.tokens_per_tile for t in cut]
 
     @torch.no_grad()
-    def embed_prompt(self, question: str, views: list[str], visual: torch.Tensor) -> Prompt:
-        """The question's prompt in the checkpoint's template, embedded with the visual tokens in place."""
-        layout = build_prompt(self.tokenizer, question, views, self.tokens_per_view)
+    def vision(self, images: Mapping, views: list[str], timer: StageTimer) -> tuple[torch.Tensor, list[int]]:
+        """The chosen views' visual tokens (tiles, tokens_per_tile, C) and each view's token count: images to tiles
+        ("preprocess"), then the vision tower and projector ("vit")."""
+        with timer("preprocess"):
+            pixels, counts = self.tiles(images, views)
+            pixels = pixels.to(self.model.device)
+        with timer("vit"):
+            return self.model.encode_tiles(pixels), counts  # (tiles, tokens_per_tile, C)
+
+    @torch.no_grad()
+    def embed_prompt(self, question: str, views: list[str], visual: torch.Tensor, counts: list[int]) -> Prompt:
+        """The question's prompt in the checkpoint's format, embedded with the visual tokens (`counts` per view) in
+        place."""
+        layout = self.format.build(self.tokenizer, question, views, counts)
         ids = torch.tensor([layout.ids], device=self.model.device)
         positions = torch.arange(ids.shape[1], device=self.model.device)[None]
         n_visual = int(visual.shape[0] * visual.shape[1])
@@ -359,7 +376,7 @@ class Pipeline:
         timer = timer or StageTimer(self.model.device)
         with timer("select_views"):
             views = self.select_views(question)
-        return self.embed_prompt(question, views, self.vision(images, views, timer))
+        return self.embed_prompt(question, views, *self.vision(images, views, timer))
 
     @torch.no_grad()
     def select_tokens(self, p: Prompt, question: str, timer: StageTimer) -> tuple[Prompt, Pruning | None]:
@@ -429,8 +446,7 @@ class Pipeline:
             timer = StageTimer(self.model.device)
             with timer("select_views"):
                 views = self.select_views(question)
-            visual = self.vision(images, views, timer)
-            full = self.embed_prompt(question, views, visual)
+            full = self.embed_prompt(question, views, *self.vision(images, views, timer))
             p, pruning = self.select_tokens(full, question, timer)
             prefilled = self.prefill(p, pruning, question, timer)
             text = TextStream(self.tokenizer, self.tokenizer.eos_id)
@@ -502,7 +518,7 @@ class Pipeline:
         return self._graphed_verify_step
 
 
-def _dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
     table = {
         "float32": torch.float32,
         "fp32": torch.float32,

@@ -18,6 +18,7 @@ from litevlm.config import VLMConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
 from litevlm.model.lm import TextModel
+from litevlm.model.prompt import Tiling
 from litevlm.model.vision import Projector, VisionTower, pixel_shuffle
 
 if TYPE_CHECKING:
@@ -142,10 +143,7 @@ def image_to_uint8_tiles(image, image_size: int, tiles_per_view: int) -> np.ndar
 
     if not isinstance(image, Image.Image):
         raise LiteVLMError(f"expected a PIL image, got {type(image).__name__}")
-    rgb = image if image.mode == "RGB" else image.convert("RGB")  # convert() copies even an RGB image
-    img = rgb.resize((image_size * tiles_per_view, image_size), Image.BICUBIC)
-    a = np.asarray(img).reshape(image_size, tiles_per_view, image_size, 3)  # (S, tiles, S, 3)
-    return np.ascontiguousarray(a.transpose(1, 3, 0, 2))  # (tiles, 3, S, S)
+    return Tiling(tiles=tiles_per_view).cut(image, image_size)
 
 
 def normalize_tiles(tiles: torch.Tensor) -> torch.Tensor:

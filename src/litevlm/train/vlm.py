@@ -382,11 +382,25 @@ def light_contrasts(frame, qa) -> list[tuple[str, str]]:
     return [(f"{stem}{s}?", "Yes." if s == lights[0].light else "No.") for s in LIGHT_STATES if s != asked[0]]
 
 
-def pack_frame(tokenizer, views: list[str], tokens_per_view: int, blocks: list[tuple[list[int], list[int]]]):
-    """One frame's prefix + K question/answer blocks -> ids, labels, positions, block id per token."""
-    from litevlm.model.prompt import question_suffix, view_prefix
+def view_prefix(tokenizer, views: list[str], tokens_per_view: int) -> list[int]:
+    """drive-tiny's user turn up to the question (ChatML, `{camera}: ` labels): the view blocks with their markers."""
+    ids = [tokenizer.im_start_id] + tokenizer.encode("user\n")
+    for cam in views:
+        ids += tokenizer.encode(f"{cam}: ") + [tokenizer.img_start_id]
+        ids += [tokenizer.image_id] * tokens_per_view + [tokenizer.img_end_id] + tokenizer.encode("\n")
+    return ids
 
-    prefix = view_prefix(tokenizer, views, tokens_per_view).ids
+
+def question_suffix(tokenizer, question_ids: list[int]) -> list[int]:
+    """The question, the end of the user turn and the start of the assistant's."""
+    im_end, assistant = [tokenizer.eos_id], [tokenizer.im_start_id] + tokenizer.encode("assistant\n")
+    return question_ids + im_end + tokenizer.encode("\n") + assistant
+
+
+def pack_frame(tokenizer, views: list[str], tokens_per_view: int, blocks: list[tuple[list[int], list[int]]]):
+    """One frame's prefix + K question/answer blocks -> ids, labels, positions, block id per token; a block is
+    laid out as `litevlm.model.prompt.build_prompt` lays out a question (a test checks they agree)."""
+    prefix = view_prefix(tokenizer, views, tokens_per_view)
     ids, labels, pos, block = list(prefix), [IGNORE] * len(prefix), list(range(len(prefix))), [0] * len(prefix)
     for b, (q, a) in enumerate(blocks, start=1):
         seg = question_suffix(tokenizer, q)
