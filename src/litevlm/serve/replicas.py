@@ -9,7 +9,7 @@ of two), and plays the replica's ASGI messages back to the client as they come.
 
 Why a front and not `@serve.ingress(app)`: under Ray's own ingress a replica that dies leaves its
 requests a bare 500. Here a request whose replica is lost before it answered is retried on another
-(an answer is a pure function of the request, so a retry is safe), or answered 503 with Retry-After
+(answering has no side effects, so a retry is safe), or answered 503 with Retry-After
 once its deadline has passed; one lost mid-stream ends its stream with an error event. Nothing waits
 forever: every wait is bounded by the server's timeout. Differences from one process: connections
 are Ray's proxy's (no header timeout or connection cap of ours), and `/metrics` and `/health` answer
@@ -41,10 +41,9 @@ RETRY_PAUSE_S = 0.2
 DEADLINE_GRACE_S = 5.0
 # Requests a replica may hold besides those its queue admits: /health, /metrics, and 429s being answered.
 EXTRA_ONGOING = 8
+# What a lost (or not yet replaced) replica raises at the caller.
 LOST = (RayActorError, DeploymentUnavailableError, BackPressureError)
-
-
-QUIET = {"enable_access_log": False, "log_level": "WARNING"}
+QUIET = {"enable_access_log": False, "log_level": "WARNING"}  # replicas log warnings and errors, not each request
 
 
 @serve.deployment(logging_config=QUIET)
