@@ -98,22 +98,24 @@ def full_model_dir(tiny_model_dir, tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="session")
-def benchmark_script():
-    """Import a script of benchmarks/ by name ("report" -> benchmarks/report.py) to test its parts."""
+def load_benchmark(name: str):
+    """Import a script of benchmarks/ by name ("report" -> benchmarks/report.py) to use or test its parts."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    def load(name: str):
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses look their module up while the script runs
-        spec.loader.exec_module(mod)
-        return mod
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the script runs
+    spec.loader.exec_module(mod)
+    return mod
 
-    return load
+
+@pytest.fixture(scope="session")
+def benchmark_script():
+    """Import a script of benchmarks/ by name ("report" -> benchmarks/report.py) to test its parts."""
+    return load_benchmark
 
 
 @contextmanager
@@ -129,3 +131,30 @@ def loopback_server(handler):
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ------------------------------------------------------------------------------------------------
+# A user's own checkpoint and data: a transformers InternVL folder with its tokenizer and chat template,
+# and a DriveLM train-v1_1 JSON with images
+# ------------------------------------------------------------------------------------------------
+def user_model_script():
+    """benchmarks/tiny_user_model.py (imported once), which writes the tiny user checkpoint and data below."""
+    import sys
+
+    return sys.modules.get("tiny_user_model_bench") or load_benchmark("tiny_user_model")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory):
+    """A user's transformers InternVL checkpoint in miniature: `save_pretrained` weights of a tiny random Qwen2-based
+    InternVL, its own tokenizer.json (a byte-level BPE; the embedding has a spare row, as real ones have) and a
+    chat template with a default system turn in tokenizer_config.json. Copy it before writing modules into it."""
+    pytest.importorskip("transformers")
+    return user_model_script().write_checkpoint(tmp_path_factory.mktemp("user-internvl") / "InternVL-tiny-hf")
+
+
+@pytest.fixture(scope="session")
+def tiny_drivelm(tmp_path_factory):
+    """A small DriveLM train-v1_1 JSON with its PNGs (three scenes of synthetic frames, 16:9 like nuScenes); returns
+    the JSON's path. Its questions carry c-tags (<c1,CAM_BACK,x,y>) and every category's tag."""
+    return user_model_script().write_data(tmp_path_factory.mktemp("user-drivelm"))

@@ -21,7 +21,7 @@ RECIPES = [
     (["train", "vlm", "--out", "o"], VLMRecipe),
     (["train", "views", "--out", "o"], ViewRecipe),
     (["train", "tokens", "m"], TokenRecipe),
-    (["train", "draft", "m"], DraftRecipe),
+    (["train", "draft", "--model", "m"], DraftRecipe),
     (["quantize", "--out", "o"], FP8Recipe),
 ]
 
@@ -69,7 +69,9 @@ def test_the_flags_users_type_keep_their_names_and_meaning():
     assert (vlm.store_dtype, vlm.init, vlm.lr) == ("float16", "ckpt", 1e-3)
     tokens = recipe_from_args(TokenRecipe, parse(["train", "tokens", "m", "--own-layer", "--epochs", "2"]))
     assert tokens.shared_layer is False and tokens.epochs == 2  # --own-layer flips the default
-    draft = recipe_from_args(DraftRecipe, parse(["train", "draft", "m", "--intermediate", "0", "--passes", "3"]))
+    draft = recipe_from_args(
+        DraftRecipe, parse(["train", "draft", "--model", "m", "--intermediate", "0", "--passes", "3"])
+    )
     assert (draft.intermediate_size, draft.passes) == (0, 3)
     views = recipe_from_args(ViewRecipe, parse(["train", "views", "--out", "o", "--seed", "7", "--val-frames", "9"]))
     assert (views.torch_seed, views.seed, views.val_frames) == (7, ViewRecipe.seed, 9)  # --seed is the torch seed

@@ -195,3 +195,25 @@ def test_an_opening_without_room_in_the_cache_is_left_out():
         model, head, embeds, pos, 6, None, opening=Opening.from_sequences([ref[:3], [9, 9, 9, 9, 9, 9]])
     )
     assert out.tokens == ref and out.opened == 0
+
+
+def test_the_openings_command_counts_synthetic_reference_answers_without_data(full_model_dir, tmp_path, capsys):
+    import shutil
+
+    from litevlm.cli import main
+    from litevlm.data.synthetic import make_frame
+    from litevlm.models import load_model
+
+    model = tmp_path / "model"
+    shutil.copytree(full_model_dir, model)
+    assert main(["train", "openings", "--model", str(model), "--offline", str(tmp_path / "c")]) not in (0, None)
+    assert "--offline reads the target's answers to --data" in capsys.readouterr().err
+    assert main(["train", "openings", "--model", str(model), "--out", str(tmp_path / "no"), "--frames", "2"]) != 0
+    assert "has no draft head" in capsys.readouterr().err and not (model / "draft" / "openings.json").exists()
+    assert main(["train", "openings", "--model", str(model), "--frames", "2", "--key-words", "2"]) in (0, None)
+    table = Openings.load(model / "draft", load_model(model).tokenizer.vocab_size)
+    assert table.recipe["answers"] == "reference" and table.recipe["frames"] == 2
+    tok = load_model(model).tokenizer
+    pairs = [(qa.question, tok.encode(qa.answer)) for i in range(2) for qa in make_frame(0, i).qas]
+    want = Openings.build(pairs, eos_id=tok.eos_id, vocab_size=tok.vocab_size, depth=4, max_nodes=12, min_share=0.03)
+    assert table.table == want.table

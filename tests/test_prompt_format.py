@@ -100,3 +100,14 @@ def test_the_scene_split_holds_whole_scenes_out_by_seed_not_by_order():
     assert {s.scene_id for s in scene_split(samples, 0.2, seed=8)[1]} != {s.scene_id for s in held}
     assert len({s.scene_id for s in scene_split(_samples(["a", "b"]), 0.01)[1]}) == 1  # at least one, never all
     assert scene_split(_samples(["a"]), 0.5)[1] == []
+
+
+def test_a_checkpoint_exported_by_save_hf_loads_as_a_transformers_one(tiny_model_dir, tmp_path):
+    """save_hf keeps our special ids in config.json under "litevlm"; that must not make it look like our format."""
+    from litevlm.model.hf import load_native, save_hf
+    from litevlm.models import load_model
+
+    native = load_native(tiny_model_dir)
+    save_hf(native, tmp_path / "hf", Tokenizer.from_dir(tiny_model_dir))
+    loaded = load_model(tmp_path / "hf")
+    assert loaded.model.cfg.text == native.cfg.text and loaded.format == read_format(tiny_model_dir)

@@ -81,19 +81,24 @@ def test_a_few_training_steps_fit_the_target_and_help_speculation():
 
 
 def test_train_draft_end_to_end_on_a_saved_model(tiny_model_dir, tmp_path):
+    import shutil
+
     from litevlm.model.hf import load_native
     from litevlm.train.draft import DraftRecipe, train_draft
 
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
     recipe = DraftRecipe(
         frames=2, max_new_tokens=6, gen_batch=8, minutes=0.2, epochs=3, batch=4, render_size=(112, 63), threads=1
     )
-    out = train_draft(tiny_model_dir, tmp_path / "draft", recipe, progress=False)
-    model = load_native(tiny_model_dir)
-    head = DraftHead.load(out, model)
+    out = train_draft(model_dir, None, recipe, progress=False)
+    assert out == model_dir / "draft" and (model_dir / "prompt.json").is_file()
+    head = DraftHead.load(out, load_native(model_dir))
     assert head.recipe["frames"] == 2 and head.recipe["seed"] == 0 and head.metrics["steps"] >= 1
+    assert head.recipe["data"] == "synthetic" and head.recipe["answers"] == "target"
     assert 0.0 <= head.metrics["top1"] <= 1.0 and head.metrics["train_sequences"] > 0
     with pytest.raises(ValueError, match="passes"):
-        train_draft(tiny_model_dir, tmp_path / "bad", DraftRecipe(passes=0), progress=False)
+        train_draft(model_dir, tmp_path / "bad", DraftRecipe(passes=0), progress=False)
     assert not (tmp_path / "bad").exists()
 
 
@@ -126,13 +131,27 @@ def test_unrolled_passes_match_drafting_on_own_predictions():
             torch.testing.assert_close(h[0], preds[s - 1][0, i], rtol=1e-4, atol=1e-4)
 
 
-def test_the_cli_passes_the_draft_layer_width_to_the_recipe(monkeypatch, capsys):
+def test_the_cli_passes_the_model_data_and_recipe_to_the_recipe(monkeypatch, tmp_path, capsys):
     from litevlm import cli
     from litevlm.train import draft as draft_training
 
     seen = []
-    monkeypatch.setattr(draft_training, "train_draft", lambda model_dir, recipe: seen.append(recipe) or "DIR")
-    assert cli.main(["train", "draft", "m", "--frames", "3", "--intermediate", "0"]) in (0, None)
-    assert cli.main(["train", "draft", "m", "--frames", "3"]) in (0, None)
-    assert seen[0].intermediate_size == 0 and seen[0].frames == 3  # 0: the target's width
-    assert seen[1].intermediate_size == draft_training.DraftRecipe().intermediate_size  # the default stays
+
+    def fake(loaded, out, recipe, *, samples, data, offline, d):
+        assert d.world_size == 1  # not under torchrun
+        seen.append((loaded, out, recipe, samples, data, offline))
+        (tmp_path / "config.json").write_text(
+            '{"metrics": {"top1": 0.5, "chain_accept": 1.5, "validation": "v",'
+            ' "val_sequences": 3, "train_sequences": 9}}'
+        )
+        return tmp_path
+
+    monkeypatch.setattr(draft_training, "train_draft", fake)
+    monkeypatch.setattr("litevlm.options.load_model_from_args", lambda args: ("loaded", args.model))
+    assert cli.main(["train", "draft", "--model", "m", "--frames", "3", "--intermediate", "0"]) in (0, None)
+    assert cli.main(["train", "draft", "--frames", "3", "--out", "o", "--offline", "c"]) in (0, None)
+    assert seen[0][0] == ("loaded", "m") and seen[1][0] == ("loaded", "drive-tiny")  # --model, bundled by default
+    assert seen[0][2].intermediate_size == 0 and seen[0][2].frames == 3  # 0: the target's width
+    assert seen[1][2].intermediate_size == draft_training.DraftRecipe().intermediate_size  # the default stays
+    assert seen[0][1:] == (None, seen[0][2], None, "", None) and (seen[1][1], seen[1][5]) == ("o", "c")
+    assert "top-1 agreement 0.500" in capsys.readouterr().out

@@ -208,24 +208,82 @@ def run_train_vlm(args) -> None:
 
 
 def train_views_arguments(p: argparse.ArgumentParser) -> None:
+    from litevlm.data.source import add_data_options
+    from litevlm.options import MODEL_HELP, add_format_options
     from litevlm.train.views import ViewRecipe
 
-    p.add_argument("--out", required=True, help="model directory; the selector is written to OUT/view_selector/")
     p.add_argument(
-        "--labels", nargs="*", default=[], help='extra JSONL of {"question", "views"} lines (litevlm label-views)'
+        "--model",
+        default=None,
+        help=MODEL_HELP + "; the selector is saved beside it with its prompt format (its weights are not used: "
+        "the selector reads questions only)",
     )
+    p.add_argument("--out", default=None, help="folder for the selector (OUT/view_selector/); default: --model's")
+    add_data_options(p, default_help="the synthetic generator's frames (--frames, --val-frames)")
+    p.add_argument(
+        "--labels",
+        nargs="*",
+        default=[],
+        help='JSONL of {"question", "views"} lines (litevlm label-views); with --data, the labels of its questions '
+        "that name no camera",
+    )
+    add_format_options(p)
     add_recipe_options(p, ViewRecipe)
     _json_flag(p)
 
 
+def _views_model(args):
+    """The loaded --model that `train views` saves beside (None: only --out), after checking the flags agree."""
+    from litevlm.options import format_options
+
+    if args.model is None and args.out is None:
+        raise LiteVLMError("train views needs --out DIR or --model M: where to save the selector")
+    if args.images is not None and args.data is None:
+        raise LiteVLMError("--images says where --data's images live: pass --data too")
+    if args.model is None:
+        given = [k for k, v in format_options(args).items() if v is not None]
+        if given:
+            raise LiteVLMError(f"prompt-format options ({', '.join(given)}) describe a model's prompt: pass --model")
+        return None
+    import torch
+
+    from litevlm.models import load_model
+
+    # bf16: the weights are loaded only to check the checkpoint and its tokenizer, at half fp32's memory
+    return load_model(args.model, dtype=torch.bfloat16, **format_options(args))
+
+
 def run_train_views(args) -> None:
-    from litevlm.train.views import ViewRecipe, train_view_selector
+    from litevlm.models import modules_dir
+    from litevlm.train.views import ViewRecipe, data_examples, train_view_selector
 
     recipe = recipe_from_args(ViewRecipe, args)
-    out = train_view_selector(args.out, recipe, extra_labels=args.labels, progress=not args.json)
+    loaded = _views_model(args)
+    data = None
+    if args.data is not None:
+        cache = Path(args.out) if args.out is not None else loaded.path
+        data = data_examples(
+            args.data, args.images, args.labels, recipe, cache / ".cache" / "views", progress=not args.json
+        )
+        if not args.json:
+            src = data.sources
+            print(
+                f"{args.data}: {len(data.train)} training questions ({data.train_scenes} scenes), "
+                f"{len(data.val)} validation questions ({data.val_scenes} scenes held out, seed {data.seed}); labels: "
+                f"{src['c-tag']} from c-tags, {src['lexical']} lexical, {src['label-views']} from label-views, "
+                f"{src['all six']} all six (no camera named, no label)"
+                + (f"; {len(data.extra)} label lines not in the data trained on as well" if data.extra else "")
+            )
+    out = train_view_selector(
+        modules_dir(loaded, args.out) if loaded is not None else Path(args.out),
+        recipe,
+        extra_labels=() if data is not None else args.labels,
+        progress=not args.json,
+        data=data,
+    )
     meta = json.loads((out / "config.json").read_text())
     if args.json:
-        _print_json({"path": str(out), **{k: meta[k] for k in ("weight", "threshold", "validation")}})
+        _print_json({"path": str(out), **{k: meta[k] for k in ("weight", "threshold", "validation", "data")}})
     else:
         print(f"saved to {out}")
 
@@ -244,24 +302,81 @@ def run_train_tokens(args) -> None:
 
 
 def train_draft_arguments(p: argparse.ArgumentParser) -> None:
+    from litevlm.data.source import add_data_options
+    from litevlm.options import add_model_options
     from litevlm.train.draft import DraftRecipe
 
-    _model_dir("the draft head is saved inside it")(p)
+    add_model_options(p)
+    add_data_options(p, default_help="synthetic frames (--frames)")
+    p.add_argument(
+        "--out", default=None, help="folder the head is saved in, as OUT/draft/ (default: the model's own folder)"
+    )
+    p.add_argument(
+        "--offline",
+        default=None,
+        metavar="DIR",
+        help="cache the target's answers and features in safetensors shards in DIR first (a rerun resumes), then "
+        "train from them",
+    )
     add_recipe_options(p, DraftRecipe)
 
 
 def run_train_draft(args) -> None:
+    """Under `torchrun --nproc-per-node W` each rank answers its share of the questions and trains the head through
+    DDP; rank 0 validates, saves and prints."""
+    from litevlm.data.source import load_data
+    from litevlm.dist import close, init_dist
+    from litevlm.options import load_model_from_args
     from litevlm.train.draft import DraftRecipe, train_draft
 
-    print(f"saved to {train_draft(args.model_dir, recipe=recipe_from_args(DraftRecipe, args))}")
+    recipe = recipe_from_args(DraftRecipe, args)
+    samples = load_data(args.data, args.images) if args.data else None
+    d = init_dist(args.device)
+    args.device = d.device  # under torchrun on GPUs: this rank's own GPU
+    try:
+        out = train_draft(
+            load_model_from_args(args),
+            args.out,
+            recipe,
+            samples=samples,
+            data=args.data or "",
+            offline=args.offline,
+            d=d,
+        )
+    finally:
+        close(d)
+    if not d.is_main:
+        return
+    m = json.loads((out / "config.json").read_text())["metrics"]
+    if m["top1"] is None:
+        print(f"validation: none ({m['validation']}: the data has a single scene)")
+    else:
+        print(
+            f"validation ({m['validation']}, {m['val_sequences']} questions): top-1 agreement {m['top1']:.3f}, "
+            f"chain acceptance {m['chain_accept']:.2f}; trained on {m['train_sequences']} questions"
+        )
+    print(f"saved to {out}")
 
 
 def train_openings_arguments(p: argparse.ArgumentParser) -> None:
-    _model_dir("with a draft head")(p)
+    from litevlm.data.source import add_data_options
+    from litevlm.options import add_model_options
+
+    add_model_options(p)
+    add_data_options(p, default_help="synthetic frames (--frames) and their reference answers")
     p.add_argument(
-        "--frames", type=int, default=3000, help="synthetic training frames whose questions and answers are counted"
+        "--out", default=None, help="the folder the draft head was saved in (OUT/draft/; default: the model's own)"
     )
-    p.add_argument("--seed", type=int, default=0, help="frames (seed, 0..frames-1); the held-out split is seed 1")
+    p.add_argument(
+        "--offline",
+        default=None,
+        metavar="DIR",
+        help="with --data: the target's answers cached by `litevlm train draft --offline DIR` (else generated)",
+    )
+    p.add_argument(
+        "--frames", type=int, default=3000, help="without --data: synthetic training frames whose answers are counted"
+    )
+    p.add_argument("--seed", type=int, default=0, help="without --data: frames (seed, 0..frames-1)")
     p.add_argument("--depth", type=int, default=4, help="tokens per opening, EOS included")
     p.add_argument("--max-nodes", type=int, default=12, help="nodes of one question's trie (extra prompt rows)")
     p.add_argument(
@@ -275,14 +390,23 @@ def train_openings_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train_openings(args) -> None:
-    from litevlm.spec.openings import build_openings
+    from litevlm.data.source import load_data
+    from litevlm.options import load_model_from_args
+    from litevlm.train.openings import build_openings
 
     try:
         key_words = tuple(int(w) for w in args.key_words.split(","))
     except ValueError:
         raise LiteVLMError(f"--key-words takes comma-separated word counts, e.g. 4,2; got {args.key_words!r}") from None
+    if args.offline and not args.data:
+        raise LiteVLMError("--offline reads the target's answers to --data: pass the same --data as `train draft`")
+    samples = load_data(args.data, args.images) if args.data else None
     path = build_openings(
-        args.model_dir,
+        load_model_from_args(args),
+        args.out,
+        samples=samples,
+        data=args.data or "",
+        offline=args.offline,
         frames=args.frames,
         seed=args.seed,
         depth=args.depth,
@@ -585,12 +709,12 @@ COMMANDS: dict[str, Command | Group] = {
                 run_train_tokens,
             ),
             "draft": Command(
-                "train the EAGLE-2 draft head of a model (saved in MODEL_DIR/draft)",
+                "train the EAGLE-2 draft head of a model on its own answers (saved in MODEL/draft)",
                 train_draft_arguments,
                 run_train_draft,
             ),
             "openings": Command(
-                "the answer openings a draft head verifies with the prompt (MODEL_DIR/draft/openings.json)",
+                "answer openings verified with the prompt, from the model's answers (MODEL/draft/openings.json)",
                 train_openings_arguments,
                 run_train_openings,
             ),

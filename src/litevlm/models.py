@@ -87,11 +87,11 @@ def load_model(
     `format_changes` (system, camera_label, tiles, max_tiles, thumbnail; None = keep) adjust the prompt format of
     a model that has no prompt.json yet; one that has one was trained with it, and a change is refused.
     """
-    from litevlm.model.hf import load_hf, load_native
+    from litevlm.model.hf import NATIVE_FORMAT, load_hf, load_native
 
     path = resolve_model_dir(name_or_path)
     meta = _read_config(path)
-    if "litevlm" not in meta:
+    if meta.get("format") != NATIVE_FORMAT:  # transformers' (its config may carry our special ids as "litevlm")
         model, _ = load_hf(path, dtype=dtype, device=device)
     elif "fp8" in meta:
         from litevlm.quant.fp8 import load_fp8

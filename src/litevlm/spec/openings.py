@@ -3,10 +3,10 @@
 A speculative cycle needs the draft head, and the draft head needs the target's features, so the first cycle can
 only start once the prefill is done: a short answer ("Yes." + EOS) then pays a whole target pass over the weights
 for its last two tokens. But many questions of a kind open their answers the same way ("Is there ...?" -> "Yes." /
-"No."; "What will <c> do next?" -> "Keep ..."). `Openings` is a table, built from training questions and answers,
-from a question's first words to a small trie of the answer openings seen most often after them (a
-retrieval-style draft, as in REST, arXiv 2311.08252). The trie's nodes ride along with the prompt in the prefill's
-one forward pass: every node sees the whole prompt and its own ancestors (the tree mask), at position
+"No."; "What will <c> do next?" -> "Keep ..."). `Openings` is a table, built from training questions and answers
+(`litevlm.train.openings`), from a question's first words to a small trie of the answer openings seen most often
+after them (a retrieval-style draft, as in REST, arXiv 2311.08252). The trie's nodes ride along with the prompt in
+the prefill's one forward pass: every node sees the whole prompt and its own ancestors (the tree mask), at position
 prompt end + depth. Greedy acceptance then walks the trie from the prompt's own next token exactly as a
 verification does (`accept_opening`, in `litevlm.model.generate`), so the output is unchanged token for token; an
 answer the trie covers to its
@@ -187,58 +187,3 @@ class Openings:
             key_words=key_words,
             recipe=meta.get("recipe", {}),
         )
-
-
-def build_openings(
-    model_dir: str | Path,
-    *,
-    frames: int = 3000,
-    seed: int = 0,
-    depth: int = 4,
-    max_nodes: int = 12,
-    min_share: float = 0.03,
-    key_words: tuple[int, ...] = (4, 2),
-    progress: bool = True,
-) -> Path:
-    """The answer openings of a model, from the questions and reference answers of synthetic training frames
-    (seed, 0..frames-1; the held-out split is seed 1), saved beside its draft head (MODEL_DIR/draft/openings.json)."""
-    from tqdm import tqdm
-
-    from litevlm.data.synthetic import make_frame
-    from litevlm.data.tokenizer import Tokenizer
-    from litevlm.models import draft_dir, resolve_model_dir
-
-    path = resolve_model_dir(model_dir)
-    folder = draft_dir(path)
-    if not (folder / "config.json").is_file():
-        raise LiteVLMError(
-            f"{path} has no draft head: answer openings are kept beside it (train one with `litevlm train draft`)"
-        )
-    if frames < 1:
-        raise LiteVLMError(f"--frames must be >= 1; got {frames}")
-    tok = Tokenizer.from_dir(path)
-    pairs = [
-        (qa.question, tok.encode(qa.answer))
-        for i in tqdm(range(frames), desc="frames", disable=not progress)
-        for qa in make_frame(seed, i).qas
-    ]
-    table = Openings.build(
-        pairs,
-        eos_id=tok.eos_id,
-        vocab_size=tok.vocab_size,
-        depth=depth,
-        max_nodes=max_nodes,
-        min_share=min_share,
-        key_words=key_words,
-        recipe={
-            "frames": frames,
-            "seed": seed,
-            "depth": depth,
-            "max_nodes": max_nodes,
-            "min_share": min_share,
-            "key_words": list(key_words),
-            "answers": "reference",
-            "questions": len(pairs),
-        },
-    )
-    return table.save(folder)

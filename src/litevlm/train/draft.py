@@ -1,15 +1,16 @@
-"""Training recipe for the EAGLE draft head of a trained target VLM.
+"""Training recipe for the EAGLE draft head of a target VLM: self-distillation, on any checkpoint and data.
 
-The data are the target's own answers (EAGLE-1 Table 6 and EAGLE-3 regenerate answers with the
-target: the draft should imitate what the target says, not what a dataset says): synthetic training
-frames (seed 0, the frames the VLM itself trained on, never the held-out seed-1 split), each
-question answered greedily by the target with its images, batched. Along prompt + answer the
-target's final post-norm hidden states are recorded. The head is then trained teacher-forced
-(EAGLE 3.2): pair j = (f_j + noise, embedding of x_{j+1}) predicts f_{j+1}, with a SmoothL1 loss on
-the feature and 0.1 x the cross-entropy between the target's next-token distribution
-softmax(LMHead(f_{j+1})) and the draft's LMHead(f^_{j+1}), on the answer's pairs. Uniform noise on
-the input features (relative to their RMS) makes the head robust to its own errors when it drafts
-several tokens ahead; optional training-time-test passes (EAGLE-3) train on them directly.
+The data are the target's own answers (EAGLE-1 Table 6, EAGLE-3, SpecForge and vLLM's speculators regenerate
+answers with the target: the draft should imitate what the target says, not what a dataset says): each question of
+the user's data (`--data`) or of synthetic training frames (seed 0, never the held-out seed-1 split) answered
+greedily by the target with its images, batched, in the pipeline's own prompt format. Along prompt + answer the
+target's final post-norm hidden states are recorded: in memory while training (online), or first cached to disk as
+safetensors shards that a rerun resumes from (offline). The head is then trained teacher-forced (EAGLE 3.2):
+pair j = (f_j + noise, embedding of x_{j+1}) predicts f_{j+1}, with a SmoothL1 loss on the feature and 0.1 x the
+cross-entropy between the target's next-token distribution softmax(LMHead(f_{j+1})) and the draft's
+LMHead(f^_{j+1}), on the answer's pairs. Uniform noise on the input features (relative to their RMS) makes the head
+robust to its own errors when it drafts several tokens ahead; optional training-time-test passes (EAGLE-3) train on
+them directly.
 
 The head is sized for a small target on a CPU, where a draft step must cost a small fraction of a
 target step: a narrow MLP, a draft vocabulary of the tokens the target's answers use, and a window
@@ -19,19 +20,27 @@ and inference.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.config import flag
+from litevlm.data.drivelm import Sample
+from litevlm.dist import Dist, barrier, ddp, gather, shard
 from litevlm.errors import LiteVLMError
 from litevlm.spec.draft import DRAFT_SUBDIR, DraftConfig, DraftHead
 
@@ -39,13 +48,15 @@ from litevlm.spec.draft import DRAFT_SUBDIR, DraftConfig, DraftHead
 @dataclass
 class DraftRecipe:
     frames: int = flag(
-        150, "synthetic frames (seed, 0..frames-1) whose questions (~18 each) the model answers to make the data"
+        150,
+        "without --data: synthetic frames (seed, 0..frames-1) whose questions (~18 each) the model answers to make "
+        "the data",
     )
-    seed: int = flag(0, "frames (seed, 0..frames-1); the held-out split is seed 1")
-    max_new_tokens: int = 96  # answer length cap while generating the data
+    seed: int = flag(0, "the seed of the frames (held-out split: seed 1), of the views and of the split by scene")
+    max_new_tokens: int = flag(96, "the target's answers are cut at this many tokens")
     view_subset_prob: float = 0.5  # prompts with only the needed views (+ random extras), as view selection feeds
     render_size: tuple[int, int] = (400, 225)
-    gen_batch: int = 16  # questions answered at once while generating the data
+    gen_batch: int = flag(16, "questions the target answers at once (a shard holds 8 x this many or more)")
     # The head's shape. On a small target the draft must be much cheaper than a target step: a narrow
     # MLP, a draft vocabulary of the tokens answers actually use, and a window over the prompt (the
     # target's features already carry what it saw).
@@ -67,7 +78,9 @@ class DraftRecipe:
         1, "training-time test: 1 = teacher forcing only (EAGLE-2); s > 1 also trains on the head's own s-1 predictions"
     )
     ce_weight: float = 0.1
-    val_fraction: float = 0.05
+    val_fraction: float = flag(
+        0.05, "held out for validation: this share of the scenes (--data), else of the synthetic questions"
+    )
     threads: int = flag(2, "torch threads")
 
 
@@ -81,12 +94,18 @@ class Sequence:
     prompt_len: int
     answer: list[int] = field(default_factory=list)  # the answer's token ids (the last n - prompt_len tokens)
     offset: int = 0  # position of the first token (> 0 once the prompt is windowed)
+    question: str = ""
+    held_out: bool = False  # a validation question
 
     def window(self, context: int) -> Sequence:
         """Only the last `context` prompt tokens (what a windowed draft sees), positions kept."""
         start = max(0, self.prompt_len - context) if context else 0
-        return Sequence(
-            self.embeds[start:], self.features[start:], self.prompt_len - start, self.answer, self.offset + start
+        return replace(
+            self,
+            embeds=self.embeds[start:],
+            features=self.features[start:],
+            prompt_len=self.prompt_len - start,
+            offset=self.offset + start,
         )
 
 
@@ -146,50 +165,301 @@ def greedy_batch(
     return out
 
 
-@torch.no_grad()
-def build_sequences(model, tokenizer, recipe: DraftRecipe, frames: range, progress: bool = True) -> list[Sequence]:
-    """Answer every question of `frames` with the target; keep embeddings and features (fp16 on the CPU)."""
+# ------------------------------------------------------------------------------------------------
+# The questions, in the order the target answers them
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Frame:
+    """The questions asked about one set of camera images, and how to open those images."""
+
+    samples: list[Sample]
+    images: Callable[[], dict]  # () -> camera -> PIL image
+
+
+@dataclass
+class Item:
+    """One question to answer: its sample, the views its prompt shows, and whether validation holds it out."""
+
+    sample: Sample
+    views: list[str]
+    held_out: bool = False
+
+
+def synthetic_frames(recipe: DraftRecipe) -> list[Frame]:
+    """Synthetic training frames (recipe.seed, 0..frames-1), rendered when their turn comes."""
+    from litevlm.data.drivelm import samples_from_frame
     from litevlm.data.synthetic import make_frame, render_views
-    from litevlm.model.prompt import build_prompt
-    from litevlm.model.vlm import image_to_tiles
 
-    cfg = model.cfg
-    rng = random.Random(recipe.seed)
-    tpv = cfg.tokens_per_tile * cfg.tiles_per_view
-    pending: list[tuple[int, torch.Tensor]] = []  # (expected answer length, prompt embeddings)
-    seqs: list[Sequence] = []
-
-    def flush():
-        # Batch prompts whose reference answers have similar lengths: a batch runs as long as its longest answer.
-        pending.sort(key=lambda p: p[0])
-        for i in range(0, len(pending), recipe.gen_batch):
-            chunk = [emb for _, emb in pending[i : i + recipe.gen_batch]]
-            for emb, (answer, feats) in zip(chunk, greedy_batch(model, chunk, recipe.max_new_tokens, tokenizer.eos_id)):
-                ans = model.language_model.embed_tokens(torch.tensor(answer, device=emb.device))
-                seqs.append(Sequence(torch.cat([emb, ans]).half().cpu(), feats.half().cpu(), emb.shape[0], answer))
-        pending.clear()
-
-    for i in tqdm(frames, desc="target answers", disable=not progress):
+    frames = []
+    for i in range(recipe.frames):
         frame = make_frame(recipe.seed, i)
-        views = render_views(frame, size=recipe.render_size)
-        pixels = torch.cat([image_to_tiles(views[c], cfg.vision.image_size, cfg.tiles_per_view) for c in CAMERAS])
-        visual = model.encode_tiles(pixels.to(model.device))  # (6 * tiles, tokens, C)
-        visual = visual.view(len(CAMERAS), -1, visual.shape[-1])  # (view, tokens per view, C)
-        for qa in frame.qas:
+        frames.append(Frame(samples_from_frame(frame), partial(render_views, frame, size=recipe.render_size)))
+    return frames
+
+
+def data_frames(samples: list[Sample]) -> list[Frame]:
+    """The user's questions grouped by the images they are asked about (their key frame), in file order."""
+    from litevlm.data.drivelm import load_images
+
+    groups: dict[tuple[str, ...], list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(tuple(str(s.images.get(c)) for c in CAMERAS), []).append(s)
+    return [Frame(g, partial(load_images, g[0], list(CAMERAS))) for g in groups.values()]
+
+
+def plan(frames: list[Frame], recipe: DraftRecipe, held_out: frozenset[str] = frozenset()) -> list[list[tuple]]:
+    """Each question's views, as the pipeline feeds the target: all six, or (with probability view_subset_prob) the
+    ones it needs plus random extras, as view selection does. Frames are grouped into shards of at least
+    8 x gen_batch questions: the unit of batched generation and of the offline cache. -> shards of (frame, items)."""
+    rng = random.Random(recipe.seed)
+    shards, group, n = [], [], 0
+    for frame in frames:
+        items = []
+        for s in frame.samples:
             cams = list(CAMERAS)
             if rng.random() < recipe.view_subset_prob:
-                keep = set(qa.views) | {c for c in CAMERAS if rng.random() < 0.15}
-                cams = [c for c in CAMERAS if c in keep]
-            ids = build_prompt(tokenizer, qa.question, cams, tpv).ids
-            vis = visual[[CAMERAS.index(c) for c in cams]]
-            pending.append(
-                (len(tokenizer.encode(qa.answer)), model.embed(torch.tensor([ids], device=model.device), vis)[0])
-            )
-        if len(pending) >= 8 * recipe.gen_batch:
-            flush()
-    if pending:
-        flush()
+                keep = set(s.views) | {c for c in CAMERAS if rng.random() < 0.15}
+                cams = [c for c in CAMERAS if c in keep] or cams
+            items.append(Item(s, cams, s.id in held_out))
+        group.append((frame, items))
+        n += len(items)
+        if n >= 8 * recipe.gen_batch:
+            shards.append(group)
+            group, n = [], 0
+    if group:
+        shards.append(group)
+    return shards
+
+
+@torch.no_grad()
+def answer_shard(pipe, group: list[tuple], recipe: DraftRecipe, store_dtype: torch.dtype) -> list[Sequence]:
+    """The target's greedy answers to one shard's questions, batched, and its features along prompt + answer,
+    windowed to the head's context and kept on the CPU in `store_dtype`. Prompts are the pipeline's own
+    (`Pipeline.tiles`, `encode_tiles`, `Pipeline.embed_prompt`), in the checkpoint's format."""
+    model, tok = pipe.model, pipe.tokenizer
+    pending = []  # (reference answer length, prompt embeddings (T, C), item)
+    for frame, items in group:
+        pixels, counts = pipe.tiles(frame.images(), list(CAMERAS))
+        visual = model.encode_tiles(pixels.to(model.device))  # (tiles, tokens per tile, C)
+        per_view = visual.split([n // model.cfg.tokens_per_tile for n in counts])  # view -> (tiles, tokens, C)
+        for item in items:
+            idx = [CAMERAS.index(c) for c in item.views]
+            vis = torch.cat([per_view[i] for i in idx])
+            prompt = pipe.embed_prompt(item.sample.question, item.views, vis, [counts[i] for i in idx])
+            pending.append((len(tok.encode(item.sample.answer)), prompt.embeds[0], item))
+    # Batch prompts whose reference answers have similar lengths: a batch runs as long as its longest answer.
+    pending.sort(key=lambda p: p[0])
+    seqs = []
+    for i in range(0, len(pending), recipe.gen_batch):
+        chunk = pending[i : i + recipe.gen_batch]
+        out = greedy_batch(model, [emb for _, emb, _ in chunk], recipe.max_new_tokens, tok.eos_id)
+        for (_, emb, item), (answer, feats) in zip(chunk, out):
+            ans = model.language_model.embed_tokens(torch.tensor(answer, device=emb.device))
+            whole = Sequence(
+                torch.cat([emb, ans]).to(store_dtype).cpu(),
+                feats.to(store_dtype).cpu(),
+                emb.shape[0],
+                answer,
+                question=item.sample.question,
+                held_out=item.held_out,
+            ).window(recipe.context)
+            seqs.append(replace(whole, embeds=whole.embeds.clone(), features=whole.features.clone()))  # own storage
     return seqs
+
+
+# ------------------------------------------------------------------------------------------------
+# Offline: the target's answers and features cached in safetensors shards
+# ------------------------------------------------------------------------------------------------
+FEATURES_FORMAT = "litevlm-draft-features"
+INDEX_FILE = "index.json"
+
+
+def shard_path(folder: Path, i: int) -> Path:
+    return folder / f"shard-{i:05d}.safetensors"
+
+
+def cache_key(loaded, recipe: DraftRecipe, data: str, samples: list[Sample]) -> dict:
+    """What the cached answers and features depend on: the target (folder, weights, dtype, prompt format), the
+    questions (their ids, text and images) and the settings of their generation."""
+    weights = sum(f.stat().st_size for f in sorted(loaded.path.glob("*.safetensors")))
+    digest = hashlib.sha256()
+    for s in samples:
+        digest.update(json.dumps([s.id, s.question, sorted((c, str(p)) for c, p in s.images.items())]).encode())
+    key = {
+        "model": str(loaded.path.resolve()),
+        "weights_bytes": weights,
+        "dtype": str(loaded.model.dtype).removeprefix("torch."),
+        "format": loaded.format.to_dict(),
+        "data": data or "synthetic",
+        "questions": len(samples),
+        "questions_sha256": digest.hexdigest(),
+        "seed": recipe.seed,
+        "max_new_tokens": recipe.max_new_tokens,
+        "view_subset_prob": recipe.view_subset_prob,
+        "gen_batch": recipe.gen_batch,
+        "context": recipe.context,
+    }
+    if data:
+        key["val_fraction"] = recipe.val_fraction
+    else:
+        key.update(frames=recipe.frames, render_size=list(recipe.render_size))
+    return key
+
+
+def save_shard(path: Path, seqs: list[Sequence]) -> None:
+    """One shard, written whole or not at all (a temporary file renamed into place)."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        "embeds": torch.cat([s.embeds for s in seqs]).contiguous(),  # (sum n, C)
+        "features": torch.cat([s.features for s in seqs]).contiguous(),  # (sum n - 1, C)
+        "answers": torch.tensor([t for s in seqs for t in s.answer], dtype=torch.long),
+        "lengths": torch.tensor([s.embeds.shape[0] for s in seqs], dtype=torch.long),
+        "prompt_lens": torch.tensor([s.prompt_len for s in seqs], dtype=torch.long),
+        "answer_lens": torch.tensor([len(s.answer) for s in seqs], dtype=torch.long),
+        "offsets": torch.tensor([s.offset for s in seqs], dtype=torch.long),
+        "held_out": torch.tensor([s.held_out for s in seqs], dtype=torch.bool),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"questions": json.dumps([s.question for s in seqs])})
+    os.replace(tmp, path)
+
+
+def load_shard(path: Path, features: bool = True) -> list[Sequence]:
+    """A shard's sequences (without `features`: questions and answers only, empty tensors)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            questions = json.loads(f.metadata()["questions"])
+            meta = {k: f.get_tensor(k).tolist() for k in ("lengths", "prompt_lens", "answer_lens", "offsets")}
+            held = f.get_tensor("held_out").tolist()
+            answers = f.get_tensor("answers").tolist()
+            embeds = f.get_tensor("embeds") if features else None
+            feats = f.get_tensor("features") if features else None
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        raise LiteVLMError(
+            f"cannot read the feature shard {path}: {e}; delete it and run again to rewrite it"
+        ) from None
+    seqs, e0, f0, a0 = [], 0, 0, 0
+    for i, n in enumerate(meta["lengths"]):
+        a = meta["answer_lens"][i]
+        emb = embeds[e0 : e0 + n] if features else torch.empty(0)
+        fea = feats[f0 : f0 + n - 1] if features else torch.empty(0)
+        seqs.append(
+            Sequence(emb, fea, meta["prompt_lens"][i], answers[a0 : a0 + a], meta["offsets"][i], questions[i], held[i])
+        )
+        e0, f0, a0 = e0 + n, f0 + n - 1, a0 + a
+    if len(questions) != len(seqs) or (features and (e0 != embeds.shape[0] or f0 != feats.shape[0])):
+        raise LiteVLMError(f"the feature shard {path} is inconsistent; delete it and run again to rewrite it")
+    return seqs
+
+
+def read_index(folder: Path) -> dict | None:
+    path = folder / INDEX_FILE
+    if not path.is_file():
+        return None
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise LiteVLMError(f"{path} is not valid JSON ({e.msg}); delete the folder or pick another") from None
+    if index.get("format") != FEATURES_FORMAT:
+        raise LiteVLMError(f"{path} is not an index of draft features: pick an empty folder for --offline")
+    return index
+
+
+def check_index(index: dict, key: dict, folder: Path, fields=None) -> None:
+    """An error naming what differs where the cache in `folder` was made for other questions or settings."""
+    theirs = index.get("key", {})
+    diff = [k for k in (fields or sorted(set(key) | set(theirs))) if key.get(k) != theirs.get(k)]
+    if diff:
+        changes = "; ".join(f"{k}: {theirs.get(k)!r} there, {key.get(k)!r} now" for k in diff)
+        raise LiteVLMError(
+            f"the draft features in {folder} were made for another target, data or settings ({changes}): "
+            "pick another --offline folder, or delete this one"
+        )
+
+
+def disk_estimate(pipe, shards: list[list[tuple]], recipe: DraftRecipe, store_dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes per token, tokens expected): an embedding and a feature per token; each sequence is its prompt
+    (the window, or the whole prompt at the most tiles a view can make) and its answer (as long as the reference
+    answer and EOS, at most max_new_tokens)."""
+    per_token = 2 * pipe.model.cfg.text.hidden_size * torch.empty(0, dtype=store_dtype).element_size()
+    view_tokens = pipe.cfg.tokens_per_tile * pipe.format.tiling.most()
+    tokens = 0
+    for group in shards:
+        for _, items in group:
+            for it in items:
+                if recipe.context:  # a prompt's visual tokens alone outnumber the window
+                    prompt = recipe.context
+                else:
+                    prompt = len(pipe.format.build(pipe.tokenizer, it.sample.question, it.views, view_tokens).ids)
+                answer = min(len(pipe.tokenizer.encode(it.sample.answer)) + 1, recipe.max_new_tokens)
+                tokens += prompt + answer
+    return per_token, tokens
+
+
+def offline_sequences(
+    pipe,
+    shards,
+    recipe: DraftRecipe,
+    folder,
+    key: dict,
+    store_dtype: torch.dtype,
+    progress: bool = True,
+    d: Dist = Dist(),
+) -> list[Sequence]:
+    """Write the shards `folder` does not hold yet (the disk cost printed first), then read them. Under torchrun
+    rank r writes and reads shards r, r + W, ... (`litevlm.dist.shard`); rank 0 alone prints and writes the index."""
+    folder = Path(folder)
+    index = read_index(folder)
+    if index is not None:
+        check_index(index, key, folder)
+    per_token, tokens = disk_estimate(pipe, shards, recipe, store_dtype)
+    done = sum(shard_path(folder, i).is_file() for i in range(len(shards)))
+    questions = sum(len(items) for group in shards for _, items in group)
+    if d.is_main:
+        print(
+            f"offline draft features in {folder}: {questions} questions in {len(shards)} shards, about {tokens:,} "
+            f"tokens x {per_token:,} bytes/token = {per_token * tokens / 2**20:,.1f} MiB on disk"
+            + (f"; {done} shards already written, resuming" if done else "")
+        )
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = {"format": FEATURES_FORMAT, "version": 1, "key": key, "shards": len(shards), "questions": questions}
+        meta.update(bytes_per_token=per_token, tokens_estimated=tokens, dtype=str(store_dtype).removeprefix("torch."))
+        tmp = folder / (INDEX_FILE + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, folder / INDEX_FILE)
+    barrier(d)  # every rank has checked the key before rank 0 rewrites the index
+    mine = shard(range(len(shards)), d)
+    bar = tqdm(
+        total=sum(len(items) for i in mine for _, items in shards[i]), desc="target answers", disable=not progress
+    )
+    for i in mine:
+        if not shard_path(folder, i).is_file():
+            save_shard(shard_path(folder, i), answer_shard(pipe, shards[i], recipe, store_dtype))
+        bar.update(sum(len(items) for _, items in shards[i]))
+    bar.close()
+    return [s for i in mine for s in load_shard(shard_path(folder, i))]
+
+
+def cached_answers(folder, key: dict) -> list[Sequence] | None:
+    """The target's answers (no features) in a complete offline cache made for the same target, questions and
+    generation settings,
+    None where `folder` holds no cache; an error where it holds one for another target or data, or an incomplete
+    one."""
+    folder = Path(folder)
+    index = read_index(folder)
+    if index is None:
+        return None
+    check_index(index, key, folder, fields=sorted(k for k in key if k != "context"))  # the window: no answer changes
+    missing = [i for i in range(index["shards"]) if not shard_path(folder, i).is_file()]
+    if missing:
+        raise LiteVLMError(
+            f"the draft features in {folder} are incomplete ({len(missing)} of {index['shards']} shards missing): "
+            "finish them with `litevlm train draft --offline` first"
+        )
+    return [s for i in range(index["shards"]) for s in load_shard(shard_path(folder, i), features=False)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,21 +488,19 @@ def collate(seqs: list[Sequence], device) -> dict[str, torch.Tensor]:
 
 
 def draft_loss(
-    head: DraftHead, batch: dict, noise: float = 0.0, ce_weight: float = 0.1, passes: int = 1
+    head: DraftHead, batch: dict, noise: float = 0.0, ce_weight: float = 0.1, passes: int = 1, forward=None
 ) -> tuple[torch.Tensor, dict]:
     """SmoothL1 on the predicted feature + ce_weight x soft cross-entropy through the frozen LM head.
 
     passes > 1 adds the training-time-test passes (`DraftHead.forward_unrolled`), weighted 0.8^(s-1);
-    pass s is scored where its whole drafted path lies in the answer. Stats are pass 1's.
+    pass s is scored where its whole drafted path lies in the answer. Stats are pass 1's. `forward`: the
+    `Unrolled` head, DDP-wrapped under torchrun.
     """
     feats = batch["feats"]
     if noise > 0:
         rms = feats.pow(2).mean(-1, keepdim=True).sqrt()
         feats = feats + (torch.rand_like(feats) * 2 - 1) * noise * rms
-    if passes == 1:
-        preds = [head(feats, batch["nxt"], batch["positions"])]  # (B, T, C)
-    else:
-        preds = head.forward_unrolled(feats, batch["nxt"], batch["positions"], passes)
+    preds = (forward or Unrolled(head))(feats, batch["nxt"], batch["positions"], passes)  # passes x (B, T, C)
     total, stats = 0.0, {}
     for s, pred in enumerate(preds):
         m = batch["mask"].clone()
@@ -254,10 +522,10 @@ def draft_loss(
     return total, stats
 
 
-def frequent_tokens(seqs: list[Sequence], n: int, eos_id: int) -> list[int]:
+def frequent_tokens(answers: list[list[int]], n: int, eos_id: int) -> list[int]:
     """The n most frequent answer tokens (EOS always among them), as ascending ids; when the answers
     use fewer than n distinct tokens, the lowest unused ids fill the rest."""
-    counts = Counter(t for s in seqs for t in s.answer)
+    counts = Counter(t for a in answers for t in a)
     counts[eos_id] = max(counts.values(), default=0) + 1
     ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))][:n]
     chosen = set(ranked)
@@ -315,49 +583,184 @@ def evaluate(head: DraftHead, seqs: list[Sequence], batch: int, device, chain: i
     return {"top1": hits / max(1, total), "chain_accept": run_len / max(1, runs)}
 
 
+# ------------------------------------------------------------------------------------------------
+# The recipe
+# ------------------------------------------------------------------------------------------------
+def target_sequences(
+    loaded,
+    recipe: DraftRecipe,
+    samples: list[Sample] | None,
+    data: str,
+    offline=None,
+    progress: bool = True,
+    d: Dist = Dist(),
+) -> list[Sequence]:
+    """The target's greedy answers and features for the questions of `samples` (those of scenes held out for
+    validation marked `held_out`, split by `scene_split` with the recipe's seed) or, without samples, of the
+    synthetic frames; cached in `offline` shards when given. Under torchrun, this rank's shards only."""
+    from litevlm.data.source import scene_split
+    from litevlm.pipeline import Pipeline
+
+    if samples is None:
+        frames, held = synthetic_frames(recipe), frozenset()
+    else:
+        frames = data_frames(samples)
+        held = frozenset(s.id for s in scene_split(samples, recipe.val_fraction, recipe.seed)[1])
+    shards = plan(frames, recipe, held)
+    pipe = Pipeline.from_loaded(loaded)
+    model = loaded.model
+    store = torch.float16 if model.dtype == torch.float32 else model.dtype  # bf16 targets keep their own dtype
+    if offline is not None:
+        key = cache_key(loaded, recipe, data, [s for f in frames for s in f.samples])
+        return offline_sequences(pipe, shards, recipe, offline, key, store, progress, d)
+    mine = shard(shards, d)
+    seqs = []
+    with tqdm(total=sum(len(it) for s in mine for _, it in s), desc="target answers", disable=not progress) as bar:
+        for items in mine:
+            seqs += answer_shard(pipe, items, recipe, store)
+            bar.update(sum(len(it) for _, it in items))
+    return seqs
+
+
 def train_draft(
-    model_dir: str | Path, out_dir: str | Path | None = None, recipe: DraftRecipe | None = None, progress: bool = True
+    model,
+    out: str | Path | None = None,
+    recipe: DraftRecipe | None = None,
+    *,
+    samples: list[Sample] | None = None,
+    data: str = "",
+    offline: str | Path | None = None,
+    progress: bool = True,
+    d: Dist = Dist(),
 ) -> Path:
-    """Train a draft head for the model in `model_dir`; saved to out_dir (default model_dir/draft)."""
-    from litevlm.data.tokenizer import Tokenizer
-    from litevlm.model.hf import load_native
+    """Train a draft head for `model` (a `litevlm.models.Loaded` checkpoint, or a name or folder to load) on the
+    target's own answers to the questions of `samples` (the user's data, named by `data`; validation on scenes held
+    out) or, without samples, of synthetic frames. Saved in `modules_dir(loaded, out)/draft`, where
+    `Pipeline.from_pretrained(..., speculative=True)` finds it. `offline`: a folder where the answers and features
+    are cached as safetensors shards first (a rerun resumes), then read for training.
+
+    d: this process's rank under torchrun (`litevlm.dist.init_dist`): each rank answers its share of the shards and
+    trains on it, the head wrapped in DDP (gradients averaged, every rank the same steps); rank 0 validates and
+    saves."""
+    from litevlm.models import Loaded, load_model, modules_dir
 
     recipe = recipe or DraftRecipe()
     if recipe.passes < 1:
         raise ValueError(f"passes must be at least 1 (1 = teacher forcing only), got {recipe.passes}")
+    loaded = model if isinstance(model, Loaded) else load_model(model)
+    check_out(loaded, out)
+    progress = progress and d.is_main
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise LiteVLMError(f"no model at {model_dir}: train one with `litevlm train vlm` first")
-    out = Path(out_dir) if out_dir is not None else model_dir / DRAFT_SUBDIR
-    model = load_native(model_dir).float().eval()
-    model.requires_grad_(False)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    return train_draft_for(model, tokenizer, out, recipe, progress, source=model_dir.name)
-
-
-def train_draft_for(
-    model, tokenizer, out: str | Path, recipe: DraftRecipe, progress: bool = True, source: str = ""
-) -> Path:
-    """The recipe on an already-loaded target (fp32, frozen) and its tokenizer."""
+    target = loaded.model.eval()
+    target.requires_grad_(False)
     t0 = time.time()
-    torch.manual_seed(recipe.seed)
-    dev = model.device
-    seqs = [s.window(recipe.context) for s in build_sequences(model, tokenizer, recipe, range(recipe.frames), progress)]
+    seqs = target_sequences(loaded, recipe, samples, data, offline, progress, d)
     gen_s = time.time() - t0
     rng = random.Random(recipe.seed)
-    rng.shuffle(seqs)
-    n_val = max(1, int(len(seqs) * recipe.val_fraction))
-    val, train = seqs[:n_val], seqs[n_val:]
-
-    draft_vocab = min(recipe.draft_vocab, model.cfg.text.vocab_size)
-    cfg = DraftConfig.for_target(model.cfg.text, recipe.intermediate_size or None, draft_vocab, recipe.context)
-    head = DraftHead(cfg, model).to(dev)
+    train, val = split(seqs, samples is not None, recipe, rng, d)
+    dev = target.device
+    draft_vocab = min(recipe.draft_vocab, target.cfg.text.vocab_size)
+    cfg = DraftConfig.for_target(target.cfg.text, recipe.intermediate_size or None, draft_vocab, recipe.context)
+    head = DraftHead(cfg, target).to(dev)  # fp32 weights whatever the target's dtype: it loads in the target's
     _init(head, recipe.seed)
     if draft_vocab:
-        head.set_draft_vocab(frequent_tokens(train, draft_vocab, tokenizer.eos_id))
-    head.train()
+        answers = [a for part in everyone([s.answer for s in train], d) for a in part]  # every rank's
+        head.set_draft_vocab(frequent_tokens(answers, draft_vocab, loaded.tokenizer.eos_id))
+    steps, hist = fit(head, train, recipe, rng, progress, d)
+    n_train = sum(everyone(len(train), d))
+    if not d.is_main:
+        barrier(d)  # rank 0 validates and saves
+        return (Path(out) if out is not None else loaded.path) / DRAFT_SUBDIR
+    head.eval()
+    metrics = evaluate(head, val, recipe.batch, dev) if val else {"top1": None, "chain_accept": None}
+    metrics.update(
+        steps=steps,
+        train_sequences=n_train,
+        ranks=d.world_size,
+        val_sequences=len(val),
+        validation="scenes held out" if samples is not None else "random share of the synthetic questions",
+        data_seconds=round(gen_s, 1),
+        train_seconds=round(time.time() - t0 - gen_s, 1),
+        parameters=head.num_parameters(),
+    )
+    head.recipe = {**asdict(recipe), "target": loaded.path.name, "data": data or "synthetic", "answers": "target"}
+    head.metrics = metrics
+    metrics["loss_curve"] = [
+        round(sum(h["reg"] + recipe.ce_weight * h["ce"] for h in hist[i : i + 50]) / len(hist[i : i + 50]), 4)
+        for i in range(0, len(hist), max(50, len(hist) // 20))
+    ]
+    path = head.save(modules_dir(loaded, out) / DRAFT_SUBDIR)
+    barrier(d)
+    return path
+
+
+def split(
+    seqs: list[Sequence], by_scene: bool, recipe: DraftRecipe, rng: random.Random, d: Dist = Dist()
+) -> tuple[list[Sequence], list[Sequence]]:
+    """(this rank's training sequences, shuffled; every rank's validation sequences on rank 0). By scene: those
+    marked `held_out` validate; else a random `val_fraction` of the (rank's) sequences."""
+    if by_scene:
+        val, train = [s for s in seqs if s.held_out], [s for s in seqs if not s.held_out]
+        rng.shuffle(train)
+    else:
+        rng.shuffle(seqs)
+        n_val = max(1, int(len(seqs) * recipe.val_fraction))
+        val, train = seqs[:n_val], seqs[n_val:]
+    if d.world_size > 1 and min(everyone(len(train), d)) == 0:  # fewer shards than ranks: share the sequences
+        train = shard([s for part in everyone(train, d) for s in part], d)
+    if min(everyone(len(train), d)) == 0:
+        raise LiteVLMError("no training questions are left once the validation questions are held out")
+    return train, [s for part in gather([val], d) or [] for s in part]
+
+
+def check_out(loaded, out) -> None:
+    """Refuse, before any work, an `out` folder whose prompt.json holds another format than the target's."""
+    from litevlm.model.prompt import PROMPT_FILE, read_format
+
+    if out is not None and (Path(out) / PROMPT_FILE).is_file() and read_format(Path(out)) != loaded.format:
+        raise LiteVLMError(
+            f"{Path(out) / PROMPT_FILE} holds another prompt format than {loaded.path.name}'s: the draft head would "
+            "not match the modules already there; pick another --out"
+        )
+
+
+class Unrolled(nn.Module):
+    """The head's training forward, every training-time-test pass in one module call (what DDP wraps: it averages
+    the gradients of the parameters its forward used)."""
+
+    def __init__(self, head: DraftHead):
+        super().__init__()
+        self.head = head
+
+    def forward(self, feats, nxt, positions, passes: int = 1) -> list[torch.Tensor]:
+        if passes == 1:
+            return [self.head(feats, nxt, positions)]  # (B, T, C)
+        return self.head.forward_unrolled(feats, nxt, positions, passes)
+
+
+def everyone(obj, d: Dist) -> list:
+    """`obj` of every rank, on every rank, in rank order (`[obj]` in a world of one)."""
+    if d.world_size == 1:
+        return [obj]
+    out = [None] * d.world_size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def fit(
+    head: DraftHead,
+    train: list[Sequence],
+    recipe: DraftRecipe,
+    rng: random.Random,
+    progress: bool = True,
+    d: Dist = Dist(),
+):
+    """AdamW on the teacher-forced pairs within the time budget (cosine schedule, re-planned to the budget).
+    Under torchrun every rank trains on its own sequences through DDP and takes the same number of steps (the
+    fewest any rank's data and time allow). -> (steps, per-step stats)."""
+    dev = head.fc.weight.device
+    forward = ddp(Unrolled(head), d)
     decay = [p for p in head.parameters() if p.ndim >= 2]
     rest = [p for p in head.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -365,7 +768,8 @@ def train_draft_for(
         lr=recipe.lr,
         betas=(0.9, 0.95),
     )
-    steps_per_epoch = math.ceil(len(train) / recipe.batch)
+    head.train()
+    steps_per_epoch = min(everyone(math.ceil(len(train) / recipe.batch), d))
     total = recipe.epochs * steps_per_epoch
     deadline = time.time() + recipe.minutes * 60
     bar = tqdm(total=total, desc="training draft", disable=not progress)
@@ -373,16 +777,16 @@ def train_draft_for(
     # Sequences of similar length batch together (less padding); batches are shuffled.
     order = sorted(range(len(train)), key=lambda i: train[i].features.shape[0])
     batches = [order[i : i + recipe.batch] for i in range(0, len(order), recipe.batch)]
-    while step < total and time.time() < deadline:
+    alone = d.world_size == 1  # several ranks stop together, at the step count they agree on
+    while step < total and (time.time() < deadline or not alone):
         rng.shuffle(batches)
         for idx in batches:
-            if step >= total or time.time() >= deadline:
+            if step >= total or (alone and time.time() >= deadline):
                 break
             for g in opt.param_groups:
                 g["lr"] = _lr(step, total, recipe)
-            loss, stats = draft_loss(
-                head, collate([train[i] for i in idx], dev), recipe.feature_noise, recipe.ce_weight, recipe.passes
-            )
+            batch = collate([train[i] for i in idx], dev)
+            loss, stats = draft_loss(head, batch, recipe.feature_noise, recipe.ce_weight, recipe.passes, forward)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_value_(head.parameters(), recipe.grad_clip)
@@ -392,6 +796,7 @@ def train_draft_for(
             if step == 20 or step % 200 == 0:  # re-plan the schedule to the time budget
                 per_step = (time.time() - t_loop) / step
                 total = min(recipe.epochs * steps_per_epoch, int(step + (deadline - time.time()) / per_step))
+                total = min(everyone(max(total, step), d))
                 bar.total = total
             bar.update(1)
             if step % 10 == 0:
@@ -401,23 +806,7 @@ def train_draft_for(
                     acc=f"{sum(h['acc'] for h in last) / len(last):.3f}",
                 )
     bar.close()
-    head.eval()
-    metrics = evaluate(head, val, recipe.batch, dev)
-    metrics.update(
-        steps=step,
-        train_sequences=len(train),
-        val_sequences=len(val),
-        data_seconds=round(gen_s, 1),
-        train_seconds=round(time.time() - t0 - gen_s, 1),
-        parameters=head.num_parameters(),
-    )
-    head.recipe = {**asdict(recipe), "target": source}
-    head.metrics = metrics
-    metrics["loss_curve"] = [
-        round(sum(h["reg"] + recipe.ce_weight * h["ce"] for h in hist[i : i + 50]) / len(hist[i : i + 50]), 4)
-        for i in range(0, len(hist), max(50, len(hist) // 20))
-    ]
-    return head.save(out)
+    return step, hist
 
 
 def _init(head: DraftHead, seed: int) -> None:
