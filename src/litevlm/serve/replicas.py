@@ -19,6 +19,7 @@ for the replica that takes the request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -34,6 +35,7 @@ from litevlm.serve.chat import read_body
 from litevlm.serve.limits import Limits
 from litevlm.serve.protocol import APIError
 
+logger = logging.getLogger("ray.serve")
 APP_NAME = "litevlm"
 # A lost replica's request waits this long before its retry: Ray needs a moment to stop routing to it.
 RETRY_PAUSE_S = 0.2
@@ -138,27 +140,31 @@ class Front:
             rest = self.replica.remote(scope, body)
             try:
                 head = await asyncio.wait_for(_head(rest), max(0.0, deadline - time.monotonic()))
-                return head, rest
+                if head and head[-1]["type"] == "http.response.body":
+                    return head, rest
+                lost = "ended without a response"  # a replica stopped before its app sent a body
             except asyncio.TimeoutError:
                 rest.cancel()
                 raise _unavailable("no replica answered within the server's timeout", RETRY_PAUSE_S * 5) from None
-            except LOST:
-                rest.cancel()
-                if attempt == self.retries or time.monotonic() + RETRY_PAUSE_S > deadline:
-                    break
-                await asyncio.sleep(RETRY_PAUSE_S)
+            except LOST as e:
+                lost = type(e).__name__
+            rest.cancel()
+            logger.warning(
+                "a replica was lost before answering (%s); attempt %d of %d", lost, attempt + 1, self.retries + 1
+            )
+            if attempt == self.retries or time.monotonic() + RETRY_PAUSE_S > deadline:
+                break
+            await asyncio.sleep(RETRY_PAUSE_S)
         raise _unavailable("the replicas serving this request stopped", RETRY_PAUSE_S * 5)
 
 
 async def _head(rest) -> list[dict]:
-    """Messages up to the response start and the first body chunk."""
+    """Messages up to the response start and the first body chunk (fewer if the stream ends first)."""
     head = []
     async for message in rest:
         head.append(message)
         if message["type"] == "http.response.body":
             return head
-    if not head:
-        raise RuntimeError("the app ended without a response")
     return head
 
 
@@ -180,8 +186,12 @@ class Relay(Response):
                 await send(message)
                 if message["type"] == "http.response.body" and not message.get("more_body", False):
                     done = True
-        except LOST:
-            err = _unavailable("the replica serving this stream stopped", RETRY_PAUSE_S * 5)
+        except Exception as e:  # the status line is sent: the stream ends with an error event instead
+            if isinstance(e, LOST):
+                err = _unavailable("the replica serving this stream stopped", RETRY_PAUSE_S * 5)
+            else:
+                logger.exception("relaying a replica's response failed")
+                err = APIError(500, f"internal server error: {type(e).__name__}", code="internal_error")
             await send({"type": "http.response.body", "body": b"data: " + err.json_bytes() + b"\n\n"})
             done = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
