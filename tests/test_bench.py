@@ -4,6 +4,7 @@ not asserted: only the table's shape, its consistency and the transformers rows'
 import json
 
 import pytest
+import torch
 
 from litevlm.eval.bench import RowLog, format_shares, format_table, plot, run_bench
 from litevlm.model.layers import bf16_matmul_supported
@@ -104,3 +105,69 @@ def test_rows_can_be_chosen_by_name(full_model_dir):
         str(full_model_dir), n=2, warmup=1, max_new_tokens=4, configs=chosen, hf=False, progress=False
     )
     assert [r["config"] for r in result["rows"]] == ["baseline", "litevlm"]
+
+
+def test_bench_on_a_transformers_checkpoint_gives_transformers_the_pipelines_inputs(
+    tmp_path, tiny_tokenizer, capsys, monkeypatch
+):
+    """`bench --model <-hf folder> --data --images` with the format flags: the pipeline prompts in the checkpoint's
+    chat template (a system turn) and dynamic tiling, and transformers' generate gets the very same ids and tiles."""
+    transformers = pytest.importorskip("transformers")
+    from test_quant_data import TILING, write_drivelm, write_hf_checkpoint
+
+    from litevlm.cameras import CAMERAS
+    from litevlm.cli import main
+    from litevlm.data.source import load_data
+    from litevlm.model.prompt import build_prompt
+    from litevlm.pipeline import Pipeline
+
+    hf_dir = write_hf_checkpoint(tmp_path / "tiny-hf", tiny_tokenizer)
+    data, images = write_drivelm(tmp_path / "data")
+    seen = []
+    generate = transformers.InternVLForConditionalGeneration.generate
+
+    def recording(self, *args, **kwargs):
+        seen.append((kwargs["input_ids"].clone(), kwargs["pixel_values"].clone()))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.InternVLForConditionalGeneration, "generate", recording)
+    argv = ["bench", "--model", str(hf_dir), "--data", str(data), "--images", str(images), "--configs", "baseline"]
+    assert (
+        main([*argv, "--max-tiles", "2", "--thumbnail", "--n", "2", "--warmup", "1", "--max-new-tokens", "4", "--json"])
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["config"]: r for r in result["rows"]}
+    assert list(rows) == ["baseline", *HF_ROWS] and result["questions"] == 2
+    assert rows["baseline"]["input_tokens"] == rows["transformers eager"]["input_tokens"]
+    assert rows["transformers eager"]["score"] == rows["transformers static"]["score"] == rows["baseline"]["score"]
+
+    pipe = Pipeline.from_pretrained(hf_dir, **TILING)
+    samples = load_data(data, images)[:3]  # the warm-up question and the two measured ones
+    assert len(seen) == 2 * len(samples)  # eager and static cache, question by question
+    for i, s in enumerate(samples):
+        ids = pipe.prompt(s.question, s.images).ids
+        pixels, counts = pipe.tiles(s.images, list(CAMERAS))
+        assert counts == [12] * 6  # 2x1 tiles + thumbnail, 4 tokens each
+        for got_ids, got_pixels in seen[2 * i : 2 * i + 2]:
+            assert torch.equal(got_ids, ids) and torch.equal(got_pixels, pixels)
+        # the old fixed ChatML prompt without the checkpoint's system turn would not have matched
+        assert ids[0].tolist() != build_prompt(pipe.tokenizer, s.question, list(CAMERAS), 12).ids
+
+
+def test_bench_refuses_transformers_rows_on_fp8_weights_and_format_options_with_a_shape(full_model_dir, tmp_path):
+    from litevlm.errors import LiteVLMError
+    from litevlm.model.hf import load_native
+    from litevlm.presets import configs_named
+    from litevlm.quant.fp8 import FP8Recipe, quantize_model, save_fp8
+
+    model = load_native(full_model_dir)
+    recipe = FP8Recipe("fp8-dynamic-per-row")
+    fp8 = save_fp8(model, tmp_path / "fp8", recipe, quantize_model(model, recipe), full_model_dir)
+    baseline = configs_named("baseline")
+    with pytest.raises(LiteVLMError, match="--no-transformers"):
+        run_bench(str(fp8), n=1, warmup=0, max_new_tokens=2, configs=baseline, progress=False)
+    result, _ = run_bench(str(fp8), n=1, warmup=0, max_new_tokens=2, configs=baseline, hf=False, progress=False)
+    assert result["rows"][0]["precision"].startswith("fp8-dynamic-per-row")
+    with pytest.raises(LiteVLMError, match="no model or format options"):
+        run_bench(str(full_model_dir), n=1, shape="2b", load={"max_tiles": 4}, progress=False)

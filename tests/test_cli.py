@@ -20,7 +20,7 @@ from litevlm.train.vlm import VLMRecipe
 RECIPES = [
     (["train", "vlm", "--out", "o"], VLMRecipe),
     (["train", "views", "--out", "o"], ViewRecipe),
-    (["train", "tokens", "m"], TokenRecipe),
+    (["train", "tokens", "--model", "m"], TokenRecipe),
     (["train", "draft", "--model", "m"], DraftRecipe),
     (["quantize", "--out", "o"], FP8Recipe),
 ]
@@ -67,7 +67,7 @@ def test_the_flags_users_type_keep_their_names_and_meaning():
     assert (vlm.batch_frames, vlm.family_weights, vlm.grow_after) == (3, {"light_is": 6.0, "sign_mc": 0.5}, (1, 2))
     assert vlm.reinit_vision and vlm.light_contrast and not vlm.reinit_language
     assert (vlm.store_dtype, vlm.init, vlm.lr) == ("float16", "ckpt", 1e-3)
-    tokens = recipe_from_args(TokenRecipe, parse(["train", "tokens", "m", "--own-layer", "--epochs", "2"]))
+    tokens = recipe_from_args(TokenRecipe, parse(["train", "tokens", "--model", "m", "--own-layer", "--epochs", "2"]))
     assert tokens.shared_layer is False and tokens.epochs == 2  # --own-layer flips the default
     draft = recipe_from_args(
         DraftRecipe, parse(["train", "draft", "--model", "m", "--intermediate", "0", "--passes", "3"])

@@ -357,7 +357,7 @@ def test_save_load_round_trip(tmp_path, tie):
     report = quantize_model(model, recipe, amax)
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "tokenizer.json").write_text("{}")
-    out = save_fp8(model, tmp_path / "ckpt", recipe, report, tokenizer_dir=tmp_path / "src")
+    out = save_fp8(model, tmp_path / "ckpt", recipe, report, tmp_path / "src")
     assert (out / "tokenizer.json").is_file()
     meta = json.loads((out / "config.json").read_text())
     assert meta["fp8"]["recipe"]["name"] == "fp8-static-per-tensor" and meta["litevlm"]["name"] == "tiny-fp8"

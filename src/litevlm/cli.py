@@ -289,16 +289,62 @@ def run_train_views(args) -> None:
 
 
 def train_tokens_arguments(p: argparse.ArgumentParser) -> None:
+    from litevlm.data.source import add_data_options
+    from litevlm.options import add_model_options
     from litevlm.train.tokens import TokenRecipe
 
-    _model_dir("the selector is saved inside it")(p)
+    add_model_options(p)
+    add_data_options(p, default_help="synthetic frames")
+    p.add_argument("--out", default=None, help="where token_selector/ is saved (default: the model's own folder)")
     add_recipe_options(p, TokenRecipe)
+    _json_flag(p)
 
 
 def run_train_tokens(args) -> None:
+    """Under `torchrun --nproc-per-node W` (with --data) the ranks share the teacher labels and train under DDP;
+    rank 0 alone saves and reports."""
+    from litevlm.dist import close, init_dist
+    from litevlm.options import load_model_from_args
     from litevlm.train.tokens import TokenRecipe, train_token_selector
 
-    print(f"saved to {train_token_selector(args.model_dir, recipe_from_args(TokenRecipe, args))}")
+    recipe = recipe_from_args(TokenRecipe, args)
+    if args.data is None and args.images is not None:
+        raise LiteVLMError("--images names where a --data JSON's images live: give --data too")
+    d = init_dist(args.device)
+    args.device = d.device  # under torchrun on GPUs: this rank's own GPU
+    try:
+        out = train_token_selector(
+            load_model_from_args(args),
+            recipe,
+            progress=not args.json,
+            out_dir=args.out,
+            data=args.data,
+            images_root=args.images,
+            d=d,
+        )
+    finally:
+        close(d)
+    if out is None:  # not rank 0: rank 0 reports for every rank
+        return
+    meta = json.loads((out / "config.json").read_text())["training"]
+    if args.json:
+        _print_json({"path": str(out), **{k: meta[k] for k in ("steps", "items", "source", "validation")}})
+        return
+    src, val = meta["source"], meta["validation"]
+    if src["data"] == "synthetic":
+        print(f"trained on {meta['items']} prompts of {src['frames']} synthetic frames (seed {src['seed']})")
+    else:
+        left = src["unlabelled_by_the_deadline"]
+        print(
+            f"trained on {meta['items']} questions of {src['data']} on {src['ranks']} rank(s) "
+            f"({src['labels_from_cache']} labels from the cache"
+            + (f"; {left} left unlabelled by the time budget: rerun to continue)" if left else ")")
+        )
+        print(f"validation: {src['val_questions']} questions of {src['val_scenes']} held-out scenes, {src['split']}")
+    for name in ("fastv_k1", "selector_init", "selector"):
+        if val.get(name):
+            print(f"  {name:14s} " + "  ".join(f"{k} {v}" for k, v in val[name].items()))
+    print(f"saved to {out}")
 
 
 def train_draft_arguments(p: argparse.ArgumentParser) -> None:
@@ -432,10 +478,10 @@ def run_train_average(args) -> None:
 # eval, quantize, bench, serve, convert
 # ------------------------------------------------------------------------------------------------
 def eval_arguments(p: argparse.ArgumentParser) -> None:
+    from litevlm.data.source import add_data_options
     from litevlm.eval.score import add_scoring_options
 
-    p.add_argument("--data", required=True, help="a folder written by `litevlm data synth`, or a DriveLM JSON file")
-    p.add_argument("--images", default=None, help="image root for a DriveLM JSON file")
+    add_data_options(p, required=True)
     p.add_argument("--n", type=int, default=None, help="evaluate the first N questions only")
     p.add_argument(
         "--blank", action="store_true", help="replace every camera image by an empty road (does the model look?)"
@@ -538,62 +584,82 @@ def run_score(args) -> None:
 
 
 def quantize_arguments(p: argparse.ArgumentParser) -> None:
-    from litevlm.quant.fp8 import FP8Recipe
+    from litevlm.data.source import add_data_options
+    from litevlm.quant.fp8 import SYNTH_CALIB_SEED, FP8Recipe
 
-    p.add_argument("--out", required=True)
-    p.add_argument("--calib", type=int, default=64, help="calibration questions (drawn from seed-2 synthetic frames)")
+    p.add_argument("--out", required=True, help="the FP8 checkpoint's folder, written whole or not at all")
+    p.add_argument("--calib", type=int, default=64, help="calibration questions (default: %(default)s)")
+    add_data_options(p, default_help=f"synthetic frames of seed {SYNTH_CALIB_SEED}")
+    p.add_argument(
+        "--calib-fraction",
+        type=float,
+        default=0.1,
+        help="with --data: the fraction of its scenes held out, whose questions calibrate (default: %(default)s)",
+    )
+    p.add_argument("--calib-seed", type=int, default=0, help="with --data: the seed of that split (default: 0)")
     add_recipe_options(p, FP8Recipe)
     _json_flag(p)
     add_pipeline_options(p)
 
 
 def run_quantize(args) -> None:
-    """FP8 post-training quantisation calibrated on what the deployed pipeline's layers really see."""
-    import shutil
+    """FP8 post-training quantisation calibrated on what the deployed pipeline's layers really see: the pipeline the
+    flags describe answers the calibration questions (held-out scenes of --data, else synthetic frames).
 
-    from litevlm.data.drivelm import samples_from_frame
-    from litevlm.data.synthetic import make_frame, render_views
+    Under `torchrun --nproc-per-node W` each rank answers every W-th calibration question, the ranks' per-layer
+    maxima are reduced to one, and rank 0 alone writes the checkpoint and prints."""
+    from litevlm.dist import close, init_dist, shard
     from litevlm.models import resolve_model_dir
-    from litevlm.quant.fp8 import FP8Recipe, calibrate, quantize_model, save_fp8
+    from litevlm.quant.fp8 import FP8Recipe, calibrate, calibration_set, check_out_dir, quantize_model, save_fp8
 
-    if args.calib < 1:
-        raise LiteVLMError("--calib must be at least 1 calibration question")
-    pipe = pipeline_from_args(args)
+    if args.images is not None and args.data is None:
+        raise LiteVLMError("--images says where --data's images live: pass --data too")
     recipe = recipe_from_args(FP8Recipe, args)
-    # Calibration questions come from seed 2 frames: neither the training (0) nor the held-out (1) split.
-    samples, i = [], 0
-    while len(samples) < args.calib:
-        frame = make_frame(2, i)
-        samples += samples_from_frame(frame, render_views(frame, size=(800, 450)))
-        i += 1
-    samples = samples[: args.calib]
-    amax = None
-    if recipe.static:
-        amax = calibrate(
-            pipe.model,
-            [(lambda s=s: pipe.answer(s.question, s.images)) for s in samples],
-            recipe,
-            progress=not args.json,
-            total=len(samples),
-        )
+    source = resolve_model_dir(args.model)
+    check_out_dir(args.out, source)
+    calib = None
+    if recipe.static:  # the dynamic recipe scales each row at run time: nothing to calibrate
+        calib = calibration_set(args.calib, args.data, args.images, args.calib_fraction, args.calib_seed)
+    d = init_dist(args.device)
+    args.device = d.device  # under torchrun on GPUs: this rank's own GPU
+    try:
+        pipe = pipeline_from_args(args)
+        amax = None
+        if calib is not None:
+            runs = [(lambda s=s: pipe.answer(s.question, s.images)) for s in shard(calib.samples, d)]
+            amax = calibrate(pipe.model, runs, recipe, progress=not args.json and d.is_main, total=len(runs), d=d)
+    finally:
+        close(d)
+    if not d.is_main:
+        return
     report = quantize_model(pipe.model, recipe, amax)
-    src = resolve_model_dir(args.model)
-    out = save_fp8(pipe.model, args.out, recipe, report, tokenizer_dir=src)
-    for part in ("view_selector", "token_selector", "draft"):  # the small modules stay in full precision
-        if (src / part).is_dir() and not (out / part).exists():
-            shutil.copytree(src / part, out / part)
+    out = save_fp8(
+        pipe.model,
+        args.out,
+        recipe,
+        report,
+        source,
+        tokenizer=pipe.tokenizer,
+        prompt_format=pipe.format,
+        calibration=calib.source if calib else None,
+    )
     if args.json:
-        _print_json({"out": str(out), "recipe": recipe.name, "calib": len(samples), **report.to_dict()})
+        _print_json({"out": str(out), "recipe": recipe.name, "calibration": calib and calib.source, **report.to_dict()})
     else:
         print(report.summary())
+        if calib is not None:
+            print(calib.describe() + (f" on {d.world_size} ranks" if d.world_size > 1 else ""))
+        elif args.data:
+            print(f"{recipe.name} scales each row at run time: nothing calibrated, {args.data} not read")
         print(f"wrote {out}")
 
 
 def bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="drive-tiny")
-    p.add_argument(
-        "--data", default=None, help="a synth folder or DriveLM JSON (default: held-out synthetic frames, seed 1)"
-    )
+    from litevlm.data.source import add_data_options
+    from litevlm.options import add_model_options
+
+    add_model_options(p)
+    add_data_options(p, default_help="held-out synthetic frames, seed 1")
     p.add_argument("--n", type=int, default=60, help="questions measured (after the warm-up ones)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument(
@@ -622,11 +688,17 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_bench_command(args) -> None:
     from litevlm.eval.bench import format_shares, format_table, plot, run_bench
+    from litevlm.options import format_options
     from litevlm.presets import configs_named
 
+    load = format_options(args)
+    if args.device != "cpu" or args.dtype != "float32":
+        load.update(device=args.device, dtype=args.dtype)
     result, per_question = run_bench(
         args.model,
         data=args.data,
+        images_root=args.images,
+        load=load,
         n=args.n,
         shape=args.shape,
         configs=configs_named(args.configs) if args.configs else None,

@@ -390,9 +390,17 @@ class Pipeline:
                 return p, None
             sel = self.token_selector
             if sel.cfg.shared_layer:
-                return p, sel.pruning(self.model, p.positions, p.view_spans, self.keep_ratio, question=question)
+                return p, sel.pruning(
+                    self.model, p.positions, p.view_spans, self.keep_ratio, question=question, tiling=self.format.tiling
+                )
             embeds, positions, kept = sel.select(
-                self.model, p.embeds, p.positions, p.view_spans, keep_ratio=self.keep_ratio, question=question
+                self.model,
+                p.embeds,
+                p.positions,
+                p.view_spans,
+                keep_ratio=self.keep_ratio,
+                question=question,
+                tiling=self.format.tiling,
             )
             return replace(p, embeds=embeds, positions=positions), None
 

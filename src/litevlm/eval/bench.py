@@ -6,7 +6,8 @@ follows the same one (a row after a similar one finds the caches warm); the firs
 and are not counted. Stage times are the pipeline's own (device synchronised at stage boundaries), medians
 over questions; extend-one = decode time / tokens generated after the first. The DriveLM score of each row
 comes from the answers of this same run. The `transformers` rows run transformers' `generate` on the same
-weights, exported through `litevlm convert`, with the dynamic ("eager") and the static cache.
+weights, exported through `litevlm convert`, with the dynamic ("eager") and the static cache, on the baseline's own
+prompt ids and tiles (the checkpoint's chat template and tiling): both sides answer from identical inputs.
 """
 
 from __future__ import annotations
@@ -97,13 +98,15 @@ class RowLog:
         return {name: round(sum(times) / total, 4) if total else 0.0 for name, times in stages.items()}
 
 
-def _samples(data, n: int, seed: int):
-    """Questions with their images: a DriveLM folder/file, or held-out synthetic frames made in memory."""
-    from litevlm.data.drivelm import load_images, load_samples, samples_from_frame
+def _samples(data, n: int, seed: int, images_root=None):
+    """Questions with their images: the first of a DriveLM folder/file (every image file checked up front), or
+    held-out synthetic frames made in memory."""
+    from litevlm.data.drivelm import load_images, samples_from_frame
+    from litevlm.data.source import load_data
     from litevlm.data.synthetic import make_frame, render_views
 
     if data:
-        out = load_samples(data)[:n]
+        out = load_data(data, images_root)[:n]
         cache = {}
         for s in out:
             if s.frame_id not in cache:
@@ -118,12 +121,20 @@ def _samples(data, n: int, seed: int):
     return out[:n]
 
 
-def _pipelines(model: str, configs: dict[str, dict], max_new_tokens: int, shape: str | None, cuda_graphs: bool = False):
+def _pipelines(
+    model: str,
+    configs: dict[str, dict],
+    max_new_tokens: int,
+    shape: str | None,
+    cuda_graphs: bool = False,
+    load: dict | None = None,
+):
+    """One pipeline per row; `load` holds `Pipeline.from_pretrained`'s device, dtype and prompt format options."""
     from litevlm.pipeline import Pipeline
 
     if shape is None:
         return {
-            name: Pipeline.from_pretrained(model, max_new_tokens=max_new_tokens, **opts)
+            name: Pipeline.from_pretrained(model, max_new_tokens=max_new_tokens, **(load or {}), **opts)
             for name, opts in configs.items()
         }
     return {
@@ -201,6 +212,16 @@ def random_pipeline(
     return pipe
 
 
+def hf_inputs(pipe, s) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the transformers rows give `generate` for sample `s`: the pipeline's own prompt over all six views (its
+    chat template, camera labels and tiling) as ids (1, T), and its tiles (tiles, 3, S, S), so that transformers and
+    the pipeline's baseline answer from identical inputs."""
+    pixels, counts = pipe.tiles(s.images, list(CAMERAS))
+    layout = pipe.format.build(pipe.tokenizer, s.question, list(CAMERAS), counts)
+    dev = pipe.model.device
+    return torch.tensor([layout.ids], device=dev), pixels.to(dev, pipe.model.dtype)
+
+
 def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int):
     """transformers' generate on the same weights (exported through our converter), dynamic and static cache:
     a function (sample, counted) that answers one question in both rows (logged when counted, i.e. past
@@ -209,8 +230,6 @@ def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int):
     from transformers.utils import logging as hf_logging
 
     from litevlm.model.hf import save_hf
-    from litevlm.model.prompt import build_prompt
-    from litevlm.model.vlm import image_to_tiles, load_image
 
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
@@ -218,15 +237,11 @@ def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int):
     with tempfile.TemporaryDirectory() as d:
         save_hf(pipe.model, d, tokenizer=None)
         hf = InternVLForConditionalGeneration.from_pretrained(d, dtype=pipe.model.dtype).to(pipe.model.device).eval()
-    cfg = pipe.cfg
     dev = pipe.model.device
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
 
     def run(s, counted: bool) -> None:
-        ids = torch.tensor([build_prompt(tok, s.question, list(CAMERAS), pipe.tokens_per_view).ids], device=dev)
-        pix = torch.cat(
-            [image_to_tiles(load_image(s.images[c]), cfg.vision.image_size, cfg.tiles_per_view) for c in CAMERAS]
-        ).to(dev, pipe.model.dtype)
+        ids, pix = hf_inputs(pipe, s)
         for name, cache_impl in zip(HF_ROWS, (None, "static")):
             with torch.inference_mode():
                 sync()
@@ -291,23 +306,39 @@ def run_bench(
     seed: int = 1,
     progress: bool = True,
     cuda_graphs: bool = False,
+    images_root=None,
+    load: dict | None = None,
 ) -> dict:
+    """Every row of `configs` (default: the paper's table) on the first `n` questions of `data` after `warmup`
+    (default: held-out synthetic frames of `seed`), plus transformers' generate rows with `hf`.
+
+    images_root: where a DriveLM JSON's images live. load: `Pipeline.from_pretrained` options shared by every row
+    (device, dtype, and the prompt format of a checkpoint without prompt.json: system, camera_label, tiles,
+    max_tiles, thumbnail); the transformers rows get the baseline's prompt ids and tiles (`hf_inputs`).
+    """
     from litevlm.eval.metrics import closed_accuracy, score
+    from litevlm.quant.fp8 import FP8Linear
 
     if configs is None:
         from litevlm.model.layers import bf16_matmul_supported
 
         configs = {**CONFIGS, **(BF16_CONFIGS if shape is None and bf16_matmul_supported() else {})}
-    samples = _samples(data, n + warmup, seed)
     if cuda_graphs and not (shape and torch.cuda.is_available()):
         raise LiteVLMError("--cuda-graphs measures a CUDA device: it needs --shape and a GPU")
-    pipes = _pipelines(model, configs, max_new_tokens, shape, cuda_graphs)
+    if shape is not None and any(v is not None for v in (load or {}).values()):
+        raise LiteVLMError("--shape measures random weights at a preset's shapes: it takes no model or format options")
+    samples = _samples(data, n + warmup, seed, images_root)
+    pipes = _pipelines(model, configs, max_new_tokens, shape, cuda_graphs, load)
     logs = {name: RowLog() for name in (*configs, *(HF_ROWS if hf and shape is None else ()))}
     hf_run = None
     if hf and shape is None:
-        hf_run = _hf_runner(
-            pipes["baseline"] if "baseline" in pipes else next(iter(pipes.values())), logs, max_new_tokens
-        )
+        hf_pipe = pipes["baseline"] if "baseline" in pipes else next(iter(pipes.values()))
+        if any(isinstance(m, FP8Linear) for m in hf_pipe.model.modules()):
+            raise LiteVLMError(
+                "the transformers rows would run FP8 weights (an FP8 checkpoint, or an fp8 row and no baseline row), "
+                "which transformers cannot load: add --no-transformers"
+            )
+        hf_run = _hf_runner(hf_pipe, logs, max_new_tokens)
     # Each question's rows run in a freshly shuffled order (seeded; the transformers pair counts as one row): a row
     # run right after a similar one finds its weights and images warm in the caches, and a fixed order would hand
     # that to the same rows every time (LiteVLM right after "views + eagle", say).
@@ -348,7 +379,7 @@ def run_bench(
         if shape is None:
             row["closed_accuracy"] = closed_accuracy(log.records)
         rows.append(row)
-    dev = "cuda" if torch.cuda.is_available() and shape else "cpu"
+    dev = next(iter(pipes.values())).model.device.type  # every row runs on one device
     per_question = {
         name: {"views": log.views, "vit": log.vit, "input_tokens": log.input_tokens, "prefill": log.prefill}
         for name, log in logs.items()

@@ -367,6 +367,7 @@ def calibrate(
     *,
     progress: bool = True,
     total: int | None = None,
+    d=None,
 ) -> dict[str, float]:
     """Max calibration: the running max |x| of each selected layer's input while `batches` drives the model.
 
@@ -374,6 +375,8 @@ def calibrate(
     iterable of zero-argument callables (one per sample, e.g. `functools.partial(pipe.answer, q, images)`),
     shown with a progress bar. Run it eagerly: forward pre-hooks do not fire inside a captured CUDA graph.
     `layer_filter` is a recipe (the layers it would quantise; default `FP8Recipe()`) or a predicate.
+    `d`: the `litevlm.dist.Dist` of a `torchrun` job whose ranks each drive their own share of the inputs;
+    every rank gets the max over all of them (`reduce_amax`).
     """
     if layer_filter is None or isinstance(layer_filter, FP8Recipe):
         layer_filter = recipe_filter(layer_filter or FP8Recipe())
@@ -388,7 +391,8 @@ def calibrate(
 
         return hook
 
-    handles = [m.register_forward_pre_hook(observer(n)) for n, m in model.named_modules() if layer_filter(n, m)]
+    names = [n for n, m in model.named_modules() if layer_filter(n, m)]
+    handles = [model.get_submodule(n).register_forward_pre_hook(observer(n)) for n in names]
     if not handles:
         raise LiteVLMError("calibration selected no layers: the filter matches no Linear of this model")
     try:
@@ -406,7 +410,21 @@ def calibrate(
         raise LiteVLMError(
             f"calibration saw non-finite inputs (inf/NaN) at {', '.join(bad)}: check the model and inputs"
         )
-    return out
+    return reduce_amax(out, names, d) if d is not None else out
+
+
+def reduce_amax(amax: dict[str, float], names: list[str], d) -> dict[str, float]:
+    """The largest calibrated amax of each layer over the ranks of a `torchrun` job (`litevlm.dist.Dist` `d`),
+    on every rank. `names` lists the calibrated layers in the same order on every rank; a layer no sample reached
+    on a rank counts as absent there (-1 under the max), and stays absent if it is absent everywhere."""
+    if d.world_size == 1:
+        return dict(amax)
+    import torch.distributed as dist
+
+    device = d.device if d.device.startswith("cuda") else "cpu"
+    t = torch.tensor([amax.get(n, -1.0) for n in names], dtype=torch.float64, device=device)  # (layers,)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {n: float(a) for n, a in zip(names, t.tolist()) if a >= 0.0}
 
 
 def quantize_model(
@@ -452,21 +470,137 @@ def precision_of(model: nn.Module) -> str:
 
 
 # ================================================================================================
+# Calibration data
+# ================================================================================================
+SYNTH_CALIB_SEED = 2  # synthetic frames of seed 2: neither drive-tiny's training (0) nor its held-out (1) frames
+
+
+@dataclass
+class CalibrationSet:
+    """The questions FP8 calibration runs (`samples`) and where they come from (`source`, saved in the checkpoint's
+    config.json and printed by `litevlm quantize --json`)."""
+
+    samples: list
+    source: dict
+
+    def describe(self) -> str:
+        s = self.source
+        if "scenes" not in s:
+            return f"calibrated on {s['questions']} questions of {s['data']}"
+        return (
+            f"calibrated on {s['questions']} questions from {len(s['scenes'])} held-out scenes of {s['data']} "
+            f"({s['split']}; {s['held_out_questions']} questions held out)"
+        )
+
+
+def calibration_set(n: int, data=None, images_root=None, fraction: float = 0.1, seed: int = 0) -> CalibrationSet:
+    """`n` calibration questions. With `data` (a DriveLM JSON or synth folder), from the scenes that
+    `litevlm.data.source.scene_split(samples, fraction, seed)` holds out: the held-out scenes taken in turn in the
+    split's order, one question from each per turn, in file order within a scene, so that a few questions already
+    span many scenes; fewer than `n` if the held-out scenes hold fewer. Without it, synthetic frames of seed 2."""
+    from litevlm.data.drivelm import samples_from_frame
+    from litevlm.data.source import load_data, scene_key, scene_split
+    from litevlm.data.synthetic import make_frame, render_views
+
+    if n < 1:
+        raise LiteVLMError(f"calibration needs at least 1 question; got {n}")
+    if data is None:
+        samples, i = [], 0
+        while len(samples) < n:
+            frame = make_frame(SYNTH_CALIB_SEED, i)
+            samples += samples_from_frame(frame, render_views(frame, size=(800, 450)))
+            i += 1
+        return CalibrationSet(samples[:n], {"data": f"synthetic frames of seed {SYNTH_CALIB_SEED}", "questions": n})
+    _, held = scene_split(load_data(data, images_root), fraction, seed)
+    if not held:
+        raise LiteVLMError(
+            f"{data} holds a single scene: calibration takes held-out scenes only, so it needs data of two or more "
+            f"scenes (or a --calib-fraction above 0; it is {fraction})"
+        )
+    by_scene: dict[str, list] = {}
+    for s in held:
+        by_scene.setdefault(s.scene_id, []).append(s)
+    queues = [by_scene[sc] for sc in sorted(by_scene, key=lambda sc: scene_key(sc, seed))]
+    picked = []
+    for turn in range(max(len(q) for q in queues)):
+        picked += [q[turn] for q in queues if turn < len(q)]
+    picked = picked[:n]
+    return CalibrationSet(
+        picked,
+        {
+            "data": str(data),
+            "split": f"held-out scenes of scene_split(fraction={fraction}, seed={seed})",
+            "scenes": sorted({s.scene_id for s in picked}),
+            "questions": len(picked),
+            "held_out_questions": len(held),
+        },
+    )
+
+
+# ================================================================================================
 # Checkpoints
 # ================================================================================================
-def save_fp8(model: nn.Module, out_dir, recipe: FP8Recipe, report: QuantReport, tokenizer_dir=None) -> Path:
+MODULE_PARTS = ("view_selector", "token_selector", "draft")  # trained modules: copied as they are, full precision
+
+
+def check_out_dir(out_dir, source=None) -> None:
+    """Refuse, before any work, an `out_dir` that `save_fp8` could not replace: a file, a non-empty folder that is
+    not a checkpoint, or the source checkpoint itself (or a folder holding it)."""
+    out = Path(out_dir).resolve()
+    if source is not None and Path(source).resolve().is_relative_to(out):
+        raise LiteVLMError(f"{out_dir} holds the checkpoint being quantised: write the FP8 checkpoint elsewhere")
+    if out.exists() and not out.is_dir():
+        raise LiteVLMError(f"{out_dir} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise LiteVLMError(f"{out_dir} is a non-empty directory that is not a checkpoint; refusing to replace it")
+
+
+def save_fp8(
+    model: nn.Module,
+    out_dir,
+    recipe: FP8Recipe,
+    report: QuantReport,
+    source=None,
+    *,
+    tokenizer=None,
+    prompt_format=None,
+    calibration: dict | None = None,
+) -> Path:
     """Our checkpoint format (`save_native`) with the float8 weights and scales in model.safetensors and
-    config.json["fp8"] = {"recipe": {...}, "report": {...}}; tokenizer files copied from `tokenizer_dir`."""
-    from litevlm.model.hf import TOKENIZER_FILES, save_native
+    config.json["fp8"] = {"recipe", "report", "calibration"}, plus everything `Pipeline.from_pretrained` needs.
+
+    source: the checkpoint folder the model was loaded from: its tokenizer files (chat template included) and
+    its trained modules (view_selector/, token_selector/, draft/) are copied. tokenizer: written as tokenizer.json
+    when the source has none (an original InternVL layout whose slow tokenizer was converted). prompt_format:
+    written as prompt.json, so the FP8 checkpoint is prompted as its calibration was. The folder is written
+    beside `out_dir` and renamed into place: a failure leaves nothing half-written.
+    """
+    from litevlm.model.hf import TOKENIZER_FILES, _atomic_dir, _save_native_into
+    from litevlm.model.prompt import PROMPT_FILE
 
     if report.recipe != recipe.name:
         raise LiteVLMError(f"the report is for {report.recipe} but the recipe is {recipe.name}")
-    out = save_native(model, out_dir, extra_meta={"fp8": {"recipe": recipe.to_dict(), "report": report.to_dict()}})
-    if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copy2(Path(tokenizer_dir) / name, out / name)
-    return out
+    check_out_dir(out_dir, source)
+    src = Path(source) if source is not None else None
+    meta = {"recipe": recipe.to_dict(), "report": report.to_dict()}
+    if calibration is not None:
+        meta["calibration"] = calibration
+    with _atomic_dir(out_dir) as tmp:
+        _save_native_into(model, tmp, extra_meta={"fp8": meta})
+        if src is not None:
+            for name in TOKENIZER_FILES:
+                if (src / name).is_file():
+                    shutil.copy2(src / name, tmp / name)
+            for part in MODULE_PARTS:
+                if (src / part).is_dir():
+                    shutil.copytree(src / part, tmp / part)
+        if tokenizer is not None and not (tmp / "tokenizer.json").is_file():
+            (tmp / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
+        if prompt_format is not None:
+            prompt_format.save(tmp)
+        elif src is not None and (src / PROMPT_FILE).is_file():
+            shutil.copy2(src / PROMPT_FILE, tmp / PROMPT_FILE)
+    return Path(out_dir)
 
 
 def read_fp8_meta(path) -> tuple[FP8Recipe, QuantReport] | None:

@@ -51,6 +51,7 @@ from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps, native
 from litevlm.model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_table, rotate_head_rows
 from litevlm.model.lm import DecoderLayer
+from litevlm.model.prompt import Tiling, closest_grid
 
 SELECTOR_DIR = "token_selector"
 SELECTOR_FORMAT = "litevlm-token-selector"
@@ -154,71 +155,159 @@ def uniform_select(embeds, positions, view_spans, keep_ratio: float):
 # ---------------------------------------------------------------------------------------------
 
 
-def box_cells(box: Sequence[float], grid: int, tiles_per_view: int, min_cover: float = 0.02) -> list[int]:
+class ViewGrid(NamedTuple):
+    """How one view's visual tokens lie over its image: `cols` x `rows` tiles (row-major, each a grid x grid token
+    raster, row-major, as pixel shuffle leaves it), then the whole image as one more grid x grid raster when it has
+    a thumbnail. Fixed tiling is one row of tiles; InternVL's dynamic tiling any grid."""
+
+    cols: int
+    rows: int = 1
+    thumbnail: bool = False
+
+    @property
+    def tiles(self) -> int:
+        return self.cols * self.rows + int(self.thumbnail)
+
+
+def as_grid(layout: int | ViewGrid) -> ViewGrid:
+    """A view's `ViewGrid`; a bare int is that many tiles side by side, no thumbnail (drive-tiny's layout)."""
+    return layout if isinstance(layout, ViewGrid) else ViewGrid(int(layout))
+
+
+def view_grid(tiling: Tiling, n_tiles: int) -> ViewGrid:
+    """The grid of a view that `tiling` cut into `n_tiles` tiles (thumbnail included), from the count alone.
+
+    A dynamic grid is the one of exactly that many tiles whose aspect is closest to the DriveLM frame's (1600x900,
+    the nuScenes cameras', in which c-tags give their points): what InternVL's dynamic tiling cuts such an image
+    into. The pipeline and the recipe both read a view's geometry through here, so training and inference agree.
+    """
+    thumb = bool(tiling.thumbnail) and n_tiles > 1
+    m = n_tiles - int(thumb)
+    if not tiling.max_tiles:
+        if m != tiling.tiles:
+            raise LiteVLMError(f"a view of {n_tiles} tiles does not fit the tiling ({tiling.tiles} tiles per view)")
+        return ViewGrid(tiling.tiles, 1, thumb)
+    if not 1 <= m <= tiling.max_tiles:
+        raise LiteVLMError(f"a view of {n_tiles} tiles does not fit dynamic tiling of at most {tiling.max_tiles}")
+    cols, rows = closest_grid(IMAGE_WIDTH, IMAGE_HEIGHT, 1, m, min_tiles=m)
+    return ViewGrid(cols, rows, thumb)
+
+
+def view_grids(tiling: Tiling, view_spans: Sequence[Span], tokens_per_tile: int) -> list[ViewGrid]:
+    """`view_grid` of every view of a prompt, from its token count."""
+    out = []
+    for cam, s, e in view_spans:
+        n, rest = divmod(e - s, tokens_per_tile)
+        if rest:
+            raise LiteVLMError(f"{cam} has {e - s} visual tokens, not a whole number of {tokens_per_tile}-token tiles")
+        out.append(view_grid(tiling, n))
+    return out
+
+
+def cell_index(column: int, row: int, grid: int, tile_cols: int | None = None) -> int:
+    """Token index within a view of the cell at (column, row) of its tiled raster (tile_cols * grid columns; tiles
+    row-major, each a row-major grid x grid raster). tile_cols may be left out for one row of tiles."""
+    tile_row, r = divmod(row, grid)
+    tile_col, c = divmod(column, grid)
+    if tile_row and tile_cols is None:
+        raise ValueError("cell_index: a cell below the first row of tiles needs tile_cols")
+    tile = tile_row * (tile_cols or 0) + tile_col
+    return tile * grid * grid + r * grid + c
+
+
+def _rasters(g: ViewGrid, grid: int) -> list[tuple[int, int, int, int]]:
+    """(first token, columns, rows, tile columns) of each raster a view's image is seen through: the tiles, then the
+    thumbnail."""
+    out = [(0, g.cols * grid, g.rows * grid, g.cols)]
+    if g.thumbnail:
+        out.append((g.cols * g.rows * grid * grid, grid, grid, 1))
+    return out
+
+
+def box_cells(box: Sequence[float], grid: int, layout: int | ViewGrid, min_cover: float = 0.02) -> list[int]:
     """Token indices (within one view) whose cell a (u0, v0, u1, v1) box in 1600x900 pixels covers.
 
-    A view is resized to tiles_per_view square tiles side by side, each a grid x grid token raster
-    (row-major, as pixel shuffle leaves it); a cell counts when the box covers >= min_cover of it.
+    The view is seen through its tiles' raster (`ViewGrid`; an int: that many square tiles side by side) and,
+    with a thumbnail, through the thumbnail's grid x grid raster too; a cell counts when the box covers
+    >= min_cover of it.
     """
     u0, v0, u1, v1 = (float(c) for c in box)
     u0, v0, u1, v1 = max(u0, 0.0), max(v0, 0.0), min(u1, IMAGE_WIDTH), min(v1, IMAGE_HEIGHT)
     if u1 <= u0 or v1 <= v0:
         return []
-    cols = grid * tiles_per_view
-    cw, ch = IMAGE_WIDTH / cols, IMAGE_HEIGHT / grid
     out = []
-    for gc in range(cols):
-        ox = min(u1, (gc + 1) * cw) - max(u0, gc * cw)
-        if ox <= 0:
-            continue
-        for r in range(grid):
-            oy = min(v1, (r + 1) * ch) - max(v0, r * ch)
-            if oy > 0 and ox * oy >= min_cover * cw * ch:
-                out.append(cell_index(gc, r, grid))
+    for first, cols, rows, tile_cols in _rasters(as_grid(layout), grid):
+        cw, ch = IMAGE_WIDTH / cols, IMAGE_HEIGHT / rows
+        for gc in range(cols):
+            ox = min(u1, (gc + 1) * cw) - max(u0, gc * cw)
+            if ox <= 0:
+                continue
+            for r in range(rows):
+                oy = min(v1, (r + 1) * ch) - max(v0, r * ch)
+                if oy > 0 and ox * oy >= min_cover * cw * ch:
+                    out.append(first + cell_index(gc, r, grid, tile_cols))
     return sorted(out)
 
 
-def cell_index(column: int, row: int, grid: int) -> int:
-    """Token index within a view of the cell at (column, row) of its tiles_per_view * grid columns."""
-    tile, c = divmod(column, grid)
-    return tile * grid * grid + row * grid + c
+def _point_cell(xs: str, ys: str, cols: int, rows: int) -> tuple[int, int]:
+    """(column, row) of the cell of a cols x rows raster over the 1600x900 frame that holds the point (x, y)."""
+    return (
+        min(cols - 1, max(0, int(float(xs) * cols / IMAGE_WIDTH))),
+        min(rows - 1, max(0, int(float(ys) * rows / IMAGE_HEIGHT))),
+    )
 
 
-def tag_points(question: str | None, grid: int, tiles_per_view: int) -> list[tuple[str, int, int]]:
-    """(camera, column, row) of the token cell each DriveLM c-tag <cK,CAM,x,y> points at (x, y in
-    1600x900 pixels; columns run over the view's tiles_per_view * grid columns)."""
-    cols = grid * tiles_per_view
-    return [
-        (
-            cam,
-            min(cols - 1, max(0, int(float(xs) * cols / IMAGE_WIDTH))),
-            min(grid - 1, max(0, int(float(ys) * grid / IMAGE_HEIGHT))),
-        )
-        for cam, xs, ys in C_TAG.findall(question or "")
-    ]
+def tag_points(question: str | None, grid: int, layout: int | ViewGrid) -> list[tuple[str, int, int]]:
+    """(camera, column, row) of the cell of the view's tiled raster that each DriveLM c-tag <cK,CAM,x,y> points at
+    (x, y in 1600x900 pixels; cols * grid columns, rows * grid rows)."""
+    g = as_grid(layout)
+    cols, rows = grid * g.cols, grid * g.rows
+    return [(cam, *_point_cell(xs, ys, cols, rows)) for cam, xs, ys in C_TAG.findall(question or "")]
 
 
-def tag_features(question: str, view_spans: Sequence[Span], grid: int, tiles_per_view: int) -> torch.Tensor:
+def tag_cells(question: str | None, grid: int, layout: int | ViewGrid) -> list[tuple[str, list[int]]]:
+    """(camera, token indices within its view) of each c-tag's point: its cell of the tiled raster and, with a
+    thumbnail, its cell of the thumbnail."""
+    g = as_grid(layout)
+    out = []
+    for cam, xs, ys in C_TAG.findall(question or ""):
+        cells = []
+        for first, cols, rows, tile_cols in _rasters(g, grid):
+            cells.append(first + cell_index(*_point_cell(xs, ys, cols, rows), grid, tile_cols))
+        out.append((cam, cells))
+    return out
+
+
+def tag_features(
+    question: str, view_spans: Sequence[Span], grid: int, layout: int | ViewGrid | Sequence[ViewGrid]
+) -> torch.Tensor:
     """(2, N) features of the visual tokens from the question's c-tags <cK,CAM,x,y> (x, y in 1600x900 pixels).
 
-    Row 0 marks the token whose cell holds a tagged point, row 1 its 8 neighbours (a point is an
-    object's centre, objects span cells). Tags of cameras that are not in the prompt are ignored.
+    Row 0 marks the token whose cell holds a tagged point, row 1 its 8 neighbours (a point is an object's centre,
+    objects span cells), in the tiles' raster and in the thumbnail's. `layout`: one `ViewGrid` per view (prompt
+    order), or one layout for all. Tags of cameras that are not in the prompt are ignored.
     """
     n = int(sum(view_sizes(view_spans)))
+    grids = list(layout) if isinstance(layout, (list, tuple)) and not isinstance(layout, ViewGrid) else None
+    grids = grids or [as_grid(layout)] * len(view_spans)
+    if len(grids) != len(view_spans):
+        raise LiteVLMError(f"{len(view_spans)} views but {len(grids)} view grids")
     feats = torch.zeros(2, n)
-    starts, off = {}, 0
-    for cam, s, e in view_spans:
-        starts[cam] = off
+    where, off = {}, 0
+    for (cam, s, e), g in zip(view_spans, grids):
+        where[cam] = (off, g)
         off += e - s
-    cols = grid * tiles_per_view
-    for cam, gc, gr in tag_points(question, grid, tiles_per_view):
-        if cam not in starts:
+    for cam, xs, ys in C_TAG.findall(question or ""):
+        if cam not in where:
             continue
-        for dr in (-1, 0, 1):
-            for dc in (-1, 0, 1):
-                r, c = gr + dr, gc + dc
-                if 0 <= r < grid and 0 <= c < cols:
-                    feats[0 if dr == dc == 0 else 1, starts[cam] + cell_index(c, r, grid)] = 1.0
+        start, g = where[cam]
+        for first, cols, rows, tile_cols in _rasters(g, grid):
+            gc, gr = _point_cell(xs, ys, cols, rows)
+            for dr in (-1, 0, 1):
+                for dc in (-1, 0, 1):
+                    r, c = gr + dr, gc + dc
+                    if 0 <= r < rows and 0 <= c < cols:
+                        feats[0 if dr == dc == 0 else 1, start + first + cell_index(c, r, grid, tile_cols)] = 1.0
     feats[1] *= 1 - feats[0]  # a tagged cell is not also a neighbour
     return feats
 
@@ -461,11 +550,22 @@ class TokenSelector(nn.Module):
                     "train a selector for this model (`litevlm train tokens`)"
                 )
 
-    def tag_features(self, model, question: str | None, view_spans: Sequence[Span]) -> torch.Tensor | None:
-        """(2, N) c-tag features for `scores`, or None when the question has none or tags are off."""
+    def tag_features(
+        self, model, question: str | None, view_spans: Sequence[Span], tiling: Tiling | None = None
+    ) -> torch.Tensor | None:
+        """(2, N) c-tag features for `scores`, or None when the question has none or tags are off. `tiling`: the
+        prompt format's (`litevlm.model.prompt.Tiling`); None: the model's fixed tiles per view."""
         if not self.cfg.use_tags or not question or not C_TAG.search(question):
             return None
-        return tag_features(question, view_spans, model.cfg.vision.grid // 2, model.cfg.tiles_per_view).to(model.device)
+        if tiling is None:
+            grids = model.cfg.tiles_per_view
+        else:
+            grids = view_grids(tiling, view_spans, model.cfg.tokens_per_tile)
+        return tag_features(question, view_spans, model.cfg.vision.grid // 2, grids).to(model.device)
+
+    def forward(self, embeds, positions, view_spans: Sequence[Span], tags: torch.Tensor | None = None) -> torch.Tensor:
+        """`scores`: what a data-parallel wrapper (DDP) calls in training."""
+        return self.scores(embeds, positions, view_spans, tags)
 
     def scores(
         self,
@@ -617,11 +717,12 @@ class TokenSelector(nn.Module):
         keep_ratio: float | None = None,
         min_per_view: int | None = None,
         question: str | None = None,
+        tiling: Tiling | None = None,
     ):
         """Keep a fraction r of the visual tokens (batch 1): (embeds_kept, positions_kept, kept_index).
 
-        `question` (the raw text) lets the selector use the c-tags it contains; without it the
-        selector scores from the embeddings alone.
+        `question` (the raw text) lets the selector use the c-tags it contains, placed on the views' cells by
+        `tiling` (the prompt format's); without it the selector scores from the embeddings alone.
 
         positions_kept are the ORIGINAL positions of the kept tokens; every text token is kept;
         kept_index (T',) are the prompt indices kept, ascending. keep_ratio=1 returns the prompt as
@@ -635,7 +736,7 @@ class TokenSelector(nn.Module):
         self._check(model)
         if r >= 1.0:
             return embeds, positions, torch.arange(embeds.shape[1], device=embeds.device)
-        s = self.scores(embeds, positions, view_spans, self.tag_features(model, question, view_spans))[0]
+        s = self.scores(embeds, positions, view_spans, self.tag_features(model, question, view_spans, tiling))[0]
         return prune_prompt(embeds, positions, view_spans, select_by_scores(s, view_sizes(view_spans), r, quota))
 
     def pruning(
@@ -646,6 +747,7 @@ class TokenSelector(nn.Module):
         keep_ratio: float | None = None,
         min_per_view: int | None = None,
         question: str | None = None,
+        tiling: Tiling | None = None,
     ) -> Pruning:
         """Selection inside the decoder (shared_layer, batch 1), the hook generation calls after decoder layer 0: the
         head ranks from that layer's output and keeps what `select` keeps (timed as "select_tokens", the c-tags read
@@ -660,7 +762,7 @@ class TokenSelector(nn.Module):
         quota = self.cfg.min_per_view if min_per_view is None else min_per_view
 
         def keep(x: torch.Tensor) -> torch.Tensor:
-            s = self.head_scores(x, positions, view_spans, self.tag_features(model, question, view_spans))[0]
+            s = self.head_scores(x, positions, view_spans, self.tag_features(model, question, view_spans, tiling))[0]
             kept_visual = select_by_scores(s, view_sizes(view_spans), r, quota)
             return kept_prompt_index(x.shape[1], view_spans, kept_visual)
 

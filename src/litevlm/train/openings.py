@@ -69,7 +69,7 @@ def build_openings(
     table = Openings.build(
         pairs,
         eos_id=tok.eos_id,
-        vocab_size=tok.vocab_size,
+        vocab_size=loaded.model.cfg.text.vocab_size,  # the model's rows: a checkpoint may have spare ones
         depth=depth,
         max_nodes=max_nodes,
         min_share=min_share,

@@ -16,12 +16,24 @@ the selector is trained by a listwise KL(p || softmax(scores)), which matches a 
 teacher at every budget r at once. Frames come from the synthetic training stream (seed 0; the
 held-out split is seed 1); view sets mix "the views the question needs (plus random extras)" with
 "all six", as the pipeline feeds the selector.
+
+On the user's data (`--data`) the attention is forced on the target's own greedy answer to the same prompt, not on
+the reference answer: the selector's job is to keep what the served model says unchanged, so the tokens to keep
+are the ones the model reads while writing its own answer (self-distillation, as the draft recipe does), and
+questions without a reference (challenge val/test) get labels too; `--teacher-answer reference` forces the data's
+answers instead. The prior is the cells the c-tag points <cK,CAM,x,y> of the question and its reference answer
+fall in (in the tiles and the thumbnail, under the prompt format's tiling). Labels are cached on disk and a rerun
+continues; the agreement is reported on the held-out scenes of the data (`scene_split`). Every prompt, synthetic
+or real, is the target's own (`Pipeline.from_loaded`: its chat template and tiling), so the selector learns on the
+prompts it will serve.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -34,14 +46,20 @@ from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.config import flag
+from litevlm.dist import Dist, all_reduce_mean, barrier, ddp, shard
 from litevlm.errors import LiteVLMError
 from litevlm.select.tokens import (
+    C_TAG,
     SelectorConfig,
     TokenSelector,
+    ViewGrid,
+    as_grid,
     attention_rows,
     box_cells,
     fastv_scores,
     keep_count,
+    tag_cells,
+    view_grids,
     visual_index,
 )
 
@@ -75,6 +93,17 @@ class TokenRecipe:
     mlp_hidden: int = 128
     use_tags: bool = True  # the selector's c-tag cell bonuses
     threads: int = flag(2, "torch threads")
+    # --data only (the user's DriveLM data)
+    val_fraction: float = flag(0.1, "with --data: share of the scenes held out for validation (scene_split, seed)")
+    questions: int = flag(0, "with --data: at most this many training questions, in file order (0: all)")
+    val_questions: int = flag(200, "with --data: at most this many held-out questions for the agreement report")
+    teacher_answer: str = flag(
+        "greedy",
+        "with --data: the answer the teacher attention is forced on: the target's own greedy answer, or the "
+        "data's reference answer",
+        choices=("greedy", "reference"),
+    )
+    answer_tokens: int = flag(64, "with --data: the longest greedy answer the target writes for a label")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,16 +112,45 @@ class TokenRecipe:
 
 
 def box_prior(
-    boxes_by_view: dict[str, list[Sequence[float]]], views: Sequence[str], grid: int, tiles_per_view: int
+    boxes_by_view: dict[str, list[Sequence[float]]],
+    views: Sequence[str],
+    grid: int,
+    layout: int | ViewGrid | Sequence[ViewGrid],
 ) -> torch.Tensor:
-    """(N,) distribution over the visual tokens of `views` (prompt order) covered by the boxes; zeros if none."""
-    per_view = grid * grid * tiles_per_view
-    prior = torch.zeros(len(views) * per_view)
-    for i, cam in enumerate(views):
+    """(N,) distribution over the visual tokens of `views` (prompt order) covered by the boxes; zeros if none.
+    `layout`: one `ViewGrid` per view, or one layout for all (an int: tiles side by side)."""
+    grids = _grids(layout, len(views))
+    sizes = [g.tiles * grid * grid for g in grids]
+    prior = torch.zeros(sum(sizes))
+    off = 0
+    for cam, g, size in zip(views, grids, sizes):
         for box in boxes_by_view.get(cam, []):
-            for j in box_cells(box, grid, tiles_per_view):
-                prior[i * per_view + j] = 1.0
+            for j in box_cells(box, grid, g):
+                prior[off + j] = 1.0
+        off += size
     return prior / prior.sum() if prior.sum() > 0 else prior
+
+
+def point_prior(texts: Sequence[str], views: Sequence[str], grid: int, grids: Sequence[ViewGrid]) -> torch.Tensor:
+    """(N,) distribution over the visual tokens of `views` at the cells the texts' c-tags <cK,CAM,x,y> point at (the
+    tiles' cell and the thumbnail's, `tag_cells`); zeros if no tag names a view of the prompt."""
+    sizes = [g.tiles * grid * grid for g in grids]
+    start = dict(zip(views, [sum(sizes[:i]) for i in range(len(sizes))]))
+    where = dict(zip(views, grids))
+    prior = torch.zeros(sum(sizes))
+    for text in texts:
+        for tag in C_TAG.finditer(text or ""):
+            cam = tag.group(1)
+            if cam in where:
+                for j in tag_cells(tag.group(0), grid, where[cam])[0][1]:
+                    prior[start[cam] + j] = 1.0
+    return prior / prior.sum() if prior.sum() > 0 else prior
+
+
+def _grids(layout, n: int) -> list[ViewGrid]:
+    if isinstance(layout, (list, tuple)) and not isinstance(layout, ViewGrid):
+        return list(layout)
+    return [as_grid(layout)] * n
 
 
 def frame_boxes(frame, question: str, answer: str, needed: Sequence[str]) -> dict[str, list[tuple[float, ...]]]:
@@ -183,7 +241,8 @@ def pick_views(rng: random.Random, needed: Sequence[str], recipe: TokenRecipe) -
 
 
 def prompt_embeds(model, tokenizer, visual_by_cam: dict[str, torch.Tensor], question: str, views: Sequence[str]):
-    """The pipeline's prompt for `question` over `views`: (ids, embeds (1, T, C), positions (1, T), view_spans)."""
+    """drive-tiny's prompt (the default format, fixed tiles) for `question` over `views`: (ids, embeds (1, T, C),
+    positions (1, T), view_spans). The recipe itself prompts through the pipeline (`frame_prompt`)."""
     from litevlm.model.prompt import build_prompt
 
     tpv = model.cfg.tokens_per_tile * model.cfg.tiles_per_view
@@ -194,43 +253,219 @@ def prompt_embeds(model, tokenizer, visual_by_cam: dict[str, torch.Tensor], ques
     return layout.ids, embeds, torch.arange(ids.shape[1], device=model.device)[None], layout.view_spans
 
 
-def build_items(
-    model, tokenizer, recipe: TokenRecipe, frame_range: range, rng: random.Random, deadline: float, progress: bool
-):
-    """Render, encode and label frames: (visual bank [frames] of {cam: (tokens, C)}, items)."""
-    from litevlm.data.synthetic import make_frame, render_views
-    from litevlm.model.vlm import image_to_tiles
+def encode_frame(pipe, images) -> dict[str, torch.Tensor]:
+    """Every camera's visual tokens (tiles, tokens_per_tile, C) of one frame, cut by the pipeline's tiling and
+    encoded in one vision pass, kept on the CPU until a prompt needs them."""
+    pixels, counts = pipe.tiles(images, list(CAMERAS))
+    with torch.no_grad():
+        visual = pipe.model.encode_tiles(pixels.to(pipe.model.device)).cpu()  # (tiles, tokens_per_tile, C)
+    return dict(zip(CAMERAS, visual.split([n // pipe.cfg.tokens_per_tile for n in counts])))
 
-    cfg = model.cfg
-    grid = cfg.vision.grid // 2
+
+def frame_prompt(pipe, visual_by_cam: dict[str, torch.Tensor], question: str, views: Sequence[str]):
+    """The pipeline's own prompt (`Pipeline.embed_prompt`) for `question` over `views` of an encoded frame."""
+    visual = torch.cat([visual_by_cam[c] for c in views]).to(pipe.model.device)
+    counts = [visual_by_cam[c].shape[0] * visual_by_cam[c].shape[1] for c in views]
+    return pipe.embed_prompt(question, list(views), visual, counts)
+
+
+def build_items(pipe, recipe: TokenRecipe, frame_range: range, rng: random.Random, deadline: float, progress: bool):
+    """Render, encode and label synthetic frames: (visual bank [frames] of {cam: (tiles, tokens, C)}, items)."""
+    from litevlm.data.synthetic import make_frame, render_views
+
+    model, tokenizer = pipe.model, pipe.tokenizer
+    grid = model.cfg.vision.grid // 2
     bank, items = [], []
     for i in tqdm(frame_range, desc="labelling frames", disable=not progress):
         if time.time() > deadline:
             break
         frame = make_frame(recipe.seed, i)
-        images = render_views(frame, size=tuple(recipe.render_size))
-        pixels = torch.cat([image_to_tiles(images[c], cfg.vision.image_size, cfg.tiles_per_view) for c in CAMERAS]).to(
-            model.device
-        )
-        with torch.no_grad():
-            visual = model.encode_tiles(pixels).reshape(
-                len(CAMERAS), -1, cfg.text.hidden_size
-            )  # (6, tokens per view, C)
-        bank.append({c: visual[j] for j, c in enumerate(CAMERAS)})
+        bank.append(encode_frame(pipe, render_views(frame, size=tuple(recipe.render_size))))
         qas = rng.sample(frame.qas, min(recipe.questions_per_frame, len(frame.qas)))
         for qa in qas:
             views = pick_views(rng, qa.views, recipe)
-            ids, embeds, positions, spans = prompt_embeds(model, tokenizer, bank[-1], qa.question, views)
+            p = frame_prompt(pipe, bank[-1], qa.question, views)
             answer = tokenizer.encode(qa.answer) + [tokenizer.eos_id]
             attn = teacher_attention(
-                model, embeds, positions, spans, answer, recipe.band, recipe.last_row_weight, recipe.row_norm
+                model, p.embeds, p.positions, p.view_spans, answer, recipe.band, recipe.last_row_weight, recipe.row_norm
             ).cpu()
-            prior = box_prior(frame_boxes(frame, qa.question, qa.answer, qa.views), views, grid, cfg.tiles_per_view)
-            items.append(
-                Item(
-                    len(bank) - 1, views, qa.question, ids, spans, label(attn, prior, recipe.prior_weight), attn, prior
-                )
+            grids = view_grids(pipe.format.tiling, p.view_spans, model.cfg.tokens_per_tile)
+            prior = box_prior(frame_boxes(frame, qa.question, qa.answer, qa.views), views, grid, grids)
+            target = label(attn, prior, recipe.prior_weight)
+            items.append(Item(len(bank) - 1, views, qa.question, p.ids[0].tolist(), p.view_spans, target, attn, prior))
+    return bank, items
+
+
+# ---------------------------------------------------------------------------------------------
+# The user's data: teacher labels cached on disk
+# ---------------------------------------------------------------------------------------------
+
+
+MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")  # with the weights: what a label depends on
+
+
+class LabelCache:
+    """Teacher attention per question, on disk as safetensors shards (FOLDER/labels-*.safetensors, tensor name = the
+    question's index in the data), each written whole beside its name and renamed, so a run stopped at any point
+    leaves only whole shards and the rerun labels just what is missing. Ranks of a torchrun job write their own
+    shards into one folder (`rank` in the name); every rank reads all of them (`reload`)."""
+
+    def __init__(self, folder: Path, every: int = 32, rank: int = 0):
+        self.folder, self.every, self.rank = folder, every, rank
+        folder.mkdir(parents=True, exist_ok=True)
+        self.done: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, torch.Tensor] = {}
+        self.reload()
+        self.cached = len(self.done)  # labels that were on disk when the run began
+
+    def reload(self) -> None:
+        """Read every shard in the folder (those other ranks wrote meanwhile too)."""
+        from safetensors.torch import load_file
+
+        for f in sorted(self.folder.glob("labels-*.safetensors")):
+            self.done.update({int(k): v for k, v in load_file(str(f)).items()})
+
+    def get(self, index: int) -> torch.Tensor | None:
+        return self.done.get(index)
+
+    def put(self, index: int, attn: torch.Tensor) -> None:
+        self.done[index] = self.pending[index] = attn.float().contiguous()
+        if len(self.pending) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        path = self.folder / f"labels-{time.time_ns()}-r{self.rank}.safetensors"
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({str(k): v for k, v in self.pending.items()}, str(tmp))
+        os.replace(tmp, path)
+        self.pending.clear()
+
+
+def _stat(files) -> list:
+    """What identifies files' content cheaply: name, size and modification time of each."""
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(files) if f.is_file()]
+
+
+def cache_key(loaded, data, images_root, recipe: TokenRecipe) -> str:
+    """sha256 of what the teacher labels depend on: the checkpoint (its files), its prompt format and dtype, the data
+    (its files), and the recipe settings that change a label."""
+    settings = {
+        k: getattr(recipe, k)
+        for k in (
+            "seed",
+            "band",
+            "last_row_weight",
+            "row_norm",
+            "all_views_prob",
+            "extra_view_prob",
+            "teacher_answer",
+            "answer_tokens",
+        )
+    }
+    model, data = Path(loaded.path).resolve(), Path(data).resolve()
+    key = {
+        "model": _stat(p for p in model.iterdir() if p.suffix == ".safetensors" or p.name in MODEL_FILES),
+        "format": loaded.format.to_dict(),
+        "dtype": str(loaded.model.dtype),
+        "data": _stat(data.rglob("*.json") if data.is_dir() else [data]),
+        "images": str(Path(images_root).resolve()) if images_root is not None else None,
+        "recipe": settings,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def answer_ids(pipe, p, sample, recipe: TokenRecipe) -> list[int]:
+    """The answer the teacher attention is forced on: the target's own greedy answer to this very prompt (default),
+    or the data's reference answer (a question without one gets the greedy answer)."""
+    from litevlm.model.generate import StageTimer, drain
+
+    if recipe.teacher_answer == "reference" and sample.answer.strip():
+        return pipe.tokenizer.encode(sample.answer) + [pipe.tokenizer.eos_id]
+    timer = StageTimer(pipe.model.device)
+    return list(drain(pipe.decode(pipe.prefill(p, None, sample.question, timer), timer)).tokens)
+
+
+def real_grid(tiling, image, size: int) -> ViewGrid:
+    """The `ViewGrid` `tiling` cuts this image into (its real size decides a dynamic grid)."""
+    cols, rows = tiling.grid(*image.size, size)
+    return ViewGrid(cols, rows, bool(tiling.thumbnail) and cols * rows > 1)
+
+
+def frame_groups(indexed) -> list[list]:
+    """The user's questions (`indexed`: (index in the data, Sample)) grouped by the frame whose images they share, in
+    file order: each frame is encoded once for all its questions."""
+    frames: dict[tuple, list] = {}
+    for i, s in indexed:
+        frames.setdefault((s.scene_id, s.frame_id, tuple(sorted(map(str, s.images.values())))), []).append((i, s))
+    return list(frames.values())
+
+
+def label_questions(pipe, groups, recipe: TokenRecipe, cache: LabelCache, deadline: float, progress: bool) -> int:
+    """Compute the teacher labels the cache lacks for these frame groups (a frame whose questions are all cached is
+    not even encoded); returns how many questions the deadline left unlabelled."""
+    from litevlm.data.drivelm import load_images
+
+    left = 0
+    for group in tqdm(groups, desc="teacher labels", disable=not progress):
+        todo = [(i, s) for i, s in group if cache.get(i) is None]
+        if not todo:
+            continue
+        if time.time() > deadline:
+            left += len(todo)
+            continue
+        visual = encode_frame(pipe, load_images(todo[0][1], CAMERAS))
+        for i, s in todo:
+            p = frame_prompt(pipe, visual, s.question, question_views(s, recipe))
+            answer = answer_ids(pipe, p, s, recipe)
+            attn = teacher_attention(
+                pipe.model,
+                p.embeds,
+                p.positions,
+                p.view_spans,
+                answer,
+                recipe.band,
+                recipe.last_row_weight,
+                recipe.row_norm,
             )
+            cache.put(i, attn.cpu())
+    cache.flush()
+    return left
+
+
+def question_views(sample, recipe: TokenRecipe) -> tuple[str, ...]:
+    """The views a question's prompt holds: drawn by `pick_views` from a generator seeded by the question's id, so
+    the labels, the items and every rank agree on them."""
+    return pick_views(random.Random(f"{recipe.seed}:{sample.id}"), sample.views, recipe)
+
+
+def data_items(pipe, groups, recipe: TokenRecipe, cache: LabelCache, progress: bool, desc: str):
+    """The training items of the labelled questions of these frame groups: (visual bank, items). Each label is the
+    cached teacher attention mixed with the question's c-tag prior."""
+    from litevlm.data.drivelm import load_images
+
+    model = pipe.model
+    grid, size = model.cfg.vision.grid // 2, model.cfg.vision.image_size
+    bank, items = [], []
+    for group in tqdm(groups, desc=desc, disable=not progress):
+        done = [(i, s) for i, s in group if cache.get(i) is not None]
+        if not done:
+            continue
+        images = load_images(done[0][1], CAMERAS)
+        bank.append(encode_frame(pipe, images))
+        for i, s in done:
+            views = question_views(s, recipe)
+            p = frame_prompt(pipe, bank[-1], s.question, views)
+            attn = cache.get(i)
+            grids = [real_grid(pipe.format.tiling, images[c], size) for c in views]
+            prior = point_prior([s.question, s.answer], views, grid, grids)
+            if prior.numel() != attn.numel():
+                raise LiteVLMError(f"the cached label of {s.id} does not fit its prompt: delete {cache.folder}")
+            target = label(attn, prior, recipe.prior_weight)
+            items.append(Item(len(bank) - 1, views, s.question, p.ids[0].tolist(), p.view_spans, target, attn, prior))
     return bank, items
 
 
@@ -241,16 +476,25 @@ def build_items(
 
 def item_inputs(model, bank, item: Item):
     ids = torch.tensor([item.ids], device=model.device)
-    visual = torch.cat([bank[item.frame][c] for c in item.views])
+    visual = torch.cat([bank[item.frame][c] for c in item.views]).to(model.device)
     with torch.no_grad():
         embeds = model.embed(ids, visual)
     return embeds, torch.arange(len(item.ids), device=model.device)[None]
 
 
-def item_scores(selector: TokenSelector, model, bank, item: Item) -> torch.Tensor:
-    """The selector's (N,) scores for an item, c-tag features included."""
+def item_scores(selector: TokenSelector, model, bank, item: Item, tiling=None, module=None) -> torch.Tensor:
+    """The selector's (N,) scores for an item, c-tag features included (placed by the prompt format's tiling).
+
+    `module`: the selector wrapped for data parallelism (`litevlm.dist.ddp`), called instead; a question without
+    c-tags then gets all-zero tag features, so that every parameter takes part in every step, as DDP requires.
+    """
     embeds, positions = item_inputs(model, bank, item)
-    return selector.scores(embeds, positions, item.spans, selector.tag_features(model, item.question, item.spans))[0]
+    tags = selector.tag_features(model, item.question, item.spans, tiling)
+    if module is None or module is selector:
+        return selector.scores(embeds, positions, item.spans, tags)[0]
+    if tags is None:
+        tags = torch.zeros(2, sum(e - b for _, b, e in item.spans), device=model.device)
+    return module(embeds, positions, item.spans, tags)[0]
 
 
 def kl_loss(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -266,17 +510,20 @@ def topk_recall(scores: torch.Tensor, target: torch.Tensor, sizes: Sequence[int]
 
 
 @torch.no_grad()
-def agreement(model, selector: TokenSelector | None, bank, items: list[Item], ratios=(0.2, 0.5)) -> dict:
+def agreement(model, selector: TokenSelector | None, bank, items: list[Item], ratios=(0.2, 0.5), tiling=None) -> dict:
     """Label mass kept at each r by the selector (or FastV K=1 when selector is None), mean over items."""
+    if not items:
+        return {}
     out = {r: [] for r in ratios}
     kl = []
     for it in items:
         embeds, positions = item_inputs(model, bank, it)
-        if selector is None:
-            x = model.language_model(embeds, positions, end_layer=1)
-            s = fastv_scores(model, x, positions, it.spans, 1).clamp_min(1e-12).log()
-        else:
-            s = item_scores(selector, model, bank, it)
+        with _autocast(model):
+            if selector is None:
+                x = model.language_model(embeds, positions, end_layer=1)
+                s = fastv_scores(model, x, positions, it.spans, 1).float().clamp_min(1e-12).log()
+            else:
+                s = item_scores(selector, model, bank, it, tiling).float()
         kl.append(float(kl_loss(s, it.target.to(s.device))))
         sizes = [e - b for _, b, e in it.spans]
         for r in ratios:
@@ -286,32 +533,89 @@ def agreement(model, selector: TokenSelector | None, bank, items: list[Item], ra
     return res
 
 
-def train_token_selector(
-    model_dir: str | Path, recipe: TokenRecipe | None = None, progress: bool = True, out_dir: str | Path | None = None
-) -> Path:
-    """Train and save a TokenSelector for the model at `model_dir` (into `out_dir or model_dir`/token_selector)."""
-    from litevlm.data.tokenizer import Tokenizer
-    from litevlm.model.hf import load_native
-    from litevlm.models import resolve_model_dir
+def _autocast(model):
+    """On a GPU, autocast to the dtype of a bf16 / fp16 target (the selector's weights stay fp32); else nothing."""
+    low = model.dtype in (torch.bfloat16, torch.float16) and model.device.type == "cuda"
+    return torch.autocast(model.device.type, dtype=model.dtype if low else torch.bfloat16, enabled=low)
 
+
+def train_token_selector(
+    model_dir="drive-tiny",
+    recipe: TokenRecipe | None = None,
+    progress: bool = True,
+    out_dir: str | Path | None = None,
+    data: str | Path | None = None,
+    images_root: str | Path | None = None,
+    d: Dist | None = None,
+) -> Path | None:
+    """Train and save a TokenSelector for a checkpoint (a name or folder, or a `litevlm.models.Loaded`) into
+    `modules_dir(loaded, out_dir)`/token_selector: on synthetic frames, or with `data` on the user's DriveLM data,
+    validated on its held-out scenes (`scene_split(..., recipe.val_fraction, seed=recipe.seed)`).
+
+    Under torchrun (`d`, `litevlm.dist.init_dist`; `data` only) each rank labels its share of the frames into the
+    shared cache, every rank then reads all labels, trains its share of each batch under DDP, and rank 0 validates
+    and saves; the other ranks return None.
+    """
+    from litevlm.data.source import load_data, scene_split
+    from litevlm.models import Loaded, load_model, modules_dir
+    from litevlm.pipeline import Pipeline
+
+    d = d or Dist()
     recipe = recipe or TokenRecipe()
+    if recipe.teacher_answer not in ("greedy", "reference"):
+        raise LiteVLMError(f"teacher_answer must be greedy or reference; got {recipe.teacher_answer!r}")
+    if data is None and d.world_size > 1:
+        raise LiteVLMError("under torchrun the recipe needs --data: synthetic frames are labelled in one process")
+    samples = load_data(data, images_root) if data is not None else None  # checked before anything runs
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
     t_start = time.time()
     deadline = t_start + recipe.minutes * 60
-    path = resolve_model_dir(model_dir)
-    model = load_native(path).eval()
+    loaded = model_dir if isinstance(model_dir, Loaded) else load_model(model_dir)
+    model = loaded.model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    tokenizer = Tokenizer.from_dir(path)
+    pipe = Pipeline.from_loaded(loaded, max_new_tokens=recipe.answer_tokens)
+    tiling = pipe.format.tiling
     rng = random.Random(recipe.seed)
+    shown = progress and d.is_main
 
     # Labels take about a third of the budget at most; training gets the rest.
     label_deadline = t_start + recipe.minutes * 60 * 0.4
-    bank, items = build_items(model, tokenizer, recipe, range(recipe.frames), rng, label_deadline, progress)
-    vbank, val = build_items(
-        model, tokenizer, recipe, range(recipe.frames, recipe.frames + recipe.val_frames), rng, math.inf, progress
-    )
+    if samples is None:
+        bank, items = build_items(pipe, recipe, range(recipe.frames), rng, label_deadline, progress)
+        vbank, val = build_items(
+            pipe, recipe, range(recipe.frames, recipe.frames + recipe.val_frames), rng, math.inf, progress
+        )
+        source = {"data": "synthetic", "seed": recipe.seed, "frames": len(bank), "val_frames": len(vbank)}
+    else:
+        kept, held = scene_split(samples, recipe.val_fraction, seed=recipe.seed)
+        index = {id(s): i for i, s in enumerate(samples)}
+        kept, held = kept[: recipe.questions or None], held[: recipe.val_questions]
+        base = Path(out_dir) if out_dir is not None else loaded.path
+        cache = LabelCache(base / ".cache" / "tokens" / cache_key(loaded, data, images_root, recipe), rank=d.rank)
+        train_q, val_q = [(index[id(s)], s) for s in kept], [(index[id(s)], s) for s in held]
+        # each rank labels every W-th question (a frame shared by two ranks is encoded by both)
+        left = label_questions(pipe, frame_groups(shard(train_q, d)), recipe, cache, label_deadline, shown)
+        label_questions(pipe, frame_groups(shard(val_q, d)), recipe, cache, math.inf, shown)
+        barrier(d)
+        cache.reload()  # every rank's labels
+        bank, items = data_items(pipe, frame_groups(train_q), recipe, cache, shown, "training prompts")
+        if d.is_main:
+            vbank, val = data_items(pipe, frame_groups(val_q), recipe, cache, shown, "held-out prompts")
+        else:
+            vbank, val = [], []
+        source = {
+            "data": str(data),
+            "questions": len(items),
+            "unlabelled_by_the_deadline": round(all_reduce_mean(float(left), d) * d.world_size),
+            "val_questions": len(val),
+            "val_scenes": len({s.scene_id for s in held}),
+            "split": f"scene_split(fraction={recipe.val_fraction}, seed={recipe.seed})",
+            "labels_from_cache": cache.cached,
+            "cache": str(cache.folder),
+            "ranks": d.world_size,
+        }
     if not items:
         raise LiteVLMError("no training items were labelled within the time budget; raise --minutes")
     selector = TokenSelector.from_model(
@@ -324,20 +628,27 @@ def train_token_selector(
             shared_layer=recipe.shared_layer,
         ),
     ).float()
-    before = {"fastv_k1": agreement(model, None, vbank, val), "selector_init": agreement(model, selector, vbank, val)}
+    before = {}
+    if d.is_main:
+        before = {
+            "fastv_k1": agreement(model, None, vbank, val, tiling=tiling),
+            "selector_init": agreement(model, selector, vbank, val, tiling=tiling),
+        }
+    module = ddp(selector, d)  # rank 0's initial weights on every rank; gradients averaged over the ranks
 
     params = [p for p in selector.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
     steps_per_epoch = math.ceil(len(items) / recipe.batch)
     total = steps_per_epoch * recipe.epochs
-    bar = tqdm(total=total, desc="training token selector", disable=not progress)
+    bar = tqdm(total=total, desc="training token selector", disable=not shown)
     losses, step, t_loop = [], 0, time.time()
     selector.train()
     for epoch in range(recipe.epochs):
         order = list(range(len(items)))
         rng.shuffle(order)
         for s in range(steps_per_epoch):
-            if time.time() > deadline or step >= total:
+            stop = time.time() > deadline or step >= total
+            if all_reduce_mean(float(stop), d) > 0:  # every rank stops at the same step
                 break
             lr = recipe.lr * 0.5 * (1 + math.cos(math.pi * step / total))
             for g in opt.param_groups:
@@ -345,8 +656,12 @@ def train_token_selector(
             batch = [items[i] for i in order[s * recipe.batch : (s + 1) * recipe.batch]]
             opt.zero_grad(set_to_none=True)
             loss_sum = 0.0
-            for it in batch:
-                loss = kl_loss(item_scores(selector, model, bank, it), it.target.to(model.device)) / len(batch)
+            for it, share in batch_share(batch, d):
+                with _autocast(model):
+                    scores = item_scores(selector, model, bank, it, tiling, module)
+                loss = kl_loss(scores, it.target.to(model.device)) / len(batch)
+                if d.world_size > 1:  # DDP averages over the ranks: each rank's sum counts W times
+                    loss = loss * share
                 loss.backward()
                 loss_sum += float(loss.detach())
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -354,24 +669,40 @@ def train_token_selector(
             losses.append(loss_sum)
             step += 1
             if step == 20:  # re-plan the cosine schedule to what the time budget allows
-                per_step = (time.time() - t_loop) / 20
-                total = max(step + 1, min(total, int(step + (deadline - time.time()) / per_step)))
+                per_step = all_reduce_mean((time.time() - t_loop) / 20, d)
+                left_s = all_reduce_mean(deadline - time.time(), d)
+                total = max(step + 1, min(total, int(step + left_s / per_step)))
                 bar.total = total
             bar.update(1)
             if step % 10 == 0:
                 bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     bar.close()
     selector.eval()
-    after = agreement(model, selector, vbank, val)
+    if not d.is_main:
+        barrier(d)
+        return None
+    after = agreement(model, selector, vbank, val, tiling=tiling)
     meta = {
         "steps": step,
         "items": len(items),
         "frames_labelled": len(bank),
         "train_seconds": round(time.time() - t_start, 1),
         "final_kl": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4) if losses else None,
+        "source": source,
         "validation": {**before, "selector": after},
     }
-    out = Path(out_dir) if out_dir is not None else path
+    out = modules_dir(loaded, out_dir)
     selector.save(out, recipe=asdict(recipe), extra={"training": meta})
     (out / "token_selector" / "train_log.json").write_text(json.dumps({"loss": losses, **meta}, indent=1))
+    barrier(d)
     return out / "token_selector"
+
+
+def batch_share(batch: list[Item], d: Dist) -> list[tuple[Item, float]]:
+    """This rank's items of a batch, (item, weight): items r, r + W, ... weighted W, padded with weight-0 items to
+    ceil(len / W), so that every rank runs as many forward and backward passes (DDP's collectives pair them up).
+    A world of one: the whole batch."""
+    if d.world_size == 1:
+        return [(it, 1.0) for it in batch]
+    mine = [(it, float(d.world_size)) for it in batch[d.rank :: d.world_size]]
+    return mine + [(batch[0], 0.0)] * (math.ceil(len(batch) / d.world_size) - len(mine))
