@@ -73,7 +73,9 @@ def main(argv=None) -> int:
     counts = (1, 2)
     load_before = os.getloadavg()[0]
     # logical CPUs: one per replica of both deployments (the idle one uses none while the other is measured)
-    ray.init(num_cpus=sum(counts), include_dashboard=False, log_to_driver=False, logging_level="warning")
+    ray.init(
+        address="local", num_cpus=sum(counts), include_dashboard=False, log_to_driver=False, logging_level="warning"
+    )
     try:
         port = free_port()
         app = {"model_name": "bench", "max_queue": a.max_queue, "timeout_s": a.timeout}

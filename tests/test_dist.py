@@ -110,3 +110,13 @@ def test_store_refuses_another_configuration_and_a_broken_file(tmp_path):
     with pytest.raises(LiteVLMError, match="job.rank1-of2.json"):
         store.done()
     assert not list(tmp_path.glob(".*.tmp"))  # the atomic write leaves no temporary file behind
+
+
+def test_store_rewrites_its_file_at_most_every_flush_interval(tmp_path):
+    store = ShardStore(tmp_path, "job", Dist(), flush_every_s=3600.0)
+    store.put("0", 0)  # nothing written yet: written now
+    store.put("1", 1)  # written a moment ago: kept in memory
+    on_disk = lambda: json.loads((tmp_path / "job.rank0-of1.json").read_text())["results"]  # noqa: E731
+    assert on_disk() == {"0": 0}
+    store.flush()
+    assert on_disk() == {"0": 0, "1": 1}

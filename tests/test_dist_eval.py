@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="module")
@@ -20,16 +21,25 @@ def synth(tmp_path_factory):
     return write_dataset(tmp_path_factory.mktemp("synth"), frames=1, seed=3, size=(112, 63), progress=False).parent
 
 
-def _eval(prefix: list[str], args: list[str]) -> tuple[dict, list[str]]:
+def _torchrun(args: list[str]) -> tuple[dict, list[str]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [*prefix, "eval", *args, "--json"]
+    cmd = [*TWO_RANKS, "eval", *args, "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     return json.loads(lines[-1]), lines
 
 
-SINGLE = [sys.executable, "-m", "litevlm"]
+def _single(args: list[str], capsys) -> dict:
+    """One process, here (one thread, as each rank)."""
+    from litevlm.cli import main
+
+    torch.set_num_threads(1)
+    capsys.readouterr()
+    assert main(["eval", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.splitlines()[-1])
+
+
 # `--` ends torchrun's own options: its parser would otherwise read eval's `--n` as an abbreviation of its own
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 TWO_RANKS = [*TORCHRUN, "-m", "litevlm", "--"]
@@ -39,11 +49,11 @@ def _untimed(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "timings_ms"} for r in records]
 
 
-def test_two_ranks_give_the_single_process_result_and_resume(tiny_model_dir, synth, tmp_path):
+def test_two_ranks_give_the_single_process_result_and_resume(tiny_model_dir, synth, tmp_path, capsys):
     base = ["--data", str(synth), "--model", str(tiny_model_dir), "--max-new-tokens", "4", "--n", "7"]
-    one, _ = _eval(SINGLE, [*base, "--records", str(tmp_path / "one.json")])
+    one = _single([*base, "--records", str(tmp_path / "one.json")], capsys)
     resume = tmp_path / "resume"
-    two, lines = _eval(TWO_RANKS, [*base, "--records", str(tmp_path / "two.json"), "--resume-dir", str(resume)])
+    two, lines = _torchrun([*base, "--records", str(tmp_path / "two.json"), "--resume-dir", str(resume)])
     assert len(lines) == 1  # rank 1 prints nothing; rank 0 prints the one JSON line
     assert one["n"] == two["n"] and one["scored"]
     assert {k: v for k, v in one.items() if k != "total_ms_median"} == {
@@ -66,7 +76,7 @@ def test_two_ranks_give_the_single_process_result_and_resume(tiny_model_dir, syn
     stored = json.loads(path.read_text())
     stored["results"]["3"]["answer"] = "planted"
     path.write_text(json.dumps(stored))
-    _eval(SINGLE, [*base, "--records", str(tmp_path / "three.json"), "--resume-dir", str(resume)])
+    _single([*base, "--records", str(tmp_path / "three.json"), "--resume-dir", str(resume)], capsys)
     records_three = json.loads((tmp_path / "three.json").read_text())
     assert [r["answer"] for r in records_three] == [
         "planted" if i == 3 else r["answer"] for i, r in enumerate(records_one)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,16 +152,20 @@ class ShardStore:
 
     Results are keyed by a string naming the item (its index, its id). `done()` reads every rank's file of
     the job, whatever world size wrote it, so a rerun on a different number of ranks still skips finished
-    items. Each `put` rewrites this rank's file through a temporary file and a rename: a job killed
-    mid-write leaves the previous file whole. `meta` describes the job (its configuration); files written
-    with a different meta are refused rather than mixed in.
+    items. The file is rewritten whole, through a temporary file and a rename, so a job killed mid-write
+    leaves the previous file intact; `put` rewrites it when the last write is `flush_every_s` old (a killed
+    job loses at most that much work, and a long job does not rewrite a large file per item), `flush` and
+    `merge` always. `meta` describes the job (its configuration); files written with a different meta are
+    refused rather than mixed in.
     """
 
-    def __init__(self, folder: str | Path, name: str, d: Dist, meta: dict | None = None):
+    def __init__(self, folder: str | Path, name: str, d: Dist, meta: dict | None = None, flush_every_s: float = 10.0):
         self.folder = Path(folder)
         self.name = name
         self.d = d
         self.meta = meta or {}
+        self.flush_every_s = flush_every_s
+        self.written = float("-inf")  # time.monotonic() of the last write
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path = self.folder / f"{name}.rank{d.rank}-of{d.world_size}.json"
         self.results: dict[str, object] = {}
@@ -194,13 +199,20 @@ class ShardStore:
         return merged
 
     def put(self, key: str, result) -> None:
-        """Record one finished item and rewrite this rank's file atomically."""
+        """Record one finished item (JSON-serialisable); the file is rewritten if its last write is old enough."""
         self.results[str(key)] = result
+        if time.monotonic() - self.written >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Rewrite this rank's file with every result recorded, atomically."""
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text(json.dumps({"meta": self.meta, "results": self.results}))
         os.replace(tmp, self.path)
+        self.written = time.monotonic()
 
     def merge(self) -> dict[str, object] | None:
         """On rank 0, after every rank finished (a barrier): all results of the job; None on other ranks."""
+        self.flush()
         barrier(self.d)
         return self.done() if self.d.is_main else None

@@ -73,6 +73,8 @@ def evaluate(
         if store is not None:
             store.put(str(i), rec)
         mine.append(rec)
+    if store is not None:
+        store.flush()
     records = gather(mine, d)
     if records is None:
         return None

@@ -15,7 +15,8 @@ OpenAI-style error body naming the problem.
 
 Modules: protocol (the wire format as pydantic models), limits, parse (request validation), worker
 (the model thread and its queue), chat (the chat-completions route), metrics, app (the FastAPI app),
-server (uvicorn with connection bounds), cli (the command's flags). FastAPI, uvicorn, pydantic and
+server (uvicorn with connection bounds), cli (the command's flags), replicas (`--replicas N`: the app as
+Ray Serve replicas). FastAPI, uvicorn, pydantic and
 prometheus_client are imported only when a server is built, so `litevlm --help` works without them
 (`pip install litevlm[serve]`).
 """

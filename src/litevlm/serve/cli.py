@@ -77,7 +77,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--ray-address",
         default=None,
         metavar="ADDR",
-        help="an existing Ray cluster (e.g. ray://head:10001 or auto); default: a Ray instance on this machine",
+        help="an existing Ray cluster (auto: the one `ray start` began on this node; or HOST:6379); "
+        "default: a new Ray instance on this machine",
     )
     r.add_argument(
         "--cpus-per-replica",

@@ -9,7 +9,7 @@ of two), and plays the replica's ASGI messages back to the client as they come.
 
 Why a front and not `@serve.ingress(app)`: under Ray's own ingress a replica that dies leaves its
 requests a bare 500. Here a request whose replica is lost before it answered is retried on another
-(an answer is a pure function of the request, so a retry is safe), or answered 503 with Retry-After
+(answering has no side effects, so a retry is safe), or answered 503 with Retry-After
 once its deadline has passed; one lost mid-stream ends its stream with an error event. Nothing waits
 forever: every wait is bounded by the server's timeout. Differences from one process: connections
 are Ray's proxy's (no header timeout or connection cap of ours), and `/metrics` and `/health` answer
@@ -19,6 +19,7 @@ for the replica that takes the request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -34,6 +35,7 @@ from litevlm.serve.chat import read_body
 from litevlm.serve.limits import Limits
 from litevlm.serve.protocol import APIError
 
+logger = logging.getLogger("ray.serve")
 APP_NAME = "litevlm"
 # A lost replica's request waits this long before its retry: Ray needs a moment to stop routing to it.
 RETRY_PAUSE_S = 0.2
@@ -41,10 +43,9 @@ RETRY_PAUSE_S = 0.2
 DEADLINE_GRACE_S = 5.0
 # Requests a replica may hold besides those its queue admits: /health, /metrics, and 429s being answered.
 EXTRA_ONGOING = 8
+# What a lost (or not yet replaced) replica raises at the caller.
 LOST = (RayActorError, DeploymentUnavailableError, BackPressureError)
-
-
-QUIET = {"enable_access_log": False, "log_level": "WARNING"}
+QUIET = {"enable_access_log": False, "log_level": "WARNING"}  # replicas log warnings and errors, not each request
 
 
 @serve.deployment(logging_config=QUIET)
@@ -139,27 +140,31 @@ class Front:
             rest = self.replica.remote(scope, body)
             try:
                 head = await asyncio.wait_for(_head(rest), max(0.0, deadline - time.monotonic()))
-                return head, rest
+                if head and head[-1]["type"] == "http.response.body":
+                    return head, rest
+                lost = "ended without a response"  # a replica stopped before its app sent a body
             except asyncio.TimeoutError:
                 rest.cancel()
                 raise _unavailable("no replica answered within the server's timeout", RETRY_PAUSE_S * 5) from None
-            except LOST:
-                rest.cancel()
-                if attempt == self.retries or time.monotonic() + RETRY_PAUSE_S > deadline:
-                    break
-                await asyncio.sleep(RETRY_PAUSE_S)
+            except LOST as e:
+                lost = type(e).__name__
+            rest.cancel()
+            logger.warning(
+                "a replica was lost before answering (%s); attempt %d of %d", lost, attempt + 1, self.retries + 1
+            )
+            if attempt == self.retries or time.monotonic() + RETRY_PAUSE_S > deadline:
+                break
+            await asyncio.sleep(RETRY_PAUSE_S)
         raise _unavailable("the replicas serving this request stopped", RETRY_PAUSE_S * 5)
 
 
 async def _head(rest) -> list[dict]:
-    """Messages up to the response start and the first body chunk."""
+    """Messages up to the response start and the first body chunk (fewer if the stream ends first)."""
     head = []
     async for message in rest:
         head.append(message)
         if message["type"] == "http.response.body":
             return head
-    if not head:
-        raise RuntimeError("the app ended without a response")
     return head
 
 
@@ -181,8 +186,12 @@ class Relay(Response):
                 await send(message)
                 if message["type"] == "http.response.body" and not message.get("more_body", False):
                     done = True
-        except LOST:
-            err = _unavailable("the replica serving this stream stopped", RETRY_PAUSE_S * 5)
+        except Exception as e:  # the status line is sent: the stream ends with an error event instead
+            if isinstance(e, LOST):
+                err = _unavailable("the replica serving this stream stopped", RETRY_PAUSE_S * 5)
+            else:
+                logger.exception("relaying a replica's response failed")
+                err = APIError(500, f"internal server error: {type(e).__name__}", code="internal_error")
             await send({"type": "http.response.body", "body": b"data: " + err.json_bytes() + b"\n\n"})
             done = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -253,11 +262,11 @@ def serve_replicas(
     host: str = "127.0.0.1",
     port: int = 8000,
 ) -> None:
-    """`litevlm serve --replicas N`: join the Ray cluster at `address` (or start Ray on this machine), deploy,
-    and serve until interrupted; then remove the app (and stop the Ray this command started)."""
+    """`litevlm serve --replicas N`: join the Ray cluster at `address` (default: start a new Ray instance on
+    this machine), deploy, and serve until interrupted; then remove the app (and stop the Ray it started)."""
     import ray
 
-    ray.init(address=address, logging_level="warning")
+    ray.init(address=address or "local", logging_level="warning")
     try:
         check_resources(replicas, cpus_per_replica, gpus_per_replica)
         url = deploy(
