@@ -103,6 +103,14 @@ def benchmarks() -> list[Benchmark]:
             n_flag="--requests",
             pinned=False,
         ),
+        # not pinned: each rank runs one thread, on a core of its own where the machine has two
+        Benchmark(
+            "dist_eval",
+            ["benchmarks/dist_eval.py", "--model", MODEL, "--data", HELDOUT],
+            n=100,
+            pinned=False,
+            needs=[HELDOUT],
+        ),
     ]
     if (ROOT / "benchmarks" / "compile_vs_native.py").exists():
         out.append(Benchmark("compile_vs_native", ["benchmarks/compile_vs_native.py"], pinned=False))
@@ -500,6 +508,32 @@ def section_scale(run: dict | None) -> list[str]:
     return out + provenance(run)
 
 
+def section_dist(run: dict | None) -> list[str]:
+    out = ["## Scale-out: `litevlm eval` under torchrun", ""]
+    if run is None:
+        return out + missing("torchrun evaluation", "python benchmarks/report.py --run --only dist_eval")
+    res = run["result"]
+    load = res.get("load_average") or {}
+    out += [
+        f"One machine ({res.get('host')}), {res.get('threads_per_rank')} torch thread per rank, the {res.get('config')}"
+        f" configuration on {res.get('questions')} questions; one process and two ranks alternating for"
+        f" {res.get('rounds')} rounds, each timed from outside (start and model load included). The load average was"
+        f" {fmt(load.get('before'))} before the run and {fmt(load.get('after'))} after.",
+        "",
+        f"Two ranks: **{fmt(res.get('speedup_best'))}x** the questions/s of one; the same final score:"
+        f" {'yes' if res.get('same_final') else 'NO'}.",
+        "",
+    ]
+    cols = ["ranks", "questions/s (best)", "questions/s (median)", "wall s per round", "final"]
+    rows = [
+        [w, r.get("questions_per_s_best"), r.get("questions_per_s_median")]
+        + [", ".join(fmt(x) for x in r.get("wall_s") or []), ", ".join(fmt(x) for x in r.get("final") or [])]
+        for w, r in sorted((res.get("ranks") or {}).items(), key=lambda kv: int(kv[0]))
+    ]
+    out += table(cols, rows)
+    return out + provenance(run)
+
+
 def section_compile(run: dict | None) -> list[str]:
     out = ["## torch.compile against the native CPU steps", ""]
     if run is None:
@@ -634,6 +668,7 @@ def render(runs: dict) -> str:
         *section_scores(runs),
         *section_serve(runs.get("serve_load")),
         *section_scale(runs.get("serve_replicas")),
+        *section_dist(runs.get("dist_eval")),
         *section_compile(runs.get("compile_vs_native")),
         *section_gpu(runs),
     ]

@@ -350,3 +350,40 @@ def test_the_scale_out_table_shows_one_and_two_replicas_side_by_side(tmp_path, r
     assert "load average was 0.4 before the run and 2.1 after" in page and f"Command: `{command}`" in page
     (tmp_path / "none").mkdir()
     assert "**Not measured:** no results file for Ray Serve replicas" in write(tmp_path / "none", report, FIXTURES)
+
+
+def test_the_torchrun_scale_out_table(tmp_path, report):
+    result = {
+        "questions": 100,
+        "rounds": 2,
+        "config": "litevlm",
+        "threads_per_rank": 1,
+        "host": "x86_64 2 cpus",
+        "load_average": {"before": 0.3, "after": 1.9},
+        "ranks": {
+            "2": {
+                "wall_s": [20.5, 21.0],
+                "questions_per_s_best": 4.878,
+                "questions_per_s_median": 4.819,
+                "final": [0.5432],
+            },
+            "1": {
+                "wall_s": [35.1, 36.0],
+                "questions_per_s_best": 2.849,
+                "questions_per_s_median": 2.813,
+                "final": [0.5432],
+            },
+        },
+        "speedup_best": 1.712,
+        "same_final": True,
+    }
+    command = "python benchmarks/dist_eval.py --n 100"
+    page = write(tmp_path, report, {**FIXTURES, "dist_eval": run_file("dist_eval", result, command)})
+    assert "## Scale-out: `litevlm eval` under torchrun" in page
+    assert "Two ranks: **1.712x** the questions/s of one; the same final score: yes." in page
+    assert (
+        "| 1 | 2.849 | 2.813 | 35.1, 36.0 | 0.5432 |" in page and "| 2 | 4.878 | 4.819 | 20.5, 21.0 | 0.5432 |" in page
+    )
+    assert page.index("| 1 | 2.849 |") < page.index("| 2 | 4.878 |") and f"Command: `{command}`" in page
+    (tmp_path / "none").mkdir()
+    assert "**Not measured:** no results file for torchrun evaluation" in write(tmp_path / "none", report, FIXTURES)
