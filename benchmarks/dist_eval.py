@@ -1,11 +1,12 @@
 """Scale-out of evaluation: `litevlm eval` as one process against two ranks under torchrun, one thread each.
 
 Runs `torchrun --standalone --nproc-per-node W -m litevlm -- eval --data D --n N --json [--litevlm]` for W = 1
-and W = 2, alternating for --rounds rounds so that a change in the machine's load falls on both, and times each
-run from outside (wall clock, process start and model load included: what a user waits for). Reported per rank
-count: questions/s (best and median round) and the final score, which must be the same for both.
+and W = 2 (after one small untimed run), alternating for --rounds rounds so that a change in the machine's load
+falls on both, and times each run from outside (wall clock, process start and model load included: what a user
+waits for). Reported per rank count: questions/s (best and median round) and the final score, which must be the
+same for both.
 
-    python benchmarks/dist_eval.py --model drive-tiny --data .bench-data/heldout --n 100
+    python benchmarks/dist_eval.py --model drive-tiny --data .bench-data/heldout --n 300
 
 The last line of stdout is one JSON object with every number.
 """

@@ -107,7 +107,7 @@ def benchmarks() -> list[Benchmark]:
         Benchmark(
             "dist_eval",
             ["benchmarks/dist_eval.py", "--model", MODEL, "--data", HELDOUT],
-            n=100,
+            n=300,
             pinned=False,
             needs=[HELDOUT],
         ),
