@@ -644,10 +644,44 @@ def update_readme(readme: Path, runs: dict) -> bool:
     plot = runs.get("bench_1thread", {}).get("command", "")
     if "--plot " in plot:
         lines += ["", f"![Table 1 on drive-tiny, stage by stage]({plot.split('--plot ', 1)[1].split()[0]})"]
-    head, rest = text.split(GLANCE[0], 1)
-    tail = rest.split(GLANCE[1], 1)[1]
-    readme.write_text("\n".join([head + GLANCE[0], *lines, GLANCE[1]]) + tail)
+    text = replace_block(text, GLANCE, lines)
+    if SCALE[0] in text and SCALE[1] in text:
+        text = replace_block(text, SCALE, scale_lines(runs))
+    readme.write_text(text)
     return True
+
+
+SCALE = ("<!-- scale: written by benchmarks/report.py from the runs behind RESULTS.md -->", "<!-- end scale -->")
+
+
+def replace_block(text: str, markers: tuple[str, str], lines: list[str]) -> str:
+    head, rest = text.split(markers[0], 1)
+    tail = rest.split(markers[1], 1)[1]
+    return "\n".join([head + markers[0], *lines, markers[1]]) + tail
+
+
+def scale_lines(runs: dict) -> list[str]:
+    """The README's figures for one and two ranks (torchrun) and replicas (Ray Serve)."""
+    lines = []
+    if "dist_eval" in runs:
+        r = runs["dist_eval"]["result"]
+        one, two = (r["ranks"][w]["questions_per_s_best"] for w in ("1", "2"))
+        same = "the same final score" if r.get("same_final") else "DIFFERENT final scores"
+        lines.append(
+            f"- `litevlm eval` ({r['config']}, {r['questions']} drive-tiny questions, one thread a rank): {fmt(one)}"
+            f" questions/s in one process, {fmt(two)} on two ranks (**{fmt(r['speedup_best'])}x**), {same}"
+        )
+    if "serve_replicas" in runs:
+        r = runs["serve_replicas"]["result"]
+        reps = r.get("replicas") or {}
+        one, two = (reps.get(n, {}) for n in ("1", "2"))
+        lines.append(
+            f"- `litevlm serve --replicas N` (drive-tiny, one thread a replica): {fmt(one.get('throughput_rps'))}"
+            f" answers/s from one replica, {fmt(two.get('throughput_rps'))} from two"
+            f" (**{fmt(r.get('throughput_ratio'))}x**; p50 latency {fmt((one.get('latency_ms') or {}).get('p50'))} and"
+            f" {fmt((two.get('latency_ms') or {}).get('p50'))} ms)"
+        )
+    return lines or ["Not measured yet: `python benchmarks/report.py --run --only dist_eval,serve_replicas`."]
 
 
 def load(results: Path) -> dict:

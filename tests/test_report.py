@@ -387,3 +387,35 @@ def test_the_torchrun_scale_out_table(tmp_path, report):
     assert page.index("| 1 | 2.849 |") < page.index("| 2 | 4.878 |") and f"Command: `{command}`" in page
     (tmp_path / "none").mkdir()
     assert "**Not measured:** no results file for torchrun evaluation" in write(tmp_path / "none", report, FIXTURES)
+
+
+def test_the_readme_scale_block_is_written_from_both_runs(tmp_path, report):
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        f"top\n{report.GLANCE[0]}\nold\n{report.GLANCE[1]}\nmid\n{report.SCALE[0]}\nstale\n{report.SCALE[1]}\nend\n"
+    )
+    runs = {
+        "dist_eval": {
+            "result": {
+                "config": "litevlm",
+                "questions": 300,
+                "speedup_best": 1.732,
+                "same_final": True,
+                "ranks": {"1": {"questions_per_s_best": 10.4}, "2": {"questions_per_s_best": 18.0}},
+            }
+        },
+        "serve_replicas": {
+            "result": {
+                "throughput_ratio": 1.495,
+                "replicas": {
+                    "1": {"throughput_rps": 4.41, "latency_ms": {"p50": 1788.1}},
+                    "2": {"throughput_rps": 6.59, "latency_ms": {"p50": 1167.2}},
+                },
+            }
+        },
+    }
+    assert report.update_readme(readme, runs)
+    text = readme.read_text()
+    assert "stale" not in text and text.startswith("top\n") and text.endswith("end\n") and "\nmid\n" in text
+    assert "10.4 questions/s in one process, 18.0 on two ranks (**1.732x**), the same final score" in text
+    assert "4.41 answers/s from one replica, 6.59 from two (**1.495x**; p50 latency 1788.1 and 1167.2 ms)" in text
