@@ -1,6 +1,7 @@
 """DriveLM's official score (litevlm.eval.score, `litevlm score`, `litevlm eval`) against the official evaluation."""
 
 import json
+import os
 import re
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -55,6 +56,22 @@ class StandInJudge:
 
     def score(self, question, gt, pred):
         return float(stand_in(pred, gt))
+
+
+# DriveLM's own sample, challenge/test_eval.json and challenge/output.json of OpenDriveLab/DriveLM: the official
+# evaluation, run the same way with the same stand-in judge, gave this final. The files are DriveLM's data and are not
+# part of this repository; point DRIVELM_CHALLENGE_DIR at a DriveLM checkout's challenge/ folder to check it.
+OFFICIAL_SAMPLE_FINAL = 0.22489548592262493
+
+
+@pytest.mark.skipif(
+    not os.environ.get("DRIVELM_CHALLENGE_DIR"),
+    reason="DRIVELM_CHALLENGE_DIR (a DriveLM checkout's challenge/ folder) not set: DriveLM's sample is not shipped",
+)
+def test_score_files_reproduces_the_official_evaluation_on_drivelms_sample():
+    folder = Path(os.environ["DRIVELM_CHALLENGE_DIR"])
+    result = score_files(folder / "output.json", folder / "test_eval.json", judge=StandInJudge())
+    assert result["final"] == pytest.approx(OFFICIAL_SAMPLE_FINAL, abs=1e-4)
 
 
 def test_score_files_reproduces_the_official_evaluation():
