@@ -34,42 +34,9 @@ NEW_TOKENS = ["--max-new-tokens", "4"]
 def write_hf_checkpoint(out, tokenizer, seed: int = 0):
     """A tiny random InternVLForConditionalGeneration (Qwen2 text side, untied head) saved with `save_pretrained`,
     with drive-tiny-like tokenizer files and the chat template in tokenizer_config.json, as a real -hf folder."""
-    cfg = transformers.InternVLConfig(
-        vision_config=dict(
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=64,
-            image_size=56,
-            patch_size=14,
-            attention_bias=True,
-            use_qk_norm=False,
-            norm_type="layer_norm",
-            layer_scale_init_value=0.1,
-        ),
-        text_config=dict(
-            model_type="qwen2",
-            vocab_size=tokenizer.vocab_size,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-        ),
-        image_token_id=tokenizer.image_id,
-        image_seq_length=4,
-        downsample_ratio=0.5,
-        vision_feature_layer=-1,
-        vision_feature_select_strategy="default",
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = transformers.InternVLForConditionalGeneration(cfg)
-    with torch.no_grad():  # transformers zero-initialises some tensors and sets norms to 1: make all of them random
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    from conftest import user_model_script
+
+    model = user_model_script().tiny_hf_internvl(tokenizer.vocab_size, tokenizer.image_id, seed)
     model.save_pretrained(out)
     tokenizer.save(out)
     config = json.loads((out / "tokenizer_config.json").read_text())
