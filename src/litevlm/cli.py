@@ -777,7 +777,7 @@ COMMANDS: dict[str, Command | Group] = {
                 run_train_views,
             ),
             "tokens": Command(
-                "train the TokenSelector of a model (saved in MODEL_DIR/token_selector)",
+                "train the TokenSelector of a model (saved in MODEL/token_selector)",
                 train_tokens_arguments,
                 run_train_tokens,
             ),

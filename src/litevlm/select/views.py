@@ -638,7 +638,7 @@ class ViewSelector(nn.Module):
         if not (d / WEIGHTS_FILE).is_file() or not (d / "config.json").is_file():
             raise LiteVLMError(
                 f"no ViewSelector at {model_dir}: expected {SELECTOR_DIR}/config.json and {WEIGHTS_FILE}; "
-                "train one with `litevlm train views --out MODEL_DIR`"
+                "train one with `litevlm train views --model MODEL`"
             )
         try:
             meta = json.loads((d / "config.json").read_text(encoding="utf-8"))
