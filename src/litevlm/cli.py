@@ -9,6 +9,7 @@ commands. Pipeline options come from `litevlm.options`, recipe flags are generat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -34,6 +35,20 @@ class Group:
 
 def _print_json(obj) -> None:
     print(json.dumps(obj, separators=(",", ":")))
+
+
+@contextlib.contextmanager
+def _ranks(args: argparse.Namespace):
+    """This process's place in a `torchrun` job (a world of one without torchrun): `args.device` becomes the rank's
+    own device (its GPU under torchrun on GPUs), and the process group is closed when the work is done."""
+    from litevlm.dist import close, init_dist
+
+    d = init_dist(args.device)
+    args.device = d.device
+    try:
+        yield d
+    finally:
+        close(d)
 
 
 def _json_flag(p: argparse.ArgumentParser, help: str | None = None) -> None:
@@ -234,12 +249,12 @@ def train_views_arguments(p: argparse.ArgumentParser) -> None:
 
 def _views_model(args):
     """The loaded --model that `train views` saves beside (None: only --out), after checking the flags agree."""
+    from litevlm.data.source import check_data_options
     from litevlm.options import format_options
 
     if args.model is None and args.out is None:
         raise LiteVLMError("train views needs --out DIR or --model M: where to save the selector")
-    if args.images is not None and args.data is None:
-        raise LiteVLMError("--images says where --data's images live: pass --data too")
+    check_data_options(args)
     if args.model is None:
         given = [k for k, v in format_options(args).items() if v is not None]
         if given:
@@ -303,16 +318,13 @@ def train_tokens_arguments(p: argparse.ArgumentParser) -> None:
 def run_train_tokens(args) -> None:
     """Under `torchrun --nproc-per-node W` (with --data) the ranks share the teacher labels and train under DDP;
     rank 0 alone saves and reports."""
-    from litevlm.dist import close, init_dist
+    from litevlm.data.source import check_data_options
     from litevlm.options import load_model_from_args
     from litevlm.train.tokens import TokenRecipe, train_token_selector
 
     recipe = recipe_from_args(TokenRecipe, args)
-    if args.data is None and args.images is not None:
-        raise LiteVLMError("--images names where a --data JSON's images live: give --data too")
-    d = init_dist(args.device)
-    args.device = d.device  # under torchrun on GPUs: this rank's own GPU
-    try:
+    check_data_options(args)
+    with _ranks(args) as d:
         out = train_token_selector(
             load_model_from_args(args),
             recipe,
@@ -322,8 +334,6 @@ def run_train_tokens(args) -> None:
             images_root=args.images,
             d=d,
         )
-    finally:
-        close(d)
     if out is None:  # not rank 0: rank 0 reports for every rank
         return
     meta = json.loads((out / "config.json").read_text())["training"]
@@ -371,15 +381,12 @@ def run_train_draft(args) -> None:
     """Under `torchrun --nproc-per-node W` each rank answers its share of the questions and trains the head through
     DDP; rank 0 validates, saves and prints."""
     from litevlm.data.source import load_data
-    from litevlm.dist import close, init_dist
     from litevlm.options import load_model_from_args
     from litevlm.train.draft import DraftRecipe, train_draft
 
     recipe = recipe_from_args(DraftRecipe, args)
     samples = load_data(args.data, args.images) if args.data else None
-    d = init_dist(args.device)
-    args.device = d.device  # under torchrun on GPUs: this rank's own GPU
-    try:
+    with _ranks(args) as d:
         out = train_draft(
             load_model_from_args(args),
             args.out,
@@ -389,8 +396,6 @@ def run_train_draft(args) -> None:
             offline=args.offline,
             d=d,
         )
-    finally:
-        close(d)
     if not d.is_main:
         return
     m = json.loads((out / "config.json").read_text())["metrics"]
@@ -511,26 +516,24 @@ def eval_arguments(p: argparse.ArgumentParser) -> None:
 def run_eval(args) -> None:
     """Under `torchrun --nproc-per-node W` each rank answers every W-th question and rank 0 alone scores,
     prints and writes; the other ranks print nothing."""
-    from litevlm.dist import ShardStore, close, init_dist
+    from litevlm.data.source import load_data
+    from litevlm.dist import ShardStore
     from litevlm.eval.run import evaluate
     from litevlm.eval.score import print_scores, scoring_from_args, write_submission
     from litevlm.options import pipeline_options
 
     if args.predictions_out and args.n:
         raise LiteVLMError("--predictions-out writes a whole submission: drop --n (a partial file is never written)")
-    from litevlm.data.source import load_data
-
     scoring = scoring_from_args(args)
     samples = load_data(args.data, args.images, require_images=not args.blank)  # every image checked before the model
-    d = init_dist(args.device)
-    args.device = d.device  # under torchrun on GPUs: this rank's own GPU
-    store = None
-    if args.resume_dir:
-        # answers depend on the data, the images and the pipeline, not on the rank's device
-        meta = {"data": str(args.data), "images": args.images, "blank": args.blank, "pipeline": pipeline_options(args)}
-        meta["pipeline"].pop("device")
-        store = ShardStore(args.resume_dir, "eval", d, meta=json.loads(json.dumps(meta)))
-    try:
+    with _ranks(args) as d:
+        store = None
+        if args.resume_dir:
+            # answers depend on the data, the images and the pipeline, not on the rank's device
+            meta = {"data": str(args.data), "images": args.images, "blank": args.blank}
+            meta["pipeline"] = pipeline_options(args)
+            meta["pipeline"].pop("device")
+            store = ShardStore(args.resume_dir, "eval", d, meta=json.loads(json.dumps(meta)))
         result = evaluate(
             pipeline_from_args(args),
             args.data,
@@ -543,8 +546,6 @@ def run_eval(args) -> None:
             samples=samples,
             **scoring,
         )
-    finally:
-        close(d)
     if result is None:  # not rank 0: rank 0 reports for every rank
         return
     records = result.pop("records")
@@ -609,28 +610,24 @@ def run_quantize(args) -> None:
 
     Under `torchrun --nproc-per-node W` each rank answers every W-th calibration question, the ranks' per-layer
     maxima are reduced to one, and rank 0 alone writes the checkpoint and prints."""
-    from litevlm.dist import close, init_dist, shard
+    from litevlm.data.source import check_data_options
+    from litevlm.dist import shard
     from litevlm.models import resolve_model_dir
     from litevlm.quant.fp8 import FP8Recipe, calibrate, calibration_set, check_out_dir, quantize_model, save_fp8
 
-    if args.images is not None and args.data is None:
-        raise LiteVLMError("--images says where --data's images live: pass --data too")
+    check_data_options(args)
     recipe = recipe_from_args(FP8Recipe, args)
     source = resolve_model_dir(args.model)
     check_out_dir(args.out, source)
     calib = None
     if recipe.static:  # the dynamic recipe scales each row at run time: nothing to calibrate
         calib = calibration_set(args.calib, args.data, args.images, args.calib_fraction, args.calib_seed)
-    d = init_dist(args.device)
-    args.device = d.device  # under torchrun on GPUs: this rank's own GPU
-    try:
+    with _ranks(args) as d:
         pipe = pipeline_from_args(args)
         amax = None
         if calib is not None:
             runs = [(lambda s=s: pipe.answer(s.question, s.images)) for s in shard(calib.samples, d)]
             amax = calibrate(pipe.model, runs, recipe, progress=not args.json and d.is_main, total=len(runs), d=d)
-    finally:
-        close(d)
     if not d.is_main:
         return
     report = quantize_model(pipe.model, recipe, amax)

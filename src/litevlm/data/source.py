@@ -31,6 +31,12 @@ def add_data_options(p: argparse.ArgumentParser, required: bool = False, default
     p.add_argument("--images", default=None, help="where a DriveLM JSON's images live (nuScenes root)")
 
 
+def check_data_options(args: argparse.Namespace) -> None:
+    """`--images` without `--data` is refused: it only says where a --data JSON's images live."""
+    if args.images is not None and args.data is None:
+        raise LiteVLMError("--images says where --data's images live: pass --data too")
+
+
 def load_data(path, images_root=None, require_images: bool = True) -> list[Sample]:
     """Every question of `path`, with every image file it names checked to exist before anything runs."""
     samples = load_samples(path, images_root=images_root, require_images=require_images)
