@@ -63,7 +63,7 @@ TEXT = dict(
     max_position_embeddings=256,
 )
 
-# Three configs that differ the way real checkpoints do (research/internvl_hf.md sections 1.4 and 2).
+# Three configs that differ the way real checkpoints do.
 CONFIGS = {
     # InternVL3-like: Qwen2 with qkv bias and GQA, untied head; InternViT-300M-like vision.
     "qwen2_gqa": dict(

@@ -22,7 +22,7 @@ from litevlm.eval.metrics import (
 )
 
 # --------------------------------------------------------------------------------------------
-# Final score: the three published DriveLM results (research/drivelm.md section 4.8)
+# Final score: the three published DriveLM results
 # --------------------------------------------------------------------------------------------
 
 PUBLISHED = [

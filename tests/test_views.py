@@ -1,7 +1,7 @@
 """ViewSelector: the lexical map on real DriveLM question forms, fusion and fallback, a small trained
 selector, the checkpoint round trip and its errors, and the `views` / `train views` commands.
 
-Question forms are DriveLM's own (research/drivelm.md sections 2 and 3): c-tags (one, two, three),
+Question forms are DriveLM's own: c-tags (one, two, three),
 direction phrases ("to the back left of the ego car"), "front view", multiple-choice options that
 must not count as directions, and scene-wide questions that need every view.
 """
