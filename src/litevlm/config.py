@@ -113,7 +113,11 @@ class VLMConfig:
             self.vision = VisionConfig(**self.vision)
         if isinstance(self.text, dict):
             self.text = TextConfig(**self.text)
-        _require(self.downsample_ratio == 0.5, "downsample_ratio", "only pixel shuffle 0.5 is supported")
+        _require(
+            self.downsample_ratio in (0.5, 1.0),
+            "downsample_ratio",
+            "must be 0.5 (pixel shuffle 2x2 -> 1) or 1.0 (one token a patch)",
+        )
         for f in ("image_token_id", "img_start_id", "img_end_id", "eos_token_id", "pad_token_id"):
             _require(
                 0 <= getattr(self, f) < self.text.vocab_size,
@@ -125,11 +129,21 @@ class VLMConfig:
 
     @property
     def tokens_per_tile(self) -> int:
-        return (self.vision.grid // 2) ** 2
+        return self.token_grid**2
+
+    @property
+    def token_grid(self) -> int:
+        """Visual tokens along each side of a tile: the patch grid after the pixel shuffle."""
+        return self.vision.grid // self.shuffle
+
+    @property
+    def shuffle(self) -> int:
+        """Patches folded into one visual token along each side (2 for InternVL's pixel shuffle 0.5, else 1)."""
+        return round(1 / self.downsample_ratio)
 
     @property
     def projector_in(self) -> int:
-        return self.vision.hidden_size * 4
+        return self.vision.hidden_size * self.shuffle**2
 
     def to_dict(self) -> dict:
         return asdict(self)

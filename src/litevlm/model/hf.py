@@ -154,8 +154,8 @@ def _vision_from_hf(v: dict) -> VisionConfig:
 def _check_connector(
     downsample_ratio, select_layer, strategy: str, projector_act: str, names: tuple[str, str, str, str]
 ) -> None:
-    if float(downsample_ratio) != 0.5:
-        _fail(names[0], downsample_ratio, "only pixel shuffle 0.5 is supported")
+    if float(downsample_ratio) not in (0.5, 1.0):
+        _fail(names[0], downsample_ratio, "only pixel shuffle 0.5 (or 1.0, no shuffle) is supported")
     if select_layer != -1:
         _fail(names[1], select_layer, "only the last vision layer (-1) is supported")
     if strategy != "default":
@@ -271,7 +271,7 @@ def _config_from_transformers(d: dict, tokenizer_ids: dict, generation: dict) ->
     return VLMConfig(
         vision=_vision_from_hf(d.get("vision_config") or {}),
         text=text,
-        downsample_ratio=0.5,
+        downsample_ratio=float(d.get("downsample_ratio", 0.5)),
         projector_act=d.get("projector_hidden_act", "gelu"),
         image_token_id=int(d.get("image_token_id", 151667)),
         tiles_per_view=int(extras.get("tiles_per_view", 1)),
@@ -328,7 +328,14 @@ def _config_from_original(d: dict, tokenizer_ids: dict, generation: dict) -> VLM
         "pad_token_id": _first_id(generation.get("pad_token_id", llm.get("pad_token_id"))),
     }
     ids = _resolve_ids(text, {}, tokenizer_ids, config_ids)
-    return VLMConfig(vision=vision, text=text, image_token_id=int(image_token_id), name="original-import", **ids)
+    return VLMConfig(
+        vision=vision,
+        text=text,
+        downsample_ratio=float(d.get("downsample_ratio", 0.5)),
+        image_token_id=int(image_token_id),
+        name="original-import",
+        **ids,
+    )
 
 
 def config_to_hf(cfg: VLMConfig) -> dict:

@@ -277,8 +277,12 @@ class VisionTower(nn.Module):
         )
 
 
-def pixel_shuffle(x: torch.Tensor, grid: int) -> torch.Tensor:
-    """(T, g*g, C) -> (T, g*g/4, 4C), with exactly transformers' (and the original v2) channel order."""
+def pixel_shuffle(x: torch.Tensor, grid: int, fold: int = 2) -> torch.Tensor:
+    """(T, g*g, C) -> (T, g*g/4, 4C), with exactly transformers' (and the original v2) channel order.
+
+    `fold` 1 (downsample ratio 1.0) keeps one token a patch: the identity, as in transformers."""
+    if fold == 1:
+        return x
     t, _, c = x.shape
     x = x.reshape(t, grid, grid, c)  # (T, W, H, C) in transformers' naming
     x = x.view(t, grid, grid // 2, c * 2)  # fold pairs along the second spatial axis

@@ -101,7 +101,7 @@ class VLM(nn.Module):
             raise LiteVLMError(f"image tiles must have shape (tiles, 3, {s}, {s}); got {tuple(pixels.shape)}")
         feats = self.vision_tower(pixels.to(self.dtype))  # (T, g*g, Cv)
         return self.multi_modal_projector(
-            pixel_shuffle(feats, self.cfg.vision.grid)
+            pixel_shuffle(feats, self.cfg.vision.grid, self.cfg.shuffle)
         ), feats  # (T, g*g/4, C), (T, g*g, Cv)
 
     # -- text -----------------------------------------------------------------------------------

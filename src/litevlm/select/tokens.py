@@ -561,7 +561,7 @@ class TokenSelector(nn.Module):
             grids = model.cfg.tiles_per_view
         else:
             grids = view_grids(tiling, view_spans, model.cfg.tokens_per_tile)
-        return tag_features(question, view_spans, model.cfg.vision.grid // 2, grids).to(model.device)
+        return tag_features(question, view_spans, model.cfg.token_grid, grids).to(model.device)
 
     def forward(self, embeds, positions, view_spans: Sequence[Span], tags: torch.Tensor | None = None) -> torch.Tensor:
         """`scores`: what a data-parallel wrapper (DDP) calls in training."""

@@ -274,7 +274,7 @@ def build_items(pipe, recipe: TokenRecipe, frame_range: range, rng: random.Rando
     from litevlm.data.synthetic import make_frame, render_views
 
     model, tokenizer = pipe.model, pipe.tokenizer
-    grid = model.cfg.vision.grid // 2
+    grid = model.cfg.token_grid
     bank, items = [], []
     for i in tqdm(frame_range, desc="labelling frames", disable=not progress):
         if time.time() > deadline:
@@ -448,7 +448,7 @@ def data_items(pipe, groups, recipe: TokenRecipe, cache: LabelCache, progress: b
     from litevlm.data.drivelm import load_images
 
     model = pipe.model
-    grid, size = model.cfg.vision.grid // 2, model.cfg.vision.image_size
+    grid, size = model.cfg.token_grid, model.cfg.vision.image_size
     bank, items = [], []
     for group in tqdm(groups, desc=desc, disable=not progress):
         done = [(i, s) for i, s in group if cache.get(i) is not None]

@@ -161,6 +161,13 @@ class VLMRecipe:
         "projections, so training starts from the same function); the layer options count the grown model",
         metavar="LAYER",
     )
+    unshuffle: bool = flag(
+        False,
+        "with --init: drop the pixel shuffle (downsample ratio 1.0, one visual token a patch, 4x the tokens), "
+        "the projector folded so that a uniform 2x2 block maps to the token it made before",
+    )
+    tiles: int = flag(0, "with --init: cut each view into this many tiles (0: keep the checkpoint's)")
+    name: str = flag("", "with --init: the model's new name (empty: keep the checkpoint's)")
     store_dtype: str = flag(
         "float32", "dtype of the saved weights (training runs in fp32)", choices=tuple(STORE_DTYPES)
     )
@@ -348,18 +355,18 @@ class FrameBank:
                         tuple(q.views),
                         q.closed,
                         q.family,
-                        tag_cells(question, cfg.vision.grid // 2, tpv),
+                        tag_cells(question, cfg.token_grid, tpv),
                         right_option(answer),
                         option_spans(question, tokenizer),
                     )
                     for q, question, answer in pairs
                 ]
             )
-            self.aux[i] = aux_targets(frame, cfg.vision.grid // 2, tpv)
+            self.aux[i] = aux_targets(frame, cfg.token_grid, tpv)
             if self.patch_aux is not None:
                 self.patch_aux[i] = aux_targets(frame, cfg.vision.grid, tpv, trails=True)
             if self.token_aux is not None:
-                self.token_aux[i] = aux_targets(frame, cfg.vision.grid // 2, tpv, trails=True)
+                self.token_aux[i] = aux_targets(frame, cfg.token_grid, tpv, trails=True)
             self.steer[i] = STEERS.index(frame.ego.steer)
         self.tpv = tpv
 
@@ -795,6 +802,41 @@ def grow_decoder(model: VLM, after: tuple[int, ...]) -> VLM:
     return grown
 
 
+def unshuffle_projector(model: VLM, tiles_per_view: int = 0, name: str = "") -> VLM:
+    """The same model without the pixel shuffle: one visual token a ViT patch instead of one a 2x2 block.
+
+    The shuffled projector reads [p00, p01, p10, p11] (4C) through LayerNorm(4C) and linear_1. For a block
+    of four equal patches p, LayerNorm(4C) of [p, p, p, p] is four copies of LayerNorm(C)(p) (same mean and
+    variance), so linear_1 becomes sum_k W_k diag(g_k) over the four column blocks, its bias b + sum_k W_k b_k,
+    and a plain LayerNorm(C): each new token starts as the token its block would make were it uniform."""
+    if model.cfg.shuffle != 2:
+        raise ValueError(
+            f"unshuffle needs a model with pixel shuffle 0.5, got downsample ratio {model.cfg.downsample_ratio}"
+        )
+    cfg = dataclasses.replace(
+        model.cfg,
+        downsample_ratio=1.0,
+        tiles_per_view=tiles_per_view or model.cfg.tiles_per_view,
+        name=name or model.cfg.name,
+    )
+    new = VLM(cfg).to(next(model.parameters()).dtype)
+    state = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("multi_modal_projector.")}
+    old = model.multi_modal_projector
+    c = model.cfg.vision.hidden_size
+    with torch.no_grad():
+        g = old.layer_norm.weight.reshape(4, c)
+        b = old.layer_norm.bias.reshape(4, c)
+        w = old.linear_1.weight.reshape(-1, 4, c)  # (H, 4, C): the column block of each of the four patches
+        state["multi_modal_projector.layer_norm.weight"] = torch.ones(c)
+        state["multi_modal_projector.layer_norm.bias"] = torch.zeros(c)
+        state["multi_modal_projector.linear_1.weight"] = (w * g[None]).sum(1)
+        state["multi_modal_projector.linear_1.bias"] = old.linear_1.bias + torch.einsum("hkc,kc->h", w, b)
+        state["multi_modal_projector.linear_2.weight"] = old.linear_2.weight.clone()
+        state["multi_modal_projector.linear_2.bias"] = old.linear_2.bias.clone()
+    new.load_state_dict(state)
+    return new
+
+
 def _init_param(name: str, p: torch.Tensor, g: torch.Generator) -> None:
     if name.endswith("lambda_1") or name.endswith("lambda_2"):
         p.data.fill_(0.1)
@@ -926,8 +968,18 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         if recipe.grow_after:
             model = grow_decoder(model, tuple(recipe.grow_after))
             cfg = model.cfg
-    elif recipe.grow_after:
-        raise ValueError("grow_after needs a checkpoint to grow (init)")
+        if recipe.unshuffle or recipe.tiles or recipe.name:
+            if recipe.unshuffle:
+                model = unshuffle_projector(model, recipe.tiles, recipe.name)
+            else:
+                model.cfg = dataclasses.replace(
+                    model.cfg,
+                    tiles_per_view=recipe.tiles or model.cfg.tiles_per_view,
+                    name=recipe.name or model.cfg.name,
+                )
+            cfg = model.cfg
+    elif recipe.grow_after or recipe.unshuffle or recipe.tiles or recipe.name:
+        raise ValueError("grow_after, unshuffle, tiles and name change a checkpoint: they need --init")
     else:
         tokenizer = train_default(
             question_corpus(n_frames=recipe.tokenizer_frames, seed=recipe.seed), vocab_size=recipe.vocab_size
