@@ -39,33 +39,35 @@ def test_bf16_vision_and_prefill_stay_close_and_steps_stay_fp32(cpu_steps_apply,
     """Decode steps and tree verifications (any number of rows: a 20-node chain here, over the 8-row
     threshold) stay fp32, so speculative decoding stays lossless against plain decoding in bf16 mode too;
     on the CPU steps and on the module path alike."""
-    from litevlm.model import cpu_steps
+    from litevlm.model.backend import choose_backend
     from litevlm.spec.tree import chain_tree, verify_tree
 
-    if not cpu_steps_apply:
-        monkeypatch.setattr(cpu_steps, "usable", lambda *args: False)  # every step runs the modules
     model = tiny_vlm(layers=2)
+
+    def be():  # a backend made afresh after each change of the matmul mode, as Pipeline.rebuild does
+        return choose_backend("native" if cpu_steps_apply else "modules", model)
+
     pixels = torch.randn(3, 3, 28, 28, generator=torch.Generator().manual_seed(1))
     embeds, pos = prompt(model, seed=2, n=40)
     with torch.no_grad():
         vis32 = model.encode_tiles(pixels)
-        logits32, hidden32 = prefill(model, embeds, pos)
-        step32 = decode_step(model, torch.tensor([[9]]), 40, 40)[0]
+        logits32, hidden32 = prefill(be(), embeds, pos)
+        step32 = decode_step(be(), torch.tensor([[9]]), 40, 40)[0]
         chain = chain_tree(torch.arange(7, 27))
-        verify32 = verify_tree(model, chain, 40, 40)
+        verify32 = verify_tree(be(), chain, 40, 40)
         model.set_bf16_matmul(8)
         assert model.matmul_precision == "bf16"
         vis16 = model.encode_tiles(pixels)
-        logits16, hidden16 = prefill(model, embeds, pos)
+        logits16, hidden16 = prefill(be(), embeds, pos)
         # the decode step reads the (now bf16-made) prompt cache, but itself multiplies in fp32
         model.set_bf16_matmul(0)
-        prefill(model, embeds, pos)
+        prefill(be(), embeds, pos)
         model.set_bf16_matmul(8)
-        step16 = decode_step(model, torch.tensor([[9]]), 40, 40)[0]
+        step16 = decode_step(be(), torch.tensor([[9]]), 40, 40)[0]
         model.set_bf16_matmul(0)
-        prefill(model, embeds, pos)
+        prefill(be(), embeds, pos)
         model.set_bf16_matmul(8)
-        verify16 = verify_tree(model, chain, 40, 40)
+        verify16 = verify_tree(be(), chain, 40, 40)
     assert not torch.equal(vis16, vis32) and not torch.equal(hidden16, hidden32)  # the bf16 path ran
     assert all(
         block._packed16 is not None for block in model.vision_tower.encoder.layer

@@ -1,6 +1,6 @@
-"""The CPU steps (`litevlm.model.cpu_steps`), on either backend (native cpu_steps.cpp, eager ops): the same logits,
-hidden states and cache contents as the modules for a decode step, a tree verification and a draft step, and out of
-the way wherever they do not apply."""
+"""The native CPU steps (cpu_steps.cpp) through `litevlm.model.backend.NativeBackend`: the same logits, hidden
+states and cache contents as the modules (`ModulesBackend`) for a decode step, a tree verification, a prompt, a
+draft head's steps and a whole greedy chain cycle; and refused, with the reason, where they do not apply."""
 
 import shutil
 
@@ -8,47 +8,26 @@ import pytest
 import torch
 from test_spec import prompt, random_draft, tiny_vlm
 
+from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps, native
-from litevlm.model.generate import decode_step, prefill
+from litevlm.model.backend import ModulesBackend, NativeBackend, NativeDraft, choose_backend, native_refusal
 from litevlm.spec.tree import Tree, ancestor_mask, verify_tree
 
 
-def backend_steps(name: str):
-    """One backend's steps object, or a skip where it is unavailable here."""
-    if name == "eager":
-        return cpu_steps.EagerSteps()
+def need_native():
     if native.ops() is None:
         pytest.skip(f"the native CPU steps are unavailable here ({native.error()})")
-    return cpu_steps.NativeSteps(native.ops())
-
-
-class Counted:
-    """A backend whose method calls are recorded by name in `calls` (and whose keyword arguments in `kwargs`)."""
-
-    def __init__(self, steps, calls: list, kwargs: list | None = None):
-        self.steps, self.calls, self.kwargs, self.name = steps, calls, kwargs, steps.name
-
-    def __getattr__(self, method):
-        fn = getattr(self.steps, method)
-
-        def call(*args, **kw):
-            self.calls.append(method)
-            if self.kwargs is not None:
-                self.kwargs.append(kw)
-            return fn(*args, **kw)
-
-        return call
 
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler here")
 def test_the_native_steps_build_where_a_compiler_is_present():
     """A machine with a compiler runs the native steps: a broken build fails here instead of quietly
-    falling back to the eager steps."""
+    falling back to the modules."""
     if not native.enabled():
         pytest.skip("LITEVLM_NATIVE disables the native steps")
     assert native.ops() is not None, native.error()
     assert cpu_steps.backend() == "native"
-    assert tiny_vlm().language_model.steps.name == "native"
+    assert choose_backend("auto", tiny_vlm()).name == "native"
 
 
 def test_the_native_build_folder_depends_on_the_cpu_and_the_flags():
@@ -60,22 +39,6 @@ def test_the_native_build_folder_depends_on_the_cpu_and_the_flags():
     assert native.build_dir() == native.build_dir(cpu=native.cpu_features(), cflags=native.CFLAGS)
 
 
-@pytest.fixture(params=["native", "eager"])
-def eager(request, monkeypatch):
-    """Gives the models made in a test one backend (native, eager ops) and records its calls until `use_eager()`
-    (so a test knows that path ran), after which the steps no longer apply and the modules run."""
-    calls = []
-    steps = Counted(backend_steps(request.param), calls)
-    monkeypatch.setattr(cpu_steps, "default_steps", lambda: steps)
-
-    def use_eager():
-        assert calls, "the CPU step path did not run"
-        monkeypatch.setattr(cpu_steps, "usable", lambda *args: False)
-
-    use_eager.calls = calls
-    return use_eager
-
-
 def caches(model):
     return [
         (layer.self_attn.kv_cache.k.clone(), layer.self_attn.kv_cache.v.clone())
@@ -83,12 +46,11 @@ def caches(model):
     ]
 
 
-def both_paths(eager, run):
-    """run() on the CPU step path, then through the modules: (step result, module result)."""
+def both_backends(model, run, draft=None):
+    """run(backend) on the native backend, then on the modules: (native result, module result)."""
+    need_native()
     with torch.no_grad():
-        fast = run()
-        eager()
-        return fast, run()
+        return run(NativeBackend(model, draft)), run(ModulesBackend(model, draft))
 
 
 def assert_all_close(a, b):
@@ -105,28 +67,22 @@ def assert_all_close(a, b):
         assert_all_close(x, y)
 
 
-@pytest.mark.parametrize("with_plan", [True, False])
-def test_a_cpu_step_decode_step_equals_the_modules(eager, with_plan):
-    """With a generation's plan the whole step (layers, final norm, LM head) is one call (`decode_logits`);
-    without one, the layers are (`layers`) and the head runs in Python."""
+def test_a_native_decode_step_equals_the_modules():
+    """The whole step (layers, final norm, LM head) in one call."""
     model = tiny_vlm(layers=3)
     embeds, pos = prompt(model, seed=3)
     t = embeds.shape[1]
     tokens = torch.tensor([[9], [17], [4]])
 
-    def run():
-        prefill(model, embeds, pos)
-        plan = model.language_model.step_plan() if with_plan else None
-        out = [
-            decode_step(model, tok.view(1, 1), t + 2 + i, t + i, plan) for i, tok in enumerate(tokens)
-        ]  # positions may skip
+    def run(backend):
+        backend.prefill(embeds, pos)
+        out = [backend.decode(tok.view(1, 1), t + 2 + i, t + i) for i, tok in enumerate(tokens)]  # positions may skip
         return out, caches(model)
 
-    assert_all_close(*both_paths(eager, run))
-    assert ("decode" in eager.calls) == with_plan
+    assert_all_close(*both_backends(model, run))
 
 
-def test_a_cpu_step_tree_verification_equals_the_modules(eager):
+def test_a_native_tree_verification_equals_the_modules():
     model = tiny_vlm(layers=2)
     embeds, pos = prompt(model, seed=4)
     t = embeds.shape[1]
@@ -134,15 +90,15 @@ def test_a_cpu_step_tree_verification_equals_the_modules(eager):
     depth = torch.tensor([0, 1, 1, 2, 2, 2, 3])
     tree = Tree(torch.tensor([11, 12, 13, 14, 15, 16, 17]), parents, depth, ancestor_mask(parents, 3))
 
-    def run():
-        prefill(model, embeds, pos)
-        return verify_tree(model, tree, t, t), caches(model)
+    def run(backend):
+        backend.prefill(embeds, pos)
+        return verify_tree(backend, tree, t, t), caches(model)
 
-    assert_all_close(*both_paths(eager, run))
+    assert_all_close(*both_backends(model, run))
 
 
 @pytest.mark.parametrize("input_norm", [True, False])
-def test_a_cpu_step_draft_step_equals_the_modules(eager, input_norm):
+def test_a_native_draft_step_equals_the_modules(input_norm):
     model = tiny_vlm()
     head = random_draft(model)
     if not input_norm:
@@ -153,67 +109,63 @@ def test_a_cpu_step_draft_step_equals_the_modules(eager, input_norm):
     mask = torch.ones(3, 9, dtype=torch.bool)
     mask[1, 6] = mask[2, 7] = False  # tree nodes that may not see every scratch entry
 
-    def run():
-        head.prepare(32, 64)
-        last = head.extend(feats[:4], nxt[:4], torch.arange(4), 0, last_only=True)  # a draft cycle's extend
-        head.extend(feats, nxt, torch.arange(6), 0)
-        chain = head.step(torch.tensor([5]), hid[:1], 6, 6, None)
-        tree = head.step(torch.tensor([5, 8, 9]), hid, 7, 6, mask)
+    def run(backend):
+        drafter = backend.drafter
+        drafter.prepare(32, 64)
+        last = drafter.extend(feats[:4], nxt[:4], torch.arange(4), 0, last_only=True)  # a draft cycle's extend
+        drafter.extend(feats, nxt, torch.arange(6), 0)
+        chain = drafter.step(torch.tensor([5]), hid[:1], 6, 6, None)
+        tree = drafter.step(torch.tensor([5, 8, 9]), hid, 7, 6, mask)
         return last, chain, tree, head.layer.self_attn.kv_cache.k[:, :, :9].clone()
 
-    assert_all_close(*both_paths(eager, run))
+    assert_all_close(*both_backends(model, run, head))
 
 
-def test_the_cpu_step_stays_out_of_the_way():
-    """Training (gradients), another dtype, a batch of sequences, a hooked projection: the modules run."""
+def test_the_native_backend_is_refused_where_it_does_not_apply():
+    """Another dtype, a hooked projection, an FP8 layer, a cache of two sequences: `native_refusal` names the reason,
+    NativeBackend raises it and "auto" takes the modules."""
+    need_native()
     model = tiny_vlm()
-    layers = model.language_model.layers
-    x = torch.randn(1, 32)
-    with torch.no_grad():
-        assert cpu_steps.usable(x, layers)
-        assert not cpu_steps.usable(x.double(), layers)
-        handle = layers[0].self_attn.q_proj.register_forward_hook(lambda *a: None)
-        assert not cpu_steps.usable(x, layers)
-        handle.remove()
-        model.language_model.setup_cache(2, 32)
-        assert not cpu_steps.usable(x, layers)
-    model.language_model.setup_cache(1, 32)
-    assert not cpu_steps.usable(x, layers)  # gradients enabled
+    lm = model.language_model
+    assert native_refusal(model) is None
+    handle = lm.layers[0].self_attn.q_proj.register_forward_hook(lambda *a: None)
+    assert "hooks" in native_refusal(model)
+    with pytest.raises(LiteVLMError, match="hooks"):
+        NativeBackend(model)
+    assert choose_backend("auto", model).name == "modules"
+    handle.remove()
+    lm.setup_cache(2, 32)
+    assert "more than one sequence" in native_refusal(model)
+    lm.setup_cache(1, 32)
+    assert "float64" in native_refusal(tiny_vlm().double())
+    from litevlm.quant.fp8 import FP8Recipe, quantize_model
+
+    quantize_model(model, FP8Recipe("fp8-dynamic-per-row"))
+    assert "not plain Linear" in native_refusal(model)
 
 
-def test_a_frozen_scope_checks_once_and_the_next_scope_sees_changes():
-    """Inside `cpu_steps.frozen()` (one answer) the hook walk and the weight check run once and are remembered;
-    a hook or a weight changed between two scopes reaches the next one."""
+def test_a_backend_keeps_the_weights_it_was_made_from_and_a_new_one_sees_changes():
+    """The native backend packs the weights once, when it is made: a weight changed afterwards reaches the next
+    backend (`Pipeline.rebuild`), not this one."""
+    need_native()
     model = tiny_vlm()
-    layers = model.language_model.layers
-    x = torch.randn(1, 32)
-    calls = []
+    embeds, pos = prompt(model, seed=2)
     with torch.no_grad():
-        with cpu_steps.frozen():
-            assert cpu_steps.remembered("k", lambda: calls.append(1) or 5) == 5
-            assert cpu_steps.remembered("k", lambda: calls.append(1) or 6) == 5
-            assert cpu_steps.usable(x, layers)
-            w = cpu_steps.layer_weights(layers[0])
-            assert cpu_steps.layer_weights(layers[0]) is w
-        assert calls == [1]
-        handle = layers[0].self_attn.q_proj.register_forward_hook(lambda *a: None)
-        with cpu_steps.frozen():
-            assert not cpu_steps.usable(x, layers)
-        handle.remove()
-        layers[0].self_attn.q_proj.bias.add_(1.0)
-        with cpu_steps.frozen():
-            assert cpu_steps.usable(x, layers)
-            changed = cpu_steps.layer_weights(layers[0])
-        assert not torch.equal(changed.qkv_bias, w.qkv_bias)  # the packed qkv bias follows the change
-    assert cpu_steps.remembered("k", lambda: 7) == 7  # outside any scope: computed each time
+        before = NativeBackend(model)
+        old = before.prefill(embeds, pos)[0]
+        model.language_model.layers[0].self_attn.q_proj.bias.add_(1.0)
+        assert torch.equal(before.prefill(embeds, pos)[0], old)  # this backend's packed weights
+        new = NativeBackend(model).prefill(embeds, pos)[0]
+        assert not torch.allclose(new, old)
+        assert_all_close(new, ModulesBackend(model).prefill(embeds, pos)[0])
 
 
 @pytest.mark.parametrize("min_value,eos", [(0.0, None), (0.3, None), (0.0, "drafted")])
 @pytest.mark.parametrize("draft_vocab", [0, 40])
-def test_a_cpu_step_draft_chain_equals_the_module_loop(eager, min_value, eos, draft_vocab):
-    """One CPU call drafts the chain the Python loop drafts: same tokens, same draft cache. (The native chain's
-    one-row products read the draft's weights rounded to bf16, `cpu_steps.panels`; weights that bf16 holds exactly
-    make the two paths comparable, the target's embedding and head included.)"""
+def test_a_native_draft_chain_equals_the_module_loop(min_value, eos, draft_vocab):
+    """One native call drafts the chain the Python loop over the head's modules drafts: same tokens, same draft
+    cache. (The native chain's one-row products read the draft's weights rounded to bf16, `cpu_steps.panels`;
+    weights that bf16 holds exactly make the two paths comparable, the target's embedding and head included.)"""
     from litevlm.spec.draft import DraftConfig, DraftHead
     from litevlm.spec.tree import TreeConfig, draft_tree
 
@@ -232,17 +184,18 @@ def test_a_cpu_step_draft_chain_equals_the_module_loop(eager, min_value, eos, dr
     feats, nxt = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g)
     cfg = TreeConfig.chain(8, min_value)
 
-    def run():
-        head.prepare(32, 64)
-        h_root = head.extend(feats, nxt, torch.arange(6), 0, last_only=True)
+    def run(backend):
+        drafter = backend.drafter
+        drafter.prepare(32, 64)
+        h_root = drafter.extend(feats, nxt, torch.arange(6), 0, last_only=True)
         eos_id = None
         if eos == "drafted":  # the second drafted token, as EOS: the chain must stop right after it
             probe = draft_tree(head, torch.tensor([3]), h_root, 6, 6, TreeConfig.chain(3, 0.0))
             eos_id = int(probe.tokens[2])
-        tree = draft_tree(head, torch.tensor([3]), h_root, 6, 6, cfg, eos_id)
+        tree = draft_tree(drafter, torch.tensor([3]), h_root, 6, 6, cfg, eos_id)
         return tree.tokens, tree.parents, head.layer.self_attn.kv_cache.k[:, :, : 6 + len(tree)].clone()
 
-    (ta, pa, ka), (tb, pb, kb) = both_paths(eager, run)
+    (ta, pa, ka), (tb, pb, kb) = both_backends(model, run, head)
     assert torch.equal(ta, tb) and torch.equal(pa, pb)
     assert_all_close(ka, kb)
     if eos == "drafted":
@@ -276,9 +229,9 @@ def test_the_vision_blocks_on_packed_weights_equal_the_modules():
     assert not torch.allclose(changed, fast)
 
 
-def test_a_cpu_step_greedy_chain_cycle_equals_the_modules(eager):
-    """Each side of a greedy chain cycle in one CPU call (`draft_cycle`, `verify_chain_greedy`): the
-    same tokens, the same accepted lengths, the same target and draft caches as the modules' cycle."""
+def test_a_native_greedy_chain_cycle_equals_the_modules():
+    """Each side of a greedy chain cycle in one native call (`NativeDraft.draft_cycle`, `NativeBackend.verify_chain`):
+    the same tokens, the same accepted lengths, the same target and draft caches as the modules' cycle."""
     from litevlm.spec import speculative_generate
     from litevlm.spec.tree import TreeConfig
 
@@ -286,13 +239,18 @@ def test_a_cpu_step_greedy_chain_cycle_equals_the_modules(eager):
     head = random_draft(model)
     embeds, pos = prompt(model, seed=5)
     cfg = TreeConfig.chain(6, 0.05)
+    calls = []
 
-    def run():
-        out = speculative_generate(model, head, embeds, pos, 30, None, tree=cfg)
+    def run(backend):
+        if backend.greedy_chain:  # record that the one-call sides ran
+            for obj, name in ((backend.drafter, "draft_cycle"), (backend, "verify_chain")):
+                fn = getattr(obj, name)
+                setattr(obj, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+        out = speculative_generate(backend, head, embeds, pos, 30, None, tree=cfg)
         return out.tokens, out.accept_lengths, caches(model), head.layer.self_attn.kv_cache.k.clone()
 
-    (tok_a, acc_a, *rest_a), (tok_b, acc_b, *rest_b) = both_paths(eager, run)
-    assert {"draft_cycle", "verify_chain"} <= set(eager.calls)  # both one-call sides ran
+    (tok_a, acc_a, *rest_a), (tok_b, acc_b, *rest_b) = both_backends(model, run, head)
+    assert {"draft_cycle", "verify_chain"} <= set(calls)  # both one-call sides ran
     assert tok_a == tok_b and acc_a == acc_b
     assert max(acc_a) >= 2  # drafts were accepted
     n = embeds.shape[1] + 30
@@ -303,68 +261,44 @@ def test_a_cpu_step_greedy_chain_cycle_equals_the_modules(eager):
 
 def test_a_native_prompt_equals_the_modules():
     """A prompt from slot 0 (a prefill, and a pruned prefill's two halves at skipping positions) runs as one
-    native call: the same hidden states and cache contents as the modules; hooked layers run the modules."""
-    steps = backend_steps("native")
+    native call: the same hidden states and cache contents as the modules."""
     model = tiny_vlm(layers=3)
-    lm = model.language_model
     embeds, pos = prompt(model, seed=5, n=20, pruned=True)
-    t = embeds.shape[1]
     kept = torch.tensor([0, 1, 4, 5, 9, 12, 13, 17, 19])
-    calls = []
-    cpu_steps.use(lm, Counted(steps, calls))
 
-    def run():
-        with torch.no_grad():
-            full = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t)
-            first = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t, end_layer=1)
-            rest = lm(
-                first[:, kept],
-                pos[:, kept],
-                slots=torch.arange(kept.numel()),
-                mask=None,
-                kv_len=kept.numel(),
-                start_layer=1,
-            )
-            return full, first, rest, caches(model)
+    def run(backend):
+        full = backend.prompt(embeds, pos)
+        first = backend.prompt(embeds, pos, end_layer=1)
+        rest = backend.prompt(first[:, kept], pos[:, kept], start_layer=1)
+        return full, first, rest, caches(model)
 
-    fast = run()
-    assert calls == ["prompt"] * 3  # each of the three prompts ran natively
-    cpu_steps.use(lm, cpu_steps.EagerSteps())  # its prompt declines: the modules run
-    assert_all_close(fast, run())
-    hook = lm.layers[1].mlp.register_forward_hook(lambda *a: None)
-    try:
-        assert steps.prompt(embeds[0], *lm.rope_table(t, torch.float32, "cpu"), lm.layers, lm.cfg) is None
-    finally:
-        hook.remove()
+    assert_all_close(*both_backends(model, run))
 
 
 def test_a_native_bf16_prompt_multiplies_in_bf16_around_an_fp32_stream():
-    """In bf16 mode (`set_bf16_matmul`) a prompt still runs as one native call, its four products per layer in bf16:
-    close to fp32, and not equal to it."""
+    """In bf16 mode (`set_bf16_matmul`, then a new backend) a prompt still runs as one native call, its four products
+    per layer in bf16: close to fp32, and not equal to it."""
     from litevlm.model.layers import bf16_matmul_supported
 
-    steps = backend_steps("native")
+    need_native()
     if not bf16_matmul_supported():
         pytest.skip("this CPU multiplies bf16 neither with AMX nor with AVX512-BF16")
     model = tiny_vlm(layers=3)
-    lm = model.language_model
     embeds, pos = prompt(model, seed=5, n=40)
-    t = embeds.shape[1]
-    calls, kwargs = [], []
-    cpu_steps.use(lm, Counted(steps, calls, kwargs))
     with torch.no_grad():
-        fp32 = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t)
+        fp32 = NativeBackend(model).prompt(embeds, pos)
         model.set_bf16_matmul(8)
-        bf16 = lm(embeds, pos, slots=torch.arange(t), mask=None, kv_len=t)
-    assert calls == ["prompt", "prompt"] and [k["bf16"] for k in kwargs] == [False, True]  # the second in bf16
+        backend = NativeBackend(model)
+        assert backend.bf16
+        bf16 = backend.prompt(embeds, pos)
     assert not torch.equal(bf16, fp32)
     # bf16 products (~3e-3 relative each) compounded through a random decoder whose large weights amplify them.
     assert ((bf16 - fp32).norm() / fp32.norm()) < 6e-2  # a random decoder with large weights amplifies rounding
 
 
-def test_a_failed_native_build_falls_back_to_the_eager_steps_and_says_why(monkeypatch, capsys):
-    """No compiler (or a broken build): `native.ops()` is None with the reason on stderr and in `error()`, and
-    models get the eager steps."""
+def test_a_failed_native_build_leaves_the_modules_and_says_why(monkeypatch, capsys):
+    """No compiler (or a broken build): `native.ops()` is None with the reason on stderr and in `error()`, "auto"
+    gives the modules and an explicit native backend names the reason."""
 
     def broken(verbose=False):
         raise RuntimeError("ninja: build stopped\nfoo.cpp:1:1: error: no compiler here")
@@ -375,7 +309,10 @@ def test_a_failed_native_build_falls_back_to_the_eager_steps_and_says_why(monkey
     assert native.ops() is None
     assert "error: no compiler here" in native.error()
     assert "native CPU steps unavailable" in capsys.readouterr().err
-    assert cpu_steps.default_steps.__wrapped__().name == "eager"  # the choice, made afresh
+    model = tiny_vlm()
+    assert choose_backend("auto", model).name == "modules"
+    with pytest.raises(LiteVLMError, match="no compiler here"):
+        choose_backend("native", model)
 
 
 def test_litevlm_native_0_turns_the_native_steps_off(monkeypatch):
@@ -405,10 +342,10 @@ def test_a_draft_steps_bf16_panels_multiply_like_its_fp32_weights_rounded():
         unpacked = packed.float().permute(1, 0, 2).reshape(48, -1)[:, :out]
         # packing only moves the bf16-rounded values: equality.
         assert torch.equal(unpacked, rounded)
+    steps = cpu_steps.native_steps()
     with torch.no_grad():
-        head.prepare(32, 64)
-    weights = head._plan.weights
-    steps = cpu_steps.default_steps()
-    listed = steps._draft_panels(head._chain_args[1], head._chain_args[3], weights, 4, 2, 8)
+        drafter = NativeDraft(head, steps)
+    weights, args = drafter.weights, drafter.chain_args
+    listed = steps._draft_panels(args[1], args[3], weights, 4, 2, 8)
     assert len(listed) == 2 + 4 * len(weights)
-    assert steps._draft_panels(head._chain_args[1], head._chain_args[3], weights, 4, 2, 8) is listed
+    assert steps._draft_panels(args[1], args[3], weights, 4, 2, 8) is listed

@@ -9,7 +9,7 @@ import torch
 from test_spec import prompt, random_draft, tiny_vlm
 
 from litevlm.errors import LiteVLMError
-from litevlm.model import cpu_steps
+from litevlm.model.backend import choose_backend
 from litevlm.model.generate import accept_opening, generate, selector_prefill
 from litevlm.spec import speculative_generate
 from litevlm.spec.openings import Opening, Openings, question_key
@@ -110,17 +110,16 @@ def test_openings_save_and_load_and_refuse_what_does_not_fit(tmp_path):
 def test_an_opening_verified_in_the_prefill_is_lossless(native, monkeypatch):
     """Against plain greedy decoding of the same prompt: an opening that is the answer to its EOS (no decode step
     follows), one right for two tokens then wrong, and one wrong from the first token."""
-    if not native:
-        monkeypatch.setattr(cpu_steps.NativeSteps, "prompt", lambda *args, **kwargs: None)  # the modules under a mask
     model = tiny_vlm(vocab=48)
     head = random_draft(model)
+    target = choose_backend("native" if native else "modules", model, head)  # native: one prompt call under the mask
     for seed in range(4):
         embeds, pos = prompt(model, seed=seed)
-        ref = generate(model, embeds, pos, 12, None).tokens
+        ref = generate(target, embeds, pos, 12, None).tokens
         eos = ref[3]  # ends the answer at its fourth token (a token the model does emit)
         ref = ref[: ref.index(eos) + 1]
         consumed = embeds.shape[1] + len(ref) - 1  # cache slots of the prompt and the answer's tokens but the last
-        generate(model, embeds, pos, 12, eos)
+        generate(target, embeds, pos, 12, eos)
         want_cache = cache_upto(model, consumed)
         cases = {
             "whole answer": ([ref[:4]], len(ref) - 1, 0),
@@ -130,7 +129,7 @@ def test_an_opening_verified_in_the_prefill_is_lossless(native, monkeypatch):
         }
         for name, (sequences, opened, cycles) in cases.items():
             trie = Opening.from_sequences(sequences)
-            out = speculative_generate(model, head, embeds, pos, 12, eos, opening=trie)
+            out = speculative_generate(target, head, embeds, pos, 12, eos, opening=trie)
             assert out.tokens == ref, (seed, name)
             assert out.opened == min(opened, len(ref) - 1), (seed, name)
             if cycles is not None:

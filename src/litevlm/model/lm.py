@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
-from litevlm.model import cpu_steps
 from litevlm.model.kv_cache import KVCache
 from litevlm.model.layers import (
     RMSNorm,
@@ -28,7 +27,6 @@ from litevlm.model.layers import (
     rope_cos_sin,
     rope_table,
     rotate_head_rows,
-    row_major,
 )
 
 
@@ -150,8 +148,7 @@ class DecoderLayer(nn.Module):
         training = self.training and torch.is_grad_enabled()
         if training or self._fused is None:
             return self._pack_fused(None if training else self._fused_key(), training)
-        # Inside a `cpu_steps.frozen()` scope (one answer) the check runs once.
-        return cpu_steps.remembered(("fused", id(self)), self._fused_current)
+        return self._fused_current()
 
     def _fused_key(self) -> tuple:
         # Reads the projections' parameter dicts directly: nn.Module attribute lookups would cost
@@ -246,17 +243,21 @@ class TextModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def setup_cache(self, batch: int, max_len: int, dtype=None, device=None) -> None:
+    def setup_cache(self, batch: int, max_len: int, dtype=None, device=None, scratch: int = 0) -> None:
+        """A static cache of `max_len` live slots per layer, and `scratch` more past them that only graph capture
+        writes (`litevlm.model.backend.CudaBackend`): generation never uses them."""
         p = self.embed_tokens.weight
         for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(
-                batch, self.cfg.num_kv_heads, max_len, self.cfg.head_dim, dtype or p.dtype, device or p.device
+                batch, self.cfg.num_kv_heads, max_len + scratch, self.cfg.head_dim, dtype or p.dtype, device or p.device
             )
+        self._live_len = max_len
 
     @property
     def cache_len(self) -> int:
+        """The live slots of the cache (what a prompt and its answer may use)."""
         cache = self.layers[0].self_attn.kv_cache
-        return 0 if cache is None else cache.max_len
+        return 0 if cache is None else min(cache.max_len, self.__dict__.get("_live_len", cache.max_len))
 
     def forward(
         self,
@@ -287,19 +288,6 @@ class TextModel(nn.Module):
         # stream; eagerly, one cast in, one out and everything between in bf16 (the K/V go into the cache in its own
         # dtype), since casting around each product there cost what the products saved
         bf16 = self._bf16_prompt(embeds, layers, slots, mask, kv_len)
-        if (
-            embeds.shape[0] == 1
-            and slots is not None
-            and mask is None
-            and kv_len == embeds.shape[1]
-            and len(layers) > 0
-        ):  # a prompt from slot 0, one sequence: one native call where it applies
-            t, d = embeds.shape[1], self.cfg.head_dim
-            out = self.steps.prompt(
-                embeds[0], cos.reshape(t, 1, d), sin.reshape(t, 1, d), layers, self.cfg, bf16=bf16, tail_mask=tree_tail
-            )
-            if out is not None:
-                return self.norm(out[None]) if end_layer is None else out[None]
         if tree_tail is not None:
             if mask is not None or slots is None:
                 raise LiteVLMError("tree_tail applies to a prompt written from slot 0 without a mask")
@@ -333,75 +321,6 @@ class TextModel(nn.Module):
 
     def rope_table(self, top: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_table(self, self.cfg.head_dim, self.cfg.rope_theta, top, dtype, device)
-
-    @property
-    def steps(self) -> cpu_steps.NativeSteps | cpu_steps.EagerSteps:
-        """The backend of this decoder's one-sequence CPU steps (`cpu_steps.steps_for`), chosen once."""
-        return cpu_steps.steps_for(self)
-
-    def step_plan(self):
-        """The CPU step's arguments for this decoder (`litevlm.model.cpu_steps.Plan`), or None
-        where the modules run; build one per generation and pass it to every step."""
-        return cpu_steps.plan(self.embed_tokens.weight, self.layers)
-
-    def fast_forward(
-        self, embeds: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None = None, plan=None
-    ):
-        """A few tokens of one sequence, embeds (n, C) at positions (n,), written at cache slots
-        start..start+n-1 -> post-norm hidden (n, C), through the CPU step
-        (`litevlm.model.cpu_steps`); None where it does not apply (the caller runs `forward`).
-        mask (1, 1, n, start + n) bool, or None: every token sees slots 0..start+n-1 (n = 1).
-        plan: from `step_plan()` at the start of a generation (built here when not given)."""
-        plan = plan or cpu_steps.plan(embeds, self.layers)
-        if plan is None or embeds.dtype != torch.float32 or torch.is_grad_enabled():
-            return None
-        top = int(positions.max()) if positions.numel() > 1 else int(positions)
-        cos, sin = self.rope_table(top, embeds.dtype, embeds.device)
-        cfg = self.cfg
-        x = self.steps.layers(
-            embeds,
-            cos[positions],
-            sin[positions],
-            start,
-            mask,
-            plan.weights,
-            cpu_steps.caches(self.layers),
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.norm_eps,
-        )
-        return self.norm(x)
-
-    def head_fusable(self, lm_head: nn.Module) -> bool:
-        """The final norm and LM head are what the one-call CPU steps compute them as: an RMSNorm and a plain,
-        bias-free nn.Linear (its weight read row-major)."""
-        return type(lm_head) is nn.Linear and lm_head.bias is None and type(self.norm) is RMSNorm
-
-    def fast_decode(self, token: torch.Tensor, position: int, slot: int, lm_head: nn.Module, plan):
-        """A plain decode step of one sequence in one CPU call (`litevlm.model.cpu_steps.decode_logits`): token (1,)
-        at RoPE `position`, written at cache `slot` -> (logits (1, V), post-norm hidden (1, C)); None where it does
-        not apply (no plan, a head with a bias or a norm it does not know: the caller runs the layers alone)."""
-        if plan is None or torch.is_grad_enabled() or not self.head_fusable(lm_head):
-            return None
-        cos, sin = self.rope_table(position, torch.float32, token.device)
-        cfg = self.cfg
-        return self.steps.decode(
-            token,
-            position,
-            slot,
-            cos,
-            sin,
-            self.embed_tokens.weight.detach(),
-            plan.weights,
-            cpu_steps.caches(self.layers),
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.norm_eps,
-            self.norm.weight.detach(),
-            row_major(lm_head),
-        )
 
     def commit(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Move cache entries at src_slots to dst_start.. in every layer (accepting a speculative path)."""

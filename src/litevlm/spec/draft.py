@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,7 +27,6 @@ import torch.nn.functional as F
 
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
-from litevlm.model import cpu_steps
 from litevlm.model.kv_cache import KVCache
 from litevlm.model.layers import linear, rope_cos_sin, rope_table, row_major
 from litevlm.model.lm import DecoderLayer
@@ -120,18 +118,11 @@ class DraftHead(nn.Module):
         self.metrics: dict = {}
         self._shared: tuple[nn.Embedding, nn.Linear] | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, 1, D) cos / sin tables
-        self._plan: cpu_steps.Plan | None = None  # the CPU step's arguments, made by `prepare`
-        self._chain_args: tuple | None = None  # and the one-call chain's: embedding, fc, head, vocabulary map
         self.openings: Openings | None = (
             None  # answer openings verified with the prompt (openings.json beside the head)
         )
         if target is not None:
             self.attach(target)
-
-    @property
-    def steps(self) -> cpu_steps.NativeSteps | cpu_steps.EagerSteps:
-        """The backend of the draft's one-sequence CPU steps (`cpu_steps.steps_for`), chosen once."""
-        return cpu_steps.steps_for(self)
 
     # -- the target's shared modules --------------------------------------------------------------
     def attach(self, target) -> DraftHead:
@@ -218,26 +209,12 @@ class DraftHead(nn.Module):
 
     def _cached_layer(self, x: torch.Tensor, cos, sin, start: int, mask=None, last_only: bool = False) -> torch.Tensor:
         """The layer over the draft cache for one sequence, x (n, C) at slots start..start+n-1 -> (n, C)
-        (or (1, C) with last_only): the CPU step where `prepare` made a plan, else `_layer`.
-        mask (1, 1, n, S) or None (everything)."""
-        plan = self._plan
-        if plan is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
-            cfg = self.cfg
-            return self.steps.layers(
-                x,
-                cos,
-                sin,
-                start,
-                mask,
-                plan.weights,
-                cpu_steps.caches((self.layer,)),
-                cfg.num_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                cfg.norm_eps,
-                last_only,
-            )
+        (or (1, C) with last_only). mask (1, 1, n, S) or None (everything)."""
         return self._layer(x[None], cos, sin, self.layer.self_attn.kv_cache, start, mask, last_only)[0]
+
+    def fuse(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+        """[embedding ; feature] -> the layer's input (n, C)."""
+        return self._fuse(features, next_embeds)
 
     def _fuse(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
         dtype = self.fc.weight.dtype  # the draft may run in another precision than the target
@@ -298,9 +275,8 @@ class DraftHead(nn.Module):
         return 0 if cache is None else cache.max_len
 
     def prepare(self, cache_len: int, max_position: int) -> None:
-        """Ready the draft for a generation: a cache of at least `cache_len` slots, RoPE tables
-        covering positions 0..max_position, and the CPU step's arguments (weights do not
-        change during a generation; `prepare` again after changing them)."""
+        """Ready the draft for a generation: a cache of at least `cache_len` slots and RoPE tables covering
+        positions 0..max_position."""
         w = self.fc.weight
         cache = self.layer.self_attn.kv_cache
         if cache is None or cache.max_len < cache_len or cache.k.dtype != w.dtype or cache.k.device != w.device:
@@ -308,21 +284,26 @@ class DraftHead(nn.Module):
         self._rope = rope_table(
             self, self.cfg.head_dim, self.cfg.rope_theta, max_position, w.dtype, w.device
         )  # (P, 1, D)
-        with torch.no_grad():
-            self._plan = cpu_steps.plan(w, (self.layer,))
-            self._chain_args = None
-            if self._plan is not None:
-                if self.cfg.draft_vocab:
-                    head, vmap = self._draft_head(), self.vocab_map
-                else:
-                    head, vmap = row_major(self._target()[1]), torch.empty(0, dtype=torch.long, device=w.device)
-                self._chain_args = (
-                    self._target()[0].weight.detach(),
-                    row_major(self.fc),
-                    self.fc.bias.detach(),
-                    head,
-                    vmap,
-                )
+
+    def chain_arguments(self) -> tuple:
+        """What the native chain reads besides the layer: the target's embedding, fc (2C, C) row-major and its bias,
+        the head (C, V') row-major and the draft-vocabulary map (empty: the target's vocabulary)."""
+        w = self.fc.weight
+        if self.cfg.draft_vocab:
+            head, vmap = self._draft_head(), self.vocab_map
+        else:
+            head, vmap = row_major(self._target()[1]), torch.empty(0, dtype=torch.long, device=w.device)
+        return self._target()[0].weight.detach(), row_major(self.fc), self.fc.bias.detach(), head, vmap
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (P, 1, D) cos / sin tables `prepare` made."""
+        if self._rope is None:
+            raise LiteVLMError("call draft.prepare(cache_len, max_position) before drafting")
+        return self._rope
+
+    def cos_sin(self, positions: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cos_sin(positions)
 
     def _cos_sin(self, positions: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin (T, 1, D) for positions (T,), or (1, 1, D) for one int position shared by all rows."""
@@ -349,6 +330,12 @@ class DraftHead(nn.Module):
         last_only: return only the last pair's prediction (1, C), which is all a draft cycle uses; the
         other pairs then only write their K/V (attention, output projection and MLP run on one row).
         """
+        x, cos, sin, mask = self.extend_inputs(features, next_embeds, positions, start, last_only)
+        return self._cached_layer(x, cos, sin, start, mask, last_only)
+
+    def extend_inputs(self, features, next_embeds, positions, start: int, last_only: bool = False) -> tuple:
+        """`extend`'s layer inputs: x (n, C), cos / sin (n, 1, D), the causal mask over slots 0..start+n-1 (None
+        for one pair or last_only)."""
         n = features.shape[0]
         cos, sin = self._cos_sin(positions)
         mask = None
@@ -357,7 +344,7 @@ class DraftHead(nn.Module):
             mask = (torch.arange(start + n, device=features.device)[None, :] <= rows)[
                 None, None
             ]  # (1, 1, n, start + n)
-        return self._cached_layer(self._fuse(features, next_embeds), cos, sin, start, mask, last_only)
+        return self._fuse(features, next_embeds), cos, sin, mask
 
     @torch.no_grad()
     def step(
@@ -368,83 +355,6 @@ class DraftHead(nn.Module):
         cos, sin = self._cos_sin(position)
         x = self._fuse(hidden, self.embed(tokens))  # (k, C)
         return self._cached_layer(x, cos, sin, start, None if mask is None else mask[None, None])
-
-    @torch.no_grad()
-    def draft_chain(
-        self, root_hidden: torch.Tensor, position: int, start: int, depth: int, min_value: float, eos_id: int | None
-    ) -> torch.Tensor | None:
-        """The chain `litevlm.spec.tree.draft_tree` drafts (top-1 tokens until the summed log-probability
-        falls below log(min_value), a drafted EOS, or `depth` tokens) in one CPU call on the CPU:
-        drafted ids (m,). None where the modules run (no `prepare`d plan, another dtype)."""
-        if self._chain_args is None or self._plan is None or root_hidden.dtype != torch.float32:
-            return None
-        cos, sin = self._rope
-        log_min = math.log(min_value) if min_value > 0 else -math.inf
-        return self.steps.chain(
-            root_hidden,
-            position,
-            start,
-            depth,
-            log_min,
-            -1 if eos_id is None else eos_id,
-            cos,
-            sin,
-            *self._native_tail(),
-        )
-
-    def _native_tail(self) -> tuple:
-        """The arguments the native chain and draft cycle share after their own: the packed embedding, fc and
-        head, the layer's weights and cache, and the attention shape."""
-        cfg = self.cfg
-        return (
-            *self._chain_args,
-            self._plan.weights,
-            cpu_steps.caches((self.layer,)),
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.norm_eps,
-        )
-
-    @torch.no_grad()
-    def draft_cycle(
-        self,
-        features: torch.Tensor,
-        next_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        start: int,
-        root: torch.Tensor,
-        root_position: int,
-        depth: int,
-        min_value: float,
-        eos_id: int | None,
-    ) -> torch.Tensor | None:
-        """`extend(features, next_embeds, positions, start, last_only=True)` and then `draft_chain` from its
-        output at slot start + n, in one CPU call on the CPU -> the chain to verify (1 + m,): the root,
-        then the m drafted ids; None where the module path runs (as `draft_chain`)."""
-        if (
-            self._chain_args is None
-            or self._plan is None
-            or features.dtype != torch.float32
-            or next_embeds.dtype != torch.float32
-        ):
-            return None
-        cos, sin = self._rope
-        log_min = math.log(min_value) if min_value > 0 else -math.inf
-        return self.steps.draft_cycle(
-            features,
-            next_embeds,
-            positions,
-            start,
-            root.reshape(1),
-            root_position,
-            depth,
-            log_min,
-            -1 if eos_id is None else eos_id,
-            cos,
-            sin,
-            *self._native_tail(),
-        )
 
     # -- checkpoints ------------------------------------------------------------------------------
     def num_parameters(self) -> int:

@@ -12,8 +12,9 @@ arXiv 2401.15077, appendix A.2). The accepted path's K/V entries are then moved 
 cache slots.
 
 Shapes are fixed by `TreeConfig` (the tree's contents are dynamic, its size never is), so a GPU
-can replay verification as a CUDA graph. Chain drafting is the special case top_k = 1; a chain may
-also stop early where its value falls below `min_value` (variable shapes: an option for the CPU).
+can replay verification as a CUDA graph (`litevlm.model.backend.CudaBackend`). Chain drafting is the
+special case top_k = 1; a chain may also stop early where its value falls below `min_value` (variable shapes:
+an option for the CPU).
 """
 
 from __future__ import annotations
@@ -25,9 +26,6 @@ from functools import lru_cache
 import torch
 
 from litevlm.errors import LiteVLMError
-from litevlm.model import cpu_steps
-from litevlm.model.generate import capture_cuda_graph
-from litevlm.model.layers import linear, row_major
 
 
 @dataclass(frozen=True)
@@ -257,121 +255,16 @@ def draft_tree(
 # Verification
 # ------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def verify_tree(
-    model, tree: Tree, start: int, root_position: int, live_prefix: bool = True, plan=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One target forward over the flattened tree -> (logits (N, V), hidden (N, C)).
+def verify_tree(target, tree: Tree, start: int, root_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over the flattened tree -> (logits (N, V), hidden (N, C)), on a backend
+    (`litevlm.model.backend`) or a model's.
 
     Node i is written at cache slot start + i, at RoPE position root_position + depth[i], and sees
-    cache slots 0..start-1 (the committed prefix) plus its own ancestors. live_prefix: attend over
-    slots 0..start+N-1 only (fastest eagerly); otherwise the mask spans the whole static cache and
-    every shape is fixed (what a CUDA graph needs). plan: the target's `step_plan()` for this generation.
+    cache slots 0..start-1 (the committed prefix) plus its own ancestors.
     """
-    lm = model.language_model
-    n = len(tree)
-    dev = tree.tokens.device
-    positions = (tree.depth + root_position)[None]  # (1, N)
-    slots = torch.arange(start, start + n, device=dev)
-    if live_prefix:
-        embeds = lm.embed_tokens(tree.tokens)[None]  # (1, N, C)
-        mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=dev), tree.mask], 1)  # (N, start + N)
-        kv_len = start + n
-        hidden = lm.fast_forward(embeds[0], positions[0], start, mask[None, None], plan)  # the CPU step, or None
-        if hidden is not None:
-            return linear(hidden, model.lm_head), hidden
-        hidden = lm(embeds, positions, slots=slots, mask=mask[None, None], kv_len=kv_len)[0]  # (N, C)
-        return linear(hidden, model.lm_head), hidden
-    return verify_static(model, tree.tokens, positions, slots, static_mask(tree, start, lm.cache_len))
+    from litevlm.model.generate import as_backend
 
-
-def static_mask(tree: Tree, start: int, cache_len: int) -> torch.Tensor:
-    """(1, 1, N, cache_len) bool: node i sees the committed slots 0..start-1 and its ancestors at start.. ."""
-    mask = torch.zeros(len(tree), cache_len, dtype=torch.bool, device=tree.tokens.device)
-    mask[:, :start] = True
-    mask[:, start : start + len(tree)] = tree.mask
-    return mask[None, None]
-
-
-def verify_static(
-    model, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
-) -> tuple:
-    """`verify_tree` with every shape fixed and no host values: tokens (N,), positions (1, N), cache slots (N,) and
-    mask (1, 1, N, cache_len) are tensors and attention spans the whole static cache, so one CUDA graph replays it
-    for every tree of N nodes (`GraphedVerify`) -> (logits (N, V), hidden (N, C))."""
-    lm = model.language_model
-    hidden = lm(lm.embed_tokens(tokens)[None], positions, slots=slots, mask=mask, kv_len=None)[0]  # (N, C)
-    return linear(hidden, model.lm_head), hidden
-
-
-class GraphedVerify:
-    """`verify_static` for trees of `n` nodes captured as one CUDA graph over the model's KV cache, replayed per
-    speculative cycle (the GPU counterpart of the one-call CPU verification).
-
-    The graph reads the tree from static tensors and writes the cache in place, so it stays valid until the cache
-    is re-allocated (`valid_for`). Capturing writes scratch K/V at slots 0..n-1, which the next prefill overwrites.
-    `capture_ms` is the one-off cost, reported apart from the measurements.
-    """
-
-    def __init__(self, model, n: int, warmup: int = 3):
-        if model.device.type != "cuda":
-            raise LiteVLMError("CUDA graphs need the model on a CUDA device")
-        lm = model.language_model
-        self.model, self.n = model, n
-        self.cache = lm.layers[0].self_attn.kv_cache.k
-        dev = model.device
-        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(1, n, dtype=torch.long, device=dev)
-        self.slots = torch.arange(n, device=dev)
-        self.mask = torch.ones(1, 1, n, lm.cache_len, dtype=torch.bool, device=dev)
-        self.graph, (self.logits, self.hidden), self.capture_ms = capture_cuda_graph(
-            lambda: verify_static(model, self.tokens, self.positions, self.slots, self.mask), dev, warmup
-        )
-
-    def valid_for(self, model, n: int) -> bool:
-        return model is self.model and n == self.n and model.language_model.layers[0].self_attn.kv_cache.k is self.cache
-
-    @torch.no_grad()
-    def __call__(self, tree: Tree, start: int, root_position: int) -> tuple:
-        """`verify_tree(model, tree, start, root_position, live_prefix=False)`: (logits (N, V), hidden (N, C)), views
-        into the graph's outputs (valid until the next call)."""
-        if len(tree) != self.n:
-            raise LiteVLMError(f"this verification graph takes trees of {self.n} nodes; got {len(tree)}")
-        self.tokens.copy_(tree.tokens)
-        self.positions.copy_(tree.depth[None] + root_position)
-        self.slots.copy_(torch.arange(start, start + self.n, device=self.slots.device))
-        self.mask.copy_(static_mask(tree, start, self.mask.shape[-1]))
-        self.graph.replay()
-        return self.logits, self.hidden
-
-
-@torch.no_grad()
-def verify_chain_greedy(model, tokens: torch.Tensor, start: int, root_position: int, plan) -> tuple | None:
-    """`verify_tree` + `accept_greedy` for a chain (root + drafts, tokens (n,)) in one CPU call on the
-    CPU -> (emitted tokens (a+1,): the accepted drafts and the bonus; the pairs for the draft's next extend:
-    the target's hidden states at the root and the accepted drafts (a+1, C), the embeddings of the tokens
-    after them (a+1, C), their positions (a+1,)). A chain's accepted path is a prefix, so nothing needs
-    committing. None where the module path runs (no `plan`, or a head or final norm it does not know)."""
-    lm = model.language_model
-    if plan is None or not lm.head_fusable(model.lm_head):
-        return None
-    cfg = lm.cfg
-    cos, sin = lm.rope_table(root_position + tokens.numel(), torch.float32, tokens.device)
-    return lm.steps.verify_chain(
-        tokens,
-        start,
-        root_position,
-        cos,
-        sin,
-        lm.embed_tokens.weight.detach(),
-        plan.weights,
-        cpu_steps.caches(lm.layers),
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.norm_eps,
-        lm.norm.weight.detach(),
-        row_major(model.lm_head),
-    )
+    return as_backend(target).verify(tree.tokens, tree.depth, tree.mask, start, root_position)
 
 
 def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -439,6 +332,6 @@ def accept_sampled(
     return torch.tensor(path, device=logits.device), bonus.to(logits.device)
 
 
-def commit_path(model, path: torch.Tensor, start: int) -> None:
+def commit_path(backend, path: torch.Tensor, start: int) -> None:
     """Move the accepted nodes' K/V (tree slots start + path) to the contiguous slots start.. ."""
-    model.language_model.commit(path + start, start)
+    backend.commit(path + start, start)

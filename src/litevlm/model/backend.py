@@ -1,0 +1,580 @@
+"""One execution backend per model, chosen once when the pipeline is built.
+
+Generation needs five operations of the decoder: a prompt's layers (plain, or the layers before and after the
+pruning hook), one decode step, a tree verification, a draft head's steps (extend, tree level, chain, a whole greedy
+cycle), and the commit of an accepted path. A backend offers them for one model (and its draft head), and the
+route is fixed when the backend is made, never re-chosen per call:
+
+- `ModulesBackend`: the nn.Module path, the reference. Any device and dtype, forward hooks (FP8 calibration),
+  FP8 layers, training.
+- `NativeBackend`: the one-sequence CPU steps of cpu_steps.cpp (`litevlm.model.native`), built and loaded, and the
+  weights packed for it, when the backend is made: a decode step or a greedy chain cycle is one call.
+- `CudaBackend`: the module path as shape-static steps, one per KV-length bucket, captured as CUDA graphs before
+  any prompt and replayed (decode, and verification of trees of the configured size), with the prefill compiled
+  per prompt-length bucket (gpt-fast's recipe). With `twin=True` it runs on the CPU: every mechanism of a capture
+  except the CUDA calls (the warm-up with its side effects, the static buffers, replay on those buffers), so CI
+  tests what a GPU runs.
+
+`choose_backend` picks one. Whatever changes the weights afterwards (training, quantising, loading a module) makes
+a new backend (`Pipeline.rebuild`): a native backend's packed weights and a CUDA backend's graphs belong to the
+weights they were made from.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from litevlm.errors import LiteVLMError
+from litevlm.model import cpu_steps
+from litevlm.model.layers import linear, row_major
+from litevlm.model.lm import RMSNorm
+
+BACKENDS = ("auto", "modules", "native", "cuda", "cuda-twin")
+CACHE_MULTIPLE = 128  # cache lengths are rounded up to this (the fused attention kernels like 16-aligned keys)
+KV_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)  # a static step attends over the smallest bucket that holds its slots
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def round_up(n: int, multiple: int = CACHE_MULTIPLE) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen and when generation stops: greedy at temperature 0, else temperature + nucleus
+    sampling from `generator`; at most `max_new_tokens`, ending after `eos_id` (None: never)."""
+
+    max_new_tokens: int = 160
+    eos_id: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = field(default=None, compare=False)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (B, V) -> tokens (B,)."""
+        if self.greedy:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits.float() / self.temperature, -1)
+        if self.top_p < 1.0:
+            sorted_p, idx = probs.sort(-1, descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < self.top_p  # always keeps the top token
+            probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p * keep)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+
+def tree_mask_over(tree_mask: torch.Tensor, start: int, width: int) -> torch.Tensor:
+    """(1, 1, N, width) bool: node i sees the committed slots 0..start-1 and its ancestors at start.. (tree_mask
+    (N, N): ancestor-or-self)."""
+    n = tree_mask.shape[0]
+    mask = torch.zeros(n, width, dtype=torch.bool, device=tree_mask.device)
+    mask[:, :start] = True
+    mask[:, start : start + n] = tree_mask
+    return mask[None, None]
+
+
+# ------------------------------------------------------------------------------------------------
+# The modules: the reference
+# ------------------------------------------------------------------------------------------------
+class ModulesBackend:
+    """The decoder's nn.Modules, called as they are (hooks fire, FP8 layers run, any device and dtype)."""
+
+    name = "modules"
+    greedy_chain = False  # a greedy chain cycle as one call per side (`NativeBackend`)
+
+    def __init__(self, model, draft=None):
+        self.model = model
+        self.lm = model.language_model
+        self.draft = draft
+        self.drafter = draft  # what drafts: the head itself here
+        self.setup_ms = 0.0  # one-off cost of making the backend (native build, packing, capture, compilation)
+        self.stats = {"graph_replays": 0, "eager_steps": 0}
+
+    # -- the prompt -----------------------------------------------------------------------------
+    def prompt(self, embeds, positions, start_layer: int = 0, end_layer: int | None = None, tree_tail=None):
+        """A prompt of one sequence (1, T, C) at positions (1, T) into cache slots 0..T-1, causally, through layers
+        [start_layer, end_layer) -> (1, T, C), post-norm when end_layer is None. tree_tail (m, T): the last m rows
+        are a tree after the prompt (answer openings), row i seeing where tree_tail[i] is True."""
+        t = embeds.shape[1]
+        slots = torch.arange(t, device=embeds.device)
+        return self.lm(
+            embeds,
+            positions,
+            slots=slots,
+            mask=None,
+            kv_len=t,
+            start_layer=start_layer,
+            end_layer=end_layer,
+            tree_tail=tree_tail,
+        )
+
+    def ready_prefill(self, t: int) -> None:
+        """Make ready whatever a t-token prompt's prefill needs before it is timed (`CudaBackend`: its length
+        bucket's compilation); nothing here."""
+
+    def prefill(self, embeds, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt (1, T, C) into slots 0..T-1 -> (last logits (1, V), hidden (1, T, C))."""
+        hidden = self.prompt(embeds, positions)
+        return linear(hidden[:, -1], self.model.lm_head), hidden
+
+    # -- one token, one tree --------------------------------------------------------------------
+    def decode(self, token: torch.Tensor, position: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """token (1, 1) at RoPE `position`, written at cache `slot`, attending over slots 0..slot -> (logits (1, V),
+        post-norm hidden (1, 1, C))."""
+        lm, dev = self.lm, token.device
+        pos = torch.full_like(token, position)
+        hidden = lm(lm.embed_tokens(token), pos, slots=torch.tensor([slot], device=dev), kv_len=slot + 1)
+        return linear(hidden[:, -1], self.model.lm_head), hidden
+
+    def verify(self, tokens, depth, tree_mask, start: int, root_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A flattened tree (tokens (N,), depth (N,), ancestor-or-self mask (N, N)) at slots start..start+N-1 and
+        positions root_position + depth, over the committed slots 0..start-1 -> (logits (N, V), hidden (N, C))."""
+        lm, n = self.lm, tokens.shape[0]
+        positions = (depth + root_position)[None]  # (1, N)
+        slots = torch.arange(start, start + n, device=tokens.device)
+        mask = tree_mask_over(tree_mask, start, start + n)
+        hidden = lm(lm.embed_tokens(tokens)[None], positions, slots=slots, mask=mask, kv_len=start + n)[0]
+        return linear(hidden, self.model.lm_head), hidden
+
+    def verify_chain(self, tokens, start: int, root_position: int):
+        raise LiteVLMError(f"the {self.name} backend verifies chains as trees (greedy_chain is False)")
+
+    def commit(self, src_slots: torch.Tensor, dst_start: int) -> None:
+        """Move the accepted entries at src_slots to dst_start.. in every layer."""
+        self.lm.commit(src_slots, dst_start)
+
+
+# ------------------------------------------------------------------------------------------------
+# The native CPU steps
+# ------------------------------------------------------------------------------------------------
+def native_refusal(model, draft=None) -> str | None:
+    """Why the native steps cannot serve this model (and draft), or None: they take one fp32 sequence on the CPU
+    through plain, unhooked projections, an RMSNorm and a bias-free LM head."""
+    from litevlm.model import native
+
+    lm = model.language_model
+    w = lm.embed_tokens.weight
+    if w.device.type != "cpu":
+        return f"the model is on {w.device}"
+    if w.dtype != torch.float32:
+        return f"the model is in {w.dtype}"
+    cache = lm.layers[0].self_attn.kv_cache
+    if cache is not None and cache.k.shape[0] != 1:
+        return "the KV cache holds more than one sequence"
+    if cpu_steps.hooked(lm.layers):
+        return "forward hooks are set on the decoder (they would not fire in a native step)"
+    if not all(layer.fusable() for layer in lm.layers):
+        return "a decoder layer is not plain Linear projections (FP8 or another transform)"
+    if type(model.lm_head) is not nn.Linear or model.lm_head.bias is not None or type(lm.norm) is not RMSNorm:
+        return "the LM head or the final norm is not a plain bias-free Linear and an RMSNorm"
+    if draft is not None and not (hasattr(draft, "chain_arguments") and draft.layer.fusable()):
+        return "the draft is not a DraftHead of plain Linear projections"
+    if native.ops() is None:
+        return f"the native build is unavailable ({native.error()})"
+    return None
+
+
+class NativeBackend(ModulesBackend):
+    """The one-sequence CPU steps of cpu_steps.cpp, with the weights packed once when the backend is made."""
+
+    name = "native"
+    greedy_chain = True
+
+    def __init__(self, model, draft=None):
+        super().__init__(model, draft)
+        t0 = time.perf_counter()
+        why = native_refusal(model, draft)
+        if why is not None:
+            raise LiteVLMError(f"the native CPU steps cannot run this model: {why}")
+        from litevlm.model import native
+
+        self.steps = cpu_steps.NativeSteps(native.ops())
+        cfg = self.lm.cfg
+        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
+        with torch.no_grad():
+            self.weights = [cpu_steps.layer_weights(layer) for layer in self.lm.layers]
+            self.embed = self.lm.embed_tokens.weight.detach()
+            self.norm_w = self.lm.norm.weight.detach()
+            self.head = row_major(model.lm_head)
+            self.bf16 = bool(self.lm.layers[0].bf16_min_rows)
+        self.drafter = NativeDraft(draft, self.steps) if draft is not None else None
+        self.setup_ms = (time.perf_counter() - t0) * 1e3
+
+    def _caches(self):
+        return cpu_steps.caches(self.lm.layers)
+
+    def prompt(self, embeds, positions, start_layer: int = 0, end_layer: int | None = None, tree_tail=None):
+        lm, cfg = self.lm, self.lm.cfg
+        t, d = embeds.shape[1], cfg.head_dim
+        layers = lm.layers[start_layer:end_layer]
+        cos, sin = lm.rope_table(int(positions.max()), embeds.dtype, embeds.device)  # (P, 1, D)
+        cos, sin = cos[positions[0]], sin[positions[0]]  # (T, 1, D)
+        weights = self.weights[start_layer:end_layer]
+        bf16 = self.bf16 and t >= lm.layers[0].bf16_min_rows
+        out = self.steps.prompt(
+            embeds[0],
+            cos.reshape(t, 1, d),
+            sin.reshape(t, 1, d),
+            weights,
+            cpu_steps.caches(layers),
+            cfg,
+            bf16,
+            tree_tail,
+        )
+        return lm.norm(out[None]) if end_layer is None else out[None]
+
+    def decode(self, token, position: int, slot: int):
+        cos, sin = self.lm.rope_table(position, torch.float32, token.device)
+        logits, hidden = self.steps.decode(
+            token.view(1), position, slot, cos, sin, self.embed, self.weights, self._caches(), *self.shape,
+            self.norm_w, self.head,
+        )  # fmt: skip
+        return logits, hidden[None]
+
+    def verify(self, tokens, depth, tree_mask, start: int, root_position: int):
+        n = tokens.shape[0]
+        positions = depth + root_position
+        cos, sin = self.lm.rope_table(int(positions.max()), torch.float32, tokens.device)
+        mask = tree_mask_over(tree_mask, start, start + n)
+        x = self.steps.layers(
+            self.embed[tokens], cos[positions], sin[positions], start, mask, self.weights, self._caches(), *self.shape
+        )
+        hidden = self.lm.norm(x)
+        return hidden @ self.head, hidden
+
+    def verify_chain(self, tokens, start: int, root_position: int):
+        """`verify` + greedy acceptance for a chain (root + drafts, tokens (n,)) in one call -> (the emitted tokens
+        (a+1,), the features (a+1, C) and next embeddings (a+1, C) of the pairs the draft extends with next, their
+        positions (a+1,)). A chain's accepted path is a prefix of it: nothing to commit."""
+        cos, sin = self.lm.rope_table(root_position + tokens.numel(), torch.float32, tokens.device)
+        return self.steps.verify_chain(
+            tokens, start, root_position, cos, sin, self.embed, self.weights, self._caches(), *self.shape,
+            self.norm_w, self.head,
+        )  # fmt: skip
+
+
+class NativeDraft:
+    """A draft head's steps as native calls (`cpu_steps.cpp`): the same `extend`, `step`, `topk`, `prepare` as the
+    head, plus the chain and the greedy cycle in one call each. Its weights are packed once, here."""
+
+    def __init__(self, draft, steps: cpu_steps.NativeSteps):
+        self.head_module = draft
+        self.steps = steps
+        cfg = draft.cfg
+        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
+        with torch.no_grad():
+            self.weights = [cpu_steps.layer_weights(draft.layer)]
+            self.chain_args = draft.chain_arguments()
+        self.cfg = cfg
+        self.openings = getattr(draft, "openings", None)
+
+    def prepare(self, cache_len: int, max_position: int) -> None:
+        self.head_module.prepare(cache_len, max_position)
+
+    def topk(self, hidden, k: int):
+        return self.head_module.topk(hidden, k)
+
+    def embed(self, tokens):
+        return self.head_module.embed(tokens)
+
+    def _layer(self, x, cos, sin, start: int, mask, last_only: bool = False):
+        caches = cpu_steps.caches((self.head_module.layer,))
+        return self.steps.layers(x, cos, sin, start, mask, self.weights, caches, *self.shape, last_only)
+
+    def extend(self, features, next_embeds, positions, start: int, last_only: bool = False):
+        h = self.head_module
+        x, cos, sin, mask = h.extend_inputs(features, next_embeds, positions, start, last_only)
+        return self._layer(x, cos, sin, start, mask, last_only)
+
+    def step(self, tokens, hidden, position: int, start: int, mask):
+        h = self.head_module
+        cos, sin = h.cos_sin(position)
+        x = h.fuse(hidden, h.embed(tokens))
+        return self._layer(x, cos, sin, start, None if mask is None else mask[None, None])
+
+    def _tail(self) -> tuple:
+        caches = cpu_steps.caches((self.head_module.layer,))
+        return (*self.chain_args, self.weights, caches, *self.shape)
+
+    def draft_chain(self, root_hidden, position: int, start: int, depth: int, min_value: float, eos_id):
+        cos, sin = self.head_module.rope
+        return self.steps.chain(
+            root_hidden, position, start, depth, _log_min(min_value), _eos(eos_id), cos, sin, *self._tail()
+        )
+
+    def draft_cycle(self, features, next_embeds, positions, start, root, root_position, depth, min_value, eos_id):
+        """`extend(..., last_only=True)` then `draft_chain` from its output, in one call -> the chain to verify
+        (1 + m,): the root, then the m drafted ids."""
+        cos, sin = self.head_module.rope
+        return self.steps.draft_cycle(
+            features, next_embeds, positions, start, root.reshape(1), root_position, depth, _log_min(min_value),
+            _eos(eos_id), cos, sin, *self._tail(),
+        )  # fmt: skip
+
+
+def _log_min(min_value: float) -> float:
+    import math
+
+    return math.log(min_value) if min_value > 0 else -math.inf
+
+
+def _eos(eos_id: int | None) -> int:
+    return -1 if eos_id is None else eos_id
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: shape-static steps per KV-length bucket, captured as graphs; and their CPU twin
+# ------------------------------------------------------------------------------------------------
+class StepGraph:
+    """fn() over static input tensors, captured once and replayed: a CUDA graph, or its CPU twin.
+
+    Capture: `warmup` eager runs of fn (on a side stream on CUDA, as capture requires; their side effects are real,
+    so fn's static inputs must point at scratch cache slots while they run), then the capture, whose outputs are
+    the static output tensors every replay rewrites. The twin does all of this except the CUDA calls: its
+    "capture" runs fn once more for the output buffers, and a replay runs fn and copies its results into them,
+    so a caller that held on to an output across replays sees what it would see on a GPU."""
+
+    def __init__(self, fn, device, twin: bool, warmup: int = 2, pool=None):
+        self.fn, self.twin = fn, twin
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if twin:
+                for _ in range(warmup):
+                    fn()
+                self.out = fn()
+            else:
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    for _ in range(warmup):
+                        fn()
+                torch.cuda.current_stream(device).wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=pool):
+                    self.out = fn()
+                torch.cuda.synchronize(device)
+        self.capture_ms = (time.perf_counter() - t0) * 1e3
+
+    def replay(self):
+        if self.twin:
+            with torch.no_grad():
+                for dst, src in zip(self.out, self.fn()):
+                    dst.copy_(src)
+        else:
+            self.graph.replay()
+        return self.out
+
+
+def _distinct(fn, tag: str):
+    """A copy of fn with its own code object, so that torch.compile keeps one cache (and recompile limit) per copy."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _decode_static(model, token, position, slot, width: int):
+    """One decode step with fixed shapes: token (1, 1), position (1, 1), slot (1,) tensors; attention over cache
+    slots 0..width-1 where col <= slot -> (logits (1, V), hidden (1, 1, C))."""
+    lm = model.language_model
+    mask = (torch.arange(width, device=token.device) <= slot)[None, None, None]  # (1, 1, 1, width)
+    hidden = lm(lm.embed_tokens(token), position, slots=slot, mask=mask, kv_len=width)
+    return model.lm_head(hidden[:, -1]), hidden
+
+
+def _verify_static(model, tokens, positions, slots, mask, width: int):
+    """A tree of fixed size with fixed shapes: tokens (N,), positions (1, N), slots (N,), mask (1, 1, N, width)
+    -> (logits (N, V), hidden (N, C))."""
+    lm = model.language_model
+    hidden = lm(lm.embed_tokens(tokens)[None], positions, slots=slots, mask=mask, kv_len=width)[0]
+    return model.lm_head(hidden), hidden
+
+
+def _prefill_static(model, embeds, positions, slots, length: int):
+    """A padded prompt of `length` rows from slot 0, causal (the fused kernels' fast path) -> hidden (1, length, C)."""
+    return model.language_model(embeds, positions, slots=slots, mask=None, kv_len=length)
+
+
+class CudaBackend(ModulesBackend):
+    """The module path as shape-static steps per KV-length bucket, captured as CUDA graphs before any prompt.
+
+    The cache holds `cache_len` live slots (a multiple of 128) and at least `tree_nodes` scratch slots past them
+    (`TextModel.setup_cache(..., scratch=)`). A step for bucket W attends over slots 0..W-1: a decode at slot s
+    replays the smallest bucket with s < W, a verification of N nodes at start the smallest with start + N <= W.
+    Warm-up and capture run with the slot inputs pointing at the scratch slots, so they never touch a live slot:
+    a capture made after a prompt leaves its cache as it was. Trees of another size than `tree_nodes` verify
+    through the modules; `stats` counts replays and eager steps, so a benchmark can show which ran.
+
+    The prefill pads a prompt to its length bucket and runs it causally from slot 0, compiled once per bucket
+    (`compile`; each bucket with its own code object); a bucket's first call is setup time, never prefill time.
+    compile_steps: the decode and verification steps compiled too (inductor) before capture.
+    twin: the same on the CPU, every CUDA call replaced by its eager equivalent (`StepGraph`).
+    """
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        model,
+        draft=None,
+        tree_nodes: int = 0,
+        twin: bool = False,
+        compile: bool | None = None,
+        compile_steps: bool = False,
+        kv_buckets=KV_BUCKETS,
+        prefill_buckets=PREFILL_BUCKETS,
+    ):
+        super().__init__(model, draft)
+        if twin:
+            self.name = "cuda-twin"
+        elif model.device.type != "cuda":
+            raise LiteVLMError(f"the cuda backend needs the model on a CUDA device; it is on {model.device}")
+        t0 = time.perf_counter()
+        lm = self.lm
+        self.twin = twin
+        self.compile = (not twin) if compile is None else compile
+        cache = lm.layers[0].self_attn.kv_cache
+        if cache is None:
+            raise LiteVLMError("set up the KV cache (TextModel.setup_cache) before making a cuda backend")
+        self.cache_len = lm.cache_len
+        self.scratch = cache.max_len - self.cache_len  # slots past the live ones: warm-up and capture write there
+        if self.scratch < max(1, tree_nodes):
+            raise LiteVLMError(
+                f"the cache has {self.scratch} scratch slots; capture needs {max(1, tree_nodes)}: "
+                "setup_cache(..., scratch=) with at least the tree size"
+            )
+        self.widths = sorted({w for w in kv_buckets if w < self.cache_len} | {self.cache_len})
+        self.prefill_buckets = tuple(sorted(b for b in prefill_buckets if b < self.cache_len)) + (self.cache_len,)
+        self.tree_nodes = tree_nodes
+        dev = model.device
+        self.pool = None if twin else torch.cuda.graph_pool_handle()
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.position = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.slot = torch.full((1,), self.cache_len, dtype=torch.long, device=dev)  # a scratch slot while capturing
+        self.decode_graphs = {w: self._capture_decode(w, compile_steps) for w in self.widths}
+        self.verify_graphs = {}
+        if tree_nodes > 0:
+            n = tree_nodes
+            self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
+            self.positions = torch.zeros(1, n, dtype=torch.long, device=dev)
+            self.slots = torch.arange(self.cache_len, self.cache_len + n, device=dev)  # scratch while capturing
+            self.masks = {w: torch.ones(1, 1, n, w, dtype=torch.bool, device=dev) for w in self.widths if w >= n}
+            self.verify_graphs = {w: self._capture_verify(w, compile_steps) for w in self.masks}
+        self._prefill_fns: dict[int, object] = {}
+        self.setup_ms = (time.perf_counter() - t0) * 1e3
+
+    def _compiled(self, fn, tag: str, compile_it: bool):
+        fn = _distinct(fn, tag)
+        return torch.compile(fn, dynamic=False, fullgraph=True) if compile_it else fn
+
+    def _capture_decode(self, width: int, compile_it: bool) -> StepGraph:
+        step = self._compiled(_decode_static, f"decode_{width}", compile_it)
+        model = self.model
+        return StepGraph(
+            lambda: step(model, self.token, self.position, self.slot, width), model.device, self.twin, pool=self.pool
+        )
+
+    def _capture_verify(self, width: int, compile_it: bool) -> StepGraph:
+        step = self._compiled(_verify_static, f"verify_{width}", compile_it)
+        model, mask = self.model, self.masks[width]
+        return StepGraph(
+            lambda: step(model, self.tokens, self.positions, self.slots, mask, width),
+            model.device,
+            self.twin,
+            pool=self.pool,
+        )
+
+    def _width(self, end: int) -> int | None:
+        """The smallest bucket whose steps see slots 0..end-1, or None past the live cache."""
+        return next((w for w in self.widths if w >= end), None)
+
+    # -- operations -----------------------------------------------------------------------------
+    def prefill(self, embeds, positions):
+        t = embeds.shape[1]
+        b = next(b for b in self.prefill_buckets if b >= t) if t <= self.cache_len else None
+        if b is None:
+            raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {self.cache_len}")
+        fn = self._prefill_fns.get(b)
+        if fn is None:  # a new bucket: compile it here, on this prompt, and count it as setup
+            sync_start = time.perf_counter()
+            fn = self._prefill_fns[b] = self._compiled(_prefill_static, f"prefill_{b}", self.compile)
+            self._run_prefill(fn, embeds, positions, b)
+            _sync(embeds.device)
+            self.setup_ms += (time.perf_counter() - sync_start) * 1e3
+        hidden = self._run_prefill(fn, embeds, positions, b)
+        return linear(hidden[:, -1], self.model.lm_head), hidden
+
+    def ready_prefill(self, t: int) -> None:
+        """Compile the prefill bucket of a t-token prompt now, as setup, on a zero prompt (the real prefill that
+        follows rewrites every slot it wrote)."""
+        lm, dev = self.lm, self.model.device
+        b = next(b for b in self.prefill_buckets if b >= t)
+        if b not in self._prefill_fns:
+            embeds = torch.zeros(1, t, lm.cfg.hidden_size, dtype=lm.embed_tokens.weight.dtype, device=dev)
+            self.prefill(embeds, torch.arange(t, device=dev)[None])
+
+    def _run_prefill(self, fn, embeds, positions, b: int):
+        t = embeds.shape[1]
+        pad = b - t
+        padded = torch.cat([embeds, embeds.new_zeros(1, pad, embeds.shape[2])], 1)
+        padded_pos = torch.cat(
+            [positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)[None]], 1
+        )
+        slots = torch.arange(b, device=embeds.device)
+        return fn(self.model, padded, padded_pos, slots, b)[:, :t]
+
+    def decode(self, token, position: int, slot: int):
+        w = self._width(slot + 1)
+        if w is None:
+            raise LiteVLMError(f"decode slot {slot} is past the KV cache ({self.cache_len})")
+        self.token.copy_(token.view(1, 1))
+        self.position.fill_(position)
+        self.slot.fill_(slot)
+        logits, hidden = self.decode_graphs[w].replay()
+        self.stats["graph_replays"] += 1
+        return logits, hidden
+
+    def verify(self, tokens, depth, tree_mask, start: int, root_position: int):
+        n = tokens.shape[0]
+        w = self._width(start + n) if n == self.tree_nodes else None
+        if w is None or w not in self.verify_graphs:
+            self.stats["eager_steps"] += 1
+            return super().verify(tokens, depth, tree_mask, start, root_position)
+        self.tokens.copy_(tokens)
+        self.positions.copy_(depth[None] + root_position)
+        self.slots.copy_(torch.arange(start, start + n, device=tokens.device))
+        self.masks[w].copy_(tree_mask_over(tree_mask, start, w))
+        self.stats["graph_replays"] += 1
+        return self.verify_graphs[w].replay()
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Choosing
+# ------------------------------------------------------------------------------------------------
+def choose_backend(kind: str, model, draft=None, tree_nodes: int = 0, **cuda_options) -> ModulesBackend:
+    """The backend `kind` names for this model: "modules", "native", "cuda", "cuda-twin", or "auto" (cuda on a
+    CUDA device, else native where it can serve the model, else the modules)."""
+    if kind not in BACKENDS:
+        raise LiteVLMError(f"unknown backend {kind!r}; choose one of {', '.join(BACKENDS)}")
+    if kind == "auto":
+        if model.device.type == "cuda":
+            kind = "cuda"
+        else:
+            kind = "native" if native_refusal(model, draft) is None else "modules"
+    if kind == "modules":
+        return ModulesBackend(model, draft)
+    if kind == "native":
+        return NativeBackend(model, draft)
+    return CudaBackend(model, draft, tree_nodes, twin=kind == "cuda-twin", **cuda_options)
