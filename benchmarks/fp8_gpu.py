@@ -2,7 +2,8 @@
 
 Stages, each timed eager and compiled (wall ms, device synchronised, median after warm-up):
   vision   InternViT-300M + pixel shuffle + projector on 12 448-px tiles (encode_tiles)
-  prefill  the InternLM2.5-1.8B-shaped decoder over 858 tokens (LiteVLM) and 3214 tokens (baseline)
+  prefill  the InternLM2.5-1.8B-shaped decoder over 858 tokens (LiteVLM) and 3214 tokens (baseline), causal from
+           cache slot 0 without a mask (SDPA's is_causal kernel, as the pipeline's prefill runs)
   decode   one token after a 3214-token prompt; compiled with mode="reduce-overhead" (a CUDA graph)
 Weights are random (bf16); the static recipe is calibrated on the benchmark's own inputs. FP8 rows
 use litevlm.quant.fp8 with include_vision=True (decoder linears always; vision linears for the vision
@@ -13,8 +14,16 @@ line saying it was skipped and why, and exits 0. `--dry-run-cpu` runs the same c
 tiny config and the "eager" compile backend, to check the script itself (its timings mean nothing).
 The last line of stdout is JSON.
 
+Every variant (bf16, then each recipe) is timed eager first, then compiled variant by variant: each compiled pass
+compiles its own graphs, a minute or more at these shapes. `--budget-s S` keeps the run inside about S seconds: a
+compiled pass that the time left cannot hold (judged by the first one's time) is skipped, and a stage not started when
+the budget is spent is left out; both are listed in the JSON (`left_out`). A compile started before the deadline runs
+to its end: leave the caller's timeout a minute above S. `--jsonl PATH` appends each stage to PATH as one JSON line
+the moment it is measured, so a run cut short keeps what it measured.
+
     python benchmarks/fp8_gpu.py                       # everything (allow ~10 min for the compiles)
     python benchmarks/fp8_gpu.py --stages decode --recipes fp8-dynamic-per-row
+    python benchmarks/fp8_gpu.py --recipes fp8-dynamic-per-row --budget-s 100 --jsonl fp8.jsonl
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import platform
 import statistics
 import sys
@@ -126,9 +136,10 @@ class Stages:
             return model.encode_tiles(self.pixels)
 
         def prefill(t: int):
-            pos = torch.arange(t, device=self.device)[None]
-            mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()[None, None]  # (1, 1, T, T) causal
-            hidden = lm(self.embeds[:, :t], pos, slots=pos[0], mask=mask, kv_len=t)
+            pos = torch.arange(t, device=self.device)[None]  # (1, T)
+            # no mask, kv_len = T from slot 0: attention is SDPA's is_causal path (an explicit (T, T) mask would push
+            # it off the fused causal kernels)
+            hidden = lm(self.embeds[:, :t], pos, slots=pos[0], kv_len=t)
             return model.lm_head(hidden[:, -1])
 
         def decode():
@@ -138,7 +149,7 @@ class Stages:
         v, p, d = vision, prefill, decode
         if compile_kw is not None:
             v, p = torch.compile(vision, **compile_kw), torch.compile(prefill, dynamic=True, **compile_kw)
-            d = torch.compile(decode, fullgraph=True, **(decode_kw or compile_kw))
+            d = torch.compile(decode, **(decode_kw or compile_kw))
         out = {"vision": v, "decode": d}
         for t in self.prefill_lens:
             out[f"prefill_{t}"] = lambda t=t: p(t)
@@ -146,33 +157,50 @@ class Stages:
 
 
 @torch.no_grad()
-def measure(name: str, model: VLM, st: Stages, args, compile_kw, decode_kw, refs: dict | None) -> dict:
-    rows = {}
-    for mode in (["eager"] if args.eager else []) + ["compiled"]:
-        fns = st.fns(model, None if mode == "eager" else compile_kw, decode_kw)
-        # the decode step reads the cache a prefill filled: run the longest prefill first
-        order = [k for k in fns if k.startswith("prefill")] + ["vision", "decode"]
-        for stage in order:
-            if stage.split("_")[0] not in args.stages:
-                continue
-            graphs = (
-                mode == "compiled"
-                and stage == "decode"
-                and decode_kw is not None
-                and decode_kw.get("mode") == "reduce-overhead"
-            )
-            first, ms = time_ms(fns[stage], st.device, args.warmup, args.iters, graphs)
-            row = rows.setdefault(stage, {})
-            row[f"{mode}_ms"] = round(ms, 4)
-            row[f"{mode}_first_call_ms"] = round(first, 1)
-            if mode == "eager":  # accuracy from the eager outputs (a CUDA graph's outputs are reused buffers)
-                out = fns[stage]().float()
-                if refs is None:
-                    row["_out"] = out
-                else:
-                    row["sqnr_db_vs_bf16"] = round(sqnr(refs[stage], out), 2)
-            log(f"  {name:<24} {stage:<13} {mode:<9} {ms:9.3f} ms   (first call {first / 1e3:.1f} s)")
-    return rows
+def measure(name: str, model: VLM, st: Stages, args, mode: str, compile_kw, decode_kw, rows: dict, out) -> None:
+    """Each stage of one variant in one mode ("eager" or "compiled") into rows[stage]. A stage not started by the
+    budget's deadline is left out (`out.left_out`); each stage measured is emitted at once (`out.stage`)."""
+    fns = st.fns(model, None if mode == "eager" else compile_kw, decode_kw)
+    # the decode step reads the cache a prefill filled: run the longest prefill first
+    order = [k for k in fns if k.startswith("prefill")] + ["vision", "decode"]
+    for stage in order:
+        if stage.split("_")[0] not in args.stages:
+            continue
+        if time.perf_counter() > out.deadline:
+            out.left_out.append(f"{name} {stage} {mode}: the time budget was spent")
+            log(f"  {name:<24} {stage:<13} {mode:<9} left out (the time budget was spent)")
+            continue
+        graphs = mode == "compiled" and stage == "decode" and (decode_kw or {}).get("mode") == "reduce-overhead"
+        first, ms = time_ms(fns[stage], st.device, args.warmup, args.iters, graphs)
+        row = rows.setdefault(stage, {})
+        row[f"{mode}_ms"] = round(ms, 4)
+        row[f"{mode}_first_call_ms"] = round(first, 1)
+        if mode == "eager":  # accuracy from the eager outputs (a CUDA graph's outputs are reused buffers)
+            y = fns[stage]().float()
+            if name == "bf16":
+                out.refs[stage] = y
+            elif stage in out.refs:
+                row["sqnr_db_vs_bf16"] = round(sqnr(out.refs[stage], y), 2)
+        log(f"  {name:<24} {stage:<13} {mode:<9} {ms:9.3f} ms   (first call {first / 1e3:.1f} s)")
+        out.stage(name, mode, stage, row)
+
+
+class Output:
+    """What the run has measured so far: the bf16 references for the SQNR, what the budget left out, and each
+    stage appended to `--jsonl` as one JSON line the moment it is measured."""
+
+    def __init__(self, jsonl: str | None, budget_s: float | None):
+        self.jsonl, self.t0 = jsonl, time.perf_counter()
+        self.deadline = self.t0 + (math.inf if budget_s is None else budget_s)
+        self.refs: dict[str, torch.Tensor] = {}
+        self.left_out: list[str] = []
+
+    def stage(self, variant: str, mode: str, stage: str, row: dict) -> None:
+        if self.jsonl:
+            line = {"variant": variant, "mode": mode, "stage": stage, **row}
+            line["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+            with open(self.jsonl, "a") as f:
+                f.write(json.dumps(line) + "\n")
 
 
 def main(argv=None) -> int:
@@ -186,6 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-eager", dest="eager", action="store_false", help="time compiled runs only")
     ap.add_argument("--fast-accum", action="store_true", help="cuBLAS fast accumulation in the FP8 GEMM")
     ap.add_argument("--dry-run-cpu", action="store_true", help="check the script on the CPU with a tiny config")
+    ap.add_argument("--budget-s", type=float, default=None, help="finish within this many seconds (default: no limit)")
+    ap.add_argument("--jsonl", default=None, help="append each stage measured to this file as one JSON line")
     args = ap.parse_args(argv)
     args.stages = set(args.stages.split(","))
     recipes = [r for r in args.recipes.split(",") if r]
@@ -197,13 +227,15 @@ def main(argv=None) -> int:
         return 0
     device = torch.device("cpu" if args.dry_run_cpu else "cuda")
     if args.dry_run_cpu:
+        # the CPU decoder reads its RoPE table up to the positions' max (data-dependent): graph breaks allowed here
         cfg, compile_kw, decode_kw = tiny_config(), {"backend": "eager"}, {"backend": "eager"}
         prefill_lens = [min(t, 24 + 8 * i) for i, t in enumerate(prefill_lens)]
         args.tiles = min(args.tiles, 2)
     else:
-        cfg, compile_kw, decode_kw = preset("2b"), {}, {"mode": "reduce-overhead"}
+        cfg, compile_kw, decode_kw = preset("2b"), {}, {"mode": "reduce-overhead", "fullgraph": True}
 
     t_start = time.perf_counter()
+    out = Output(args.jsonl, args.budget_s)
     torch.manual_seed(0)
     with torch.device(device):
         model = VLM(cfg)
@@ -212,10 +244,11 @@ def main(argv=None) -> int:
     st.setup(model)
     log(f"{cfg.name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters on {device}")
 
-    results = {"bf16": measure("bf16", model, st, args, compile_kw, decode_kw, None)}
-    refs = {k: v.pop("_out") for k, v in results["bf16"].items() if "_out" in v}
+    # Every variant made up front (quantising takes seconds, no compile), so that the cheap eager figures of all of
+    # them come first and the compiles spend what is left of the budget.
+    variants = {"bf16": model}
+    results: dict[str, dict] = {"bf16": {}}
     for name in recipes:
-        torch._dynamo.reset()  # each variant compiles its own graphs
         recipe = FP8Recipe(name, include_vision=True, fast_accum=args.fast_accum)
         q = copy.deepcopy(model)
         amax = None
@@ -225,27 +258,43 @@ def main(argv=None) -> int:
             amax = calibrate(q, [fns[k] for k in order], recipe, progress=False)
         report = quantize_model(q, recipe, amax)
         log(report.summary().splitlines()[0])
-        st.setup(q)
-        results[name] = measure(name, q, st, args, compile_kw, decode_kw, refs if args.eager else None)
-        for row in results[name].values():
-            row.pop("_out", None)
-        results[name]["_layers"] = {"quantized": len(report.quantized), "unsupported": sorted(report.unsupported)}
-        del q
+        variants[name] = q
+        results[name] = {"_layers": {"quantized": len(report.quantized), "unsupported": sorted(report.unsupported)}}
+    if args.eager:  # 1. eager, every variant: FP8 against bf16, and the SQNR against bf16's outputs
+        for name, m in variants.items():
+            st.setup(m)
+            measure(name, m, st, args, "eager", compile_kw, decode_kw, results[name], out)
+    cost = None  # what one variant's compiled pass took (the first finished): a later one that cannot fit is skipped
+    for name, m in variants.items():  # 2. compiled, variant by variant, while the budget lasts
+        left = out.deadline - time.perf_counter()
+        if cost is not None and left < cost:
+            out.left_out.append(f"{name} compiled: {left:.0f} s of the budget left, a compiled pass took {cost:.0f} s")
+            log(f"{name}: compiled pass skipped ({out.left_out[-1]})")
+            continue
+        torch._dynamo.reset()  # each variant compiles its own graphs
+        st.setup(m)
+        t0 = time.perf_counter()
+        measure(name, m, st, args, "compiled", compile_kw, decode_kw, results[name], out)
+        cost = cost or time.perf_counter() - t0
+    del variants
 
-    # table: stage | bf16 eager/compiled | per recipe eager/compiled, speed-up (compiled), SQNR
-    stages = list(results["bf16"])
+    # table: stage | bf16 eager/compiled | per recipe eager/compiled, speed-up (compiled), SQNR; nan where skipped
+    nan = float("nan")
+    stages = [k for k in results["bf16"] if not k.startswith("_")]
+    measured = recipes
     head = f"{'stage':<13} {'bf16 eager':>11} {'bf16 comp.':>11}"
-    for name in recipes:
+    for name in measured:
         head += f" | {name + ' eager':>28} {'comp.':>9} {'x bf16':>7} {'SQNR dB':>8}"
     print(head)
     for stage in stages:
         b = results["bf16"][stage]
-        line = f"{stage:<13} {b.get('eager_ms', float('nan')):>11.3f} {b['compiled_ms']:>11.3f}"
-        for name in recipes:
-            r = results[name][stage]
+        line = f"{stage:<13} {b.get('eager_ms', nan):>11.3f} {b.get('compiled_ms', nan):>11.3f}"
+        for name in measured:
+            r = results[name].get(stage, {})
+            ratio = b.get("compiled_ms", nan) / r.get("compiled_ms", nan)
             line += (
-                f" | {r.get('eager_ms', float('nan')):>28.3f} {r['compiled_ms']:>9.3f} "
-                f"{b['compiled_ms'] / r['compiled_ms']:>7.2f} {r.get('sqnr_db_vs_bf16', float('nan')):>8.1f}"
+                f" | {r.get('eager_ms', nan):>28.3f} {r.get('compiled_ms', nan):>9.3f} "
+                f"{ratio:>7.2f} {r.get('sqnr_db_vs_bf16', nan):>8.1f}"
             )
         print(line)
     record = {
@@ -262,6 +311,8 @@ def main(argv=None) -> int:
         "fast_accum": args.fast_accum,
         "compile": {"vision_prefill": compile_kw or "default", "decode": decode_kw},
         "iters": args.iters,
+        "budget_s": args.budget_s,
+        "left_out": out.left_out,
         "results": results,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }

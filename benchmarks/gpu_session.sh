@@ -1,28 +1,208 @@
 #!/usr/bin/env bash
-# The GPU checks, prepared as one command for a session that is lent a CUDA machine (about 15 minutes of device
-# time in all): run it from the repository root there, with $OUT set to the folder whose files come back.
+# The GPU checks as one command, for a session lent a CUDA machine (an H200 image with torch and transformers, none
+# of the serve/eval extras, no network; about 15 minutes of device time in all). Run it from anywhere, with $OUT set
+# to the folder whose files come back:
 #
-#     bash benchmarks/gpu_session.sh            # tests, then the bench rows, then FP8 (each step runs even if one before failed)
+#     bash benchmarks/gpu_session.sh             # on the GPU: every step below, about 6.5 minutes
+#     bash benchmarks/gpu_session.sh --dry-run   # the same steps on this CPU, small shapes: checks the script
+#     GPU_SESSION_MINIMAL=1 bash benchmarks/gpu_session.sh --dry-run   # the least of each step (tests/test_gpu_session.py)
 #
-# What it writes under $OUT (each command's output, last line JSON where the command prints JSON):
-#   gpu_tests.log      the gpu-marked tests: graphed decode and verification, the compiled prefill buckets
-#                      through the pipeline, losslessness on CUDA, FP8 GEMMs
-#   bench_2b.json      `litevlm bench --shape 2b --cuda-graphs` (random weights at the 2B shapes, latency only)
-#   bench_2b_eager.json  the same rows without the graphs and compiled prefill, for the ratio side by side
-#   fp8_gpu.json       benchmarks/fp8_gpu.py at the paper's 2B shapes (FP8 against bf16, eager and compiled)
-# The package installs without its dependencies: the machine's image brings its own torch and transformers.
+# Each step runs under its own `timeout` (planned: under 8 minutes in all; the timeouts sum to 530 s), writes its
+# output under $OUT as it goes, and runs even if one before it failed; only a failed install or no CUDA device stops
+# the run (non-zero, with FAILED.txt saying why). What it writes under $OUT:
+#   steps.jsonl / steps.json   each step's exit status, seconds and whether it timed out (a line as each ends)
+#   env.json                   torch, CUDA, device and capability, transformers, which optional packages import
+#   gpu.txt                    nvidia-smi's name, memory and driver (GPU only)
+#   gpu_tests.log / .xml / .json  the gpu-marked tests (pytest -m gpu): graphed decode and verification, the GPU
+#                              fast path through the pipeline, losslessness on CUDA, FP8 GEMMs; .json counts them
+#   bench_2b_eager.*           `litevlm bench --shape 2b` (random weights at the 2B shapes, bf16, latency only):
+#                              baseline, EAGLE, LiteVLM and LiteVLM FP8 rows on the module path (eager)
+#   bench_2b_graphs.*          the same rows and questions with CUDA graphs and compiled prefill ($GRAPH_FLAGS)
+#                              .jsonl: each answer, then each row, as it is measured; .json: the result; .out/.err
+#   fp8_gpu.*                  benchmarks/fp8_gpu.py at the 2B shapes: FP8 against bf16 per stage, eager for every
+#                              variant first, then compiled while its budget lasts (.jsonl: a line per stage)
+# A .json whose command failed or timed out holds {"complete": false, ...} with the reason; the .jsonl keeps what
+# was measured before. The package installs without its dependencies: the image brings its own torch and transformers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+DRY_RUN=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; elif [[ $# -gt 0 ]]; then echo "usage: $0 [--dry-run]" >&2; exit 2; fi
+MINIMAL="${GPU_SESSION_MINIMAL:-0}"
 OUT="${OUT:-/tmp/gpu_out}"
+PY="${PYTHON:-python}"
 mkdir -p "$OUT"
+rm -f "$OUT"/{steps,bench_2b_eager,bench_2b_graphs,fp8_gpu}.jsonl "$OUT"/FAILED.txt
 export PYTHONUNBUFFERED=1
-python -m pip install -q --no-deps -e . 2>&1 | tail -2
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')" || exit 1
-timeout 240 python -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
-timeout 150 litevlm bench --shape 2b --n 20 --cuda-graphs --json > "$OUT/bench_2b.json" 2> "$OUT/bench_2b.err"
-tail -c 600 "$OUT/bench_2b.json"
-timeout 120 litevlm bench --shape 2b --n 20 --json > "$OUT/bench_2b_eager.json" 2> "$OUT/bench_2b_eager.err"
-tail -c 600 "$OUT/bench_2b_eager.json"
-timeout 240 python benchmarks/fp8_gpu.py > "$OUT/fp8_gpu.json" 2> "$OUT/fp8_gpu.err"
-tail -c 600 "$OUT/fp8_gpu.json"
+export LITEVLM_NATIVE=0 # the native CPU steps are never used on CUDA: no device time spent compiling them
+
+ROWS="baseline,eagle,litevlm,litevlm fp8"
+if [[ $DRY_RUN == 1 ]]; then
+    # drive-tiny (the embedded model) on the CPU, a few questions and tokens: every step's code, none of its cost
+    MODEL_ARGS=(--model drive-tiny --device cpu)
+    BENCH_ARGS=(--n 2 --warmup 1 --max-new-tokens 8)
+    FP8_ARGS=(--dry-run-cpu --iters 2 --warmup 1)
+    if [[ $MINIMAL == 1 ]]; then
+        BENCH_ARGS=(--n 1 --warmup 0 --max-new-tokens 4)
+        FP8_ARGS=(--dry-run-cpu --iters 1 --warmup 0 --recipes fp8-dynamic-per-row --prefill 24 --stages decode)
+    fi
+else
+    # 8 questions after 2 warm-up ones, 32 new tokens each (random weights never stop early): 40 answers a row set
+    MODEL_ARGS=(--shape 2b)
+    BENCH_ARGS=(--n 8 --warmup 2 --max-new-tokens 32)
+    # the preset's recipe first; eager figures of both, then compiles while 60 s last (a compile begun runs on)
+    FP8_ARGS=(--recipes fp8-dynamic-per-row,fp8-static-per-tensor --iters 10 --warmup 2 --budget-s 60)
+fi
+
+# ---- GRAPH_FLAGS / EAGER_FLAGS: the one place that says how the graphed and the eager rows are asked for --------
+# With the pipeline's --backend option: `--backend cuda` on the GPU, its CPU twin `--backend cuda-twin` in the dry run,
+# and `--backend modules` for the eager rows. Without it (older trees): `--cuda-graphs` on the GPU; the dry run has no
+# graphs to twin, so both of its runs are eager. Set GRAPH_FLAGS / EAGER_FLAGS in the environment to override.
+if "$PY" -m litevlm bench --help 2>/dev/null | grep -q -- '--backend'; then
+    DEFAULT_GRAPH_FLAGS=$([[ $DRY_RUN == 1 ]] && echo "--backend cuda-twin" || echo "--backend cuda")
+    DEFAULT_EAGER_FLAGS="--backend modules"
+else
+    DEFAULT_GRAPH_FLAGS=$([[ $DRY_RUN == 1 ]] && echo "" || echo "--cuda-graphs")
+    DEFAULT_EAGER_FLAGS=""
+fi
+GRAPH_FLAGS="${GRAPH_FLAGS-$DEFAULT_GRAPH_FLAGS}"
+EAGER_FLAGS="${EAGER_FLAGS-$DEFAULT_EAGER_FLAGS}"
+# -------------------------------------------------------------------------------------------------------------------
+
+FAILED_STEPS=()
+
+# step NAME SECONDS CMD...: run CMD under `timeout`, its stdout in $OUT/NAME.out and stderr in $OUT/NAME.err as it
+# goes, then one line of steps.jsonl.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (timeout ${limit}s): $*" >&2
+    local t0=$SECONDS
+    timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
+    local rc=$?
+    local timed_out=false
+    [[ $rc == 124 || $rc == 137 ]] && timed_out=true
+    printf '{"step": "%s", "rc": %d, "seconds": %d, "timeout_s": %d, "timed_out": %s}\n' \
+        "$name" "$rc" $((SECONDS - t0)) "$limit" "$timed_out" >> "$OUT/steps.jsonl"
+    [[ $rc == 0 ]] || FAILED_STEPS+=("$name")
+    echo "   rc $rc after $((SECONDS - t0)) s" >&2
+    return $rc
+}
+
+# last_json NAME: $OUT/NAME.json = the last line of $OUT/NAME.out that is a JSON object, else a record of why not.
+last_json() {
+    "$PY" - "$OUT" "$1" <<'EOF'
+import json, sys
+from pathlib import Path
+out, name = Path(sys.argv[1]), sys.argv[2]
+steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+status = next((s for s in reversed(steps) if s["step"] == name), {})
+found = None
+for line in reversed((out / f"{name}.out").read_text(errors="replace").splitlines()):
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        continue
+    if isinstance(obj, dict):
+        found = obj
+        break
+if found is None or status.get("rc") != 0:
+    err = (out / f"{name}.err").read_text(errors="replace").strip().splitlines()
+    found = {"complete": False, "step": name, **status, "stderr_tail": err[-15:], "last_json": found}
+(out / f"{name}.json").write_text(json.dumps(found))
+EOF
+}
+
+finish() {
+    "$PY" -c 'import json, sys; from pathlib import Path; p = Path(sys.argv[1]); lines = p.read_text().splitlines() if p.exists() else []; Path(sys.argv[2]).write_text(json.dumps([json.loads(x) for x in lines], indent=1))' \
+        "$OUT/steps.jsonl" "$OUT/steps.json"
+}
+
+fail() {
+    echo "$1" | tee "$OUT/FAILED.txt" >&2
+    finish
+    exit 1
+}
+
+# 1. install (no dependencies, no isolated build: the image's own torch and setuptools); the dry run only resolves it
+INSTALL=("$PY" -m pip install --no-build-isolation --no-deps -e .)
+[[ $DRY_RUN == 1 ]] && INSTALL=("$PY" -m pip install --dry-run --no-build-isolation --no-deps -e .)
+if ! step install 40 "${INSTALL[@]}"; then
+    fail "install failed: ${INSTALL[*]} (see install.err): $(tail -n 5 "$OUT/install.err" | tr '\n' ' ')"
+fi
+
+# 2. the machine
+[[ $DRY_RUN == 1 ]] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+step env 25 "$PY" -c '
+import importlib.util, json, sys
+import torch
+cuda = torch.cuda.is_available()
+def has(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+import litevlm
+print(json.dumps({
+    "python": sys.version.split()[0],
+    "torch": torch.__version__,
+    "cuda": torch.version.cuda,
+    "cuda_available": cuda,
+    "device": torch.cuda.get_device_name() if cuda else "cpu",
+    "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+    "litevlm": litevlm.__file__,
+    "graph_flags": sys.argv[1],
+    "eager_flags": sys.argv[2],
+    "packages": {m: has(m) for m in ("transformers", "pycocoevalcap", "fastapi", "pydantic", "uvicorn", "ray", "triton")},
+}))
+' "$GRAPH_FLAGS" "$EAGER_FLAGS"
+last_json env
+if [[ $DRY_RUN == 0 ]] && ! grep -q '"cuda_available": true' "$OUT/env.json"; then
+    fail "no CUDA device visible to torch (env.json: $(head -c 400 "$OUT/env.json"))"
+fi
+
+# 3. the gpu-marked tests (on the CPU every one of them skips: the dry run checks that they are collected)
+step gpu_tests 100 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
+mv "$OUT/gpu_tests.out" "$OUT/gpu_tests.log"
+"$PY" - "$OUT" <<'EOF'
+import json, sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+out = Path(sys.argv[1])
+summary = {"complete": False}
+if (out / "gpu_tests.xml").exists():
+    cases = ET.parse(out / "gpu_tests.xml").getroot().iter("testcase")
+    summary = {"complete": True, "passed": [], "failed": [], "skipped": []}
+    for c in cases:
+        name = f"{c.get('classname')}::{c.get('name')}"
+        bad = c.find("failure") if c.find("failure") is not None else c.find("error")
+        if bad is not None:
+            summary["failed"].append({"test": name, "message": (bad.get("message") or "")[:600]})
+        elif c.find("skipped") is not None:
+            summary["skipped"].append({"test": name, "reason": (c.find("skipped").get("message") or "")[:200]})
+        else:
+            summary["passed"].append(name)
+    summary["counts"] = {k: len(summary[k]) for k in ("passed", "failed", "skipped")}
+(out / "gpu_tests.json").write_text(json.dumps(summary, indent=1))
+EOF
+
+# 4. the bench rows, eager then graphed: the same rows, questions and tokens (side by side in gpu_session's output)
+# shellcheck disable=SC2086  # the flag variables are word lists
+step bench_2b_eager 75 "$PY" -m litevlm bench "${MODEL_ARGS[@]}" --configs "$ROWS" "${BENCH_ARGS[@]}" \
+    --no-transformers --json --jsonl "$OUT/bench_2b_eager.jsonl" $EAGER_FLAGS
+last_json bench_2b_eager
+# shellcheck disable=SC2086
+step bench_2b_graphs 180 "$PY" -m litevlm bench "${MODEL_ARGS[@]}" --configs "$ROWS" "${BENCH_ARGS[@]}" \
+    --no-transformers --json --jsonl "$OUT/bench_2b_graphs.jsonl" $GRAPH_FLAGS
+last_json bench_2b_graphs
+
+# 5. FP8 against bf16, stage by stage
+step fp8_gpu 110 "$PY" benchmarks/fp8_gpu.py "${FP8_ARGS[@]}" --jsonl "$OUT/fp8_gpu.jsonl"
+last_json fp8_gpu
+
+finish
+if [[ ${#FAILED_STEPS[@]} -gt 0 ]]; then
+    echo "failed steps: ${FAILED_STEPS[*]}" | tee "$OUT/FAILED.txt" >&2
+    exit 1
+fi
+echo "all steps passed; files in $OUT" >&2

@@ -1,14 +1,16 @@
-"""`litevlm bench` end to end on a tiny random model with every module attached (latency columns are
-not asserted: only the table's shape, its consistency and the transformers rows' agreement)."""
+"""`litevlm bench` end to end on a tiny random model with every module attached (latency figures are not
+asserted: only the table's shape, its consistency (stage means and other adding up to the mean total, speed-ups the
+ratio of mean totals, an emulated precision no speed figure) and the transformers rows' agreement)."""
 
 import json
 
 import pytest
 import torch
 
-from litevlm.eval.bench import RowLog, format_shares, format_table, plot, run_bench
+from litevlm.eval.bench import STAGES, RowLog, format_shares, format_table, plot, run_bench, speed_figure
 from litevlm.model.layers import bf16_matmul_supported
 from litevlm.presets import BF16_CONFIGS, CONFIGS, HF_ROWS
+from litevlm.quant.fp8 import fp8_kernel_available
 
 
 def test_bench_rows_are_consistent(full_model_dir, tmp_path):
@@ -37,18 +39,113 @@ def test_bench_rows_are_consistent(full_model_dir, tmp_path):
     assert rows["eagle"]["score"] == rows["baseline"]["score"]
     assert rows["transformers eager"]["score"] == rows["baseline"]["score"]
     assert rows["transformers static"]["score"] == rows["baseline"]["score"]
-    for r in rows.values():  # the stage shares of the summed end-to-end time add up to all of it
+    # FP8 without FP8 kernels (a CPU) is an accuracy row, whose times are no speed figure.
+    fp8 = rows["litevlm fp8"]
+    emulated = not fp8_kernel_available(torch.device(result["device"]))
+    assert fp8["emulated"] is emulated and fp8["speed_figure"] is not emulated and fp8["score"] is not None
+    assert (fp8["speedup"] is None) is emulated
+    base = rows["baseline"]
+    for r in rows.values():
+        stages = [r[f"{s}_ms"] for s in STAGES]
+        # Means over the questions: the five stages and other add up to the mean total, p50 and p90 beside it.
+        assert sum(stages) + r["other_ms"] == pytest.approx(r["total_ms"], abs=1e-6)
+        assert r["vit_ms"] + r["prefill_ms"] + r["decode_ms"] + r["select_ms"] + r["other_ms"] == pytest.approx(
+            r["total_ms"], abs=1e-6
+        )
+        assert r["select_ms"] == pytest.approx(r["select_views_ms"] + r["select_tokens_ms"], abs=1e-6)
+        assert r["other_ms"] >= -0.01  # an answer's end-to-end time holds its stages (less rounding)
+        assert 0 < r["p50_total_ms"] <= r["p90_total_ms"]
+        # The speed-up is the ratio of the mean totals, for every row timed at a precision that runs natively.
+        if r["speed_figure"]:
+            assert r["speedup"] == round(base["total_ms"] / r["total_ms"], 2)
+        if r["decode_tokens"]:
+            assert r["extend_one_ms"] == pytest.approx(r["decode_ms"] / r["decode_tokens"], rel=1e-2, abs=2e-3)
+        assert 0 < r["visual_tokens"] < r["input_tokens"]
+        # the fields of the median-based rows are still there: the mean total under its old name, the shares
+        assert r["mean_total_ms"] == r["total_ms"]
         assert sum(r["shares"].values()) == pytest.approx(1.0, abs=1e-3)
-        assert r["mean_total_ms"] > 0
-    log = RowLog()
-    log.add(6, 2.0, 100, 3.0, 5.0, 0.0, 4)
-    log.add(6, 4.0, 100, 5.0, 1.0, 0.0, 2)
-    assert log.shares() == {"vit": 0.3, "select": 0.0, "prefill": 0.4, "decode": 0.3}  # 6 / 20, 8 / 20, 6 / 20
+    assert rows["transformers eager"]["visual_tokens"] == base["visual_tokens"]  # the baseline's own prompt
+    assert rows["transformers eager"]["other_ms"] == pytest.approx(0.0, abs=0.005)  # generate holds the whole answer
+    # the images' preprocessing is timed apart from the total (the transformers rows get their tiles untimed)
+    assert base["preprocess_ms"] > 0 and rows["transformers eager"]["preprocess_ms"] is None
+    assert rows["litevlm"]["visual_tokens"] <= base["visual_tokens"]
+    assert rows["fastv r=0.3"]["visual_tokens"] < rows["fastv r=0.7"]["visual_tokens"] < base["visual_tokens"]
     json.dumps(result)
-    assert "| baseline |" in format_table(result)
-    assert "| baseline |" in format_shares(result)
+    table = format_table(result)
+    if emulated:
+        speed, accuracy = table.split("accuracy rows")
+        assert "| baseline |" in speed and "| litevlm fp8 |" not in speed
+        assert "| litevlm fp8 | fp8-dynamic-per-row" in accuracy
+    shares = format_shares(result)
+    assert "| baseline |" in shares and ("| litevlm fp8 |" in shares) is not emulated
     plot(result, tmp_path / "bench.png", per_question)
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def answers(log: RowLog, rows) -> RowLog:
+    """Answers with these stage times (vit, prefill, decode) and end-to-end times into `log`."""
+    for vit, prefill, decode, total in rows:
+        stages = {"select_views": 0.5, "vit": vit, "prefill": prefill, "decode": decode}
+        log.add(views=6, visual_tokens=96, input_tokens=140, stages=stages, new_tokens=5, total=total)
+    return log
+
+
+def test_a_row_is_means_whose_stages_and_other_add_up_and_its_speedup_is_the_ratio_of_means():
+    # Medians and means disagree here: the baseline has one slow answer, LiteVLM does not.
+    base = answers(RowLog(), [(10.0, 10.0, 9.0, 30.0), (10.0, 10.0, 9.0, 30.0), (10.0, 10.0, 99.5, 120.0)])
+    lite = answers(RowLog(), [(4.0, 4.0, 1.0, 10.0), (4.0, 4.0, 1.0, 10.0), (4.0, 4.0, 7.0, 16.0)])
+    b = base.row("baseline", base.mean_total(), None)
+    r = lite.row("litevlm", base.mean_total(), None)
+    assert b["total_ms"] == 60.0 and r["total_ms"] == 12.0  # means, not the medians 30 and 10
+    assert r["speedup"] == 5.0 and b["speedup"] == 1.0  # 60 / 12, where the medians would say 3
+    assert (b["p50_total_ms"], b["p90_total_ms"]) == (30.0, 102.0)  # 30, 30, 120: the 90th percentile interpolated
+    assert (b["vit_ms"], b["prefill_ms"], b["decode_ms"], b["select_views_ms"]) == (10.0, 10.0, 39.167, 0.5)
+    assert b["other_ms"] == 0.333  # 60 less the rounded stages: they add up exactly to the total
+    assert r["other_ms"] == 0.5 and r["select_ms"] == 0.5 and r["select_tokens_ms"] == 0.0
+    for row in (b, r):
+        assert sum(row[f"{s}_ms"] for s in STAGES) + row["other_ms"] == pytest.approx(row["total_ms"], abs=1e-9)
+    assert r["decode_tokens"] == 4.0 and r["extend_one_ms"] == 0.75  # decode ms per token made after the first
+    assert r["visual_tokens"] == 96.0 and r["input_tokens"] == 140.0
+    assert r["mean_total_ms"] == r["total_ms"] and r["shares"] == {
+        "vit": 0.3333,
+        "select": 0.0417,
+        "prefill": 0.3333,
+        "decode": 0.25,
+        "other": 0.0417,
+    }
+    # Without an end-to-end time an answer is its stages: other is 0.
+    log = RowLog()
+    log.add(
+        views=6, visual_tokens=96, input_tokens=100, stages={"vit": 2.0, "prefill": 3.0, "decode": 5.0}, new_tokens=4
+    )
+    log.add(
+        views=6, visual_tokens=96, input_tokens=100, stages={"vit": 4.0, "prefill": 5.0, "decode": 1.0}, new_tokens=2
+    )
+    assert log.row("x", None, None)["other_ms"] == 0.0 and log.row("x", None, None)["speedup"] is None
+    assert log.shares() == {"vit": 0.3, "select": 0.0, "prefill": 0.4, "decode": 0.3, "other": 0.0}
+    with pytest.raises(ValueError, match="preprocess"):
+        log.add(views=6, visual_tokens=1, input_tokens=1, stages={"preprocess": 1.0}, new_tokens=1)
+
+
+def test_an_emulated_precision_is_an_accuracy_row_and_no_speed_figure(tmp_path):
+    base = answers(RowLog(), [(10.0, 10.0, 9.0, 30.0)])
+    fp8 = answers(RowLog(precision="fp8-dynamic-per-row+float32", emulated=True), [(50.0, 50.0, 9.0, 110.0)])
+    rows = [base.row("baseline", base.mean_total(), 0.5), fp8.row("litevlm fp8", base.mean_total(), 0.49)]
+    assert rows[1]["speedup"] is None and rows[1]["speed_figure"] is False and rows[1]["emulated"] is True
+    assert rows[1]["score"] == 0.49 and rows[1]["total_ms"] == 110.0  # measured and kept, but not a speed figure
+    result = {"rows": rows, "model": "m", "device": "cpu", "questions": 1}
+    speed, accuracy = format_table(result).split("accuracy rows")
+    assert "| litevlm fp8 |" not in speed and "| litevlm fp8 | fp8-dynamic-per-row+float32 |" in accuracy
+    assert "110.0" not in accuracy  # no time is shown for it
+    assert "| litevlm fp8 |" not in format_shares(result)
+    plot(
+        result,
+        tmp_path / "p.png",
+        {"litevlm fp8": {"views": [6], "vit": [50.0], "input_tokens": [140]} | {"prefill": [50.0], "emulated": True}},
+    )
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    # rows written before the flag: an FP8 row is taken for emulated, any other for a speed figure
+    assert not speed_figure({"precision": "fp8-dynamic-per-row+float32"}) and speed_figure({"precision": "float32"})
 
 
 def test_cuda_graphs_need_a_gpu_and_a_shape(full_model_dir):
@@ -60,7 +157,8 @@ def test_cuda_graphs_need_a_gpu_and_a_shape(full_model_dir):
 
 def test_the_shape_path_runs_every_row_on_random_weights(full_model_dir, monkeypatch):
     """`--shape NAME` (the GPU table on random weights, latency only): every configuration runs at a preset's
-    shapes, here a tiny one on the CPU, with no scores and no transformers rows."""
+    shapes, here a tiny one (on the CPU, or the GPU where there is one), with no scores and no transformers rows; FP8
+    is an accuracy row where it is emulated."""
     from litevlm import config
     from litevlm.config import TextConfig, VisionConfig, VLMConfig
 
@@ -87,6 +185,9 @@ def test_the_shape_path_runs_every_row_on_random_weights(full_model_dir, monkeyp
     assert list(rows) == list(CONFIGS)  # no bf16 or transformers rows at a preset's shapes
     for r in rows.values():
         assert r["score"] is None and r["total_ms"] > 0
+    emulated = not fp8_kernel_available(torch.device(result["device"]))
+    assert rows["litevlm fp8"]["speed_figure"] is not emulated and (rows["litevlm fp8"]["speedup"] is None) is emulated
+    assert all(r["speedup"] is not None for r in rows.values() if r["config"] != "litevlm fp8")
     # tiny-test prompts hold fewer visual tokens than the threshold: the selector leaves them whole
     assert rows["litevlm"]["input_tokens"] == rows["views + eagle"]["input_tokens"]
     assert result["model"] == "random weights, tiny-test shapes"
@@ -168,6 +269,8 @@ def test_bench_refuses_transformers_rows_on_fp8_weights_and_format_options_with_
     with pytest.raises(LiteVLMError, match="--no-transformers"):
         run_bench(str(fp8), n=1, warmup=0, max_new_tokens=2, configs=baseline, progress=False)
     result, _ = run_bench(str(fp8), n=1, warmup=0, max_new_tokens=2, configs=baseline, hf=False, progress=False)
-    assert result["rows"][0]["precision"].startswith("fp8-dynamic-per-row")
+    row = result["rows"][0]
+    assert row["precision"].startswith("fp8-dynamic-per-row")
+    assert row["emulated"] and row["speedup"] is None  # an emulated baseline gives no speed-ups, not even its own
     with pytest.raises(LiteVLMError, match="no model or format options"):
         run_bench(str(full_model_dir), n=1, shape="2b", load={"max_tiles": 4}, progress=False)

@@ -6,6 +6,7 @@ from litevlm.cameras import CAMERAS
 from litevlm.cli import main
 from litevlm.demo import run_demo
 from litevlm.errors import LiteVLMError
+from litevlm.pipeline import STAGES
 
 
 def test_demo_shows_litevlm_and_the_baseline_on_one_scene(full_model_dir, tmp_path, capsys):
@@ -24,6 +25,23 @@ def test_demo_shows_litevlm_and_the_baseline_on_one_scene(full_model_dir, tmp_pa
     base, lite = result["mean_ms"]["baseline"], result["mean_ms"]["litevlm"]
     assert result["speedup"] == pytest.approx(base["total"] / lite["total"])  # the ratio of the two mean totals
     assert set(result["exact"]) == {"litevlm", "baseline"}
+    # `litevlm bench`'s measure: the stage means and other add up to the mean total, p50 and p90 beside it, the
+    # images' preprocessing apart.
+    for name, ms in result["mean_ms"].items():
+        assert sum(ms[s] for s in STAGES) + ms["other"] == pytest.approx(ms["total"], abs=1e-6)
+        assert ms["other"] >= -0.01 and ms["preprocess"] > 0
+        assert 0 < result["p50_total_ms"][name] <= result["p90_total_ms"][name]
+    assert result["emulated"] == []
+
+
+def test_an_emulated_precision_gives_the_demo_no_speedup(full_model_dir, tmp_path, capsys, monkeypatch):
+    import litevlm.demo
+
+    monkeypatch.setattr(litevlm.demo, "emulated_precision", lambda model: True)  # as FP8 weights on a CPU
+    result = run_demo(str(full_model_dir), out=str(tmp_path / "d.png"), n_questions=1, rounds=1)
+    assert result["speedup"] is None and result["emulated"] == ["litevlm", "baseline"]
+    text = capsys.readouterr().out
+    assert "no speed figure" in text and "as fast as the baseline" not in text
 
 
 def test_demo_prints_answers_views_both_stage_tables_and_the_speedup(full_model_dir, tmp_path, capsys):
@@ -35,7 +53,9 @@ def test_demo_prints_answers_views_both_stage_tables_and_the_speedup(full_model_
     assert f"[all {len(CAMERAS)} views]" in text
     header = next(line for line in lines if line.startswith("  stage "))
     assert "LiteVLM" in header and "baseline" in header
-    assert "x as fast as the baseline" in text
+    assert "latency, mean ms over 6 answers each" in text  # 2 questions, 3 rounds
+    assert any(line.startswith("  other ") for line in lines) and any(line.startswith("  total p90 ") for line in lines)
+    assert "x as fast as the baseline (the ratio of their mean totals" in text
 
 
 @pytest.mark.parametrize("flag, shown", [("--baseline-only", "baseline"), ("--litevlm-only", "litevlm")])

@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from litevlm.eval.bench import ACCURACY_COLUMNS
+
 MACHINE = {"cpu": "Test CPU 9000", "cores": 2, "torch": "2.0.0+cpu", "threads": 1, "gpu": None}
 
 
@@ -21,22 +23,33 @@ def run_file(name: str, result: dict, command: str, threads: int = 1) -> dict:
     }
 
 
-def bench_row(config: str, total: float, speedup: float, score: float, tau=None) -> dict:
+def bench_row(config: str, total: float, speedup: float | None, score: float, tau=None, **extra) -> dict:
+    """A row of `litevlm bench --json`: means over the questions, the stages and other adding up to the total."""
+    stages = {"select_views_ms": 0.25, "vit_ms": round(total / 3, 3), "select_tokens_ms": 0.281}
+    stages |= {"prefill_ms": round(total / 2.5, 3), "decode_ms": 0.0071}
     return {
         "config": config,
         "views": 2.46 if "lite" in config else 6.0,
-        "vit_ms": round(total / 3, 3),
+        "visual_tokens": 39.4 if "lite" in config else 96.0,
         "input_tokens": 83.7,
-        "prefill_ms": round(total / 2.5, 3),
-        "extend_one_ms": 0.417,
-        "decode_ms": 0.0071,
+        **stages,
         "select_ms": 0.531,
+        "other_ms": round(total - sum(stages.values()), 3),
         "total_ms": total,
+        "p50_total_ms": round(total * 0.8, 3),
+        "p90_total_ms": round(total * 1.9, 3),
+        "preprocess_ms": 3.1,
+        "decode_tokens": 0.017,
+        "extend_one_ms": 0.417,
         "speedup": speedup,
+        "speed_figure": True,
+        "emulated": False,
         "score": score,
         "tau": tau,
         "opened_tokens": 2.44,
-        "mean_total_ms": round(total * 1.6, 3),
+        "precision": "float32",
+        "mean_total_ms": total,
+        **extra,
     }
 
 
@@ -47,7 +60,20 @@ def bench(threads: int, lite_speedup: float) -> dict:
         "threads": threads,
         "cpu_steps": "native",
         "questions": 100,
-        "rows": [bench_row("baseline", 32.77, 1.0, 0.5297), bench_row("litevlm", 12.833, lite_speedup, 0.5355, 5.704)],
+        "rows": [
+            bench_row("baseline", 32.77, 1.0, 0.5297),
+            bench_row("litevlm", 12.833, lite_speedup, 0.5355, 5.704),
+            bench_row(
+                "litevlm fp8",
+                61.417,
+                None,
+                0.5351,
+                5.5,
+                precision="fp8-dynamic-per-row+float32",
+                speed_figure=False,
+                emulated=True,
+            ),
+        ],
     }
 
 
@@ -168,11 +194,17 @@ def test_the_page_shows_every_figure_of_the_runs(tmp_path, report):
     # Table 1: every row of both runs, cell for cell, the command and provenance under each.
     for name in ("bench_1thread", "bench_default_threads"):
         run = FIXTURES[name]
-        for r in run["result"]["rows"]:
+        for r in run["result"]["rows"][:2]:
             assert row(report, [r[c] for c in report.BENCH_COLUMNS]) in page
+        # An emulated precision is an accuracy row: no time of it is on the page, and no speed-up.
+        fp8 = run["result"]["rows"][2]
+        assert row(report, [fp8[c] for c in ACCURACY_COLUMNS]) in page
+        assert "| litevlm fp8 | 2.46 |" not in page and "61.417" not in page
         assert f"Command: `{run['command']}`" in page
-    assert "LiteVLM **2.72x** the baseline at one pinned thread" in page
+    assert "LiteVLM **2.72x** the baseline at one pinned thread (1 thread(s); the ratio of mean totals" in page
     assert "LiteVLM **2.21x** the baseline at the default threads" in page
+    assert "LiteVLM: **2.72x** the baseline, the ratio of mean totals (100 questions" in page
+    assert "reports means over" in page and "before the rows were means" not in page
     assert "![Table 1 stages](benchmarks/results/bench_1thread.png)" in page
     assert "- commit: abc1234" in page and "Test CPU 9000, 2 cores, torch 2.0.0+cpu" in page
     assert "2030-01-02 03:04 UTC" in page
@@ -194,6 +226,63 @@ def test_the_page_shows_every_figure_of_the_runs(tmp_path, report):
     # The server: whatever keys its JSON has, nested ones included.
     for key, value in (("throughput_rps", "41.377"), ("latency_ms.p99", "611.2"), ("ttft_ms.p50", "12.25")):
         assert f"| {key} | {value} |" in page
+
+
+def earlier_row(config: str, median: float, mean: float, shares: dict, precision="float32") -> dict:
+    """A row of a run from when the rows were medians: `total_ms` the median, `mean_total_ms` the mean."""
+    return {
+        "config": config,
+        "views": 6.0,
+        "vit_ms": 17.928,
+        "input_tokens": 187.2,
+        "prefill_ms": 16.652,
+        "extend_one_ms": 1.231,
+        "decode_ms": 4.066,
+        "select_ms": 0.005,
+        "total_ms": median,
+        "speedup": 1.0,
+        "score": 0.5402,
+        "tau": None,
+        "opened_tokens": 0.0,
+        "precision": precision,
+        "mean_total_ms": mean,
+        "shares": shares,
+    }
+
+
+def test_an_earlier_median_run_is_shown_by_its_means_and_what_it_did_not_store_as_missing(tmp_path, report):
+    shares = {"vit": 0.3298, "select": 0.0002, "prefill": 0.3229, "decode": 0.3471}
+    lite_shares = {"vit": 0.3192, "select": 0.0448, "prefill": 0.3944, "decode": 0.2416}
+    rows = [
+        earlier_row("baseline", 41.857, 54.447, shares),
+        earlier_row("litevlm", 18.192, 28.845, lite_shares) | {"speedup": 2.3},  # the median ratio it stored
+        earlier_row("litevlm fp8", 66.973, 120.927, lite_shares, "fp8-dynamic-per-row+float32") | {"speedup": 0.62},
+    ]
+    result = {"model": "drive-tiny", "device": "cpu", "threads": 1, "cpu_steps": "native", "questions": 100}
+    command = "litevlm bench --json --plot benchmarks/results/bench_1thread.png --n 100"
+    runs = {"bench_1thread": run_file("bench_1thread", result | {"rows": rows}, command)}
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{report.GLANCE[0]}\nold\n{report.GLANCE[1]}\n")
+    page = write(tmp_path, report, runs)
+    # The speed-up is the ratio of the stored means, 54.447 / 28.845, not the stored ratio of medians (2.3).
+    assert "LiteVLM: **1.89x** the baseline, the ratio of mean totals" in page
+    assert "LiteVLM **1.89x** the baseline at one pinned thread" in readme.read_text()
+    # total = the stored mean, p50 = the stored median, stage means = share x mean total; the rest missing.
+    cells = ["baseline", 6.0, None, 187.2, 17.96, 17.58, 1.231, 18.9, 0.01, None, 54.447, 41.857, None, 1.0, 0.5402]
+    assert row(report, [*cells, None, 0.0, None]) in page
+    lite = ["litevlm", 6.0, None, 187.2, 9.21, 11.38, 1.231, 6.97, 1.29, None, 28.845, 18.192, None, 1.89, 0.5402]
+    assert row(report, [*lite, None, 0.0, None]) in page
+    assert (
+        "before the rows were means" in page
+        and "`visual_tokens`, `p90_total_ms` and `preprocess_ms` were not stored" in page
+    )
+    # Its FP8 row, from a CPU run that did not say, is an accuracy row; its 0.62 is on the page nowhere.
+    assert "| litevlm fp8 | fp8-dynamic-per-row+float32 | 6.0 | n/a | 187.2 | 0.5402 | n/a |" in page
+    assert "0.62" not in page and "120.927" not in page
+    # Its plot stacked medians: neither the page nor the README shows it.
+    assert "bench_1thread.png)" not in page and "bench_1thread.png" not in readme.read_text()
+    assert "the next run draws it again by mean stage times" in readme.read_text()
+    assert "Its plot, drawn from medians, is not shown" in page
 
 
 def test_a_benchmark_not_run_is_said_plainly(tmp_path, report):
@@ -226,6 +315,7 @@ def test_compile_and_gpu_results_are_shown_when_present(tmp_path, report):
     assert "Kept: decode: native." in page and "Rule: keep the fastest backend per step, at every thread count" in page
     assert "None measured yet" not in page and "### gpu_bench_2b" in page
     assert row(report, [gpu_run["result"]["rows"][1][c] for c in report.BENCH_COLUMNS]) in page
+    assert "Accuracy rows: a precision this machine only emulates" in page.split("### gpu_bench_2b")[1]
 
 
 def test_a_run_keeps_the_last_json_line_with_its_command(report):
@@ -253,7 +343,7 @@ def test_the_readme_quotes_the_pages_three_figures_and_its_plot(tmp_path, report
     figures = [line for line in block.splitlines() if line.startswith("- ")]
     assert len(figures) == 3 and all(f in page for f in figures)  # the page's own lines, word for word
     assert "2.72x" in figures[0] and "2.21x" in figures[1] and "0.8631" in figures[2]
-    assert "![Table 1 on drive-tiny, stage by stage](benchmarks/results/bench_1thread.png)" in block
+    assert "![Table 1 on drive-tiny, mean stage times](benchmarks/results/bench_1thread.png)" in block
 
 
 def test_the_model_card_keeps_its_training_history_when_rewritten(tmp_path, benchmark_script):

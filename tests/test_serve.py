@@ -5,13 +5,18 @@ import json
 import threading
 import time
 
-import httpx
 import pytest
 
-from litevlm import Pipeline
-from litevlm.cameras import CAMERAS
-from litevlm.pipeline import STAGES, Answer
-from litevlm.serve import (
+# The server is the optional extra litevlm[serve]: without its packages these tests are skipped, not broken.
+pytest.importorskip("fastapi", reason="pip install 'litevlm[serve]'")
+pytest.importorskip("uvicorn", reason="pip install 'litevlm[serve]'")
+pytest.importorskip("prometheus_client", reason="pip install 'litevlm[serve]'")
+httpx = pytest.importorskip("httpx", reason="pip install 'litevlm[serve]'")
+
+from litevlm import Pipeline  # noqa: E402
+from litevlm.cameras import CAMERAS  # noqa: E402
+from litevlm.pipeline import STAGES, Answer  # noqa: E402
+from litevlm.serve import (  # noqa: E402
     APIError,
     Limits,
     ServerThread,

@@ -10,13 +10,19 @@ import socket
 import struct
 import zlib
 
-import httpx
 import pytest
-from test_serve import metric_samples
 
-from litevlm import Pipeline
-from litevlm.cameras import CAMERAS
-from litevlm.serve import ServerThread, build_app, image_data_url, user_message
+# The server is the optional extra litevlm[serve]: without its packages these tests are skipped, not broken.
+pytest.importorskip("fastapi", reason="pip install 'litevlm[serve]'")
+pytest.importorskip("uvicorn", reason="pip install 'litevlm[serve]'")
+pytest.importorskip("prometheus_client", reason="pip install 'litevlm[serve]'")
+httpx = pytest.importorskip("httpx", reason="pip install 'litevlm[serve]'")
+
+from test_serve import metric_samples  # noqa: E402
+
+from litevlm import Pipeline  # noqa: E402
+from litevlm.cameras import CAMERAS  # noqa: E402
+from litevlm.serve import ServerThread, build_app, image_data_url, user_message  # noqa: E402
 
 QUESTION = "Is there a red car to the front of the ego car?"
 MAX_BODY = 1_000_000

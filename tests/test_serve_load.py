@@ -8,11 +8,16 @@ import threading
 import time
 from collections import Counter
 
-import httpx
 import pytest
 
-from litevlm import Pipeline
-from litevlm.serve import ServerThread, build_app, image_data_url, user_message
+# The server is the optional extra litevlm[serve]: without its packages these tests are skipped, not broken.
+pytest.importorskip("fastapi", reason="pip install 'litevlm[serve]'")
+pytest.importorskip("uvicorn", reason="pip install 'litevlm[serve]'")
+pytest.importorskip("prometheus_client", reason="pip install 'litevlm[serve]'")
+httpx = pytest.importorskip("httpx", reason="pip install 'litevlm[serve]'")
+
+from litevlm import Pipeline  # noqa: E402
+from litevlm.serve import ServerThread, build_app, image_data_url, user_message  # noqa: E402
 
 REQUESTS, CLIENTS = 200, 16
 QUESTIONS = (

@@ -6,10 +6,14 @@ import socket
 import threading
 import time
 
-import httpx
 import pytest
 import torch
 
+# The server is the optional extra litevlm[serve]: without its packages these tests are skipped, not broken.
+pytest.importorskip("fastapi", reason="pip install 'litevlm[serve]'")
+pytest.importorskip("uvicorn", reason="pip install 'litevlm[serve]'")
+pytest.importorskip("prometheus_client", reason="pip install 'litevlm[serve]'")
+httpx = pytest.importorskip("httpx", reason="pip install 'litevlm[serve]'")
 ray = pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'litevlm[ray]'")
 pytest.importorskip("ray.serve", reason="Ray Serve is an optional extra: pip install 'litevlm[ray]'")
 openai = pytest.importorskip("openai")

@@ -5,12 +5,17 @@ import json
 import threading
 from contextlib import closing
 
-import httpx
 import pytest
 
-from litevlm import Pipeline
-from litevlm.pipeline import Delta
-from litevlm.serve import ServerThread, build_app, image_data_url, user_message
+# The server is the optional extra litevlm[serve]: without its packages these tests are skipped, not broken.
+pytest.importorskip("fastapi", reason="pip install 'litevlm[serve]'")
+pytest.importorskip("uvicorn", reason="pip install 'litevlm[serve]'")
+pytest.importorskip("prometheus_client", reason="pip install 'litevlm[serve]'")
+httpx = pytest.importorskip("httpx", reason="pip install 'litevlm[serve]'")
+
+from litevlm import Pipeline  # noqa: E402
+from litevlm.pipeline import Delta  # noqa: E402
+from litevlm.serve import ServerThread, build_app, image_data_url, user_message  # noqa: E402
 
 QUESTION = "What are objects to the front of the ego car?"
 

@@ -518,10 +518,12 @@ def run_eval(args) -> None:
     prints and writes; the other ranks print nothing."""
     from litevlm.data.source import load_data
     from litevlm.dist import ShardStore
+    from litevlm.eval.metrics import language_scorers
     from litevlm.eval.run import evaluate
     from litevlm.eval.score import print_scores, scoring_from_args, write_submission
     from litevlm.options import pipeline_options
 
+    language_scorers()  # pycocoevalcap is checked before any model is loaded
     if args.predictions_out and args.n:
         raise LiteVLMError("--predictions-out writes a whole submission: drop --n (a partial file is never written)")
     scoring = scoring_from_args(args)
@@ -576,8 +578,10 @@ def score_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_score(args) -> None:
+    from litevlm.eval.metrics import language_scorers
     from litevlm.eval.score import print_scores, score_files, scoring_from_args
 
+    language_scorers()
     result = score_files(args.predictions, args.gt, **scoring_from_args(args))
     if args.json:
         _print_json(result)
@@ -622,6 +626,7 @@ def run_quantize(args) -> None:
     calib = None
     if recipe.static:  # the dynamic recipe scales each row at run time: nothing to calibrate
         calib = calibration_set(args.calib, args.data, args.images, args.calib_fraction, args.calib_seed)
+    args.backend = "modules"  # calibration observes the layers' inputs with forward hooks: they fire in the modules
     with _ranks(args) as d:
         pipe = pipeline_from_args(args)
         amax = None
@@ -672,6 +677,13 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
         help="with --shape on a GPU: replay plain decode steps and fixed-size verifications as CUDA graphs "
         "(capture time reported apart)",
     )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "modules", "native", "cuda", "cuda-twin"),
+        help="each row's execution backend: auto (cuda on a GPU, else the native CPU steps where they apply), the "
+        "modules, native, cuda, or cuda-twin (the CUDA backend's graphs replayed eagerly on the CPU)",
+    )
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers generate rows")
     p.add_argument(
         "--configs",
@@ -681,6 +693,13 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
         "litevlm.presets names them)",
     )
     p.add_argument("--plot", default=None, help="save the stage plots to this PNG")
+    p.add_argument(
+        "--jsonl",
+        default=None,
+        metavar="PATH",
+        help="append each measured answer, then each row, to PATH as one JSON line when it is known "
+        "(a run cut short keeps its figures)",
+    )
     _json_flag(p)
 
 
@@ -689,6 +708,10 @@ def run_bench_command(args) -> None:
     from litevlm.options import format_options
     from litevlm.presets import configs_named
 
+    if args.shape is None:  # a real model's rows are scored (DriveLM's language score): pycocoevalcap, checked now
+        from litevlm.eval.metrics import language_scorers
+
+        language_scorers()
     load = format_options(args)
     if args.device != "cpu" or args.dtype != "float32":
         load.update(device=args.device, dtype=args.dtype)
@@ -705,6 +728,8 @@ def run_bench_command(args) -> None:
         warmup=args.warmup,
         progress=not args.json,
         cuda_graphs=args.cuda_graphs,
+        backend=args.backend,
+        jsonl=args.jsonl,
     )
     if args.plot:
         plot(result, args.plot, per_question)

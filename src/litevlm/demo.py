@@ -1,18 +1,23 @@
 """`litevlm demo`: LiteVLM and the baseline on one fresh synthetic scene, side by side.
 
 Both pipelines answer the same questions about a scene the model never saw: each answer beside the truth, the
-views each pipeline encoded, the per-stage latency of both, and the speed-up (the ratio of their mean totals,
-measured interleaved question by question so that machine load hits both alike).
+views each pipeline encoded, the latency of both by the measure of `litevlm bench` (each stage's mean over the answers,
+`other` for what an answer's end-to-end time holds outside the five stages, so that they add up to the mean total,
+p50 and p90 of the total beside it; the images' preprocessing apart), and the speed-up: the ratio of the mean
+totals, measured interleaved question by question so that machine load hits both alike. A precision the device only
+emulates (an FP8 checkpoint on a CPU) gives no speed-up.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
+from litevlm.eval.timing import emulated_precision, mean_latency
 from litevlm.pipeline import STAGES, Pipeline
 
 GRID = (("CAM_FRONT_LEFT", "CAM_FRONT", "CAM_FRONT_RIGHT"), ("CAM_BACK_LEFT", "CAM_BACK", "CAM_BACK_RIGHT"))
@@ -75,7 +80,10 @@ def pipelines(model: str, configs: tuple[str, ...]) -> dict[str, Pipeline]:
 
 def measure(pipes: dict[str, Pipeline], questions, images, rounds: int) -> tuple[dict, dict]:
     """Each question answered by every pipeline, `rounds` times, interleaved (the pipeline that goes first
-    alternates); the answers of the first round, and every answer's stage timings per pipeline."""
+    alternates); the answers of the first round, and per pipeline every answer's stage timings with its end-to-end
+    time less the images' preprocessing as "wall" (ms, the device synchronised around the answer)."""
+    from litevlm.model.generate import sync
+
     answers: dict[str, list] = {name: [] for name in pipes}
     timings: dict[str, list] = {name: [] for name in pipes}
     names = list(pipes)
@@ -83,15 +91,29 @@ def measure(pipes: dict[str, Pipeline], questions, images, rounds: int) -> tuple
         for i, qa in enumerate(questions):
             order = names if (rnd + i) % 2 == 0 else names[::-1]
             for name in order:
+                device = pipes[name].model.device
+                sync(device)
+                t0 = time.perf_counter()
                 ans = pipes[name].answer(qa.question, images)
-                timings[name].append(ans.timings_ms)
+                sync(device)
+                wall = (time.perf_counter() - t0) * 1e3 - ans.timings_ms.get("preprocess", 0.0)
+                timings[name].append({**ans.timings_ms, "wall": wall})
                 if rnd == 0:
                     answers[name].append(ans)
     return answers, timings
 
 
-def mean_stages(timings: list[dict]) -> dict[str, float]:
-    return {s: statistics.fmean(t.get(s, 0.0) for t in timings) for s in (*STAGES, "total")}
+def latency(timings: list[dict]) -> dict[str, float]:
+    """`litevlm bench`'s measure over one pipeline's answers (`mean_latency`): `<stage>_ms` means, `other_ms`,
+    `total_ms` (the mean end-to-end time, preprocessing apart), `p50_total_ms`, `p90_total_ms`, and `preprocess_ms`."""
+    lat = mean_latency({s: [t.get(s, 0.0) for t in timings] for s in STAGES}, [t["wall"] for t in timings])
+    return lat | {"preprocess_ms": round(statistics.fmean(t.get("preprocess", 0.0) for t in timings), 3)}
+
+
+def mean_stages(lat: dict[str, float]) -> dict[str, float]:
+    """The mean of each stage, of other, of the total and of the preprocessing apart from it, by stage name (the
+    JSON's `mean_ms`)."""
+    return {s: lat[f"{s}_ms"] for s in (*STAGES, "other", "total", "preprocess")}
 
 
 def run_demo(
@@ -117,7 +139,9 @@ def run_demo(
         pipe.answer("Is there a car in front of the ego vehicle?", images)
     questions = pick_questions(frame.qas, n_questions)
     answers, timings = measure(pipes, questions, images, rounds)
-    stages = {name: mean_stages(t) for name, t in timings.items()}
+    lat = {name: latency(t) for name, t in timings.items()}
+    stages = {name: mean_stages(lt) for name, lt in lat.items()}
+    emulated = [name for name, pipe in pipes.items() if emulated_precision(pipe.model)]
     rows = [
         {
             "category": qa.category,
@@ -128,7 +152,8 @@ def run_demo(
         for i, qa in enumerate(questions)
     ]
     exact = {name: sum(_same(r["answers"][name]["answer"], r["truth"]) for r in rows) for name in pipes}
-    speedup = stages["baseline"]["total"] / stages["litevlm"]["total"] if len(pipes) == 2 else None
+    timed = len(pipes) == 2 and not emulated and stages["litevlm"]["total"] > 0
+    speedup = stages["baseline"]["total"] / stages["litevlm"]["total"] if timed else None
     result = {
         "model": next(iter(pipes.values())).name,
         "scene": {"seed": seed, "frame": 0},
@@ -138,7 +163,10 @@ def run_demo(
         "n": len(rows),
         "answers_timed": len(rows) * rounds,
         "mean_ms": stages,
-        "speedup": speedup,
+        "p50_total_ms": {name: lt["p50_total_ms"] for name, lt in lat.items()},
+        "p90_total_ms": {name: lt["p90_total_ms"] for name, lt in lat.items()},
+        "speedup": speedup,  # the baseline's mean total / LiteVLM's
+        "emulated": emulated,  # pipelines whose precision the device only emulates: their times are no speed figure
     }
     if as_json:
         print(json.dumps(result, separators=(",", ":")))
@@ -168,16 +196,28 @@ def print_demo(result: dict) -> None:
             print(f"  {LABELS[name]:<{width}}{mark:<3}{a['answer']}   [{_views(a['views'])}]")
         print()
     print("answers equal to the truth: " + ", ".join(f"{LABELS[n]} {result['exact'][n]}/{result['n']}" for n in names))
-    print(f"\nstage latency, mean ms over {result['answers_timed']} answers each (this machine):")
+    print(
+        f"\nlatency, mean ms over {result['answers_timed']} answers each (this machine); the stages and other"
+        " (the rest of the answer) add up to the total:"
+    )
     print(f"  {'stage':<14}" + "".join(f"{LABELS[n]:>12}{'share':>8}" for n in names))
-    for s in (*STAGES, "total"):
+    for s in (*STAGES, "other", "total"):
         cells = ""
         for n in names:
             ms, total = result["mean_ms"][n][s], result["mean_ms"][n]["total"] or 1.0
-            cells += f"{ms:12.2f}" + ("" if s == "total" else f"{100 * ms / total:7.1f}%")
+            cells += f"{ms:12.2f}" + (f"{'':8}" if s == "total" else f"{100 * ms / total:7.1f}%")
         print(f"  {s:<14}{cells}")
+    for key, label in (("p50_total_ms", "total p50"), ("p90_total_ms", "total p90")):
+        print(f"  {label:<14}" + "".join(f"{result[key][n]:12.2f}{'':8}" for n in names))
+    print(f"  {'preprocess':<14}" + "".join(f"{result['mean_ms'][n]['preprocess']:12.2f}{'':8}" for n in names))
+    print("  (preprocess: the images cut into tiles, apart from the total as in `litevlm bench`)")
+    if result["emulated"]:
+        print(
+            f"\n{', '.join(LABELS[n] for n in result['emulated'])}: a precision this device only emulates"
+            " (FP8 without FP8 kernels); the times are no speed figure, and no speed-up is given."
+        )
     if result["speedup"] is not None:
         print(
             f"\nLiteVLM answered {result['speedup']:.2f}x as fast as the baseline "
-            "(ratio of their mean totals, measured side by side)."
+            "(the ratio of their mean totals, measured side by side)."
         )

@@ -106,6 +106,29 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
         "--fastv-r", type=float, default=None, metavar="R", help="FastV baseline: fraction of visual tokens kept"
     )
     g.add_argument(
+        "--prune",
+        default=None,
+        metavar="METHOD",
+        help="token pruning keeping --keep R of the visual tokens: token-selector (= --select-tokens R), fastv (at "
+        "--prune-layer, default 2), dart (before decoder layer 2), divprune, cdpruner, random or uniform (on the "
+        "projector's output)",
+    )
+    g.add_argument(
+        "--keep", type=float, default=None, metavar="R", help="with --prune: the fraction of visual tokens kept"
+    )
+    g.add_argument(
+        "--prune-layer",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --prune fastv or dart: prune before decoder layer K (default: the method's paper's, 2)",
+    )
+    g.add_argument(
+        "--per-view",
+        action="store_true",
+        help="with --prune dart, divprune, cdpruner or random: keep R of each camera's tokens, not R of all",
+    )
+    g.add_argument(
         "--speculative", action="store_true", help="EAGLE-2 speculative decoding with the model's draft head"
     )
     g.add_argument("--tree-top-k", type=int, default=None)
@@ -123,6 +146,13 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
         "--fp8", default=None, metavar="RECIPE", help="fp8-dynamic-per-row: quantise decoder linears at load"
     )
     g.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "modules", "native", "cuda", "cuda-twin"),
+        help="the model's execution backend, chosen once: auto (cuda on a GPU, else the native CPU steps where they "
+        "apply), the modules, native, cuda (CUDA graphs), or cuda-twin (the CUDA backend's mechanisms on the CPU)",
+    )
+    g.add_argument(
         "--matmul",
         default="fp32",
         choices=("fp32", "bf16"),
@@ -138,7 +168,8 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
 
 def pipeline_options(args: argparse.Namespace) -> dict:
     """`Pipeline.from_pretrained` keyword arguments from parsed pipeline options, `--litevlm` applied: its preset
-    switches its stages on and fills the keep ratio and the threshold the command line left unset."""
+    switches its stages on and fills the keep ratio and the threshold the command line left unset (with --prune,
+    the pruning asked for replaces the preset's TokenSelector). Bad --prune / --keep values are refused here."""
     opts = dict(
         device=args.device,
         dtype=args.dtype,
@@ -150,6 +181,10 @@ def pipeline_options(args: argparse.Namespace) -> dict:
         select_tokens=args.select_tokens,
         fastv_k=args.fastv_k,
         fastv_r=args.fastv_r,
+        prune=args.prune,
+        keep=args.keep,
+        prune_layer=args.prune_layer,
+        prune_per_view=args.per_view,
         speculative=args.speculative,
         tree_top_k=args.tree_top_k,
         tree_depth=args.tree_depth,
@@ -157,12 +192,19 @@ def pipeline_options(args: argparse.Namespace) -> dict:
         tree_min_value=args.tree_min_value,
         fp8=args.fp8,
         matmul=args.matmul,
+        backend=args.backend,
         min_select_tokens=args.select_min_tokens,
         openings=not args.no_openings,
         **format_options(args),
     )
-    if args.litevlm:
-        opts.update({k: v for k, v in LITEVLM.items() if opts[k] is None or opts[k] is False})
+    if opts["prune"] is not None or opts["keep"] is not None or opts["prune_layer"] is not None or args.per_view:
+        # a bad value is a clear error before any model is loaded
+        from litevlm.select.pruners import PruneConfig
+
+        PruneConfig.from_options(opts["prune"], opts["keep"], opts["prune_layer"], opts["prune_per_view"])
+    if args.litevlm:  # --prune is the token pruning asked for: the preset's TokenSelector gives way to it
+        preset = {k: v for k, v in LITEVLM.items() if not (k == "select_tokens" and opts["prune"] is not None)}
+        opts.update({k: v for k, v in preset.items() if opts[k] is None or opts[k] is False})
     opts["min_select_tokens"] = opts["min_select_tokens"] or 0
     return opts
 

@@ -13,6 +13,8 @@ decoding and resizing are reported apart as `preprocess`).
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import closing
 from dataclasses import dataclass, field, replace
@@ -22,10 +24,8 @@ import torch
 
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
-from litevlm.model import cpu_steps
+from litevlm.model.backend import CACHE_MULTIPLE, Sampling, choose_backend, round_up
 from litevlm.model.generate import (
-    BucketPrefill,
-    GraphedDecodeStep,
     Prefilled,
     StageTimer,
     prefill_prompt,
@@ -37,9 +37,9 @@ from litevlm.models import load_model, part_dir
 from litevlm.quant.fp8 import precision_of
 from litevlm.select.tokens import Pruning, fastv_pruning
 from litevlm.spec.decode import stream_speculative
-from litevlm.spec.tree import GraphedVerify
 
 STAGES = ("select_views", "vit", "select_tokens", "prefill", "decode")
+WARMUP_QUESTION = "Is there a car in front of the ego vehicle?"  # the blank scene's question (`Pipeline.warmup`)
 
 
 @dataclass
@@ -123,15 +123,18 @@ class Pipeline:
     min_select_tokens: the TokenSelector runs only on prompts with at least this many visual tokens;
         below, its scoring costs more than the tokens it prunes save (0: always).
     fastv: (K, r) for FastV pruning inside the LLM (the baseline), or None.
+    pruner: a training-free pruner (`litevlm.select.pruners.PruneConfig`: DART, DivPrune, CDPruner, random, uniform)
+        keeping its fraction r of the visual tokens, or None; its selection is timed as "select_tokens".
     draft + tree: EAGLE-2 speculative decoding with this draft head and tree envelope, or None.
     openings: with a draft head that has answer openings (`litevlm.spec.openings`, built by `litevlm train openings`),
         greedy decoding verifies the question's likely answer openings inside the prefill's pass.
     prompt_format: the checkpoint's chat template, system message, camera labels and tiling
         (`litevlm.model.prompt.PromptFormat`; default: ChatML, `{camera}: ` labels, the config's tiles per view).
-    cuda_graphs: on a CUDA device, the GPU fast path: plain decode steps and speculative verifications of the
-        configured tree size replay as one captured graph each, and a prompt's prefill runs compiled for its length
-        bucket (drafting, FastV and the TokenSelector's pruned prefill stay eager). Capture and compile time go to
-        `capture_ms`, never into a stage.
+    backend: the model's execution backend (`litevlm.model.backend`), made once here and again by `rebuild`:
+        "auto" (CUDA graphs on a CUDA device, else the native CPU steps where they serve the model, else the
+        modules), "modules", "native", "cuda" or "cuda-twin" (the CUDA backend's mechanisms on the CPU). Making it
+        (the native build, packing, graph capture, compilation) and `warmup` are setup, reported as `setup_ms`,
+        never inside a stage. cuda_graphs=True is backend="cuda".
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class Pipeline:
         keep_ratio: float | None = None,
         min_select_tokens: int = 0,
         fastv: tuple[int, float] | None = None,
+        pruner=None,
         draft=None,
         tree=None,
         max_new_tokens: int = 160,
@@ -155,9 +159,19 @@ class Pipeline:
         cuda_graphs: bool = False,
         openings: bool = True,
         prompt_format: PromptFormat | None = None,
+        backend: str = "auto",
+        warmup: bool = True,
     ):
         if token_selector is not None and fastv is not None:
             raise LiteVLMError("choose TokenSelector or FastV, not both")
+        if pruner is not None and (token_selector is not None or fastv is not None):
+            raise LiteVLMError(f"choose one token pruning: {pruner.method}, the TokenSelector or FastV")
+        n_layers = len(model.language_model.layers)
+        if pruner is not None and pruner.decoder_layer is not None and not 1 <= pruner.decoder_layer < n_layers:
+            raise LiteVLMError(
+                f"{pruner.method} prunes before decoder layer {pruner.decoder_layer}, but this decoder has {n_layers} "
+                f"layers: choose a pruning layer in 1..{n_layers - 1}"
+            )
         for r in (keep_ratio, fastv[1] if fastv else None):
             if r is not None and not 0.0 < r <= 1.0:
                 raise LiteVLMError(f"keep ratio r (fraction of visual tokens KEPT) must be in (0, 1]; got {r}")
@@ -171,6 +185,8 @@ class Pipeline:
             raise LiteVLMError(f"min_select_tokens must be >= 0; got {min_select_tokens}")
         self.min_select_tokens = min_select_tokens
         self.fastv = fastv
+        self.pruner = pruner
+        self.prune_generator = torch.Generator().manual_seed(seed)  # the random pruner's draws, apart from sampling's
         self.draft = draft
         self.tree = tree
         self.openings = openings
@@ -180,20 +196,71 @@ class Pipeline:
         self.top_p = top_p
         self.max_question_tokens = max_question_tokens
         self.name = name
-        if cuda_graphs and model.device.type != "cuda":
-            raise LiteVLMError(f"cuda_graphs needs the model on a CUDA device; it is on {model.device}")
-        self.cuda_graphs = cuda_graphs
-        self._graphed_step = None  # captured on first use, re-captured if the cache is re-allocated
-        self._graphed_verify_step = None  # the same for the speculative verification
-        self._prefill_buckets = None  # the compiled prefill per prompt-length bucket, made on first use
-        self._graph_ms = 0.0  # one-off CUDA-graph capture cost, kept apart from the measurements
+        if cuda_graphs:
+            backend = "cuda"
+        if backend == "cuda" and model.device.type != "cuda":
+            raise LiteVLMError(
+                f"the cuda backend (cuda_graphs) needs the model on a CUDA device; it is on {model.device}"
+            )
+        self.backend_kind = backend
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.format = prompt_format or PromptFormat(tiling=Tiling(tiles=self.cfg.tiles_per_view))
         self.tokens_per_view = self.cfg.tokens_per_tile * self.format.tiling.most()  # the most one view can take
         # Room for the longest prompt (the template, all views, longest question) plus the answer and a draft tree.
         template = len(self.format.build(tokenizer, "?", [], []).ids)
-        self.max_len = 96 + template + len(CAMERAS) * (self.tokens_per_view + 16) + max_question_tokens + max_new_tokens
-        model.language_model.setup_cache(1, self.max_len)
+        self.max_len = round_up(
+            96 + template + len(CAMERAS) * (self.tokens_per_view + 16) + max_question_tokens + max_new_tokens,
+            CACHE_MULTIPLE,
+        )
+        self.setup_ms = 0.0
+        self.rebuild(warmup)
+
+    # -- the execution backend ------------------------------------------------------------------
+    def rebuild(self, warmup: bool = True) -> None:
+        """Make the model's execution backend afresh (`litevlm.model.backend.choose_backend`): after anything that
+        changes the weights (training, quantising, loading or replacing a module), whose packed weights and captured
+        graphs it holds; then, with `warmup`, one answer to a blank scene (`warmup`). Its cost is setup (`setup_ms`),
+        never part of an answer; a setup that takes seconds says so on stderr."""
+        t0 = time.perf_counter()
+        lm = self.model.language_model
+        nodes = self.tree.total_tokens if self.draft is not None and self.tree is not None else 0
+        scratch = max(1, nodes) if self.backend_kind in ("cuda", "cuda-twin") else 0
+        lm.setup_cache(1, self.max_len, scratch=scratch)
+        self.backend = choose_backend(self.backend_kind, self.model, self.draft, tree_nodes=nodes)
+        if warmup:
+            self.warmup()
+        ms = (time.perf_counter() - t0) * 1e3
+        self.setup_ms += ms
+        if ms > 2000:
+            print(
+                f"litevlm: {self.name} set up on the {self.backend.name} backend in {ms / 1e3:.1f} s", file=sys.stderr
+            )
+
+    @torch.no_grad()
+    def warmup(self) -> None:
+        """One answer to a blank scene, before any real one, so that what a first answer pays once (lazily packed
+        weights, the allocator's first growth, a CUDA backend's first prefill bucket) is paid here. The pipeline's own
+        sampling generator is left as it was."""
+        from PIL import Image
+
+        blank = {cam: Image.new("RGB", (448, 252), (96, 96, 96)) for cam in CAMERAS}
+        saved = self.generator, self.max_new_tokens
+        self.generator = torch.Generator(device=self.model.device).manual_seed(0)
+        self.max_new_tokens = min(self.max_new_tokens, 8)  # every stage and a few decode steps or cycles
+        try:
+            for _ in self._stream(WARMUP_QUESTION, blank):
+                pass
+        finally:
+            self.generator, self.max_new_tokens = saved
+
+    @property
+    def capture_ms(self) -> float:
+        """Setup time (`setup_ms`), under its older name."""
+        return self.setup_ms
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.max_new_tokens, self.stop_id, self.temperature, self.top_p, self.generator)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -207,6 +274,10 @@ class Pipeline:
         select_tokens: float | None = None,
         fastv_k: int | None = None,
         fastv_r: float | None = None,
+        prune: str | None = None,
+        keep: float | None = None,
+        prune_layer: int | None = None,
+        prune_per_view: bool = False,
         speculative: bool = False,
         tree_top_k: int | None = None,
         tree_depth: int | None = None,
@@ -228,6 +299,10 @@ class Pipeline:
         select_views: use the model's ViewSelector (model_dir/view_selector).
         select_tokens=r: use its TokenSelector (model_dir/token_selector), keeping a fraction r.
         fastv_k, fastv_r: FastV at layer K keeping r (the comparison baseline).
+        prune, keep: token pruning by name (`litevlm.select.pruners.METHODS`) keeping a fraction r: "token-selector"
+            is select_tokens=r, "fastv" is FastV at prune_layer (default 2, FastV's own), "dart" prunes before decoder
+            layer prune_layer (default 2), "divprune", "cdpruner", "random" and "uniform" the projector's output.
+            prune_per_view: about r of each camera's tokens instead of r of all (dart, divprune, cdpruner, random).
         speculative: EAGLE-2 with its draft head (model_dir/draft), tree_* override the default tree
             (tree_min_value: a chain ends where its draft probability falls below it).
         fp8: "fp8-dynamic-per-row" quantises the decoder linears at load; a checkpoint written by
@@ -237,6 +312,16 @@ class Pipeline:
         system, camera_label, tiles, max_tiles, thumbnail: the prompt format of a checkpoint that has no prompt.json
             yet (`litevlm.models.load_model`).
         """
+        from litevlm.select.pruners import PruneConfig
+
+        pruner = PruneConfig.from_options(prune, keep, prune_layer, prune_per_view)  # checked before loading
+        if pruner is not None:
+            if select_tokens is not None or fastv_k is not None or fastv_r is not None:
+                raise LiteVLMError("--prune METHOD --keep R replaces --select-tokens and --fastv-k/--fastv-r: give one")
+            if pruner.method == "token-selector":
+                select_tokens, pruner = pruner.keep_ratio, None
+            elif pruner.method == "fastv":
+                fastv_k, fastv_r, pruner = pruner.decoder_layer, pruner.keep_ratio, None
         loaded = load_model(
             name_or_path,
             device=device,
@@ -265,6 +350,8 @@ class Pipeline:
             from litevlm.select.views import ViewSelector
 
             parts["view_selector"] = ViewSelector.load(part_dir(path, "view_selector"), device=device)
+        if pruner is not None:
+            parts["pruner"] = pruner
         if select_tokens is not None:
             from litevlm.select.tokens import TokenSelector
 
@@ -381,8 +468,20 @@ class Pipeline:
     @torch.no_grad()
     def select_tokens(self, p: Prompt, question: str, timer: StageTimer) -> tuple[Prompt, Pruning | None]:
         """Token selection, timed as "select_tokens": a TokenSelector with its own copy of layer 0 prunes the prompt
-        here; one sharing the decoder's layer 0 (or FastV at layer K) gives the hook that prunes inside the prefill."""
+        here; one sharing the decoder's layer 0 (or FastV at layer K) gives the hook that prunes inside the prefill.
+        A pruner (`litevlm.select.pruners`) prunes the projector's output here or, DART, gives the hook; either way
+        its choice is timed here (a hook's inside the prefill, under this stage's name)."""
         with timer("select_tokens"):
+            if self.pruner is not None:
+                from litevlm.select.pruners import apply_pruner
+
+                ids = None
+                if self.pruner.method == "cdpruner":  # its relevance is to the question's own tokens
+                    ids = torch.tensor(self.tokenizer.encode(question), dtype=torch.long, device=p.embeds.device)
+                embeds, positions, hook = apply_pruner(
+                    self.pruner, self.model, p.embeds, p.positions, p.view_spans, ids, self.prune_generator
+                )
+                return replace(p, embeds=embeds, positions=positions), hook
             if self.fastv is not None:
                 k, r = self.fastv
                 return p, fastv_pruning(self.model, p.positions, p.view_spans, k, r)
@@ -409,7 +508,7 @@ class Pipeline:
         with the question's answer openings verified in the same pass where speculative decoding has them."""
         opening = self._opening(question) if self.fastv is None else None
         return prefill_prompt(
-            self.model,
+            self.backend,
             p.embeds,
             p.positions,
             timer,
@@ -417,18 +516,14 @@ class Pipeline:
             opening=opening,
             eos_id=self.stop_id,
             limit=self.max_new_tokens,
-            buckets=self._buckets(),
         )
 
     def decode(self, prefilled: Prefilled, timer: StageTimer) -> Iterator[list[int]]:
         """The decoding stream from a prefilled prompt: token runs as they are made, then the `Generation`. FastV, the
         in-LLM pruning baseline, decodes plainly."""
-        args = (self.max_new_tokens, self.stop_id, self.temperature, self.top_p, self.generator, timer)
         if self.draft is not None and self.fastv is None:
-            return stream_speculative(
-                self.model, self.draft, prefilled, *args, tree=self.tree, verify=self._graphed_verify()
-            )
-        return stream_decode(self.model, prefilled, *args, step=self._decode_step())
+            return stream_speculative(self.backend, prefilled, self.sampling, timer, self.tree)
+        return stream_decode(self.backend, prefilled, self.sampling, timer)
 
     # -- one answer -----------------------------------------------------------------------------
     def answer(self, question: str, images: Mapping) -> Answer:
@@ -450,80 +545,45 @@ class Pipeline:
 
     @torch.no_grad()
     def _stream(self, question: str, images: Mapping) -> Iterator[Delta | Answer]:
-        with cpu_steps.frozen():  # weights and hooks stay as they are for one answer: checked once
-            timer = StageTimer(self.model.device)
-            with timer("select_views"):
-                views = self.select_views(question)
-            full = self.embed_prompt(question, views, *self.vision(images, views, timer))
-            p, pruning = self.select_tokens(full, question, timer)
-            prefilled = self.prefill(p, pruning, question, timer)
-            text = TextStream(self.tokenizer, self.tokenizer.eos_id)
-            with closing(self.decode(prefilled, timer)) as steps:
-                while True:
-                    try:
-                        new = next(steps)
-                    except StopIteration as stop:
-                        gen = stop.value
-                        break
-                    yield Delta(text.push(new), new)
-            rest = text.finish()
-            if rest:
-                yield Delta(rest, [])
-            ms = dict(timer.ms)
-            ms["total"] = sum(ms.get(s, 0.0) for s in STAGES)
-            yield Answer(
-                text=self.tokenizer.decode([t for t in gen.tokens if t != self.tokenizer.eos_id]).strip(),
-                views=views,
-                num_visual_tokens=full.num_visual_tokens - (full.ids.shape[1] - gen.prompt_len),
-                timings_ms=ms,
-                accept_lengths=list(gen.accept_lengths),
-                tokens=gen.tokens,
-                input_tokens=gen.prompt_len,
-                opened_tokens=gen.opened,
-                precision=precision_of(self.model),
-            )
+        timer = StageTimer(self.model.device)
+        with timer("select_views"):
+            views = self.select_views(question)
+        full = self.embed_prompt(question, views, *self.vision(images, views, timer))
+        p, pruning = self.select_tokens(full, question, timer)
+        prefilled = self.prefill(p, pruning, question, timer)
+        text = TextStream(self.tokenizer, self.tokenizer.eos_id)
+        with closing(self.decode(prefilled, timer)) as steps:
+            while True:
+                try:
+                    new = next(steps)
+                except StopIteration as stop:
+                    gen = stop.value
+                    break
+                yield Delta(text.push(new), new)
+        rest = text.finish()
+        if rest:
+            yield Delta(rest, [])
+        ms = dict(timer.ms)
+        ms["total"] = sum(ms.get(s, 0.0) for s in STAGES)
+        yield Answer(
+            text=self.tokenizer.decode([t for t in gen.tokens if t != self.tokenizer.eos_id]).strip(),
+            views=views,
+            num_visual_tokens=full.num_visual_tokens - (full.ids.shape[1] - gen.prompt_len),
+            timings_ms=ms,
+            accept_lengths=list(gen.accept_lengths),
+            tokens=gen.tokens,
+            input_tokens=gen.prompt_len,
+            opened_tokens=gen.opened,
+            precision=precision_of(self.model),
+        )
 
     def _opening(self, question: str):
         """The answer openings to verify with this question's prompt (`litevlm.spec.openings`): speculative greedy
         decoding with a draft head that has them, unless turned off; else None."""
-        table = getattr(self.draft, "openings", None)
+        table = getattr(self.draft, "openings", None)  # a head may have none
         if not self.openings or table is None or self.temperature > 0:
             return None
         return table.for_question(question)
-
-    def _decode_step(self):
-        """The plain decode step as a replayed CUDA graph (cuda_graphs=True), else None (eager)."""
-        if not self.cuda_graphs:
-            return None
-        if self._graphed_step is None or not self._graphed_step.valid_for(self.model):
-            self._graphed_step = GraphedDecodeStep(self.model)
-            self._graph_ms += self._graphed_step.capture_ms
-        return self._graphed_step
-
-    def _buckets(self) -> BucketPrefill | None:
-        """The compiled prefill per prompt-length bucket (cuda_graphs=True), made on first use, else None."""
-        if not self.cuda_graphs:
-            return None
-        if self._prefill_buckets is None or self._prefill_buckets.model is not self.model:
-            self._graph_ms += self._prefill_buckets.compile_ms if self._prefill_buckets is not None else 0.0
-            self._prefill_buckets = BucketPrefill(self.model)
-        return self._prefill_buckets
-
-    @property
-    def capture_ms(self) -> float:
-        """One-off CUDA-graph capture and prefill compile time (cuda_graphs=True), kept apart from the stages."""
-        return self._graph_ms + (self._prefill_buckets.compile_ms if self._prefill_buckets is not None else 0.0)
-
-    def _graphed_verify(self):
-        """The tree verification as a replayed CUDA graph for trees of the configured size (cuda_graphs=True), else
-        None."""
-        if not self.cuda_graphs:
-            return None
-        n = self.tree.total_tokens
-        if self._graphed_verify_step is None or not self._graphed_verify_step.valid_for(self.model, n):
-            self._graphed_verify_step = GraphedVerify(self.model, n)
-            self._graph_ms += self._graphed_verify_step.capture_ms
-        return self._graphed_verify_step
 
 
 def torch_dtype(name: str) -> torch.dtype:

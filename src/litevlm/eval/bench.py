@@ -3,99 +3,162 @@
 Every configuration answers the same questions on the same images in one run, interleaved question by question
 so that machine noise hits all rows alike, in an order shuffled anew for each question so that no row always
 follows the same one (a row after a similar one finds the caches warm); the first questions warm every row up
-and are not counted. Stage times are the pipeline's own (device synchronised at stage boundaries), medians
-over questions; extend-one = decode time / tokens generated after the first. The DriveLM score of each row
-comes from the answers of this same run. The `transformers` rows run transformers' `generate` on the same
-weights, exported through `litevlm convert`, with the dynamic ("eager") and the static cache, on the baseline's own
-prompt ids and tiles (the checkpoint's chat template and tiling): both sides answer from identical inputs.
+and are not counted.
+
+A row reports means over the questions, as the paper's table does: each stage's mean (the pipeline's own times,
+device synchronised at stage boundaries); `other_ms`, what an answer's end-to-end time holds outside the five stages
+(input checks, building and embedding the prompt, detokenising, the steps between stages), so that the stages and
+other add up to `total_ms`, the mean end-to-end time; its p50 and p90 beside it. As in the pipeline's own total, the
+images' decoding and resizing into tiles is not in it: it is reported apart as `preprocess_ms`. `speedup` is the
+baseline's mean total over the row's; extend-one = decode time / tokens the decode stage made. A precision this
+device only emulates (FP8 without FP8 kernels, as on a CPU) makes an accuracy row: its times are no speed figure
+(`speed_figure` false, `speedup` null). The DriveLM score of each row comes from the answers of this same run.
+
+The `transformers` rows run transformers' `generate` on the same weights, exported through `litevlm convert`, with
+the dynamic ("eager") and the static cache, on the baseline's own prompt ids and tiles (the checkpoint's chat
+template and tiling): both sides answer from identical inputs.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
+from litevlm.eval.timing import emulated_precision, mean_latency
 from litevlm.model import cpu_steps
+from litevlm.pipeline import STAGES
 from litevlm.presets import BF16_CONFIGS, CONFIGS, HF_ROWS
 
+# The table's columns in the paper's order; `select_ms` is select_views + select_tokens (the paper's "sel" column),
+# so that vit + prefill + decode + select + other = total, row by row.
 COLUMNS = (
     "config",
     "views",
-    "vit_ms",
+    "visual_tokens",
     "input_tokens",
+    "vit_ms",
     "prefill_ms",
     "extend_one_ms",
     "decode_ms",
     "select_ms",
+    "other_ms",
     "total_ms",
+    "p50_total_ms",
+    "p90_total_ms",
     "speedup",
     "score",
 )
+# What an accuracy row (an emulated precision) shows: no time.
+ACCURACY_COLUMNS = ("config", "precision", "views", "visual_tokens", "input_tokens", "score", "tau")
 
 
 @dataclass
 class RowLog:
+    """One configuration's measurements, question by question; `row` makes them the table's row (means)."""
+
     views: list[int] = field(default_factory=list)
-    vit: list[float] = field(default_factory=list)
+    visual_tokens: list[int] = field(default_factory=list)
     input_tokens: list[int] = field(default_factory=list)
-    prefill: list[float] = field(default_factory=list)
-    decode: list[float] = field(default_factory=list)
-    select: list[float] = field(default_factory=list)
-    total: list[float] = field(default_factory=list)
+    stages: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
+    total: list[float] = field(default_factory=list)  # end-to-end ms of each answer, preprocessing apart
+    preprocess: list[float | None] = field(default_factory=list)  # images into tiles (None: not timed)
     new_tokens: list[int] = field(default_factory=list)
     opened: list[int] = field(default_factory=list)  # answer tokens accepted with the prompt (answer openings)
     records: list[dict] = field(default_factory=list)
     accept: list[int] = field(default_factory=list)
     precision: str = ""
+    emulated: bool = False  # the precision is emulated on this device (`emulated_precision`): no speed figure
 
-    def add(self, views, vit, input_tokens, prefill, decode, select, new_tokens, opened=0):
+    def add(
+        self,
+        *,
+        views: int,
+        visual_tokens: int,
+        input_tokens: int,
+        stages: Mapping[str, float],
+        new_tokens: int,
+        opened: int = 0,
+        total: float | None = None,
+        preprocess: float | None = None,
+    ) -> None:
+        """One answer: its stage times in ms (a stage it did not run counts 0), its end-to-end time `total` less the
+        images' preprocessing (default: the stages' sum, nothing outside them) and that preprocessing's ms."""
+        unknown = set(stages) - set(STAGES)
+        if unknown:
+            raise ValueError(f"stages: {sorted(unknown)} are not among {STAGES}")
+        for s in STAGES:
+            self.stages[s].append(float(stages.get(s, 0.0)))
+        self.total.append(sum(self.stages[s][-1] for s in STAGES) if total is None else float(total))
+        self.preprocess.append(preprocess)
         self.views.append(views)
-        self.vit.append(vit)
+        self.visual_tokens.append(visual_tokens)
         self.input_tokens.append(input_tokens)
-        self.prefill.append(prefill)
-        self.decode.append(decode)
-        self.select.append(select)
-        self.total.append(vit + prefill + decode + select)
         self.new_tokens.append(new_tokens)
         self.opened.append(opened)
 
+    def mean_total(self) -> float:
+        """The mean end-to-end ms, as `row` reports it (`total_ms`): what the speed-ups divide."""
+        return mean_latency(self.stages, self.total)["total_ms"]
+
     def row(self, name: str, baseline_total: float | None, score) -> dict:
-        med = statistics.median
+        """The table's row: means over the questions (`mean_latency`); `speedup` = baseline_total (the baseline's
+        `total_ms`) / this row's `total_ms`, None without a baseline or for an emulated precision."""
+        lat = mean_latency(self.stages, self.total)
         steps = sum(max(0, n - 1 - o) for n, o in zip(self.new_tokens, self.opened))  # the tokens the decode stage made
+        speed = not self.emulated
+        timed = speed and baseline_total and lat["total_ms"]
         return {
             "config": name,
             "views": round(statistics.fmean(self.views), 2),
-            "vit_ms": round(med(self.vit), 3),
+            "visual_tokens": round(statistics.fmean(self.visual_tokens), 1),
             "input_tokens": round(statistics.fmean(self.input_tokens), 1),
-            "prefill_ms": round(med(self.prefill), 3),
-            "extend_one_ms": round(sum(self.decode) / steps, 3) if steps else None,
-            "decode_ms": round(med(self.decode), 3),
-            "select_ms": round(med(self.select), 3),
-            "total_ms": round(med(self.total), 3),
-            "speedup": round(baseline_total / med(self.total), 2) if baseline_total else None,
+            **{f"{s}_ms": lat[f"{s}_ms"] for s in STAGES},
+            "select_ms": round(lat["select_views_ms"] + lat["select_tokens_ms"], 3),
+            "other_ms": lat["other_ms"],
+            "total_ms": lat["total_ms"],
+            "p50_total_ms": lat["p50_total_ms"],
+            "p90_total_ms": lat["p90_total_ms"],
+            "preprocess_ms": (
+                round(statistics.fmean(self.preprocess), 3) if all(p is not None for p in self.preprocess) else None
+            ),
+            "decode_tokens": round(steps / len(self.total), 3),
+            "extend_one_ms": round(sum(self.stages["decode"]) / steps, 3) if steps else None,
+            "speedup": round(baseline_total / lat["total_ms"], 2) if timed else None,
+            "speed_figure": speed,
+            "emulated": self.emulated,
             "score": score,
             "tau": round(statistics.fmean(self.accept), 3) if self.accept else None,
             "opened_tokens": round(statistics.fmean(self.opened), 3) if self.opened else 0.0,
             "precision": self.precision,
-            "mean_total_ms": round(statistics.fmean(self.total), 3),
+            "mean_total_ms": lat["total_ms"],  # total_ms's name from when total_ms was a median
             "shares": self.shares(),
         }
 
     def shares(self) -> dict[str, float]:
-        """Each stage's part of the end-to-end time summed over the questions (the paper's Table 1 gives means, whose
-        ratios these are); the medians above, taken stage by stage, need not add up to the median total."""
+        """Each stage's part of the end-to-end time summed over the questions (= its mean over the mean total), other
+        included, so that they add up to 1; `select` is select_views + select_tokens."""
         total = sum(self.total)
-        stages = {"vit": self.vit, "select": self.select, "prefill": self.prefill, "decode": self.decode}
-        return {name: round(sum(times) / total, 4) if total else 0.0 for name, times in stages.items()}
+        st = self.stages
+        parts = {
+            "vit": sum(st["vit"]),
+            "select": sum(st["select_views"]) + sum(st["select_tokens"]),
+            "prefill": sum(st["prefill"]),
+            "decode": sum(st["decode"]),
+        }
+        parts["other"] = total - sum(parts.values())
+        return {name: round(t / total, 4) if total else 0.0 for name, t in parts.items()}
 
 
 def _samples(data, n: int, seed: int, images_root=None):
@@ -126,20 +189,22 @@ def _pipelines(
     configs: dict[str, dict],
     max_new_tokens: int,
     shape: str | None,
-    cuda_graphs: bool = False,
+    backend: str = "auto",
     load: dict | None = None,
 ):
-    """One pipeline per row; `load` holds `Pipeline.from_pretrained`'s device, dtype and prompt format options."""
+    """One pipeline per row, each with its execution backend (`litevlm.model.backend`); `load` holds
+    `Pipeline.from_pretrained`'s device, dtype and prompt format options."""
     from litevlm.pipeline import Pipeline
 
     if shape is None:
         return {
-            name: Pipeline.from_pretrained(model, max_new_tokens=max_new_tokens, **(load or {}), **opts)
+            name: Pipeline.from_pretrained(
+                model, max_new_tokens=max_new_tokens, backend=backend, **(load or {}), **opts
+            )
             for name, opts in configs.items()
         }
     return {
-        name: random_pipeline(shape, model, max_new_tokens, cuda_graphs=cuda_graphs, **opts)
-        for name, opts in configs.items()
+        name: random_pipeline(shape, model, max_new_tokens, backend=backend, **opts) for name, opts in configs.items()
     }
 
 
@@ -156,14 +221,16 @@ def random_pipeline(
     speculative=False,
     fp8=None,
     seed: int = 0,
-    cuda_graphs: bool = False,
+    backend: str = "auto",
     openings: bool = True,
 ):
     """A pipeline at a real model's shapes with random weights (latency only): `--shape 2b` etc.
 
     The text side borrows drive-tiny's tokenizer (its ids fit every real vocabulary); each camera is cut
     into two tiles as in the paper's 12-tile layout. Selectors and the draft head are random too, and the draft head has
-    no answer openings (`openings` is accepted for the ablation rows and changes nothing here).
+    no answer openings (`openings` is accepted for the ablation rows and changes nothing here). The draft tree is
+    a fixed-size chain (no probability cut): random drafts would cut every chain after a node or two, and a CUDA
+    backend replays the verification graph of the tree size it captured, so the rows measure the graph that runs.
     """
     from litevlm.config import preset
     from litevlm.data.tokenizer import Tokenizer
@@ -200,14 +267,14 @@ def random_pipeline(
         from litevlm.spec.tree import TreeConfig
 
         parts["draft"] = DraftHead(DraftConfig.for_target(cfg.text), model).to(device=dev, dtype=dtype)
-        parts["tree"] = TreeConfig()
+        parts["tree"] = TreeConfig(min_value=0.0)
     if fp8 is not None:
         from litevlm.quant.fp8 import FP8Recipe, quantize_model
 
         quantize_model(model, FP8Recipe(fp8))
     # Random weights never emit EOS reliably: every answer runs to max_new_tokens, the same for all rows.
     # (Only the stopping rule changes: the prompt keeps its end-of-turn token.)
-    pipe = Pipeline(model, tok, max_new_tokens=max_new_tokens, name=f"random-{shape}", cuda_graphs=cuda_graphs, **parts)
+    pipe = Pipeline(model, tok, max_new_tokens=max_new_tokens, name=f"random-{shape}", backend=backend, **parts)
     pipe.stop_id = None
     return pipe
 
@@ -272,13 +339,54 @@ def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int):
                 continue
             new = out[0, ids.shape[1] :].tolist()
             # Vision and prefill (merge + language model) are timed apart; generate holds vision + prefill + decode.
+            # The answer is generate's: its decode is what generate took beyond the vision and prefill timed apart,
+            # and nothing lies outside the stages (other 0).
             vit, prefill, gen = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
-            logs[name].add(len(CAMERAS), vit, ids.shape[1], prefill, max(0.0, gen - vit - prefill), 0.0, len(new))
+            logs[name].add(
+                views=len(CAMERAS),
+                visual_tokens=int((ids == hf.config.image_token_id).sum()),
+                input_tokens=ids.shape[1],
+                stages={"vit": vit, "prefill": prefill, "decode": max(0.0, gen - vit - prefill)},
+                new_tokens=len(new),
+            )
             text = tok.decode([t for t in new if t != tok.eos_id]).strip()
             logs[name].records.append(_record(s, text, len(CAMERAS)))
             logs[name].precision = str(pipe.model.dtype).removeprefix("torch.")
 
     return run
+
+
+class JsonLines:
+    """`litevlm bench --jsonl PATH`: the run's figures appended to PATH as JSON lines the moment each is known (the
+    pipelines built, then each measured answer, then each finished row), so that a run cut short still leaves them.
+    Every line has its `type` ("setup", "answer", "row") and `elapsed_s`, the seconds since the run began."""
+
+    def __init__(self, path=None):
+        self.path, self.t0 = (None if path is None else Path(path)), time.perf_counter()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, kind: str, **fields) -> None:
+        if self.path is None:
+            return
+        line = {"type": kind, "elapsed_s": round(time.perf_counter() - self.t0, 3), **fields}
+        with self.path.open("a") as f:
+            f.write(json.dumps(line, default=str) + "\n")
+
+    def answer(self, config: str, log: RowLog, question: int, **extra) -> None:
+        """The answer `log` holds last: its question's place among the measured ones, stage times, end-to-end time."""
+        self.write(
+            "answer",
+            config=config,
+            question=question,
+            views=log.views[-1],
+            input_tokens=log.input_tokens[-1],
+            new_tokens=log.new_tokens[-1],
+            stages_ms={st: round(times[-1], 3) for st, times in log.stages.items()},
+            total_ms=round(log.total[-1], 3),
+            precision=log.precision,
+            **extra,
+        )
 
 
 def _record(s, text: str, views: int) -> dict:
@@ -307,28 +415,42 @@ def run_bench(
     progress: bool = True,
     cuda_graphs: bool = False,
     images_root=None,
+    backend: str = "auto",
     load: dict | None = None,
+    jsonl=None,
 ) -> dict:
     """Every row of `configs` (default: the paper's table) on the first `n` questions of `data` after `warmup`
     (default: held-out synthetic frames of `seed`), plus transformers' generate rows with `hf`.
+
+    jsonl: a file the figures are appended to as they come, one JSON line each (`JsonLines`).
 
     images_root: where a DriveLM JSON's images live. load: `Pipeline.from_pretrained` options shared by every row
     (device, dtype, and the prompt format of a checkpoint without prompt.json: system, camera_label, tiles,
     max_tiles, thumbnail); the transformers rows get the baseline's prompt ids and tiles (`hf_inputs`).
     """
     from litevlm.eval.metrics import closed_accuracy, score
+    from litevlm.model.generate import sync
     from litevlm.quant.fp8 import FP8Linear
 
     if configs is None:
         from litevlm.model.layers import bf16_matmul_supported
 
         configs = {**CONFIGS, **(BF16_CONFIGS if shape is None and bf16_matmul_supported() else {})}
-    if cuda_graphs and not (shape and torch.cuda.is_available()):
+    if cuda_graphs:
+        backend = "cuda"
+    if backend == "cuda" and not (shape and torch.cuda.is_available()):
         raise LiteVLMError("--cuda-graphs measures a CUDA device: it needs --shape and a GPU")
     if shape is not None and any(v is not None for v in (load or {}).values()):
         raise LiteVLMError("--shape measures random weights at a preset's shapes: it takes no model or format options")
+    lines = JsonLines(jsonl)
     samples = _samples(data, n + warmup, seed, images_root)
-    pipes = _pipelines(model, configs, max_new_tokens, shape, cuda_graphs, load)
+    pipes = _pipelines(model, configs, max_new_tokens, shape, backend, load)
+    lines.write(
+        "setup",
+        configs=list(pipes),
+        backends={k: p.backend.name for k, p in pipes.items()},
+        setup_ms={k: round(p.setup_ms, 1) for k, p in pipes.items()},
+    )
     logs = {name: RowLog() for name in (*configs, *(HF_ROWS if hf and shape is None else ()))}
     hf_run = None
     if hf and shape is None:
@@ -349,26 +471,36 @@ def run_bench(
         for name, pipe in order:
             if pipe is None:  # the transformers rows answer each question beside ours: the same moment of the machine
                 hf_run(s, counted=i >= warmup)
+                for h in HF_ROWS if i >= warmup else ():
+                    lines.answer(h, logs[h], i - warmup)
                 continue
+            sync(pipe.model.device)
+            t0 = time.perf_counter()
             ans = pipe.answer(s.question, s.images)
+            sync(pipe.model.device)
+            wall = (time.perf_counter() - t0) * 1e3  # the whole answer: the five stages, what lies between them
             if i < warmup:
                 continue
-            t = ans.timings_ms
             log = logs[name]
             log.add(
-                len(ans.views),
-                t["vit"],
-                ans.input_tokens,
-                t["prefill"],
-                t["decode"],
-                t["select_views"] + t["select_tokens"],
-                len(ans.tokens),
-                ans.opened_tokens,
+                views=len(ans.views),
+                visual_tokens=ans.num_visual_tokens,
+                input_tokens=ans.input_tokens,
+                stages={st: ans.timings_ms.get(st, 0.0) for st in STAGES},
+                new_tokens=len(ans.tokens),
+                opened=ans.opened_tokens,
+                total=wall - ans.timings_ms.get("preprocess", 0.0),  # preprocessing apart, as in the pipeline's total
+                preprocess=ans.timings_ms.get("preprocess", 0.0),
             )
             log.accept += ans.accept_lengths
             log.records.append(_record(s, ans.text, len(ans.views)))
             log.precision = ans.precision
-    base_total = statistics.median(logs["baseline"].total) if "baseline" in logs else None
+            lines.answer(name, log, i - warmup, accept_lengths=list(ans.accept_lengths))
+    for name, pipe in pipes.items():  # FP8 without FP8 kernels here: an accuracy row
+        logs[name].emulated = emulated_precision(pipe.model)
+    # Speed-ups divide the baseline's mean total; an emulated baseline gives none.
+    base = logs.get("baseline")
+    base_total = base.mean_total() if base is not None and base.total and not base.emulated else None
     rows = []
     for name, log in logs.items():
         sc = None
@@ -379,9 +511,11 @@ def run_bench(
         if shape is None:
             row["closed_accuracy"] = closed_accuracy(log.records)
         rows.append(row)
+        lines.write("row", **row)
     dev = next(iter(pipes.values())).model.device.type  # every row runs on one device
     per_question = {
-        name: {"views": log.views, "vit": log.vit, "input_tokens": log.input_tokens, "prefill": log.prefill}
+        name: {"views": log.views, "vit": log.stages["vit"], "input_tokens": log.input_tokens}
+        | {"prefill": log.stages["prefill"], "emulated": log.emulated}
         for name, log in logs.items()
     }
     return {
@@ -391,61 +525,94 @@ def run_bench(
         "cpu_steps": cpu_steps.backend(),
         "questions": len(samples) - warmup,
         "rows": rows,
-        "cuda_graphs": cuda_graphs,
-        "capture_ms": {name: round(p.capture_ms, 1) for name, p in pipes.items()},
+        "cuda_graphs": backend in ("cuda", "cuda-twin"),
+        "backends": {name: p.backend.name for name, p in pipes.items()},
+        "setup_ms": {name: round(p.setup_ms, 1) for name, p in pipes.items()},
+        "capture_ms": {name: round(p.setup_ms, 1) for name, p in pipes.items()},  # setup_ms's older name
+        "graph_replays": {name: dict(p.backend.stats) for name, p in pipes.items()},
     }, per_question
 
 
-def format_table(result: dict) -> str:
-    cols = (*COLUMNS, "tau")
+def speed_figure(row: dict) -> bool:
+    """Whether a row's times are speed figures: not where its precision is emulated on the device. A row written
+    before the flag existed says nothing: an FP8 row of such a run counts as emulated."""
+    return row.get("speed_figure", "fp8" not in (row.get("precision") or ""))
+
+
+def _markdown(cols, rows: list[dict]) -> list[str]:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in result["rows"]:
+    for r in rows:
         lines.append("| " + " | ".join("n/a" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+    return lines
+
+
+def format_table(result: dict) -> str:
+    """Table 1: the rows timed (means over the questions; `speedup` = the baseline's mean total / the row's), then
+    the accuracy rows of a precision the device only emulates, without times."""
+    lines = _markdown((*COLUMNS, "tau"), [r for r in result["rows"] if speed_figure(r)])
+    accuracy = [r for r in result["rows"] if not speed_figure(r)]
+    if accuracy:
+        lines += ["", "accuracy rows (a precision emulated on this device: its times are no speed figure):"]
+        lines += _markdown(ACCURACY_COLUMNS, accuracy)
     return "\n".join(lines)
+
+
+SHARES = (("vit", "vision"), ("select", "selection"), ("prefill", "prefill"), ("decode", "decode"), ("other", "other"))
 
 
 def format_shares(result: dict) -> str:
-    """Mean end-to-end time per configuration and each stage's share of it (`RowLog.shares`)."""
-    lines = ["| config | mean total ms | vision | selection | prefill | decode |", "|---|---|---|---|---|---|"]
+    """The mean end-to-end time of each timed configuration and each stage's share of it (`RowLog.shares`)."""
+    lines = [
+        "| config | mean total ms | " + " | ".join(label for _, label in SHARES) + " |",
+        "|" + "---|" * (len(SHARES) + 2),
+    ]
     for r in result["rows"]:
-        sh = r["shares"]
-        lines.append(
-            f"| {r['config']} | {r['mean_total_ms']} | "
-            + " | ".join(f"{100 * sh[k]:.1f}%" for k in ("vit", "select", "prefill", "decode"))
-            + " |"
-        )
+        if speed_figure(r):
+            sh = r["shares"]
+            cells = ("n/a" if sh.get(k) is None else f"{100 * sh[k]:.1f}%" for k, _ in SHARES)
+            lines.append(f"| {r['config']} | {r['total_ms']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+# The stacked bars of the plot: the five stages and other, which add up to the mean total.
+BARS = (
+    ("select_views_ms", "view selection"),
+    ("vit_ms", "vision"),
+    ("select_tokens_ms", "token selection"),
+    ("prefill_ms", "prefill"),
+    ("decode_ms", "decode"),
+    ("other_ms", "other"),
+)
+
+
 def plot(result: dict, path: str, per_question: dict | None = None) -> None:
-    """Figures 2 and 3 of the paper, as one PNG: stacked stages per configuration, extend-one per configuration,
-    vision ms against views, prefill ms against input tokens."""
+    """Figures 2 and 3 of the paper, as one PNG: each timed configuration's mean stages stacked to its mean total
+    (p50 and p90 of the total marked), extend-one per configuration, vision ms against views, prefill ms against
+    input tokens. Rows of an emulated precision are left out: their times are no speed figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
+    rows = [r for r in result["rows"] if speed_figure(r)]
+    left_out = [r["config"] for r in result["rows"] if not speed_figure(r)]
     names = [r["config"] for r in rows]
     fig, ax = plt.subplots(2, 2, figsize=(13, 9))
     bottom = [0.0] * len(rows)
-    for key, label in (
-        ("vit_ms", "vision"),
-        ("select_ms", "selection"),
-        ("prefill_ms", "prefill"),
-        ("decode_ms", "decode"),
-    ):
-        vals = [r[key] or 0.0 for r in rows]
+    for key, label in BARS:
+        vals = [r.get(key) or 0.0 for r in rows]
         ax[0, 0].bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax[0, 0].set_ylabel("ms (medians per stage)")
-    ax[0, 0].set_title("end-to-end latency by stage")
-    ax[0, 0].legend()
+    for key, marker, label in (("p50_total_ms", "_", "p50 total"), ("p90_total_ms", "x", "p90 total")):
+        ax[0, 0].scatter(names, [r.get(key) for r in rows], marker=marker, color="black", s=60, label=label, zorder=3)
+    ax[0, 0].set_ylabel("ms: means over the questions (stages + other = mean total)")
+    ax[0, 0].set_title("end-to-end latency by stage (speed-up = ratio of mean totals)")
+    ax[0, 0].legend(fontsize=7)
     ax[0, 0].tick_params(axis="x", rotation=35)
     ax[0, 1].bar(names, [r["extend_one_ms"] or 0.0 for r in rows], color="tab:purple")
-    ax[0, 1].set_title("extend-one (decode ms per generated token)")
+    ax[0, 1].set_title("extend-one (decode ms per token the decode stage made)")
     ax[0, 1].tick_params(axis="x", rotation=35)
-    pq = per_question or {}
+    pq = {name: d for name, d in (per_question or {}).items() if not d.get("emulated")}
     for name, d in pq.items():
         ax[1, 0].scatter(d["views"], d["vit"], s=10, label=name, alpha=0.6)
         ax[1, 1].scatter(d["input_tokens"], d["prefill"], s=10, label=name, alpha=0.6)
@@ -455,7 +622,11 @@ def plot(result: dict, path: str, per_question: dict | None = None) -> None:
     ax[1, 1].set_xlabel("input tokens")
     ax[1, 1].set_ylabel("prefill ms")
     ax[1, 1].set_title("prefill against input tokens")
-    ax[1, 1].legend(fontsize=7)
-    fig.suptitle(f"litevlm bench: {result['model']} on {result['device']}, {result['questions']} questions")
+    if pq:
+        ax[1, 1].legend(fontsize=7)
+    title = f"litevlm bench: {result['model']} on {result['device']}, {result['questions']} questions"
+    if left_out:
+        title += f"\n(emulated precision, an accuracy row only, not drawn: {', '.join(left_out)})"
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -20,10 +20,6 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from pycocoevalcap.bleu.bleu import Bleu
-from pycocoevalcap.cider.cider import Cider
-from pycocoevalcap.rouge.rouge import Rouge
-
 from litevlm.errors import LiteVLMError
 
 if TYPE_CHECKING:
@@ -192,6 +188,21 @@ def ptb_tokenize(text: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def language_scorers() -> tuple[type, type, type]:
+    """pycocoevalcap's Bleu, Rouge and Cider classes, imported here so that only the language score needs the
+    package; LiteVLMError saying how to install it when it is absent."""
+    try:
+        from pycocoevalcap.bleu.bleu import Bleu
+        from pycocoevalcap.cider.cider import Cider
+        from pycocoevalcap.rouge.rouge import Rouge
+    except ImportError as e:
+        raise LiteVLMError(
+            f"DriveLM's language score (BLEU, ROUGE-L, CIDEr) needs pycocoevalcap ({e}): "
+            "pip install 'pycocoevalcap==1.2' (a dependency of litevlm: pip install litevlm brings it)"
+        ) from None
+    return Bleu, Rouge, Cider
+
+
 def language_scores(predictions: Sequence[str], references: Sequence[str]) -> dict:
     """BLEU-1..4, ROUGE-L and CIDEr(-D) of predictions against one reference each, corpus-level.
 
@@ -207,6 +218,7 @@ def language_scores(predictions: Sequence[str], references: Sequence[str]) -> di
         )
     if not predictions:
         raise LiteVLMError("language_scores needs at least one prediction/reference pair")
+    Bleu, Rouge, Cider = language_scorers()
     gts = {i: [ptb_tokenize(ref)] for i, ref in enumerate(references)}
     res = {i: [ptb_tokenize(pred)] for i, pred in enumerate(predictions)}
     # pycocoevalcap's Bleu prints its counts to stdout; our CLI's last stdout line must be JSON.

@@ -205,7 +205,8 @@ class NativeBackend(ModulesBackend):
             self.embed = self.lm.embed_tokens.weight.detach()
             self.norm_w = self.lm.norm.weight.detach()
             self.head = row_major(model.lm_head)
-            self.bf16 = bool(self.lm.layers[0].bf16_min_rows)
+            self.bf16_rows = self.lm.layers[0].bf16_min_rows  # prompts of this many rows multiply in bf16 (0: never)
+            self.bf16 = bool(self.bf16_rows)
         self.drafter = NativeDraft(draft, self.steps) if draft is not None else None
         self.setup_ms = (time.perf_counter() - t0) * 1e3
 
@@ -219,7 +220,7 @@ class NativeBackend(ModulesBackend):
         cos, sin = lm.rope_table(int(positions.max()), embeds.dtype, embeds.device)  # (P, 1, D)
         cos, sin = cos[positions[0]], sin[positions[0]]  # (T, 1, D)
         weights = self.weights[start_layer:end_layer]
-        bf16 = self.bf16 and t >= lm.layers[0].bf16_min_rows
+        bf16 = self.bf16 and t >= self.bf16_rows
         out = self.steps.prompt(
             embeds[0],
             cos.reshape(t, 1, d),
@@ -515,8 +516,8 @@ class CudaBackend(ModulesBackend):
         """Compile the prefill bucket of a t-token prompt now, as setup, on a zero prompt (the real prefill that
         follows rewrites every slot it wrote)."""
         lm, dev = self.lm, self.model.device
-        b = next(b for b in self.prefill_buckets if b >= t)
-        if b not in self._prefill_fns:
+        b = next((b for b in self.prefill_buckets if b >= t), None)
+        if b is not None and b not in self._prefill_fns:
             embeds = torch.zeros(1, t, lm.cfg.hidden_size, dtype=lm.embed_tokens.weight.dtype, device=dev)
             self.prefill(embeds, torch.arange(t, device=dev)[None])
 
@@ -542,17 +543,30 @@ class CudaBackend(ModulesBackend):
         return logits, hidden
 
     def verify(self, tokens, depth, tree_mask, start: int, root_position: int):
-        n = tokens.shape[0]
-        w = self._width(start + n) if n == self.tree_nodes else None
+        """A tree of at most `tree_nodes` nodes replays the captured verification: a smaller one (a chain cut by its
+        probability or at a drafted end of answer) is padded with nodes that see only themselves, whose rows are
+        dropped (what the target says after any proposal is exact, so extra nodes cannot change what is accepted;
+        their K/V land past the tree, in slots generation rewrites before it reads them)."""
+        n, full = tokens.shape[0], self.tree_nodes
+        w = self._width(start + full) if 0 < n <= full else None
         if w is None or w not in self.verify_graphs:
             self.stats["eager_steps"] += 1
             return super().verify(tokens, depth, tree_mask, start, root_position)
+        if n < full:
+            pad = full - n
+            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+            depth = torch.cat([depth, depth.new_zeros(pad)])
+            mask = torch.zeros(full, full, dtype=torch.bool, device=tree_mask.device)
+            mask[:n, :n] = tree_mask
+            mask[n:, n:] = torch.eye(pad, dtype=torch.bool, device=tree_mask.device)
+            tree_mask = mask
         self.tokens.copy_(tokens)
         self.positions.copy_(depth[None] + root_position)
-        self.slots.copy_(torch.arange(start, start + n, device=tokens.device))
+        self.slots.copy_(torch.arange(start, start + full, device=tokens.device))
         self.masks[w].copy_(tree_mask_over(tree_mask, start, w))
         self.stats["graph_replays"] += 1
-        return self.verify_graphs[w].replay()
+        logits, hidden = self.verify_graphs[w].replay()
+        return logits[:n], hidden[:n]
 
 
 def _sync(device) -> None:

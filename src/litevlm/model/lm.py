@@ -117,8 +117,14 @@ class DecoderLayer(nn.Module):
         self._fused16: tuple | None = None  # (packed weights it was made from, their bf16 copies)
 
     def forward(self, x, cos, sin, slots=None, mask=None, kv_len=None):
-        if x.device.type == "cpu" and not torch.is_grad_enabled() and self.fusable():
-            # CPU inference: few, large kernels (a CPU decode step is bound by per-op overhead).
+        if (
+            x.device.type == "cpu"
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and self.fusable()
+        ):
+            # CPU inference: few, large kernels (a CPU decode step is bound by per-op overhead); a compiled step fuses
+            # the modules itself.
             w = self.fused_weights()
             q, k, v = self.fused_qkv(x, cos.transpose(1, 2), sin.transpose(1, 2), w)
             return self.fused_out(x, self.self_attn.attend(q, k, v, slots, mask, kv_len), w)
@@ -277,7 +283,8 @@ class TextModel(nn.Module):
         tree_tail (m, T) bool, for a prompt from slot 0 without a mask: its last m rows are a tree after the prompt
         (answer openings), row i seeing the slots where tree_tail[i] is True; the other rows stay causal.
         """
-        if embeds.device.type == "cpu":  # the kept table, gathered (the same values; reading its top syncs a GPU)
+        if embeds.device.type == "cpu" and not torch.compiler.is_compiling():  # the kept table, gathered (the same
+            # values; reading its top syncs a GPU, and a compiled step must not read a tensor's value at all)
             table_cos, table_sin = self.rope_table(int(positions.max()), embeds.dtype, embeds.device)  # (P, 1, D)
             cos, sin = table_cos[positions].transpose(1, 2), table_sin[positions].transpose(1, 2)  # (B, 1, T, D)
         else:

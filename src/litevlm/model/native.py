@@ -99,7 +99,7 @@ def ops():
                 lines = str(err).strip().splitlines() or [type(err).__name__]
                 reason = next((line for line in lines if "error:" in line), lines[-1])
                 _ERROR.append(reason[:300])
-                print(f"litevlm: native CPU steps unavailable ({_ERROR[0]}); using the eager steps", file=sys.stderr)
+                print(f"litevlm: native CPU steps unavailable ({_ERROR[0]}); using the modules", file=sys.stderr)
         _LOADED.append(result)
     return _LOADED[0]
 

@@ -148,19 +148,57 @@ def check_scaled_mm_args(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor
         )
 
 
-def fp8_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, fast_accum: bool = False) -> torch.Tensor:
-    """(a * scale_a) @ (b * scale_b) + bias with the real FP8 GEMM. a (M, K) row-major, b (K, N) column-major."""
+def _cuda_version() -> tuple[int, int]:
+    """The CUDA release torch was built for, as (major, minor); (0, 0) for a build without CUDA."""
+    major, _, minor = (torch.version.cuda or "0.0").partition(".")
+    return int(major), int(minor.split(".")[0] or 0)
+
+
+def kernel_out_dtype(
+    out_dtype: torch.dtype, rowwise: bool, capability: tuple[int, int], cuda: tuple[int, int] | None = None
+) -> torch.dtype:
+    """The output dtype to ask of `torch._scaled_mm` for a product wanted in `out_dtype`, on a GPU of compute
+    `capability` with torch built for CUDA `cuda` (default: this torch's).
+
+    Tensor-wise scales take any output. Row-wise scales run in cuBLAS only on Hopper (9.x) with CUDA >= 12.9, which
+    writes any output; everywhere else (Ada 8.9, Blackwell, older CUDA) torch runs a CUTLASS kernel that writes bf16
+    only and refuses fp32, so the product is made in bf16 and cast to `out_dtype` after."""
+    if not rowwise or out_dtype == torch.bfloat16:
+        return out_dtype
+    if capability[0] == 9 and (cuda or _cuda_version()) >= (12, 9):
+        return out_dtype
+    return torch.bfloat16
+
+
+def fp8_mm(
+    a,
+    b,
+    scale_a,
+    scale_b,
+    bias=None,
+    out_dtype=torch.bfloat16,
+    fast_accum: bool = False,
+    capability: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """(a * scale_a) @ (b * scale_b) + bias with the real FP8 GEMM. a (M, K) row-major, b (K, N) column-major.
+
+    capability: the GPU's compute capability (default: a's device's), which decides the kernel's output dtype
+    (`kernel_out_dtype`)."""
     check_scaled_mm_args(a, b, scale_a, scale_b)
-    fused = bias is not None and out_dtype == torch.bfloat16  # the epilogue bias path measured on H200
+    rowwise = not (scale_a.numel() == 1 and scale_b.numel() == 1)
+    if capability is None:
+        capability = torch.cuda.get_device_capability(a.device)
+    dtype = kernel_out_dtype(out_dtype, rowwise, capability)
+    fused = bias is not None and dtype == out_dtype == torch.bfloat16  # the epilogue bias path measured on H200
     y = torch._scaled_mm(
         a,
         b,
         scale_a=scale_a,
         scale_b=scale_b,
         bias=bias.to(out_dtype) if fused else None,
-        out_dtype=out_dtype,
+        out_dtype=dtype,
         use_fast_accum=fast_accum,
-    )
+    ).to(out_dtype)
     return y + bias.to(out_dtype) if bias is not None and not fused else y
 
 
@@ -219,7 +257,12 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight_scale", torch.ones((out_features, 1) if per_row else (), device=device))
         self.register_buffer("input_scale", torch.ones((), device=device) if static else None)
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
-        self.use_kernel = fp8_kernel_available(self.weight.device)
+        self._set_kernel(self.weight.device)
+
+    def _set_kernel(self, device: torch.device) -> None:
+        """Whether the real FP8 GEMM runs here, and the GPU's compute capability that chooses its output dtype."""
+        self.use_kernel = fp8_kernel_available(device)
+        self.capability = torch.cuda.get_device_capability(device) if self.use_kernel else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: FP8Recipe, input_amax: float | None = None) -> FP8Linear:
@@ -251,9 +294,9 @@ class FP8Linear(nn.Module):
         else:
             scale_x = scale_from_amax(x2.detach().abs().amax(dim=1, keepdim=True))  # (M, 1): one per token
         scale_w = self.weight_scale.view(1, -1) if self.weight_scale.dim() else self.weight_scale  # () or (1, N)
-        mm = fp8_mm if self.use_kernel else fp8_mm_reference
         xq = quantize_fp8(x2, scale_x).contiguous()  # row-major A even if x was a strided view
-        y = mm(xq, self.weight.t(), scale_x, scale_w, self.bias, x.dtype, self.fast_accum)  # W^T: column-major B
+        args = (xq, self.weight.t(), scale_x, scale_w, self.bias, x.dtype, self.fast_accum)  # W^T: column-major B
+        y = fp8_mm(*args, capability=self.capability) if self.use_kernel else fp8_mm_reference(*args)
         return y.reshape(*lead, self.out_features)  # (..., N)
 
     def _apply(self, fn, recurse: bool = True):
@@ -261,7 +304,7 @@ class FP8Linear(nn.Module):
         for name, t in self._buffers.items():
             if t is not None:
                 self._buffers[name] = t.to(device) if name in _FIXED_DTYPE else fn(t)
-        self.use_kernel = fp8_kernel_available(device)
+        self._set_kernel(device)
         return self
 
     def extra_repr(self) -> str:
@@ -404,6 +447,11 @@ def calibrate(
     finally:
         for h in handles:
             h.remove()
+    if not amax:
+        raise LiteVLMError(
+            "calibration observed no layer inputs: its hooks fire in the modules only, so run the calibration "
+            "pipeline on the modules backend (Pipeline(..., backend='modules'))"
+        )
     out = {n: float(a) for n, a in amax.items()}
     bad = sorted(n for n, a in out.items() if not torch.isfinite(torch.tensor(a)))
     if bad:

@@ -135,14 +135,20 @@ def random_select(
     )
 
 
-def uniform_select(embeds, positions, view_spans, keep_ratio: float):
-    """Baseline: each view gets its proportional share (largest remainder), evenly strided in raster order."""
-    sizes = view_sizes(view_spans)
+def view_budgets(sizes: Sequence[int], keep_ratio: float) -> list[int]:
+    """Each view's share of keep_count(N, r) (largest remainder): about r of every view, exactly the global budget."""
     k = keep_count(sum(sizes), keep_ratio)
     exact = [k * s / sum(sizes) for s in sizes]
     share = [int(x) for x in exact]
     for i in sorted(range(len(sizes)), key=lambda i: exact[i] - share[i], reverse=True)[: k - sum(share)]:
         share[i] += 1
+    return share
+
+
+def uniform_select(embeds, positions, view_spans, keep_ratio: float):
+    """Baseline: each view gets its proportional share (`view_budgets`), evenly strided in raster order."""
+    sizes = view_sizes(view_spans)
+    share = view_budgets(sizes, keep_ratio)
     kept, off = [], 0
     for size, m in zip(sizes, share):
         kept += [off + int((j + 0.5) * size / m) for j in range(m)]

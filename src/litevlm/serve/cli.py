@@ -111,11 +111,24 @@ def app_options(args) -> dict:
     return dict(model_name=args.model_name, **options)
 
 
+def _server():
+    """`build_app` and `serve_forever`, imported only when a server is built: FastAPI, pydantic, uvicorn and
+    prometheus_client are the `serve` extra's; LiteVLMError naming the missing one when it is absent."""
+    try:
+        import uvicorn  # noqa: F401  (serve_forever imports it only when it runs)
+
+        from litevlm.serve.app import build_app
+        from litevlm.serve.server import serve_forever
+    except ImportError as e:
+        raise LiteVLMError(
+            f"litevlm serve needs FastAPI, uvicorn, pydantic and prometheus_client ({e}): pip install 'litevlm[serve]'"
+        ) from None
+    return build_app, serve_forever
+
+
 def run_server(pipe, args) -> None:
     """Serve `pipe` with the flags of `add_serve_arguments` until interrupted."""
-    from litevlm.serve.app import build_app
-    from litevlm.serve.server import serve_forever
-
+    build_app, serve_forever = _server()
     app = build_app(pipe, **app_options(args))
     limits = app.state.limits
     print(
@@ -160,12 +173,15 @@ def serve_main(args) -> None:
     options = app_options(args)
     scale = replica_options(args)
     if scale is None:
+        _server()  # the server's packages are checked before the pipeline is built
         run_server(args.make_pipeline(args), args)
         return
     try:
         from litevlm.serve.replicas import serve_replicas
     except ImportError as e:
-        raise LiteVLMError(f"serve --replicas needs Ray Serve ({e}): pip install 'litevlm[ray]'") from None
+        raise LiteVLMError(
+            f"serve --replicas needs Ray Serve and the server packages ({e}): pip install 'litevlm[ray]'"
+        ) from None
     from litevlm.options import pipeline_options
 
     serve_replicas(args.model, pipeline_options(args), options, **scale)

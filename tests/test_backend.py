@@ -1,0 +1,306 @@
+"""The execution backends (`litevlm.model.backend`): chosen once, and the CUDA backend's mechanisms tested on the CPU
+through its twin (graph capture without the CUDA calls: the warm-up with its side effects, the static buffers, replay
+on them; the static steps compiled by inductor). The GPU itself is exercised by the `gpu`-marked tests at the end."""
+
+import pytest
+import torch
+from test_spec import EOS, prompt, random_draft, tiny_vlm
+
+from litevlm.errors import LiteVLMError
+from litevlm.model.backend import (
+    CudaBackend,
+    ModulesBackend,
+    Sampling,
+    _decode_static,
+    choose_backend,
+    round_up,
+)
+from litevlm.model.generate import generate
+from litevlm.spec import speculative_generate
+from litevlm.spec.tree import Tree, TreeConfig, ancestor_mask
+
+LIVE = 96  # live cache slots of the tiny models here; the twin's buckets below split them
+BUCKETS = dict(kv_buckets=(32, 64), prefill_buckets=(16, 32))
+
+
+def cached(model, live: int = LIVE, scratch: int = 8):
+    model.language_model.setup_cache(1, live, scratch=scratch)
+    return model
+
+
+def live_cache(model, n: int = LIVE) -> list[torch.Tensor]:
+    return [
+        t[:, :, :n].clone()
+        for layer in model.language_model.layers
+        for t in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v)
+    ]
+
+
+def test_a_capture_leaves_the_live_cache_untouched():
+    """Capturing the decode and verification graphs after a prompt is in the cache changes none of its slots: the
+    warm-ups and the capture write only scratch slots past the live ones. The procedure this replaces warmed the
+    step up at live slot 0, and the same check sees that."""
+    model = cached(tiny_vlm())
+    embeds, pos = prompt(model, seed=1)
+    with torch.no_grad():
+        ModulesBackend(model).prefill(embeds, pos)
+    before = live_cache(model)
+    CudaBackend(model, tree_nodes=8, twin=True, **BUCKETS)  # captures every bucket's decode and verification
+    for a, b in zip(before, live_cache(model)):
+        assert torch.equal(a, b)
+    zero = torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad():  # a warm-up at slot 0, as graphs captured after a prefill used to be
+        _decode_static(model, zero, zero, torch.zeros(1, dtype=torch.long), 32)
+    assert not all(torch.equal(a, b) for a, b in zip(before, live_cache(model)))
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_the_first_answer_after_a_capture_equals_the_modules(draft):
+    """A prompt prefilled, then the graphs captured, then decoding: the tokens of the modules, plain and
+    speculative (a fixed-size tree, so every verification replays its graph)."""
+    model = cached(tiny_vlm(vocab=24))
+    head = random_draft(model) if draft else None
+    embeds, pos = prompt(model, seed=3)
+    tree = TreeConfig(top_k=2, depth=3, total_tokens=6)
+    ref = ModulesBackend(model, head)
+    with torch.no_grad():
+        if draft:
+            want = speculative_generate(ref, head, embeds, pos, 40, None, tree=tree).tokens
+        else:
+            want = generate(ref, embeds, pos, 40, None).tokens
+    twin = CudaBackend(model, head, tree_nodes=tree.total_tokens if draft else 0, twin=True, **BUCKETS)
+    with torch.no_grad():
+        if draft:
+            got = speculative_generate(twin, head, embeds, pos, 40, None, tree=tree)
+            assert got.tokens == want
+            assert twin.stats["eager_steps"] == 0 and twin.stats["graph_replays"] == len(got.accept_lengths)
+        else:
+            assert generate(twin, embeds, pos, 40, None).tokens == want
+            assert twin.stats["graph_replays"] == 39  # one replay a token after the first
+    # the answer crossed the 32-slot bucket into the 64-slot one: both graphs ran
+    assert embeds.shape[1] < 32 < embeds.shape[1] + 40 <= 64
+
+
+def test_the_static_steps_equal_the_modules_in_every_bucket():
+    """Decode and verification as shape-static steps (attention over a bucket of slots under a mask) give the
+    modules' logits, hidden states and K/V, in the first bucket, the next one and the whole cache: after a prompt of
+    n tokens, the decode step at slot n, then a tree at slots n+1.. ."""
+    model = cached(tiny_vlm())
+    twin = CudaBackend(model, tree_nodes=5, twin=True, **BUCKETS)
+    ref = ModulesBackend(model)
+    parents = torch.tensor([-1, 0, 0, 1, 2])
+    tree = Tree(torch.tensor([3, 5, 7, 9, 11]), parents, torch.tensor([0, 1, 1, 2, 2]), ancestor_mask(parents, 2))
+    for n in (12, 40, 88):  # buckets 32, 64 and the live cache (96)
+        embeds, pos = prompt(model, seed=2, n=n)
+        outs = []
+        for backend in (ref, twin):
+            with torch.no_grad():
+                for layer in model.language_model.layers:  # each run from a clean cache
+                    layer.self_attn.kv_cache.k.zero_()
+                    layer.self_attn.kv_cache.v.zero_()
+                backend.prefill(embeds, pos)
+                step = backend.decode(torch.tensor([[7]]), n + 3, n)
+                tr = backend.verify(tree.tokens, tree.depth, tree.mask, n + 1, n + 4)
+            outs.append([t.clone() for t in (*step, *tr)] + live_cache(model, n + 6))
+        # the same layers over another number of cache slots (masked ones add exact zeros): fp32 sums reordered,
+        # far below the O(1) change a wrong mask, slot or position makes.
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_a_replay_rewrites_the_graphs_static_outputs():
+    """As on a GPU, every replay returns the same output tensors, rewritten: a result kept across steps must be
+    copied (the twin keeps that contract so the CPU catches code that forgets it)."""
+    model = cached(tiny_vlm())
+    twin = CudaBackend(model, twin=True, **BUCKETS)
+    with torch.no_grad():
+        a, _ = twin.decode(torch.tensor([[5]]), 0, 0)
+        first = a.clone()
+        b, _ = twin.decode(torch.tensor([[9]]), 1, 1)
+    assert a is b and not torch.equal(first, b)
+
+
+def test_the_compiled_static_steps_equal_the_eager_ones():
+    """The CUDA backend's steps compiled by inductor (on the CPU here): the prefill bucket, the decode step and a
+    tree verification give the eager steps' tokens and logits."""
+    model = cached(tiny_vlm(vocab=24), live=64)
+    head = random_draft(model)
+    embeds, pos = prompt(model, seed=4)
+    tree = TreeConfig(top_k=2, depth=2, total_tokens=4)
+    with torch.no_grad():
+        want = speculative_generate(ModulesBackend(model, head), head, embeds, pos, 24, None, tree=tree).tokens
+        plain = generate(ModulesBackend(model), embeds, pos, 24, None).tokens
+    compiled = CudaBackend(
+        model, head, tree.total_tokens, twin=True, compile=True, compile_steps=True, kv_buckets=(), prefill_buckets=()
+    )
+    with torch.no_grad():
+        assert speculative_generate(compiled, head, embeds, pos, 24, None, tree=tree).tokens == want
+        assert generate(compiled, embeds, pos, 24, None).tokens == plain
+    assert compiled.setup_ms > 0 and 64 in compiled._prefill_fns
+
+
+def test_choosing_a_backend():
+    model = cached(tiny_vlm())
+    with pytest.raises(LiteVLMError, match="unknown backend"):
+        choose_backend("fast", model)
+    with pytest.raises(LiteVLMError, match="CUDA device"):
+        choose_backend("cuda", model)
+    assert choose_backend("modules", model).name == "modules"
+    assert choose_backend("cuda-twin", model).name == "cuda-twin"
+    assert choose_backend("auto", model).name in ("native", "modules")
+    model.language_model.setup_cache(1, LIVE)  # no scratch slots: a capture would write live ones
+    with pytest.raises(LiteVLMError, match="scratch"):
+        CudaBackend(model, twin=True)
+    assert round_up(1) == 128 and round_up(128) == 128 and round_up(129) == 256
+
+
+def test_sampling_is_one_frozen_value():
+    s = Sampling(12, EOS, 0.7, 0.9, torch.Generator().manual_seed(0))
+    with pytest.raises(AttributeError):
+        s.temperature = 0.0
+    assert not s.greedy and Sampling().greedy
+    assert Sampling(temperature=0.0).sample(torch.tensor([[0.1, 3.0, 0.2]])).tolist() == [1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Through the pipeline: drive-tiny on the twin against the modules
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def scene():
+    from litevlm.data.synthetic import make_frame, render_views
+
+    frame = make_frame(11, 2)
+    return render_views(frame, size=(400, 225)), [qa.question for qa in frame.qas[:6]]
+
+
+CONFIGS = {
+    "plain": {},
+    "speculative, fixed tree": {"speculative": True, "tree_min_value": 0.0, "openings": False},
+    "speculative, openings": {"speculative": True},
+    "token selector": {"select_views": True, "select_tokens": 0.5, "speculative": True},
+    "fastv": {"fastv_k": 2, "fastv_r": 0.5},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_graphed_pipelines_first_and_later_answers_equal_the_modules(name, scene):
+    from litevlm.pipeline import Pipeline
+
+    images, questions = scene
+    opts = dict(CONFIGS[name], max_new_tokens=24)
+    ref = Pipeline.from_pretrained("drive-tiny", backend="modules", **opts)
+    twin = Pipeline.from_pretrained("drive-tiny", backend="cuda-twin", warmup=False, **opts)  # no answer before
+    assert twin.backend.name == "cuda-twin" and twin.max_len % 128 == 0
+    answers = [twin.answer(q, images) for q in questions]
+    expected = [ref.answer(q, images) for q in questions]
+    assert [a.tokens for a in answers] == [e.tokens for e in expected]
+    assert [a.opened_tokens for a in answers] == [e.opened_tokens for e in expected]
+    assert twin.backend.stats["graph_replays"] > 0
+    if name == "speculative, fixed tree":
+        assert twin.backend.stats["eager_steps"] == 0  # every verification replayed the captured tree
+    if name == "speculative, openings":
+        assert any(a.opened_tokens for a in answers)  # the openings were verified with graphs on
+        # chains cut by their probability, padded to the captured size: no verification ran through the modules
+        assert twin.backend.stats["eager_steps"] == 0
+
+
+def test_setup_is_reported_apart_from_the_stages():
+    from litevlm.pipeline import Pipeline
+
+    pipe = Pipeline.from_pretrained("drive-tiny", speculative=True, max_new_tokens=8)
+    assert pipe.setup_ms > 0 and pipe.capture_ms == pipe.setup_ms
+    before = pipe.setup_ms
+    pipe.rebuild()
+    assert pipe.setup_ms > before  # a rebuild is setup too
+
+
+# ------------------------------------------------------------------------------------------------
+# On a GPU
+# ------------------------------------------------------------------------------------------------
+def _on_cuda(model, dtype=torch.float32, live: int = LIVE, scratch: int = 8):
+    model = model.to("cuda", dtype)
+    model.language_model.setup_cache(1, live, scratch=scratch)
+    return model
+
+
+def _cuda_case(vocab=24, seed=3, dtype=torch.float32, draft=True):
+    """A tiny model, its random draft head and a prompt, all on the GPU in `dtype`."""
+    model = tiny_vlm(vocab=vocab)
+    head = random_draft(model) if draft else None
+    embeds, pos = prompt(model, seed=seed)
+    model = _on_cuda(model, dtype)
+    if head is not None:
+        head.to("cuda", dtype)
+    return model, head, embeds.to("cuda", dtype), pos.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compile_steps", [False, True])
+def test_cuda_graphs_decode_like_the_modules(dtype, compile_steps):
+    """The captured decode and verification replay what the modules compute, after a prompt (the first answer after
+    the capture), in fp32 and in bf16 (the fused attention kernels), compiled or not."""
+    model, head, embeds, pos = _cuda_case(dtype=dtype)
+    tree = TreeConfig(top_k=2, depth=3, total_tokens=6)
+    with torch.no_grad():
+        ModulesBackend(model).prefill(embeds, pos)
+        backend = CudaBackend(model, head, tree.total_tokens, compile_steps=compile_steps, **BUCKETS)
+        want = generate(ModulesBackend(model), embeds, pos, 40, None).tokens
+        assert generate(backend, embeds, pos, 40, None).tokens == want
+        spec = speculative_generate(backend, head, embeds, pos, 40, None, tree=tree)
+        assert spec.tokens == want and backend.stats["eager_steps"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_layers_inside_graphs_and_the_compiled_prefill():
+    """FP8 decoder linears (dynamic per-row scales) captured in the decode graph and compiled in the prefill bucket:
+    the same tokens as the same FP8 model run through the modules."""
+    from litevlm.quant.fp8 import FP8Recipe, quantize_model
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("this GPU has no FP8 matmuls (compute capability < 8.9)")
+    model, _, embeds, pos = _cuda_case(vocab=64, seed=1, dtype=torch.bfloat16, draft=False)
+    quantize_model(model, FP8Recipe("fp8-dynamic-per-row"))
+    with torch.no_grad():
+        want = generate(ModulesBackend(model), embeds, pos, 20, None).tokens
+        backend = CudaBackend(model, compile=True, **BUCKETS)
+        assert generate(backend, embeds, pos, 20, None).tokens == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_decoder_layer_at_the_2b_shapes_in_bf16():
+    """One InternLM2.5-1.8B-shaped decoder layer (2048 wide, 16 / 8 heads) over a 3214-token prompt: bf16 on the
+    fused attention kernels against an fp32 reference of the same weights."""
+    from litevlm.config import preset
+    from litevlm.model.layers import rope_cos_sin
+    from litevlm.model.lm import DecoderLayer
+
+    cfg = preset("2b").text
+    torch.manual_seed(0)
+    layer = DecoderLayer(cfg).cuda().eval()
+    x = torch.randn(1, 3214, cfg.hidden_size, device="cuda")
+    cos, sin = rope_cos_sin(torch.arange(3214, device="cuda")[None], cfg.head_dim, cfg.rope_theta, torch.float32)
+    with torch.no_grad():
+        ref = layer(x, cos, sin)
+        out = layer.to(torch.bfloat16)(x.bfloat16(), cos.bfloat16(), sin.bfloat16()).float()
+    assert ((out - ref).norm() / ref.norm()) < 2e-2  # bf16 rounding through one layer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_with_a_cuda_generator_on_the_graphs():
+    """Sampled speculative decoding with the generator on the GPU: reproducible for a seed, tokens in the
+    vocabulary, on the captured graphs."""
+    model, head, embeds, pos = _cuda_case(seed=2)
+    tree = TreeConfig(top_k=2, depth=3, total_tokens=6)
+    backend = CudaBackend(model, head, tree.total_tokens, **BUCKETS)
+    runs = []
+    for _ in range(2):
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        with torch.no_grad():
+            out = speculative_generate(backend, head, embeds, pos, 30, None, 0.8, 0.9, gen, tree=tree)
+        runs.append(out.tokens)
+    assert runs[0] == runs[1] and all(0 <= t < 24 for t in runs[0])

@@ -1,0 +1,82 @@
+"""benchmarks/gpu_session.sh, the GPU session's one command, checked on the CPU: its dry run (drive-tiny, a question
+and a few tokens a step: `GPU_SESSION_MINIMAL=1`) runs every step and writes every JSON file it promises, and the
+real run's timeouts fit the session's device time."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
+ROWS = ["baseline", "eagle", "litevlm", "litevlm fp8"]
+STEPS = ["install", "env", "gpu_tests", "bench_2b_eager", "bench_2b_graphs", "fp8_gpu"]
+TIMEOUTS_LIMIT_S = 9 * 60  # the session's command limit is 10 minutes; the machine's start and the copies take the rest
+
+
+def test_the_steps_timeouts_sum_to_under_nine_minutes():
+    limits = {m[0]: int(m[1]) for m in re.findall(r"^\s*(?:if ! )?step (\w+) (\d+) ", SCRIPT.read_text(), re.M)}
+    assert list(limits) == STEPS
+    assert sum(limits.values()) < TIMEOUTS_LIMIT_S
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    if shutil.which("bash") is None or shutil.which("timeout") is None:
+        pytest.skip("needs bash and coreutils' timeout")
+    out = tmp_path_factory.mktemp("gpu_session")
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_SESSION_MINIMAL": "1"}
+    env.pop("GRAPH_FLAGS", None)
+    env.pop("EAGER_FLAGS", None)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    return proc, out
+
+
+def test_the_dry_run_runs_every_step(dry_run):
+    proc, out = dry_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (out / "FAILED.txt").exists()
+    steps = json.loads((out / "steps.json").read_text())
+    assert [s["step"] for s in steps] == STEPS
+    assert all(s["rc"] == 0 and not s["timed_out"] for s in steps), steps
+
+
+def test_the_dry_run_writes_every_promised_json(dry_run):
+    _, out = dry_run
+    for name in ("env", "gpu_tests", "bench_2b_eager", "bench_2b_graphs", "fp8_gpu", "steps"):
+        assert isinstance(json.loads((out / f"{name}.json").read_text()), (dict, list)), name
+    env = json.loads((out / "env.json").read_text())
+    assert env["cuda_available"] is False and "torch" in env
+    tests = json.loads((out / "gpu_tests.json").read_text())
+    assert tests["complete"] and tests["counts"]["failed"] == 0
+    assert tests["counts"]["passed"] + tests["counts"]["skipped"] > 0  # the gpu-marked tests were collected
+    fp8 = json.loads((out / "fp8_gpu.json").read_text())
+    assert fp8["benchmark"] == "fp8_gpu" and fp8["skipped"] is False and "bf16" in fp8["results"]
+    assert _lines(out / "fp8_gpu.jsonl")
+
+
+@pytest.mark.parametrize("name", ["bench_2b_eager", "bench_2b_graphs"])
+def test_each_bench_writes_its_rows_as_json_and_each_answer_as_it_comes(dry_run, name):
+    _, out = dry_run
+    result = json.loads((out / f"{name}.json").read_text())
+    assert result.get("complete", True), result
+    assert [r["config"] for r in result["rows"]] == ROWS
+    lines = _lines(out / f"{name}.jsonl")
+    kinds = [line["type"] for line in lines]
+    assert kinds[0] == "setup" and kinds[-len(ROWS) :] == ["row"] * len(ROWS)
+    answers = [line for line in lines if line["type"] == "answer"]
+    assert sorted(a["config"] for a in answers) == sorted(ROWS * result["questions"])
+    assert all(a["total_ms"] > 0 and "stages_ms" in a for a in answers)
