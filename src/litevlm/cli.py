@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -745,7 +746,8 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
 
     add_serve_arguments(p)
     add_pipeline_options(p)
-    p.set_defaults(make_pipeline=pipeline_from_args)
+    # built without its warm-up answer: the server is alive (/health) at once, ready (/ready) once it is warm
+    p.set_defaults(make_pipeline=functools.partial(pipeline_from_args, warmup=False))
 
 
 def run_serve(args) -> None:

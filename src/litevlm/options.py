@@ -209,11 +209,11 @@ def pipeline_options(args: argparse.Namespace) -> dict:
     return opts
 
 
-def pipeline_from_args(args: argparse.Namespace):
-    """The `Pipeline` that parsed pipeline options describe."""
+def pipeline_from_args(args: argparse.Namespace, **extra):
+    """The `Pipeline` that parsed pipeline options describe (`extra`: more `from_pretrained` options)."""
     from litevlm.pipeline import Pipeline
 
-    return Pipeline.from_pretrained(args.model, **pipeline_options(args))
+    return Pipeline.from_pretrained(args.model, **pipeline_options(args), **extra)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from litevlm.serve.worker import Worker
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics")
 
 
 class CountRequests:
@@ -140,6 +140,20 @@ def build_app(
         }
         return JSONResponse(status)
 
+    # A pipeline built without its warm-up answer (`litevlm serve` builds it so, to be alive at once) warms up as the
+    # worker's first job: requests queue behind it, and /ready says so until it is done.
+    warming = None if getattr(pipe, "warmed", True) else worker.executor.submit(pipe.warmup)
+
+    async def ready(request):
+        """Ready for traffic once the pipeline's setup, its warm-up answer included, is done (503 before)."""
+        if warming is not None and not warming.done():
+            return JSONResponse({"status": "warming up", "model": model_name}, status_code=503)
+        failed = warming.exception() if warming is not None else None
+        if failed is not None:
+            return JSONResponse({"status": "failed", "model": model_name, "error": str(failed)}, status_code=503)
+        setup = getattr(pipe, "setup_ms", None)
+        return JSONResponse({"status": "ready", "model": model_name, "setup_ms": setup and round(setup, 1)})
+
     async def prometheus(request):
         return Response(metrics.render(), media_type=metrics.content_type)
 
@@ -148,5 +162,6 @@ def build_app(
     app.add_route("/v1/models", list_models, methods=["GET"])
     app.add_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
+    app.add_route("/ready", ready, methods=["GET"])
     app.add_route("/metrics", prometheus, methods=["GET"])
     return app
