@@ -127,7 +127,7 @@ def test_the_native_backend_is_refused_where_it_does_not_apply():
     need_native()
     model = tiny_vlm()
     lm = model.language_model
-    assert native_refusal(model) is None
+    assert native_refusal(model) == ""
     handle = lm.layers[0].self_attn.q_proj.register_forward_hook(lambda *a: None)
     assert "hooks" in native_refusal(model)
     with pytest.raises(LiteVLMError, match="hooks"):

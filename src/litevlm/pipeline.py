@@ -35,7 +35,8 @@ from litevlm.model.prompt import SPECIAL_STRINGS, PromptFormat, Tiling
 from litevlm.model.vlm import VLM, load_image, normalize_tiles
 from litevlm.models import load_model, part_dir
 from litevlm.quant.fp8 import precision_of
-from litevlm.select.tokens import Pruning, fastv_pruning
+from litevlm.select.selection import token_selection
+from litevlm.select.tokens import Pruning
 from litevlm.spec.decode import stream_speculative
 
 STAGES = ("select_views", "vit", "select_tokens", "prefill", "decode")
@@ -162,34 +163,22 @@ class Pipeline:
         backend: str = "auto",
         warmup: bool = True,
     ):
-        if token_selector is not None and fastv is not None:
-            raise LiteVLMError("choose TokenSelector or FastV, not both")
-        if pruner is not None and (token_selector is not None or fastv is not None):
-            raise LiteVLMError(f"choose one token pruning: {pruner.method}, the TokenSelector or FastV")
-        n_layers = len(model.language_model.layers)
-        if pruner is not None and pruner.decoder_layer is not None and not 1 <= pruner.decoder_layer < n_layers:
-            raise LiteVLMError(
-                f"{pruner.method} prunes before decoder layer {pruner.decoder_layer}, but this decoder has {n_layers} "
-                f"layers: choose a pruning layer in 1..{n_layers - 1}"
-            )
-        for r in (keep_ratio, fastv[1] if fastv else None):
-            if r is not None and not 0.0 < r <= 1.0:
-                raise LiteVLMError(f"keep ratio r (fraction of visual tokens KEPT) must be in (0, 1]; got {r}")
+        self.selection = token_selection(
+            model, token_selector, keep_ratio, min_select_tokens, fastv, pruner, tokenizer, seed
+        )  # the one token selection, checked
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.cfg = model.cfg
         self.view_selector = view_selector
         self.token_selector = token_selector
         self.keep_ratio = keep_ratio
-        if min_select_tokens < 0:
-            raise LiteVLMError(f"min_select_tokens must be >= 0; got {min_select_tokens}")
         self.min_select_tokens = min_select_tokens
         self.fastv = fastv
         self.pruner = pruner
-        self.prune_generator = torch.Generator().manual_seed(seed)  # the random pruner's draws, apart from sampling's
         self.draft = draft
         self.tree = tree
         self.openings = openings
+        self.drafting = draft is not None and not self.selection.plain_decoding  # EAGLE-2 decodes the answers
         self.max_new_tokens = max_new_tokens
         self.stop_id = tokenizer.eos_id  # generation ends after this token; None: always max_new_tokens (latency runs)
         self.temperature = temperature
@@ -223,7 +212,7 @@ class Pipeline:
         never part of an answer; a setup that takes seconds says so on stderr."""
         t0 = time.perf_counter()
         lm = self.model.language_model
-        nodes = self.tree.total_tokens if self.draft is not None and self.tree is not None else 0
+        nodes = self.tree.total_tokens if self.drafting else 0
         scratch = max(1, nodes) if self.backend_kind in ("cuda", "cuda-twin") else 0
         lm.setup_cache(1, self.max_len, scratch=scratch)
         self.backend = choose_backend(self.backend_kind, self.model, self.draft, tree_nodes=nodes)
@@ -361,9 +350,9 @@ class Pipeline:
 
             parts["token_selector"] = TokenSelector.load(part_dir(path, "token_selector"), model).to(device)
             parts["keep_ratio"] = select_tokens
-        if fastv_k is not None or fastv_r is not None:
-            if fastv_k is None or fastv_r is None:
-                raise LiteVLMError("FastV needs both K (layer) and r (fraction kept)")
+        if (fastv_k is None) != (fastv_r is None):
+            raise LiteVLMError("FastV needs both K (layer) and r (fraction kept)")
+        if fastv_k is not None:
             parts["fastv"] = (fastv_k, fastv_r)
         if speculative:
             from litevlm.spec.draft import DraftHead
@@ -392,16 +381,9 @@ class Pipeline:
 
     @property
     def config_name(self) -> str:
-        parts = []
-        if self.view_selector is not None:
-            parts.append("views")
-        if self.token_selector is not None:
-            parts.append(
-                f"tokens r={self.keep_ratio}" + (f" from {self.min_select_tokens}" if self.min_select_tokens else "")
-            )
-        if self.fastv is not None:
-            parts.append(f"fastv K={self.fastv[0]} r={self.fastv[1]}")
-        if self.draft is not None:
+        parts = ["views"] if self.view_selector is not None else []
+        parts += [self.selection.label] if self.selection.label else []
+        if self.drafting:
             parts.append(f"eagle {self.tree.top_k}/{self.tree.depth}/{self.tree.total_tokens}")
         return " + ".join(parts) or "baseline"
 
@@ -476,41 +458,13 @@ class Pipeline:
         A pruner (`litevlm.select.pruners`) prunes the projector's output here or, DART, gives the hook; either way
         its choice is timed here (a hook's inside the prefill, under this stage's name)."""
         with timer("select_tokens"):
-            if self.pruner is not None:
-                from litevlm.select.pruners import apply_pruner
-
-                ids = None
-                if self.pruner.method == "cdpruner":  # its relevance is to the question's own tokens
-                    ids = torch.tensor(self.tokenizer.encode(question), dtype=torch.long, device=p.embeds.device)
-                embeds, positions, hook = apply_pruner(
-                    self.pruner, self.model, p.embeds, p.positions, p.view_spans, ids, self.prune_generator
-                )
-                return replace(p, embeds=embeds, positions=positions), hook
-            if self.fastv is not None:
-                k, r = self.fastv
-                return p, fastv_pruning(self.model, p.positions, p.view_spans, k, r)
-            if self.token_selector is None or p.num_visual_tokens < self.min_select_tokens:
-                return p, None
-            sel = self.token_selector
-            if sel.cfg.shared_layer:
-                return p, sel.pruning(
-                    self.model, p.positions, p.view_spans, self.keep_ratio, question=question, tiling=self.format.tiling
-                )
-            embeds, positions, kept = sel.select(
-                self.model,
-                p.embeds,
-                p.positions,
-                p.view_spans,
-                keep_ratio=self.keep_ratio,
-                question=question,
-                tiling=self.format.tiling,
-            )
-            return replace(p, embeds=embeds, positions=positions), None
+            embeds, positions, hook = self.selection.select(self.model, p, question, self.format.tiling)
+            return replace(p, embeds=embeds, positions=positions), hook
 
     def prefill(self, p: Prompt, pruning: Pruning | None, question: str, timer: StageTimer) -> Prefilled:
         """The prompt into the cache (`litevlm.model.generate.prefill_prompt`), pruned inside the decoder by `pruning`,
         with the question's answer openings verified in the same pass where speculative decoding has them."""
-        opening = self._opening(question) if self.fastv is None else None
+        opening = None if self.selection.plain_decoding else self._opening(question)
         return prefill_prompt(
             self.backend,
             p.embeds,
@@ -525,7 +479,7 @@ class Pipeline:
     def decode(self, prefilled: Prefilled, timer: StageTimer) -> Iterator[list[int]]:
         """The decoding stream from a prefilled prompt: token runs as they are made, then the `Generation`. FastV, the
         in-LLM pruning baseline, decodes plainly."""
-        if self.draft is not None and self.fastv is None:
+        if self.drafting:
             return stream_speculative(self.backend, prefilled, self.sampling, timer, self.tree)
         return stream_decode(self.backend, prefilled, self.sampling, timer)
 

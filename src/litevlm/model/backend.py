@@ -59,6 +59,10 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    def ends(self, token: int) -> bool:
+        """Generation stops after this token (never without an eos_id)."""
+        return token == self.eos_id
+
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (B, V) -> tokens (B,)."""
         if self.greedy:
@@ -156,9 +160,9 @@ class ModulesBackend:
 # ------------------------------------------------------------------------------------------------
 # The native CPU steps
 # ------------------------------------------------------------------------------------------------
-def native_refusal(model, draft=None) -> str | None:
-    """Why the native steps cannot serve this model (and draft), or None: they take one fp32 sequence on the CPU
-    through plain, unhooked projections, an RMSNorm and a bias-free LM head."""
+def native_refusal(model, draft=None) -> str:
+    """Why the native steps cannot serve this model (and draft), or "" where they can: they take one fp32 sequence
+    on the CPU through plain, unhooked projections, an RMSNorm and a bias-free LM head."""
     from litevlm.model import native
 
     lm = model.language_model
@@ -176,11 +180,11 @@ def native_refusal(model, draft=None) -> str | None:
         return "a decoder layer is not plain Linear projections (FP8 or another transform)"
     if type(model.lm_head) is not nn.Linear or model.lm_head.bias is not None or type(lm.norm) is not RMSNorm:
         return "the LM head or the final norm is not a plain bias-free Linear and an RMSNorm"
-    if draft is not None and not (hasattr(draft, "chain_arguments") and draft.layer.fusable()):
+    if draft and not (hasattr(draft, "chain_arguments") and draft.layer.fusable()):
         return "the draft is not a DraftHead of plain Linear projections"
     if native.ops() is None:
         return f"the native build is unavailable ({native.error()})"
-    return None
+    return ""
 
 
 class NativeBackend(ModulesBackend):
@@ -193,7 +197,7 @@ class NativeBackend(ModulesBackend):
         super().__init__(model, draft)
         t0 = time.perf_counter()
         why = native_refusal(model, draft)
-        if why is not None:
+        if why:
             raise LiteVLMError(f"the native CPU steps cannot run this model: {why}")
         from litevlm.model import native
 
@@ -207,7 +211,7 @@ class NativeBackend(ModulesBackend):
             self.head = row_major(model.lm_head)
             self.bf16_rows = self.lm.layers[0].bf16_min_rows  # prompts of this many rows multiply in bf16 (0: never)
             self.bf16 = bool(self.bf16_rows)
-        self.drafter = NativeDraft(draft, self.steps) if draft is not None else None
+        self.drafter = NativeDraft(draft, self.steps) if draft else None
         self.setup_ms = (time.perf_counter() - t0) * 1e3
 
     def _caches(self):
@@ -266,6 +270,8 @@ class NativeBackend(ModulesBackend):
 class NativeDraft:
     """A draft head's steps as native calls (`cpu_steps.cpp`): the same `extend`, `step`, `topk`, `prepare` as the
     head, plus the chain and the greedy cycle in one call each. Its weights are packed once, here."""
+
+    one_call_chain = True  # `litevlm.spec.tree.draft_tree` drafts a chain with one `draft_chain` call
 
     def __init__(self, draft, steps: cpu_steps.NativeSteps):
         self.head_module = draft
@@ -427,7 +433,7 @@ class CudaBackend(ModulesBackend):
         draft=None,
         tree_nodes: int = 0,
         twin: bool = False,
-        compile: bool | None = None,
+        compile: bool = True,
         compile_steps: bool = False,
         kv_buckets=KV_BUCKETS,
         prefill_buckets=PREFILL_BUCKETS,
@@ -440,7 +446,7 @@ class CudaBackend(ModulesBackend):
         t0 = time.perf_counter()
         lm = self.lm
         self.twin = twin
-        self.compile = (not twin) if compile is None else compile
+        self.compile = compile
         cache = lm.layers[0].self_attn.kv_cache
         if cache is None:
             raise LiteVLMError("set up the KV cache (TextModel.setup_cache) before making a cuda backend")
@@ -586,9 +592,10 @@ def choose_backend(kind: str, model, draft=None, tree_nodes: int = 0, **cuda_opt
         if model.device.type == "cuda":
             kind = "cuda"
         else:
-            kind = "native" if native_refusal(model, draft) is None else "modules"
+            kind = "modules" if native_refusal(model, draft) else "native"
     if kind == "modules":
         return ModulesBackend(model, draft)
     if kind == "native":
         return NativeBackend(model, draft)
-    return CudaBackend(model, draft, tree_nodes, twin=kind == "cuda-twin", **cuda_options)
+    twin = kind == "cuda-twin"  # on the CPU the prefill buckets run eagerly unless asked to compile
+    return CudaBackend(model, draft, tree_nodes, twin=twin, **{"compile": not twin, **cuda_options})

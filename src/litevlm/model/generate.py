@@ -160,7 +160,7 @@ def accept_opening(
     predicted = node_logits.argmax(-1).tolist()
     tokens = opening.tokens.tolist()
     parents = opening.parents.tolist()
-    while len(emitted) < limit and (eos_id is None or emitted[-1] != eos_id):
+    while len(emitted) < limit and emitted[-1] != eos_id:  # (no eos_id: never equal)
         match = next((i for i in children if tokens[i] == emitted[-1]), None)
         if match is None:
             break
@@ -406,7 +406,7 @@ def stream_decode(
     embeds, positions = prefilled.embeds, prefilled.positions
     timer = timer or StageTimer(embeds.device)
     t = embeds.shape[1]
-    n, eos_id = sampling.max_new_tokens, sampling.eos_id
+    n = sampling.max_new_tokens
     check_room(backend.model, t, n)
     with timer("prefill"):
         tok = sampling.sample(prefilled.logits)
@@ -414,7 +414,7 @@ def stream_decode(
     yield out[-1:]
     next_pos = int(positions[0, -1]) + 1
     for i in range(n - 1):
-        if eos_id is not None and out[-1] == eos_id:
+        if sampling.ends(out[-1]):
             break
         with timer("decode"):
             logits, _ = backend.decode(tok.view(1, 1), next_pos + i, t + i)

@@ -47,26 +47,8 @@ def row_major(lin: nn.Linear) -> torch.Tensor:
 BF16_ROW_BUCKET = 16
 
 
-def mm(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w16: torch.Tensor | None = None
-) -> torch.Tensor:
-    """bias + x @ w for a 2-D x. With w16 (`pack_bf16(w)`), x is bf16 (a prompt held in bf16 end to end,
-    `TextModel.forward`) and the product runs in bf16 on AMX / AVX512-BF16 (the weights pre-blocked once for the
-    CPU library, so no call re-lays them out); the result is bf16.
-
-    The bf16 rows are padded to a multiple of BF16_ROW_BUCKET: the CPU library builds a kernel for each
-    new shape (which costs more than the product), and prompts come in every length."""
-    if w16 is None:
-        return x @ w if bias is None else torch.addmm(bias, x, w)
-    m, k = x.shape
-    pad = -m % BF16_ROW_BUCKET
-    y = torch.ops.mkldnn._linear_pointwise(torch.cat([x, x.new_zeros(pad, k)]) if pad else x, w16, None, "none", [], "")
-    y = y[:m] if pad else y
-    return y if bias is None else y.add_(bias)
-
-
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """A row-major (in, out) fp32 weight as `mm`'s w16: bf16, in the CPU library's blocked layout."""
+    """A row-major (in, out) fp32 weight as the CPU library's bf16 linear takes it: bf16, in its blocked layout."""
     return torch.ops.mkldnn._reorder_linear_weight(w.t().to(torch.bfloat16), 4 * BF16_ROW_BUCKET)
 
 

@@ -21,8 +21,6 @@ from litevlm.model.kv_cache import KVCache
 from litevlm.model.layers import (
     RMSNorm,
     apply_rope,
-    mm,
-    pack_bf16,
     plain_linear,
     rope_cos_sin,
     rope_table,
@@ -92,15 +90,6 @@ class FusedWeights(NamedTuple):
     down: torch.Tensor  # (I, C)
 
 
-class Bf16Weights(NamedTuple):
-    """`FusedWeights`' four products packed for the CPU library's bf16 GEMM (`pack_bf16`), or all None."""
-
-    qkv: torch.Tensor | None
-    gate_up: torch.Tensor | None
-    o_proj: torch.Tensor | None
-    down: torch.Tensor | None
-
-
 _FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"))
 
 
@@ -112,26 +101,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self._fused: tuple | None = None  # (weight versions, packed weights): see fused_weights
-        # Inference calls with at least this many rows multiply in bf16 (0: never); see `mm`.
+        # A native prompt of at least this many rows multiplies in bf16 (0: never; `VLM.set_bf16_matmul`).
         self.bf16_min_rows = 0
-        self._fused16: tuple | None = None  # (packed weights it was made from, their bf16 copies)
 
     def forward(self, x, cos, sin, slots=None, mask=None, kv_len=None):
-        if (
-            x.device.type == "cpu"
-            and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-            and self.fusable()
-        ):
-            # CPU inference: few, large kernels (a CPU decode step is bound by per-op overhead); a compiled step fuses
-            # the modules itself.
-            w = self.fused_weights()
-            q, k, v = self.fused_qkv(x, cos.transpose(1, 2), sin.transpose(1, 2), w)
-            return self.fused_out(x, self.self_attn.attend(q, k, v, slots, mask, kv_len), w)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, kv_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    # -- the same layer in as few kernels as possible ---------------------------------------------
+    # -- the layer's weights packed for the native steps -------------------------------------------
     def fusable(self) -> bool:
         """Every projection a plain, unhooked nn.Linear (not, say, an FP8Linear or one being
         calibrated) and the MLP a SwiGLU."""
@@ -142,13 +119,12 @@ class DecoderLayer(nn.Module):
         )
 
     def fused_weights(self) -> FusedWeights:
-        """Packed, pre-transposed projections (in, out): rebuilt on every call while training (so
-        gradients flow), otherwise cached until a weight changes (in place or replaced).
+        """The projections packed, pre-transposed (in, out), as the native steps read them
+        (`litevlm.model.cpu_steps.layer_weights`); cached until a weight changes (in place or replaced).
 
-        One matmul yields [q k | rot(q) rot(k) | v], where rot(x) = rotate_half(x): rotating is a
-        signed permutation of output rows, so it folds into the weights and RoPE becomes
-        qk * cos + rot(qk) * sin (two kernels instead of six). gate and up share a matmul too. On
-        the CPU a row-major (in, out) weight multiplies a few rows faster than nn.Linear's transposed
+        [q k | rot(q) rot(k) | v], where rot(x) = rotate_half(x): rotating is a signed permutation of output
+        rows, so it folds into the weights (the native steps keep [q k | v] and rotate in their loop). gate and up
+        share a matmul. On the CPU a row-major (in, out) weight multiplies a few rows faster than nn.Linear's transposed
         (out, in) one.
         """
         training = self.training and torch.is_grad_enabled()
@@ -196,47 +172,6 @@ class DecoderLayer(nn.Module):
         w = FusedWeights(*(None if t is None else t.detach().contiguous() for t in w))
         self._fused = (key, w)
         return w
-
-    def bf16_weights(self, w: FusedWeights, dtype: torch.dtype) -> Bf16Weights:
-        """The packed products for bf16 `mm` when the rows are a prompt held in bf16 (dtype bf16;
-        `TextModel.forward` decides), else Nones; made once per packing."""
-        if dtype != torch.bfloat16 or not self.bf16_min_rows or w.qkv.requires_grad:
-            return Bf16Weights(None, None, None, None)
-        if self._fused16 is None or self._fused16[0] is not w:
-            packed = Bf16Weights(pack_bf16(w.qkv), pack_bf16(w.gate_up), pack_bf16(w.o_proj), pack_bf16(w.down))
-            self._fused16 = (w, packed)
-        return self._fused16[1]
-
-    def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        if isinstance(norm, nn.Identity):
-            return x
-        if x.dtype == torch.bfloat16 and self.bf16_min_rows:  # a prompt in bf16 end to end
-            return F.rms_norm(x, (x.shape[-1],), norm.weight.to(torch.bfloat16), norm.eps)
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps) if x.dtype == torch.float32 else norm(x)
-
-    def fused_qkv(self, x, cos, sin, w: FusedWeights | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, C), cos / sin (B or 1, T, 1, D) -> RoPE'd q (B, Hq, T, D), k (B, Hkv, T, D), v (B, Hkv, T, D).
-        w: `fused_weights()` when the caller already holds them."""
-        cfg = self.self_attn.cfg
-        b, t, c = x.shape
-        h_q, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        nqk = (h_q + h_kv) * d
-        w = self.fused_weights() if w is None else w
-        h = self._norm(x, self.input_layernorm).reshape(b * t, c)
-        qkv = mm(h, w.qkv, w.qkv_bias, self.bf16_weights(w, x.dtype).qkv).view(b, t, -1)  # (B, T, 2 nqk + Hkv D)
-        qk, qk_rot, v = qkv.split((nqk, nqk, h_kv * d), -1)
-        qk = torch.addcmul(qk.view(b, t, -1, d) * cos, qk_rot.view(b, t, -1, d), sin)  # (B, T, Hq + Hkv, D) RoPE'd
-        v = v.view(b, t, h_kv, d).transpose(1, 2)  # (B, Hkv, T, D)
-        return qk[:, :, :h_q].transpose(1, 2), qk[:, :, h_q:].transpose(1, 2), v
-
-    def fused_out(self, x, y, w: FusedWeights | None = None) -> torch.Tensor:
-        """Residual + o_proj(attention output y (B, Hq, T, D)), then the MLP block -> (B, T, C)."""
-        b, t, c = x.shape
-        w = self.fused_weights() if w is None else w
-        w16 = self.bf16_weights(w, x.dtype)
-        x = mm(y.transpose(1, 2).reshape(b * t, -1), w.o_proj, x.reshape(b * t, c), w16.o_proj)  # (B T, C): x + o(y)
-        g, u = mm(self._norm(x, self.post_attention_layernorm), w.gate_up, None, w16.gate_up).chunk(2, -1)
-        return mm(F.silu(g) * u, w.down, x, w16.down).view(b, t, c)  # + down_proj(silu(gate) * up)
 
 
 class TextModel(nn.Module):
@@ -291,10 +226,6 @@ class TextModel(nn.Module):
             cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
         layers = self.layers[start_layer:end_layer]
         x = embeds
-        # bf16 mode on a prompt from slot 0: natively, the four products of each layer in bf16 around an fp32 residual
-        # stream; eagerly, one cast in, one out and everything between in bf16 (the K/V go into the cache in its own
-        # dtype), since casting around each product there cost what the products saved
-        bf16 = self._bf16_prompt(embeds, layers, slots, mask, kv_len)
         if tree_tail is not None:
             if mask is not None or slots is None:
                 raise LiteVLMError("tree_tail applies to a prompt written from slot 0 without a mask")
@@ -302,29 +233,9 @@ class TextModel(nn.Module):
             mask = torch.ones(t, t, dtype=torch.bool, device=embeds.device).tril()
             mask[t - tree_tail.shape[0] :] = tree_tail.to(mask.device)
             mask = mask[None, None]
-        if bf16:
-            x, cos, sin = x.to(torch.bfloat16), cos.to(torch.bfloat16), sin.to(torch.bfloat16)
         for layer in layers:
             x = layer(x, cos, sin, slots, mask, kv_len)
-        if bf16:
-            x = x.float()
         return self.norm(x) if end_layer is None else x
-
-    @staticmethod
-    def _bf16_prompt(embeds: torch.Tensor, layers, slots, mask, kv_len) -> bool:
-        """Every layer multiplies these rows in bf16 (`bf16_min_rows`) and they are a prompt written from cache
-        slot 0 without a mask (a prefill, or a pruned prefill's later layers), in fp32 CPU inference."""
-        rows = embeds.shape[0] * embeds.shape[1]
-        return (
-            embeds.dtype == torch.float32
-            and embeds.device.type == "cpu"
-            and not torch.is_grad_enabled()
-            and slots is not None
-            and mask is None
-            and kv_len == embeds.shape[1]
-            and len(layers) > 0
-            and all(layer.bf16_min_rows and rows >= layer.bf16_min_rows and layer.fusable() for layer in layers)
-        )
 
     def rope_table(self, top: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_table(self, self.cfg.head_dim, self.cfg.rope_theta, top, dtype, device)

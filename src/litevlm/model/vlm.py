@@ -41,14 +41,15 @@ class VLM(nn.Module):
 
     def set_bf16_matmul(self, min_rows: int = 32, warm_rows: int = 512) -> None:
         """Run in bf16 wherever an inference call has at least `min_rows` rows: the vision tower
-        (`vit_blocks_bf16`) and a prompt's prefill (`TextModel.forward`), each end to end (one cast in, one
-        out; the prompt's K/V are stored in the cache's fp32). Decode steps and tree verification (a few
-        rows) stay fp32. 0 turns it off. Needs a CPU with AMX or AVX512-BF16.
+        (`vit_blocks_bf16`) end to end, and a prompt's prefill on the native CPU steps (the four products of each
+        layer in bf16 around an fp32 residual stream; the modules stay fp32). Decode steps and tree verification (a
+        few rows) stay fp32. 0 turns it off. Needs a CPU with AMX or AVX512-BF16; a pipeline's backend made
+        afterwards (`Pipeline.rebuild`) takes the setting.
 
         Weights are packed once for the CPU library (`litevlm.model.layers.pack_bf16`), and its kernel for every
         weight shape and row count the model will see (1-6 views; decoder row buckets up to `warm_rows`) is
         built here rather than inside the first prompts of each length."""
-        from litevlm.model.layers import BF16_ROW_BUCKET, bf16_matmul_supported, mm
+        from litevlm.model.layers import BF16_ROW_BUCKET, bf16_matmul_supported
 
         if min_rows and (self.device.type != "cpu" or self.dtype != torch.float32 or not bf16_matmul_supported()):
             raise LiteVLMError(
@@ -67,16 +68,7 @@ class VLM(nn.Module):
             s = self.cfg.vision.image_size
             for views in range(1, 7):
                 self.vision_tower(torch.zeros(views * self.cfg.tiles_per_view, 3, s, s, device=self.device))
-            text = {
-                tuple(w.shape): w
-                for layer in self.language_model.layers
-                if layer.fusable()  # not FP8 or hooked layers
-                for w in layer.bf16_weights(layer.fused_weights(), torch.bfloat16)
-            }
             first = -(-min_rows // BF16_ROW_BUCKET) * BF16_ROW_BUCKET
-            for (_, k), w in text.items():
-                for rows in range(first, warm_rows + 1, BF16_ROW_BUCKET):
-                    mm(torch.zeros(rows, k, dtype=torch.bfloat16), None, None, w)
             # the native prompt's products: plain bf16 weights, the same row buckets
             plain = {
                 tuple(w.shape): w for w in cpu_steps.native_bf16_products(self.language_model.layers, self.cfg.text)

@@ -121,7 +121,7 @@ def stream_speculative(
     accept: list[int] = []
 
     def finished() -> bool:
-        return len(out) >= max_new_tokens or (eos_id is not None and out[-1] == eos_id)
+        return len(out) >= max_new_tokens or sampling.ends(out[-1])
 
     with timer("decode"):
         if finished():  # the whole answer came with the prompt's pass
@@ -182,7 +182,7 @@ def stream_speculative(
             emitted = []
             for tok in new_list:
                 emitted.append(tok)
-                if (eos_id is not None and tok == eos_id) or len(out) + len(emitted) >= max_new_tokens:
+                if sampling.ends(tok) or len(out) + len(emitted) >= max_new_tokens:
                     break
             out.extend(emitted)
             accept.append(len(emitted))

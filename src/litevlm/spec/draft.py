@@ -184,16 +184,28 @@ class DraftHead(nn.Module):
             )
         self.vocab_map.copy_(ids)
 
-    # -- the layer: DecoderLayer's fused kernels (CPU decode is op-overhead bound) ----------------
+    # -- the layer, through its modules -----------------------------------------------------------
+    def _qkv(self, x, cos, sin):
+        """x (B, T, C), cos / sin (B or 1, T, 1, D) or (T, 1, D) -> RoPE'd q (B, Hq, T, D), k, v (B, Hkv, T, D)."""
+        if cos.ndim == 3:
+            cos, sin = cos[None], sin[None]
+        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # (B or 1, 1, T, D)
+        return self.layer.self_attn.qkv(self.layer.input_layernorm(x), cos, sin)
+
+    def _out(self, x, y):
+        """Residual + o_proj(attention output y (B, Hq, T, D)), then the MLP block -> (B, T, C)."""
+        b, t, _ = x.shape
+        layer = self.layer
+        x = x + layer.self_attn.o_proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, Hq D) -> (B, T, C)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
     def _layer(
         self, x, cos, sin, cache: KVCache | None = None, start: int = 0, mask=None, last_only: bool = False
     ) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C). cos / sin (B or 1, T, 1, D). With a cache: write slots start..start+T-1
         and attend over slots 0..start+T-1 where `mask` (1, 1, T, S) allows (None: everything);
         last_only (with a cache, no mask): every row writes its K/V, only the last goes on -> (B, 1, C)."""
-        layer = self.layer
-        w = layer.fused_weights()
-        q, k, v = layer.fused_qkv(x, cos, sin, w)
+        q, k, v = self._qkv(x, cos, sin)
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         else:
@@ -205,7 +217,7 @@ class DraftHead(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, cache.k[:, :, :end], cache.v[:, :, :end], attn_mask=mask, enable_gqa=True
             )
-        return layer.fused_out(x, y, w)
+        return self._out(x, y)
 
     def _cached_layer(self, x: torch.Tensor, cos, sin, start: int, mask=None, last_only: bool = False) -> torch.Tensor:
         """The layer over the draft cache for one sequence, x (n, C) at slots start..start+n-1 -> (n, C)
@@ -241,18 +253,16 @@ class DraftHead(nn.Module):
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, features.dtype)
         cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # (B, T, 1, D)
         t = features.shape[1]
-        layer = self.layer
-        w = layer.fused_weights()  # packed once for every pass (gradients flow through it)
         x = self._fuse(features, next_embeds)
-        q, k, v = layer.fused_qkv(x, cos, sin, w)
-        preds = [layer.fused_out(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), w)]
+        q, k, v = self._qkv(x, cos, sin)
+        preds = [self._out(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))]
         keys, values = [k], [v]
         i = torch.arange(t, device=features.device)[:, None]
         j = torch.arange(t, device=features.device)[None, :]
         for s in range(2, passes + 1):
             prev = torch.cat([preds[-1][:, :1], preds[-1][:, :-1]], 1)  # pair i gets the prediction of pair i-1
             x = self._fuse(prev, next_embeds)
-            q, k, v = layer.fused_qkv(x, cos, sin, w)
+            q, k, v = self._qkv(x, cos, sin)
             keys.append(k)
             values.append(v)
             blocks = [j <= i - s + 1] + [j == i - s + r for r in range(2, s + 1)]  # (T, T) each
@@ -260,7 +270,7 @@ class DraftHead(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=True
             )
-            preds.append(layer.fused_out(x, y, w))
+            preds.append(self._out(x, y))
         return preds
 
     # -- inference over the draft's own static cache ----------------------------------------------
@@ -307,9 +317,7 @@ class DraftHead(nn.Module):
 
     def _cos_sin(self, positions: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin (T, 1, D) for positions (T,), or (1, 1, D) for one int position shared by all rows."""
-        if self._rope is None:
-            raise LiteVLMError("call draft.prepare(cache_len, max_position) before drafting")
-        cos, sin = self._rope
+        cos, sin = self.rope
         if isinstance(positions, int):
             return cos[positions : positions + 1], sin[positions : positions + 1]
         return cos[positions], sin[positions]

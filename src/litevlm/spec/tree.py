@@ -200,9 +200,8 @@ def draft_tree(
     k, levels = cfg.top_k, cfg.depth
     dev = root_hidden.device
     if k == 1 and cfg.total_tokens == levels + 1:  # a chain: no reranking, no tree mask to track
-        fast = getattr(draft, "draft_chain", None)
-        drafted = None if fast is None else fast(root_hidden, position, start, levels, cfg.min_value, eos_id)
-        if drafted is not None:  # the whole chain in one CPU call (CPU)
+        if getattr(draft, "one_call_chain", False):  # the whole chain in one call (`NativeDraft`)
+            drafted = draft.draft_chain(root_hidden, position, start, levels, cfg.min_value, eos_id)
             return chain_tree(torch.cat([root_token.reshape(1).to(drafted.dtype), drafted]))
         value, tok = draft.topk(root_hidden, 1)
         drafted = [tok[:, 0]]  # (1,)
@@ -210,7 +209,7 @@ def draft_tree(
         for i in range(levels - 1):
             if cfg.min_value > 0 and float(value) < math.log(cfg.min_value):
                 break  # the path's draft probability is too low to be worth a step (a host sync)
-            if eos_id is not None and int(drafted[-1]) == eos_id:
+            if int(drafted[-1]) == eos_id:  # (no eos_id: never equal)
                 break
             hidden = draft.step(drafted[-1], hidden, position + i, start + i, None)  # sees everything before it
             lp, tok = draft.topk(hidden, 1)

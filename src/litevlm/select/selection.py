@@ -1,0 +1,122 @@
+"""Token selection as one object, chosen when a pipeline is built: which visual tokens the prefill keeps.
+
+Each kind answers one call per question, `select(model, prompt, question, tiling)` -> (embeds, positions, hook):
+the prompt pruned before the decoder, or left whole with the `Pruning` hook that prunes inside it
+(`litevlm.model.generate.pruned_prefill`). The pipeline times the call as "select_tokens".
+
+- `KeepAll`: every visual token (the baseline).
+- `FastV`: the in-LLM baseline at layer K (arXiv 2403.06764); its answers decode plainly (`plain_decoding`).
+- `TokenSelector`: LiteVLM's trained selector, sharing the decoder's layer 0 (a hook after it) or with its own copy
+  (pruning before the decoder); prompts with fewer than `min_tokens` visual tokens are left whole.
+- `Pruner`: a training-free pruner (`litevlm.select.pruners`: DART, DivPrune, CDPruner, random, uniform).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from litevlm.errors import LiteVLMError
+from litevlm.select.tokens import fastv_pruning
+
+
+class KeepAll:
+    """Every visual token goes to the prefill."""
+
+    label = ""
+    plain_decoding = False  # FastV's answers decode without the draft head or openings
+
+    def select(self, model, p, question: str, tiling):
+        return p.embeds, p.positions, None
+
+
+@dataclass
+class FastV(KeepAll):
+    """FastV at decoder layer `k`, keeping a fraction `keep_ratio`."""
+
+    k: int
+    keep_ratio: float
+    plain_decoding = True
+
+    @property
+    def label(self) -> str:
+        return f"fastv K={self.k} r={self.keep_ratio}"
+
+    def select(self, model, p, question: str, tiling):
+        return p.embeds, p.positions, fastv_pruning(model, p.positions, p.view_spans, self.k, self.keep_ratio)
+
+
+@dataclass
+class TokenSelector(KeepAll):
+    """The trained TokenSelector keeping `keep_ratio` of prompts with at least `min_tokens` visual tokens."""
+
+    selector: object
+    keep_ratio: float | None
+    min_tokens: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"tokens r={self.keep_ratio}" + (f" from {self.min_tokens}" if self.min_tokens else "")
+
+    def select(self, model, p, question: str, tiling):
+        sel = self.selector
+        if p.num_visual_tokens < self.min_tokens:
+            return p.embeds, p.positions, None
+        if sel.cfg.shared_layer:  # ranks from the decoder's own layer 0: a hook after it
+            hook = sel.pruning(model, p.positions, p.view_spans, self.keep_ratio, question=question, tiling=tiling)
+            return p.embeds, p.positions, hook
+        embeds, positions, _ = sel.select(
+            model, p.embeds, p.positions, p.view_spans, keep_ratio=self.keep_ratio, question=question, tiling=tiling
+        )
+        return embeds, positions, None
+
+
+@dataclass
+class Pruner(KeepAll):
+    """A training-free pruner (`litevlm.select.pruners.PruneConfig`); the random one draws from `generator`."""
+
+    cfg: object
+    tokenizer: object
+    generator: torch.Generator
+
+    @property
+    def label(self) -> str:
+        return self.cfg.name
+
+    def select(self, model, p, question: str, tiling):
+        from litevlm.select.pruners import apply_pruner
+
+        ids = None
+        if self.cfg.method == "cdpruner":  # its relevance is to the question's own tokens
+            ids = torch.tensor(self.tokenizer.encode(question), dtype=torch.long, device=p.embeds.device)
+        return apply_pruner(self.cfg, model, p.embeds, p.positions, p.view_spans, ids, self.generator)
+
+
+def token_selection(
+    model, token_selector, keep_ratio, min_select_tokens: int, fastv, pruner, tokenizer, seed: int
+) -> KeepAll:
+    """The one selection a pipeline's options describe, checked: at most one of a TokenSelector, FastV (K, r) and a
+    pruner; every r in (0, 1]; a pruning layer inside the decoder."""
+    chosen = [name for name, x in (("the TokenSelector", token_selector), ("FastV", fastv), ("a pruner", pruner)) if x]
+    if len(chosen) > 1:
+        raise LiteVLMError(f"choose one token pruning, not {' and '.join(chosen)}")
+    for r in (keep_ratio, fastv[1] if fastv else None):
+        if r is not None and not 0.0 < r <= 1.0:
+            raise LiteVLMError(f"keep ratio r (fraction of visual tokens KEPT) must be in (0, 1]; got {r}")
+    if min_select_tokens < 0:
+        raise LiteVLMError(f"min_select_tokens must be >= 0; got {min_select_tokens}")
+    n_layers = len(model.language_model.layers)
+    layer = getattr(pruner, "decoder_layer", None)
+    if layer is not None and not 1 <= layer < n_layers:
+        raise LiteVLMError(
+            f"{pruner.method} prunes before decoder layer {layer}, but this decoder has {n_layers} "
+            f"layers: choose a pruning layer in 1..{n_layers - 1}"
+        )
+    if fastv:
+        return FastV(*fastv)
+    if token_selector:
+        return TokenSelector(token_selector, keep_ratio, min_select_tokens)
+    if pruner:
+        return Pruner(pruner, tokenizer, torch.Generator().manual_seed(seed))
+    return KeepAll()
