@@ -756,3 +756,30 @@ def test_the_model_cards_command_line_covers_every_recipe_flag(benchmark_script)
     assert options - set(card.FLAGS) - {"steps"} == set()
     line = card.train_command({"light_contrast": True, "token_probe_weight": 1.0, "family_weights": {"light_is": 6.0}})
     assert "--light-contrast" in line and "--token-probe-weight 1.0" in line and "--family-weight light_is=6" in line
+
+
+def test_unshuffle_folds_the_projector_exactly():
+    """Without the pixel shuffle (downsample ratio 1.0) each ViT patch is a visual token; the folded projector maps a
+    2x2 block of equal patches to the token the shuffled one made from it, and the model keeps everything else."""
+    from litevlm.model.hf import load_native
+    from litevlm.model.vision import pixel_shuffle
+    from litevlm.models import resolve_model_dir
+    from litevlm.train.vlm import unshuffle_projector
+
+    model = load_native(resolve_model_dir("drive-tiny")).float()
+    hd = unshuffle_projector(model, tiles_per_view=2, name="drive-hd")
+    g, c = model.cfg.vision.grid, model.cfg.vision.hidden_size
+    assert hd.cfg.downsample_ratio == 1.0 and hd.cfg.tokens_per_tile == g * g == 4 * model.cfg.tokens_per_tile
+    assert hd.cfg.tiles_per_view == 2 and hd.cfg.name == "drive-hd" and hd.cfg.projector_in == c
+    blocks = torch.randn(3, g // 2, g // 2, c, generator=torch.Generator().manual_seed(0))
+    feats = blocks.repeat_interleave(2, 1).repeat_interleave(2, 2).reshape(3, g * g, c)  # each block uniform
+    with torch.no_grad():
+        old = model.multi_modal_projector(pixel_shuffle(feats, g))  # (3, g*g/4, C_llm)
+        new = hd.multi_modal_projector(feats).reshape(3, g, g, -1)[:, ::2, ::2].reshape(old.shape)
+    # LayerNorm over four copies has the copies' mean and variance, and the folded product sums the four column
+    # blocks: the same arithmetic in another order, fp32 rounding of O(1) values.
+    torch.testing.assert_close(new, old, atol=1e-5, rtol=1e-5)
+    same = {k for k in model.state_dict() if not k.startswith("multi_modal_projector.")}
+    assert all(torch.equal(model.state_dict()[k], hd.state_dict()[k]) for k in same)
+    with pytest.raises(ValueError, match="pixel shuffle 0.5"):
+        unshuffle_projector(hd)

@@ -979,7 +979,9 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
                 )
             cfg = model.cfg
     elif recipe.grow_after or recipe.unshuffle or recipe.tiles or recipe.name:
-        raise ValueError("grow_after, unshuffle, tiles and name change a checkpoint: they need --init")
+        raise ValueError(
+            "grow_after, unshuffle, tiles and name change a model: each needs a checkpoint to change (init)"
+        )
     else:
         tokenizer = train_default(
             question_corpus(n_frames=recipe.tokenizer_frames, seed=recipe.seed), vocab_size=recipe.vocab_size
