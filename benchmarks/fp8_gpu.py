@@ -14,12 +14,11 @@ line saying it was skipped and why, and exits 0. `--dry-run-cpu` runs the same c
 tiny config and the "eager" compile backend, to check the script itself (its timings mean nothing).
 The last line of stdout is JSON.
 
-Every variant (bf16, then each recipe) is timed eager first, then compiled variant by variant: each compiled pass
-compiles its own graphs, a minute or more at these shapes. `--budget-s S` keeps the run inside about S seconds: a
-compiled pass that the time left cannot hold (judged by the first one's time) is skipped, and a stage not started when
-the budget is spent is left out; both are listed in the JSON (`left_out`). A compile started before the deadline runs
-to its end: leave the caller's timeout a minute above S. `--jsonl PATH` appends each stage to PATH as one JSON line
-the moment it is measured, so a run cut short keeps what it measured.
+Every variant (bf16, then each recipe) is timed eager first; then compiled, stage by stage, every variant of a stage
+in turn (each compile takes tens of seconds at these shapes). `--budget-s S` keeps the run inside about S seconds: a
+stage not started when the budget is spent is left out and listed in the JSON (`left_out`). A compile started before
+the deadline runs to its end: leave the caller's timeout a minute above S. `--jsonl PATH` appends each stage to
+PATH as one JSON line the moment it is measured, so a run cut short keeps what it measured.
 
     python benchmarks/fp8_gpu.py                       # everything (allow ~10 min for the compiles)
     python benchmarks/fp8_gpu.py --stages decode --recipes fp8-dynamic-per-row
@@ -156,33 +155,34 @@ class Stages:
         return out
 
 
+def stage_order(fns: dict) -> list[str]:
+    """The stages in the order they run: the decode step reads the cache a prefill filled, the longest prefill first."""
+    return [k for k in fns if k.startswith("prefill")] + ["vision", "decode"]
+
+
 @torch.no_grad()
-def measure(name: str, model: VLM, st: Stages, args, mode: str, compile_kw, decode_kw, rows: dict, out) -> None:
-    """Each stage of one variant in one mode ("eager" or "compiled") into rows[stage]. A stage not started by the
-    budget's deadline is left out (`out.left_out`); each stage measured is emitted at once (`out.stage`)."""
-    fns = st.fns(model, None if mode == "eager" else compile_kw, decode_kw)
-    # the decode step reads the cache a prefill filled: run the longest prefill first
-    order = [k for k in fns if k.startswith("prefill")] + ["vision", "decode"]
-    for stage in order:
-        if stage.split("_")[0] not in args.stages:
-            continue
-        if time.perf_counter() > out.deadline:
-            out.left_out.append(f"{name} {stage} {mode}: the time budget was spent")
-            log(f"  {name:<24} {stage:<13} {mode:<9} left out (the time budget was spent)")
-            continue
-        graphs = mode == "compiled" and stage == "decode" and (decode_kw or {}).get("mode") == "reduce-overhead"
-        first, ms = time_ms(fns[stage], st.device, args.warmup, args.iters, graphs)
-        row = rows.setdefault(stage, {})
-        row[f"{mode}_ms"] = round(ms, 4)
-        row[f"{mode}_first_call_ms"] = round(first, 1)
-        if mode == "eager":  # accuracy from the eager outputs (a CUDA graph's outputs are reused buffers)
-            y = fns[stage]().float()
-            if name == "bf16":
-                out.refs[stage] = y
-            elif stage in out.refs:
-                row["sqnr_db_vs_bf16"] = round(sqnr(out.refs[stage], y), 2)
-        log(f"  {name:<24} {stage:<13} {mode:<9} {ms:9.3f} ms   (first call {first / 1e3:.1f} s)")
-        out.stage(name, mode, stage, row)
+def measure(name: str, fns: dict, stage: str, mode: str, st: Stages, args, decode_kw, rows: dict, out) -> None:
+    """One stage of one variant in one mode ("eager" or "compiled") into rows[stage], emitted at once (`out.stage`);
+    left out (`out.left_out`) when the budget's deadline has passed."""
+    if stage.split("_")[0] not in args.stages:
+        return
+    if time.perf_counter() > out.deadline:
+        out.left_out.append(f"{name} {stage} {mode}: the time budget was spent")
+        log(f"  {name:<24} {stage:<13} {mode:<9} left out (the time budget was spent)")
+        return
+    graphs = mode == "compiled" and stage == "decode" and (decode_kw or {}).get("mode") == "reduce-overhead"
+    first, ms = time_ms(fns[stage], st.device, args.warmup, args.iters, graphs)
+    row = rows.setdefault(stage, {})
+    row[f"{mode}_ms"] = round(ms, 4)
+    row[f"{mode}_first_call_ms"] = round(first, 1)
+    if mode == "eager":  # accuracy from the eager outputs (a CUDA graph's outputs are reused buffers)
+        y = fns[stage]().float()
+        if name == "bf16":
+            out.refs[stage] = y
+        elif stage in out.refs:
+            row["sqnr_db_vs_bf16"] = round(sqnr(out.refs[stage], y), 2)
+    log(f"  {name:<24} {stage:<13} {mode:<9} {ms:9.3f} ms   (first call {first / 1e3:.1f} s)")
+    out.stage(name, mode, stage, row)
 
 
 class Output:
@@ -260,22 +260,19 @@ def main(argv=None) -> int:
         log(report.summary().splitlines()[0])
         variants[name] = q
         results[name] = {"_layers": {"quantized": len(report.quantized), "unsupported": sorted(report.unsupported)}}
+    for m in variants.values():
+        st.setup(m)  # each variant its own cache
     if args.eager:  # 1. eager, every variant: FP8 against bf16, and the SQNR against bf16's outputs
         for name, m in variants.items():
-            st.setup(m)
-            measure(name, m, st, args, "eager", compile_kw, decode_kw, results[name], out)
-    cost = None  # what one variant's compiled pass took (the first finished): a later one that cannot fit is skipped
-    for name, m in variants.items():  # 2. compiled, variant by variant, while the budget lasts
-        left = out.deadline - time.perf_counter()
-        if cost is not None and left < cost:
-            out.left_out.append(f"{name} compiled: {left:.0f} s of the budget left, a compiled pass took {cost:.0f} s")
-            log(f"{name}: compiled pass skipped ({out.left_out[-1]})")
-            continue
-        torch._dynamo.reset()  # each variant compiles its own graphs
-        st.setup(m)
-        t0 = time.perf_counter()
-        measure(name, m, st, args, "compiled", compile_kw, decode_kw, results[name], out)
-        cost = cost or time.perf_counter() - t0
+            fns = st.fns(m, None, decode_kw)
+            for stage in stage_order(fns):
+                measure(name, fns, stage, "eager", st, args, decode_kw, results[name], out)
+    # 2. compiled, stage by stage and every variant of a stage in turn, while the budget lasts: each stage's
+    # compiled ratio comes as soon as it can, and the compiles the budget cannot hold are the last stages'
+    compiled = {name: st.fns(m, compile_kw, decode_kw) for name, m in variants.items()}
+    for stage in stage_order(compiled["bf16"]):
+        for name in variants:
+            measure(name, compiled[name], stage, "compiled", st, args, decode_kw, results[name], out)
     del variants
 
     # table: stage | bf16 eager/compiled | per recipe eager/compiled, speed-up (compiled), SQNR; nan where skipped

@@ -3,13 +3,13 @@
 # of the serve/eval extras, no network; about 15 minutes of device time in all). Run it from anywhere, with $OUT set
 # to the folder whose files come back:
 #
-#     bash benchmarks/gpu_session.sh             # on the GPU: every step below, about 6.5 minutes
+#     bash benchmarks/gpu_session.sh             # on the GPU: every step below, about 7 minutes
 #     bash benchmarks/gpu_session.sh --dry-run   # the same steps on this CPU, small shapes: checks the script
-#     GPU_SESSION_MINIMAL=1 bash benchmarks/gpu_session.sh --dry-run   # the least of each step (tests/test_gpu_session.py)
+#     GPU_SESSION_MINIMAL=1 bash benchmarks/gpu_session.sh --dry-run   # the least of each step (its test's)
 #
-# Each step runs under its own `timeout` (planned: under 8 minutes in all; the timeouts sum to 530 s), writes its
-# output under $OUT as it goes, and runs even if one before it failed; only a failed install or no CUDA device stops
-# the run (non-zero, with FAILED.txt saying why). What it writes under $OUT:
+# Each step runs under its own `timeout` (planned: about 7 minutes in all; the timeouts, the flag probe's included,
+# sum to 535 s), writes its output under $OUT as it goes, and runs even if one before it failed; only a failed install
+# or no CUDA device stops the run (non-zero, with FAILED.txt saying why). What it writes under $OUT:
 #   steps.jsonl / steps.json   each step's exit status, seconds and whether it timed out (a line as each ends)
 #   env.json                   torch, CUDA, device and capability, transformers, which optional packages import
 #   gpu.txt                    nvidia-smi's name, memory and driver (GPU only)
@@ -47,27 +47,14 @@ if [[ $DRY_RUN == 1 ]]; then
         FP8_ARGS=(--dry-run-cpu --iters 1 --warmup 0 --recipes fp8-dynamic-per-row --prefill 24 --stages decode)
     fi
 else
-    # 8 questions after 2 warm-up ones, 32 new tokens each (random weights never stop early): 40 answers a row set
+    # 6 questions after 2 warm-up ones, 32 new tokens each (random weights never stop early): 32 answers a run. The
+    # graphed run compiles a prefill per prompt-length bucket and row (view selection varies the length): its cost.
     MODEL_ARGS=(--shape 2b)
-    BENCH_ARGS=(--n 8 --warmup 2 --max-new-tokens 32)
-    # the preset's recipe first; eager figures of both, then compiles while 60 s last (a compile begun runs on)
-    FP8_ARGS=(--recipes fp8-dynamic-per-row,fp8-static-per-tensor --iters 10 --warmup 2 --budget-s 60)
+    BENCH_ARGS=(--n 6 --warmup 2 --max-new-tokens 32)
+    # the preset's recipe first; eager figures of every variant, then the compiles, stage by stage, while 75 s last
+    # (a compile begun runs on: the step's timeout leaves 45 s for it)
+    FP8_ARGS=(--recipes fp8-dynamic-per-row,fp8-static-per-tensor --iters 10 --warmup 2 --budget-s 75)
 fi
-
-# ---- GRAPH_FLAGS / EAGER_FLAGS: the one place that says how the graphed and the eager rows are asked for --------
-# With the pipeline's --backend option: `--backend cuda` on the GPU, its CPU twin `--backend cuda-twin` in the dry run,
-# and `--backend modules` for the eager rows. Without it (older trees): `--cuda-graphs` on the GPU; the dry run has no
-# graphs to twin, so both of its runs are eager. Set GRAPH_FLAGS / EAGER_FLAGS in the environment to override.
-if "$PY" -m litevlm bench --help 2>/dev/null | grep -q -- '--backend'; then
-    DEFAULT_GRAPH_FLAGS=$([[ $DRY_RUN == 1 ]] && echo "--backend cuda-twin" || echo "--backend cuda")
-    DEFAULT_EAGER_FLAGS="--backend modules"
-else
-    DEFAULT_GRAPH_FLAGS=$([[ $DRY_RUN == 1 ]] && echo "" || echo "--cuda-graphs")
-    DEFAULT_EAGER_FLAGS=""
-fi
-GRAPH_FLAGS="${GRAPH_FLAGS-$DEFAULT_GRAPH_FLAGS}"
-EAGER_FLAGS="${EAGER_FLAGS-$DEFAULT_EAGER_FLAGS}"
-# -------------------------------------------------------------------------------------------------------------------
 
 FAILED_STEPS=()
 
@@ -113,9 +100,15 @@ if found is None or status.get("rc") != 0:
 EOF
 }
 
+# finish: steps.json, every line of steps.jsonl as one JSON list.
 finish() {
-    "$PY" -c 'import json, sys; from pathlib import Path; p = Path(sys.argv[1]); lines = p.read_text().splitlines() if p.exists() else []; Path(sys.argv[2]).write_text(json.dumps([json.loads(x) for x in lines], indent=1))' \
-        "$OUT/steps.jsonl" "$OUT/steps.json"
+    "$PY" - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+lines = (out / "steps.jsonl").read_text().splitlines() if (out / "steps.jsonl").exists() else []
+(out / "steps.json").write_text(json.dumps([json.loads(line) for line in lines], indent=1))
+EOF
 }
 
 fail() {
@@ -131,9 +124,24 @@ if ! step install 40 "${INSTALL[@]}"; then
     fail "install failed: ${INSTALL[*]} (see install.err): $(tail -n 5 "$OUT/install.err" | tr '\n' ' ')"
 fi
 
+# ---- GRAPH_FLAGS / EAGER_FLAGS: the one place that says how the graphed and the eager rows are asked for --------
+# With the pipeline's --backend option: `--backend cuda` on the GPU, its CPU twin `--backend cuda-twin` in the dry run,
+# and `--backend modules` for the eager rows. Without it (older trees): `--cuda-graphs` on the GPU; the dry run has no
+# graphs to twin, so both of its runs are eager. Set GRAPH_FLAGS / EAGER_FLAGS in the environment to override.
+if timeout 15 "$PY" -m litevlm bench --help 2>/dev/null | grep -q -- '--backend'; then
+    DEFAULT_GRAPH_FLAGS=$([[ $DRY_RUN == 1 ]] && echo "--backend cuda-twin" || echo "--backend cuda")
+    DEFAULT_EAGER_FLAGS="--backend modules"
+else
+    DEFAULT_GRAPH_FLAGS=$([[ $DRY_RUN == 1 ]] && echo "" || echo "--cuda-graphs")
+    DEFAULT_EAGER_FLAGS=""
+fi
+GRAPH_FLAGS="${GRAPH_FLAGS-$DEFAULT_GRAPH_FLAGS}"
+EAGER_FLAGS="${EAGER_FLAGS-$DEFAULT_EAGER_FLAGS}"
+# -------------------------------------------------------------------------------------------------------------------
+
 # 2. the machine
 [[ $DRY_RUN == 1 ]] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-step env 25 "$PY" -c '
+step env 20 "$PY" -c '
 import importlib.util, json, sys
 import torch
 cuda = torch.cuda.is_available()
@@ -153,7 +161,7 @@ print(json.dumps({
     "litevlm": litevlm.__file__,
     "graph_flags": sys.argv[1],
     "eager_flags": sys.argv[2],
-    "packages": {m: has(m) for m in ("transformers", "pycocoevalcap", "fastapi", "pydantic", "uvicorn", "ray", "triton")},
+    "packages": {m: has(m) for m in ("transformers", "triton", "pycocoevalcap", "fastapi", "uvicorn", "ray")},
 }))
 ' "$GRAPH_FLAGS" "$EAGER_FLAGS"
 last_json env
@@ -162,7 +170,7 @@ if [[ $DRY_RUN == 0 ]] && ! grep -q '"cuda_available": true' "$OUT/env.json"; th
 fi
 
 # 3. the gpu-marked tests (on the CPU every one of them skips: the dry run checks that they are collected)
-step gpu_tests 100 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
+step gpu_tests 85 "$PY" -m pytest -v -rfE --durations=0 -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
 mv "$OUT/gpu_tests.out" "$OUT/gpu_tests.log"
 "$PY" - "$OUT" <<'EOF'
 import json, sys
@@ -188,16 +196,16 @@ EOF
 
 # 4. the bench rows, eager then graphed: the same rows, questions and tokens (side by side in gpu_session's output)
 # shellcheck disable=SC2086  # the flag variables are word lists
-step bench_2b_eager 75 "$PY" -m litevlm bench "${MODEL_ARGS[@]}" --configs "$ROWS" "${BENCH_ARGS[@]}" \
+step bench_2b_eager 70 "$PY" -m litevlm bench "${MODEL_ARGS[@]}" --configs "$ROWS" "${BENCH_ARGS[@]}" \
     --no-transformers --json --jsonl "$OUT/bench_2b_eager.jsonl" $EAGER_FLAGS
 last_json bench_2b_eager
 # shellcheck disable=SC2086
-step bench_2b_graphs 180 "$PY" -m litevlm bench "${MODEL_ARGS[@]}" --configs "$ROWS" "${BENCH_ARGS[@]}" \
+step bench_2b_graphs 185 "$PY" -m litevlm bench "${MODEL_ARGS[@]}" --configs "$ROWS" "${BENCH_ARGS[@]}" \
     --no-transformers --json --jsonl "$OUT/bench_2b_graphs.jsonl" $GRAPH_FLAGS
 last_json bench_2b_graphs
 
 # 5. FP8 against bf16, stage by stage
-step fp8_gpu 110 "$PY" benchmarks/fp8_gpu.py "${FP8_ARGS[@]}" --jsonl "$OUT/fp8_gpu.jsonl"
+step fp8_gpu 120 "$PY" benchmarks/fp8_gpu.py "${FP8_ARGS[@]}" --jsonl "$OUT/fp8_gpu.jsonl"
 last_json fp8_gpu
 
 finish

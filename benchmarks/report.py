@@ -37,6 +37,7 @@ SPLITS = {
     HELDOUT_VIEWS: ["--frames", "60", "--seed", "1", "--width", "320", "--height", "180"],
 }
 MODEL = "src/litevlm/weights/drive-tiny"
+HD = "drive-hd"  # the paper-shaped embedded model (src/litevlm/weights/drive-hd once it ships)
 
 
 @dataclass
@@ -58,9 +59,24 @@ class Benchmark:
         return [*head, *self.argv, *([self.n_flag, str(n)] if n is not None else [])]
 
 
+def pruning(model: str, name: str) -> Benchmark:
+    """The pruning benchmark on one model; its JSON is named by the model (token_pruning_drive-hd.json)."""
+    argv = ["benchmarks/token_pruning.py", "--model", model, "--data", HELDOUT, "--threads", "1", "--timing-n", "10"]
+    argv += ["--per-view", "--plot", f"benchmarks/results/token_pruning_{name}.png"]
+    return Benchmark(f"token_pruning_{name}", argv, n=200, needs=[HELDOUT])
+
+
 def benchmarks() -> list[Benchmark]:
     bench = ["litevlm", "bench", "--data", HELDOUT, "--json"]
+    bench_hd = ["litevlm", "bench", "--model", HD, "--data", HELDOUT, "--json"]
     out = [
+        Benchmark(
+            "bench_hd_1thread",
+            [*bench_hd, "--plot", "benchmarks/results/bench_hd_1thread.png"],
+            n=100,
+            needs=[HELDOUT],
+        ),
+        Benchmark("bench_hd_default_threads", bench_hd, n=100, pinned=False, needs=[HELDOUT]),
         Benchmark("bench_1thread", [*bench, "--plot", "benchmarks/results/bench_1thread.png"], n=100, needs=[HELDOUT]),
         Benchmark("bench_default_threads", bench, n=100, pinned=False, needs=[HELDOUT]),
         Benchmark(
@@ -69,13 +85,8 @@ def benchmarks() -> list[Benchmark]:
             n=100,
             needs=[HELDOUT],
         ),
-        Benchmark(
-            "token_pruning",
-            ["benchmarks/token_pruning.py", "--model", MODEL, "--data", HELDOUT, "--threads", "1", "--timing-n", "10"]
-            + ["--plot", "benchmarks/results/token_pruning.png"],
-            n=200,
-            needs=[HELDOUT],
-        ),
+        pruning(HD, "drive-hd"),
+        pruning(MODEL, "drive-tiny"),
         Benchmark(
             "view_selection",
             ["benchmarks/view_selection.py", "--model", MODEL, "--data", HELDOUT_VIEWS, "--threads", "1"],
@@ -168,20 +179,29 @@ def executable(cmd: list[str]) -> list[str]:
     return [str(beside) if beside.exists() else cmd[0], *cmd[1:]]
 
 
+def pinning(b: Benchmark) -> list[str]:
+    """What pins a run to one thread, as the page shows it: OMP_NUM_THREADS=1, on core 1 where there is one."""
+    if not b.pinned:
+        return []
+    return ["OMP_NUM_THREADS=1", *(["taskset -c 1"] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else [])]
+
+
+def shown_command(b: Benchmark, n: int | None = None) -> str:
+    """A benchmark's command line as the page shows it, pinning included."""
+    return " ".join([*pinning(b), shlex.join(b.command(n))])
+
+
 def run_one(b: Benchmark, n: int | None) -> dict:
     """Run one benchmark and keep its last stdout line (JSON) with the command, date, commit and machine."""
     setup = [make_split(p) for p in b.needs]
     cmd = b.command(n)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    prefix = []
+    prefix = pinning(b)
     if b.pinned:
         env["OMP_NUM_THREADS"] = "1"
-        prefix = ["OMP_NUM_THREADS=1"]
-        if shutil.which("taskset") and (os.cpu_count() or 1) > 1:
-            prefix.append("taskset -c 1")
-    shown = " ".join([*prefix, shlex.join(cmd)])
+    shown = shown_command(b, n)
     argv = executable(cmd)
-    if b.pinned and len(prefix) > 1:
+    if len(prefix) > 1:
         argv = ["taskset", "-c", "1", *argv]
     print(f"[report] {shown}", file=sys.stderr, flush=True)
     code = commit()  # taken before the run, which may rewrite its own results
@@ -326,24 +346,68 @@ def litevlm_speedup(result: dict) -> float | None:
     return rows.get("litevlm", {}).get("speedup")
 
 
-def section_bench(runs: dict) -> list[str]:
-    out = ["## Table 1: every configuration on drive-tiny, side by side", "", *BENCH_MEASURE]
-    for name, label in (("bench_1thread", "one pinned thread"), ("bench_default_threads", "the default threads")):
+TABLE1 = {  # model -> its two Table 1 runs (benchmark name, thread setting), drive-hd first on the page
+    "drive-hd": (("bench_hd_1thread", "one pinned thread"), ("bench_hd_default_threads", "the default threads")),
+    "drive-tiny": (("bench_1thread", "one pinned thread"), ("bench_default_threads", "the default threads")),
+}
+ABOUT = {
+    "drive-hd": [
+        "drive-hd is the embedded model shaped like the paper's workload: two tiles a camera and one visual token a",
+        "ViT patch, so that most of an all-views prompt is visual (the paper's prompts are 96% visual).",
+    ],
+    "drive-tiny": ["drive-tiny is the small embedded default (tests, demo): its prompts are about half text."],
+}
+
+
+def not_measured_yet(what: str, b: Benchmark) -> list[str]:
+    return [
+        f"**Not measured yet:** no results file for {what}. `python benchmarks/report.py --run --only {b.name}` runs",
+        f"`{shown_command(b)}`.",
+        "",
+    ]
+
+
+def visual_share(result: dict) -> str | None:
+    """A sentence on how visual the baseline's prompts are, where the run stored it."""
+    base = next((r for r in result.get("rows", []) if r.get("config") == "baseline"), None)
+    if not base or not base.get("visual_tokens") or not base.get("input_tokens"):
+        return None
+    share = 100 * base["visual_tokens"] / base["input_tokens"]
+    return (
+        f"Its baseline prompts hold {fmt(base['visual_tokens'])} visual tokens of {fmt(base['input_tokens'])}"
+        f" ({share:.0f}% visual), means over the questions."
+    )
+
+
+def section_bench(runs: dict, model: str, first: bool) -> list[str]:
+    """Table 1 on `model`, at one pinned thread and at the default threads; the measure explained in the `first`."""
+    out = [f"## Table 1: every configuration on {model}, side by side", "", *ABOUT[model], ""]
+    out += BENCH_MEASURE if first else ["The rows are measured as in the table above."]
+    known = {b.name: b for b in benchmarks()}
+    for name, label in TABLE1[model]:
         run = runs.get(name)
-        out += ["", f"### At {label}", ""]
+        out += ["", f"### {model} at {label}", ""]
         if run is None:
-            out += missing(f"`litevlm bench` at {label}", f"python benchmarks/report.py --run --only {name}")
+            what = f"`litevlm bench` on {model} at {label}"
+            out += (
+                not_measured_yet(what, known[name])
+                if model != "drive-tiny"
+                else missing(f"`litevlm bench` at {label}", f"python benchmarks/report.py --run --only {name}")
+            )
             continue
         res = run["result"]
         out.append(
             f"LiteVLM: **{fmt(litevlm_speedup(res))}x** the baseline, the ratio of mean totals ({res['questions']}"
             f" questions, {res['threads']} thread(s), CPU steps: {res.get('cpu_steps')})."
         )
+        share = visual_share(res)
+        out += ["", share] if share else []
         out += ["", *bench_tables(res)]
         out += provenance(run)
         plot = plot_of(run)
         if plot:
-            out += [f"![Table 1 stages]({plot})", ""]
+            out += [f"![Table 1 stages on {model}]({plot})" if model != "drive-tiny" else f"![Table 1 stages]({plot})"]
+            out += [""]
         elif "--plot " in run["command"]:
             out += [f"Its plot, drawn from medians, is not shown: `python benchmarks/report.py --run --only {name}`"]
             out += ["draws it again by this measure.", ""]
@@ -370,10 +434,15 @@ def section_sweep(run: dict | None) -> list[str]:
 METHODS = {"selector": "TokenSelector", "fastv_k1": "FastV K=1", "fastv_k2": "FastV K=2"}
 
 
-def section_tokens(run: dict | None) -> list[str]:
-    out = ["## TokenSelector against FastV", ""]
-    if run is None:
-        return out + missing("token pruning", "python benchmarks/report.py --run --only token_pruning")
+def section_tokens_earlier(run: dict) -> list[str]:
+    """A run of the earlier pruning benchmark (token_pruning.json: drive-tiny; TokenSelector, FastV, random and
+    uniform only), shown as it stored it."""
+    out = ["## Token pruning on drive-tiny: the TokenSelector against FastV", ""]
+    out += [
+        "An earlier run, from before DART, DivPrune and CDPruner were measured beside them:",
+        "`python benchmarks/report.py --run --only token_pruning_drive-tiny` measures every method.",
+        "",
+    ]
     res = run["result"]
     ratios, scores = res["ratios"], res["scores"]
     methods = list(dict.fromkeys(k.split("@")[0] for k in scores))
@@ -414,6 +483,146 @@ def section_tokens(run: dict | None) -> list[str]:
     out += provenance(run)
     if res.get("plot"):
         out += [f"![token pruning]({res['plot']})", ""]
+    return out
+
+
+PRUNING = {  # model -> (its pruning run, an earlier run of the old benchmark read where there is no new one)
+    "drive-hd": ("token_pruning_drive-hd", None),
+    "drive-tiny": ("token_pruning_drive-tiny", "token_pruning"),
+}
+PRUNING_LABELS = {
+    "token-selector": "TokenSelector",
+    "fastv-k1": "FastV K=1",
+    "fastv-k2": "FastV K=2",
+    "dart": "DART",
+    "divprune": "DivPrune",
+    "cdpruner": "CDPruner",
+}
+TRAINED = "token-selector"  # every other method is training-free
+
+
+def pruning_label(res: dict, method: str) -> str:
+    labels = res.get("labels") or {}
+    if method in labels:
+        return labels[method]
+    base = method.removesuffix("-per-view")
+    return PRUNING_LABELS.get(base, base) + (" per view" if base != method else "")
+
+
+def names(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def pruning_verdict(res: dict, r: float) -> str | None:
+    """One plain sentence on keep ratio r: which method scores best, and whether a training-free method beats the
+    TokenSelector (by the final score)."""
+    finals = {m: (res["scores"].get(f"{m}@{r}") or {}).get("final") for m in res["methods"]}
+    finals = {m: v for m, v in finals.items() if v is not None}
+    if not finals:
+        return None
+    kept = next((res["scores"][f"{m}@{r}"].get("visual_tokens") for m in finals), None)
+    head = f"At r={r}" + (f" ({fmt(kept)} visual tokens kept)" if kept is not None else "")
+    top = max(finals.values())
+    best = [m for m, v in finals.items() if v == top]
+    closed = res["scores"][f"{best[0]}@{r}"].get("closed_accuracy")
+    labels = [pruning_label(res, m) for m in best]
+    who = f"{labels[0]} scores best" if len(best) == 1 else f"{names(labels)} tie for best"
+    out = f"{head}, {who}: final {fmt(top)}" + (f", closed accuracy {fmt(closed)}." if len(best) == 1 else ".")
+    if TRAINED not in finals:
+        why = (res.get("absent") or {}).get(TRAINED)
+        return out + (f" No TokenSelector was measured ({why})." if why else "")
+    ts = finals[TRAINED]
+    beat = sorted((m for m in finals if m != TRAINED and finals[m] > ts), key=lambda m: -finals[m])
+    tied = [m for m in finals if m != TRAINED and finals[m] == ts]
+    if beat:
+        listed = names([f"{pruning_label(res, m)} ({fmt(finals[m])})" for m in beat])
+        out += f" A training-free method beats the TokenSelector ({fmt(ts)}) here: {listed}."
+    elif tied:
+        out += (
+            f" No training-free method beats the TokenSelector; {names([pruning_label(res, m) for m in tied])} ties it."
+        )
+    else:
+        out += " No training-free method beats the TokenSelector here."
+    return out
+
+
+def section_pruning(runs: dict, model: str) -> list[str]:
+    """Every token-selection method against r on `model` (benchmarks/token_pruning.py): final score and closed
+    accuracy, prefill and the method's own select_tokens ms, one sentence per r <= 0.3, the plot."""
+    name, earlier_name = PRUNING[model]
+    run = runs.get(name)
+    if run is None and earlier_name in runs:
+        return section_tokens_earlier(runs[earlier_name])
+    out = [f"## Token pruning on {model}: the TokenSelector against FastV and the training-free pruners", ""]
+    if run is None:
+        return out + not_measured_yet(f"token pruning on {model}", next(b for b in benchmarks() if b.name == name))
+    res = run["result"]
+    ratios, methods, scores, un = res["ratios"], res["methods"], res["scores"], res["unpruned"]
+    absent = res.get("absent") or {}
+    where = "over the views each needs" if res.get("views") == "needed" else "over all six views"
+    share = res.get("visual_share")
+    share = f" ({100 * share:.0f}% of its tokens)" if share is not None else ""
+    out += [
+        f"{res['n']} questions ({res.get('n_closed')} closed) {where}, greedy decoding; a prompt holds"
+        f" {fmt(res.get('visual_tokens'))} visual tokens on average{share}. r is the fraction of visual tokens KEPT;"
+        f" every method keeps the same number at each r. Each cell is the {res.get('scoring', 'DriveLM final score')},"
+        f" closed-question accuracy in brackets. Unpruned: final **{fmt(un['final'])}**"
+        f" ({fmt(un['closed_accuracy'])}).",
+        "",
+    ]
+    header = ["method", *(f"r={r}" for r in ratios)]
+
+    def cell(m, r, key=None):
+        sc = (res["timing_ms"] if key else scores).get(f"{m}@{r}")
+        if sc is None:
+            return None if key else "-"
+        return sc.get(key) if key else f"{fmt(sc['final'])} ({fmt(sc.get('closed_accuracy'))})"
+
+    kept = [
+        next((scores[f"{m}@{r}"].get("visual_tokens") for m in methods if f"{m}@{r}" in scores), None) for r in ratios
+    ]
+    rows = [["visual tokens kept", *kept], *([pruning_label(res, m), *(cell(m, r) for r in ratios)] for m in methods)]
+    rows += [[pruning_label(res, m), *(["absent"] * len(ratios))] for m in absent]
+    out += table(header, rows)
+    for m, why in absent.items():
+        out += ["", f"{pruning_label(res, m)}: absent, {why} (`litevlm train tokens` trains one)."]
+    verdicts = [v for v in (pruning_verdict(res, r) for r in ratios if r <= 0.3) if v]
+    out += ["", *verdicts] if verdicts else []
+    n_closed, p = res.get("n_closed"), un.get("closed_accuracy")
+    if n_closed and p is not None:
+        out += [
+            "",
+            f"With {n_closed} closed questions, a closed accuracy near {fmt(p)} has a standard error of about"
+            f" {(p * (1 - p) / n_closed) ** 0.5:.3f}: smaller differences are not evidence either way.",
+        ]
+    t, mach = res.get("timing") or {}, res.get("machine") or {}
+    if res.get("timing_ms"):
+        out += [
+            "",
+            f"Timing, side by side in this run on the first {t.get('prompts')} prompts ({t.get('repeats')} repeats"
+            f" each, interleaved over the configurations; medians), {mach.get('device')}, {mach.get('threads')}"
+            f" thread(s), {t.get('backend')} backend. Unpruned prefill:"
+            f" **{fmt(res['timing_ms']['unpruned']['prefill_ms'])} ms**.",
+            "FastV chooses inside the prefill pass and is timed there; DART and the TokenSelector choose inside it",
+            "too, but their choice is timed as select_tokens, as the pipeline reports it; the methods that prune",
+            "before the decoder choose in select_tokens.",
+        ]
+        for key, caption in (("prefill_ms", "Prefill ms:"), ("select_tokens_ms", "The method's own select_tokens ms:")):
+            out += [
+                "",
+                caption,
+                "",
+                *table(header, [[pruning_label(res, m), *(cell(m, r, key) for r in ratios)] for m in methods]),
+            ]
+    out += provenance(run)
+    if mach:
+        out += [
+            f"Machine (the benchmark's own record): {mach.get('platform')}, {mach.get('threads')} thread(s), torch"
+            f" {mach.get('torch')}; commit {res.get('commit')}, {res.get('date')}.",
+            "",
+        ]
+    if res.get("plot"):
+        out += [f"![token pruning on {model}]({res['plot']})", ""]
     return out
 
 
@@ -689,15 +898,19 @@ def header(runs: dict) -> list[str]:
 
 
 def glance(runs: dict) -> list[str]:
-    """The three figures the README quotes."""
+    """The figures the README quotes: LiteVLM's speed-up at each thread setting (drive-hd's first, where measured), and
+    drive-tiny's accuracy through the ViewSelector."""
     lines = []
-    for name, label in (("bench_1thread", "at one pinned thread"), ("bench_default_threads", "at the default threads")):
-        if name in runs:
-            res = runs[name]["result"]
-            lines.append(
-                f"- LiteVLM **{fmt(litevlm_speedup(res))}x** the baseline {label} ({res['threads']} thread(s);"
-                " the ratio of mean totals, as in the paper's Table 1)"
-            )
+    hd = any(name in runs for name, _ in TABLE1["drive-hd"])
+    for model, entries in TABLE1.items():
+        for name, label in entries:
+            if name in runs:
+                res = runs[name]["result"]
+                on = f" on {model}" if hd else ""  # named once drive-hd's figures stand beside drive-tiny's
+                lines.append(
+                    f"- LiteVLM **{fmt(litevlm_speedup(res))}x** the baseline{on} at {label} ({res['threads']}"
+                    " thread(s); the ratio of mean totals, as in the paper's Table 1)"
+                )
     if "drive_tiny_views" in runs:
         f = runs["drive_tiny_views"]["result"]["full"]
         lines.append(
@@ -773,9 +986,11 @@ def load(results: Path) -> dict:
 def render(runs: dict) -> str:
     lines = [
         *header(runs),
-        *section_bench(runs),
+        *section_bench(runs, "drive-hd", first=True),
+        *section_bench(runs, "drive-tiny", first=False),
         *section_sweep(runs.get("spec_sweep")),
-        *section_tokens(runs.get("token_pruning")),
+        *section_pruning(runs, "drive-hd"),
+        *section_pruning(runs, "drive-tiny"),
         *section_views(runs.get("view_selection")),
         *section_scores(runs),
         *section_serve(runs.get("serve_load")),

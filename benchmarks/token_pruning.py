@@ -1,22 +1,34 @@
-"""Accuracy against kept visual tokens: TokenSelector vs FastV (K=1, K=2) vs random vs uniform, one run.
+"""The pruning benchmark: every token-selection method against r, the fraction of visual tokens KEPT, in one run.
 
-Every method answers the same questions over the same views (by default the views each question
-needs, i.e. what view selection feeds the token stage) at keep ratios r (fraction of visual
-tokens KEPT), with greedy decoding; the DriveLM final score (no judge: the other weights
-renormalised) and closed-question accuracy are reported per method and r, beside the unpruned
-model. Timing, side by side in the same process on the first --timing-n prompts: unpruned prefill,
-the selector's own cost, prefill of the pruned prompt, and FastV's prefill (median ms).
+Every method answers the same questions over the same views (by default the views each question needs: what view
+selection hands the token stage) with greedy decoding, at each keep ratio r: the TokenSelector (where the model has
+a token_selector/ folder), FastV at K=1 and K=2 (arXiv 2403.06764), DART, DivPrune, CDPruner, random and uniform
+(`litevlm.select.pruners`), and with `--per-view` the variants that split the budget over the cameras. Each method
+is the pipeline's own token selection (`litevlm.select.selection.token_selection`) on one pipeline built from the
+checkpoint, with its prompt format and execution backend; the answers are scored as `litevlm eval` scores the
+synthetic benchmarks (DriveLM final without a judge, the other weights renormalised, no graph gate), with
+closed-question accuracy beside it, against the unpruned model.
 
-    python benchmarks/token_pruning.py --data .bench-data/heldout --n 200 --plot tokens.png
+Timing, side by side in the same process on the first --timing-n prompts: each configuration's select_tokens and
+prefill stages (the pipeline's StageTimer; repeats interleaved over the configurations, the median per prompt,
+then the median over prompts). A method that prunes inside the decoder (FastV, DART, the TokenSelector sharing
+layer 0) runs its choice inside the prefill pass: DART's and the TokenSelector's under select_tokens, FastV's under
+prefill, exactly as the pipeline reports them; `total_ms` (their sum) is the comparable figure.
 
-The last line of stdout is one JSON object with every number.
+    python benchmarks/token_pruning.py --n 40 --plot pruning.png                  # drive-tiny, held-out frames
+    python benchmarks/token_pruning.py --model drive-hd --data .bench-data/heldout --n 200 --per-view
+
+Progress goes to stderr; the last line of stdout is one JSON object with every number.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import platform
 import statistics
+import subprocess
 import sys
 import time
 import zlib
@@ -24,47 +36,134 @@ from pathlib import Path
 
 import torch
 
-from litevlm.eval.timing import median_ms as median_wall_ms
-
-METHODS = ("selector", "fastv_k1", "fastv_k2", "random", "uniform")
+METHODS = ("token-selector", "fastv-k1", "fastv-k2", "dart", "divprune", "cdpruner", "random", "uniform")
+PER_VIEW_SUFFIX = "-per-view"
 LABELS = {
-    "selector": "TokenSelector",
-    "fastv_k1": "FastV K=1",
-    "fastv_k2": "FastV K=2",
+    "token-selector": "TokenSelector",
+    "fastv-k1": "FastV K=1",
+    "fastv-k2": "FastV K=2",
+    "dart": "DART",
+    "divprune": "DivPrune",
+    "cdpruner": "CDPruner",
     "random": "random",
     "uniform": "uniform",
 }
+RATIOS = "0.1,0.2,0.3,0.5,0.7"
+SCORING = "DriveLM final without a judge (other weights renormalised), no graph gate"
+
+
+def label(method: str) -> str:
+    if method.endswith(PER_VIEW_SUFFIX):
+        return f"{LABELS.get(method.removesuffix(PER_VIEW_SUFFIX), method)} per view"
+    return LABELS.get(method, method)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from litevlm.data.source import add_data_options
+    from litevlm.options import add_model_options
+
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--model", default="drive-tiny", help="model directory (with token_selector/) or bundled name")
+    add_model_options(p)
+    add_data_options(p, default_help="held-out synthetic frames of --seed, made in memory")
+    p.add_argument("--seed", type=int, default=1, help="synthetic frames' seed without --data (1: the held-out split)")
+    p.add_argument("--frames", type=int, default=100, help="synthetic frames the questions are spread over")
     p.add_argument("--selector", default=None, help="TokenSelector directory if not MODEL/token_selector")
-    p.add_argument("--data", required=True, help="folder from `litevlm data synth` or a DriveLM JSON file")
-    p.add_argument("--n", type=int, default=300, help="questions, spread evenly over the file (every len/N-th)")
-    p.add_argument("--ratios", default="0.2,0.3,0.5,0.7,0.9")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--n", type=int, default=200, help="questions, spread evenly over the data (every len/N-th)")
+    p.add_argument("--r", default=RATIOS, help="keep ratios r (fraction of visual tokens KEPT), comma-separated")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join(METHODS))
+    p.add_argument(
+        "--per-view",
+        action="store_true",
+        help="also run the per-camera-budget variants (about r of each camera's tokens) of the pruners that have one",
+    )
     p.add_argument(
         "--views", choices=("needed", "all"), default="needed", help="the views each question needs, or all six"
     )
-    p.add_argument("--min-per-view", type=int, default=None, help="selector quota per view (default: the checkpoint's)")
     p.add_argument("--max-new-tokens", type=int, default=160, help="as the pipeline and `litevlm eval`")
-    p.add_argument("--timing-n", type=int, default=24, help="prompts timed (0: no timing)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per prompt (the median is kept)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--plot", default=None, help="save the accuracy curves as this PNG")
-    p.add_argument("--predictions", default=None, help="write every record to this JSON file")
+    p.add_argument("--timing-n", type=int, default=10, help="prompts timed (0: no timing)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per prompt and configuration (median kept)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--plot", default=None, help="save score against r and prefill ms against r as this PNG")
+    p.add_argument("--predictions", default=None, help="write every answer record to this JSON file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return p.parse_args(argv)
 
 
-class Prompts:
-    """Embeddings of each sample's prompt over its views; each frame's views are encoded once."""
+# ---------------------------------------------------------------------------------------------
+# Questions, methods, prompts
+# ---------------------------------------------------------------------------------------------
 
-    def __init__(self, model, tokenizer, views_mode: str):
-        self.model, self.tokenizer, self.views_mode = model, tokenizer, views_mode
-        self.visual: dict[str, dict] = {}
+
+def spread(items: list, n: int) -> list:
+    """n items spread evenly over the list (every len/n-th), deterministically."""
+    step = max(1.0, len(items) / n)
+    return [items[int(i * step)] for i in range(min(n, len(items)))]
+
+
+def load_questions(data, images_root, n: int, seed: int, frames: int) -> list:
+    """n questions spread over `data` (a synth folder or DriveLM JSON), or over `frames` synthetic frames of `seed`
+    made in memory (only the frames a chosen question belongs to are rendered)."""
+    from litevlm.data.drivelm import samples_from_frame
+    from litevlm.data.source import load_data
+    from litevlm.data.synthetic import make_frame, render_views
+
+    if data:
+        return spread(load_data(data, images_root), n)
+    made = [make_frame(seed, i) for i in range(frames)]
+    chosen = spread([(f, i) for f in made for i in range(len(f.qas))], n)
+    rendered: dict[str, list] = {}
+    out = []
+    for frame, i in chosen:
+        if frame.frame_id not in rendered:
+            rendered[frame.frame_id] = samples_from_frame(frame, render_views(frame))
+        out.append(rendered[frame.frame_id][i])
+    return out
+
+
+def method_list(methods: str, per_view: bool) -> list[str]:
+    """The methods asked for, each followed by its per-view variant where `per_view` asks and the pruner has one."""
+    from litevlm.select.pruners import PER_VIEW
+
+    out = []
+    for m in (s.strip() for s in methods.split(",")):
+        if not m:
+            continue
+        base = m.removesuffix(PER_VIEW_SUFFIX)
+        if base not in METHODS or (m != base and base not in PER_VIEW):
+            raise SystemExit(f"unknown method {m!r}; known: {', '.join(METHODS)} (and NAME{PER_VIEW_SUFFIX})")
+        out.append(m)
+        # uniform already splits its budget over the cameras: no variant
+        if per_view and m == base and base in PER_VIEW and base != "uniform":
+            out.append(base + PER_VIEW_SUFFIX)
+    return list(dict.fromkeys(out))
+
+
+def selection(pipe, method: str | None, r: float, selector, seed: int):
+    """The pipeline's token selection for `method` at keep ratio r (None: keep every token), built and checked by the
+    factory the pipeline itself uses."""
+    from litevlm.select.pruners import PruneConfig
+    from litevlm.select.selection import token_selection
+
+    model, tok = pipe.model, pipe.tokenizer
+    if method is None:
+        return token_selection(model, None, None, 0, None, None, tok, seed)
+    if method == "token-selector":
+        return token_selection(model, selector, r, 0, None, None, tok, seed)
+    if method.startswith("fastv-k"):
+        return token_selection(model, None, None, 0, (int(method.removeprefix("fastv-k")), r), None, tok, seed)
+    base = method.removesuffix(PER_VIEW_SUFFIX)
+    return token_selection(model, None, None, 0, None, PruneConfig(base, r, per_view=base != method), tok, seed)
+
+
+class Prompts:
+    """Each question's full prompt over its views, in the checkpoint's own format (`Pipeline.embed_prompt`); each
+    frame's views go through the vision tower once."""
+
+    def __init__(self, pipe, views_mode: str):
+        self.pipe, self.views_mode = pipe, views_mode
+        self.visual: dict[str, dict[str, torch.Tensor]] = {}  # frame -> camera -> (tiles, tokens_per_tile, C)
 
     def views(self, sample) -> list[str]:
         from litevlm.cameras import CAMERAS
@@ -75,320 +174,324 @@ class Prompts:
 
     @torch.no_grad()
     def __call__(self, sample):
-        from litevlm.data.drivelm import load_images
-        from litevlm.model.vlm import image_to_tiles
-        from litevlm.train.tokens import prompt_embeds
+        from litevlm.model.generate import StageTimer
 
-        cfg = self.model.cfg
-        key = sample.frame_id or sample.id
+        pipe = self.pipe
         views = self.views(sample)
-        cache = self.visual.setdefault(key, {})
+        cache = self.visual.setdefault(f"{sample.scene_id}/{sample.frame_id or sample.id}", {})
         missing = [c for c in views if c not in cache]
         if missing:
-            imgs = load_images(sample, missing)
-            pixels = torch.cat([image_to_tiles(imgs[c], cfg.vision.image_size, cfg.tiles_per_view) for c in missing])
-            visual = self.model.encode_tiles(pixels.to(self.model.device)).reshape(
-                len(missing), -1, cfg.text.hidden_size
-            )
-            cache.update({c: visual[i] for i, c in enumerate(missing)})
-        if len(self.visual) > 64:  # samples come frame by frame: keep the cache small
+            visual, counts = pipe.vision(sample.images, missing, StageTimer(pipe.model.device))
+            tiles = [c // pipe.cfg.tokens_per_tile for c in counts]
+            cache.update(zip(missing, visual.split(tiles)))
+        if len(self.visual) > 8:  # questions come frame by frame: keep the cache small
             self.visual.pop(next(iter(self.visual)))
-        _, embeds, positions, spans = prompt_embeds(self.model, self.tokenizer, cache, sample.question, views)
-        return embeds, positions, spans
+        visual = torch.cat([cache[c] for c in views])
+        counts = [cache[c].shape[0] * pipe.cfg.tokens_per_tile for c in views]
+        return pipe.embed_prompt(sample.question, views, visual, counts)
 
 
-def answer_text(tokenizer, tokens: list[int]) -> str:
-    return tokenizer.decode([t for t in tokens if t != tokenizer.eos_id]).strip()
+# ---------------------------------------------------------------------------------------------
+# Answering and timing
+# ---------------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
-def run_accuracy(
-    model, tokenizer, selector, samples, prompts: Prompts, ratios, methods, max_new, min_per_view, progress=True
-):
-    """records[(method, r)] -> list of DriveLM records; ('unpruned', 1.0) included. Also kept visual-token counts."""
+def answer(pipe, sel, prompt, question: str):
+    """One answer through the pipeline's own stages with `sel` as its token selection: (text, kept visual tokens)."""
+    from litevlm.model.generate import StageTimer, drain
+
+    pipe.selection = sel  # the pipeline's one token-selection object; nothing else in it depends on the choice
+    timer = StageTimer(pipe.model.device)
+    p, hook = pipe.select_tokens(prompt, question, timer)
+    gen = drain(pipe.decode(pipe.prefill(p, hook, question, timer), timer))
+    text = pipe.tokenizer.decode([t for t in gen.tokens if t != pipe.tokenizer.eos_id]).strip()
+    return text, prompt.num_visual_tokens - (prompt.ids.shape[1] - gen.prompt_len)
+
+
+@torch.no_grad()
+def prefill_ms(pipe, sel, prompt, question: str) -> tuple[float, float]:
+    """One select_tokens + prefill with `sel` (no decoding): the two stages' wall ms, as the pipeline times them."""
+    from litevlm.model.generate import StageTimer
+
+    pipe.selection = sel
+    timer = StageTimer(pipe.model.device)
+    p, hook = pipe.select_tokens(prompt, question, timer)
+    pipe.prefill(p, hook, question, timer)
+    return timer.ms.get("select_tokens", 0.0), timer.ms.get("prefill", 0.0)
+
+
+def seeded(sel, key: str):
+    """A random pruner's generator seeded from the question and r, so its draw does not depend on the run's order."""
+    if getattr(sel, "generator", None) is not None:
+        sel.generator.manual_seed(zlib.crc32(key.encode()))
+    return sel
+
+
+def run_accuracy(pipe, samples, prompts: Prompts, configs: dict, progress: bool):
+    """Every configuration's answers: records[key] -> DriveLM records, kept[key] -> kept visual tokens per question."""
     from tqdm import tqdm
 
-    from litevlm.model.generate import fastv_generate, generate, selector_prefill
-    from litevlm.select.tokens import (
-        prune_prompt,
-        random_select,
-        select_by_scores,
-        uniform_select,
-        view_sizes,
-    )
+    from litevlm.eval.score import record
 
-    eos = tokenizer.eos_id
-    records: dict[tuple[str, float], list[dict]] = {}
-    kept_tokens: dict[tuple[str, float], list[int]] = {}
+    records: dict[str, list[dict]] = {key: [] for key in configs}
+    kept: dict[str, list[int]] = {key: [] for key in configs}
+    shares = []
+    for s in tqdm(samples, desc="answering", disable=not progress, file=sys.stderr):
+        prompt = prompts(s)
+        shares.append(prompt.num_visual_tokens / prompt.ids.shape[1])
+        for key, sel in configs.items():
+            text, n_visual = answer(pipe, seeded(sel, f"{s.id}/{key}"), prompt, s.question)
+            records[key].append({**record(s, text), "category": s.category})
+            kept[key].append(n_visual)
+    return records, kept, shares
 
-    def add(key, sample, tokens, n_visual):
-        records.setdefault(key, []).append(
-            {
-                "id": sample.id,
-                "question": sample.question,
-                "answer": answer_text(tokenizer, tokens),
-                "gt": sample.answer,
-                "tag": sample.tag,
-                "closed": sample.closed,
-                "category": sample.category,
-                "frame": sample.frame_id,
-            }
+
+def run_timing(pipe, samples, prompts: Prompts, configs: dict, repeats: int, progress: bool) -> dict:
+    """Per configuration: median over prompts of the per-prompt median select_tokens, prefill and their sum (ms).
+    Each prompt's repeats run round-robin over the configurations, after one untimed pass of each on the first."""
+    from tqdm import tqdm
+
+    inputs = [(prompts(s), s) for s in samples]
+    for key, sel in configs.items():  # warm-up: what a first call pays once
+        prefill_ms(pipe, seeded(sel, f"{inputs[0][1].id}/{key}"), inputs[0][0], inputs[0][1].question)
+    per_prompt: dict[str, dict[str, list[float]]] = {key: {"select": [], "prefill": [], "total": []} for key in configs}
+    for prompt, s in tqdm(inputs, desc="timing", disable=not progress, file=sys.stderr):
+        runs: dict[str, list[tuple[float, float]]] = {key: [] for key in configs}
+        for _ in range(repeats):
+            for key, sel in configs.items():
+                runs[key].append(prefill_ms(pipe, seeded(sel, f"{s.id}/{key}"), prompt, s.question))
+        for key, ms in runs.items():
+            per_prompt[key]["select"].append(statistics.median(a for a, _ in ms))
+            per_prompt[key]["prefill"].append(statistics.median(b for _, b in ms))
+            per_prompt[key]["total"].append(statistics.median(a + b for a, b in ms))
+    return {
+        key: {
+            "select_tokens_ms": round(statistics.median(v["select"]), 4),
+            "prefill_ms": round(statistics.median(v["prefill"]), 4),
+            "total_ms": round(statistics.median(v["total"]), 4),
+        }
+        for key, v in per_prompt.items()
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores, provenance, the figure
+# ---------------------------------------------------------------------------------------------
+
+
+def summarise(records: list[dict], kept: list[int], base: list[dict] | None = None) -> dict:
+    from litevlm.eval.metrics import closed_accuracy
+    from litevlm.eval.score import drivelm_score
+
+    s = drivelm_score(records, gate=False, renormalise=True)
+    out = {k: None if s[k] is None else round(s[k], 6) for k in ("final", "accuracy", "language", "match")}
+    closed = closed_accuracy(records)
+    out["closed_accuracy"] = None if closed is None else round(closed, 6)
+    out["visual_tokens"] = round(statistics.fmean(kept), 3)
+    if base is not None:  # how much pruning perturbs the model: answers that differ from the unpruned model's
+        out["changed"] = round(sum(r["answer"] != b["answer"] for r, b in zip(records, base)) / len(records), 4)
+    return out
+
+
+def git_commit() -> str | None:
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True
         )
-        kept_tokens.setdefault(key, []).append(n_visual)
-
-    for sample in tqdm(samples, desc="answering", disable=not progress):
-        embeds, positions, spans = prompts(sample)
-        n_vis = sum(view_sizes(spans))
-        add(("unpruned", 1.0), sample, generate(model, embeds, positions, max_new, eos).tokens, n_vis)
-        sel_scores = None
-        if "selector" in methods and not selector.cfg.shared_layer:
-            sel_scores = selector.scores(
-                embeds, positions, spans, selector.tag_features(model, sample.question, spans)
-            )[0]
-        for r in ratios:
-            for m in methods:
-                if (
-                    m == "selector" and selector.cfg.shared_layer
-                ):  # selection inside the decoder, as the pipeline runs it
-                    pre = selector_prefill(model, selector, embeds, positions, spans, r, min_per_view, sample.question)
-                    gen = generate(model, embeds, positions, max_new, eos, prefilled=pre.prefilled(embeds, positions))
-                elif m == "selector":
-                    kept = select_by_scores(sel_scores, view_sizes(spans), r, min_per_view)
-                    e, p, idx = prune_prompt(embeds, positions, spans, kept)
-                    gen = generate(model, e, p, max_new, eos)
-                elif m.startswith("fastv_k"):
-                    gen = fastv_generate(model, embeds, positions, spans, int(m[-1]), r, max_new, eos)
-                elif m == "random":
-                    g = torch.Generator().manual_seed(zlib.crc32(f"{sample.id}/{r}".encode()))
-                    e, p, idx = random_select(embeds, positions, spans, r, 0, g)
-                    gen = generate(model, e, p, max_new, eos)
-                elif m == "uniform":
-                    e, p, idx = uniform_select(embeds, positions, spans, r)
-                    gen = generate(model, e, p, max_new, eos)
-                else:
-                    raise SystemExit(f"unknown method {m!r}; known: {', '.join(METHODS)}")
-                add((m, r), sample, gen.tokens, gen.prompt_len - (embeds.shape[1] - n_vis))
-    return records, kept_tokens
+    except OSError:
+        return None
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
 
 
-def _median_ms(fn, repeats: int, device) -> float:
-    return median_wall_ms(fn, repeats, warmup=0, device=device)
+def machine(device) -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": str(device),
+    }
 
 
-@torch.no_grad()
-def run_timing(model, selector, samples, prompts: Prompts, ratios, repeats: int, min_per_view) -> dict:
-    """Median ms over prompts: unpruned prefill; per r: selector, pruned prefill, FastV K=1/K=2 prefill.
-
-    A selector sharing decoder layer 0 selects inside the decoder: its "selector" time is its head (and
-    the c-tag read), its "pruned prefill" the decoder layers (layer 0 on the whole prompt, the rest on
-    the kept tokens), both from the stage timer of one `TokenSelector.prefill` call (median of repeats)."""
-    from litevlm.model.generate import StageTimer, fastv_prefill, prefill, selector_prefill
-    from litevlm.select.tokens import prune_prompt, select_by_scores, view_sizes
-
-    dev = model.device
-    rows: dict[str, list[float]] = {}
-
-    def rec(name, ms):
-        rows.setdefault(name, []).append(ms)
-
-    inputs = [(*prompts(s), s.question) for s in samples]
-    embeds, positions, spans, _ = inputs[0]
-    for _ in range(2):  # warm-up
-        prefill(model, embeds, positions)
-        selector.scores(embeds, positions, spans)
-        fastv_prefill(model, embeds, positions, spans, 1, 0.5)
-        if selector.cfg.shared_layer:
-            selector_prefill(model, selector, embeds, positions, spans, 0.5)
-    for embeds, positions, spans, question in inputs:
-        rec("prefill_unpruned", _median_ms(lambda: prefill(model, embeds, positions), repeats, dev))
-        for r in ratios:
-            if selector.cfg.shared_layer:
-                split = {"select_tokens": [], "prefill": []}
-                for _ in range(repeats):
-                    timer = StageTimer(dev)
-                    selector_prefill(model, selector, embeds, positions, spans, r, min_per_view, question, timer)
-                    for stage in split:
-                        split[stage].append(timer.ms[stage])
-                rec(f"selector@{r}", statistics.median(split["select_tokens"]))
-                rec(f"prefill_pruned@{r}", statistics.median(split["prefill"]))
-                for k in (1, 2):
-                    rec(
-                        f"fastv_k{k}@{r}",
-                        _median_ms(lambda: fastv_prefill(model, embeds, positions, spans, k, r), repeats, dev),
-                    )
-                continue
-
-            def select():
-                s = selector.scores(embeds, positions, spans, selector.tag_features(model, question, spans))[0]
-                return prune_prompt(embeds, positions, spans, select_by_scores(s, view_sizes(spans), r, min_per_view))
-
-            rec(f"selector@{r}", _median_ms(select, repeats, dev))
-            e, p, _ = select()
-            rec(f"prefill_pruned@{r}", _median_ms(lambda: prefill(model, e, p), repeats, dev))
-            for k in (1, 2):
-                rec(
-                    f"fastv_k{k}@{r}",
-                    _median_ms(lambda: fastv_prefill(model, embeds, positions, spans, k, r), repeats, dev),
-                )
-    return {name: statistics.median(v) for name, v in rows.items()}
+STYLES = {  # colour, marker
+    "token-selector": ("C3", "o"),
+    "fastv-k1": ("C0", "s"),
+    "fastv-k2": ("C9", "^"),
+    "dart": ("C1", "v"),
+    "divprune": ("C2", "D"),
+    "cdpruner": ("C4", "P"),
+    "random": ("0.6", "x"),
+    "uniform": ("0.35", "d"),
+}
 
 
-def plot(path, table: dict, unpruned: float, ratios, methods, subtitle: str = "") -> None:
+def plot(path, result: dict) -> None:
+    """Two panels over r: the DriveLM final score per method (unpruned dashed), and select_tokens + prefill ms per
+    method (unpruned prefill dashed); a per-view variant is dashed in its method's colour."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    styles = {
-        "selector": ("C3", "o", 2.4),
-        "fastv_k1": ("C0", "s", 1.5),
-        "fastv_k2": ("C2", "^", 1.5),
-        "random": ("0.55", "x", 1.2),
-        "uniform": ("0.35", "d", 1.2),
-    }
-    for m in methods:
-        colour, marker, lw = styles.get(m, ("C4", ".", 1.2))
-        ax.plot(
-            ratios, [table[(m, r)]["final"] for r in ratios], marker=marker, color=colour, lw=lw, label=LABELS.get(m, m)
-        )
-    ax.axhline(unpruned, color="k", ls="--", lw=1, label="unpruned")
-    ax.set_xlabel("keep ratio r (fraction of visual tokens kept)")
-    ax.set_ylabel("DriveLM final score (no judge)")
-    ax.set_title("Accuracy against kept visual tokens" + (f"\n{subtitle}" if subtitle else ""), fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
+    ratios, scores, timing = result["ratios"], result["scores"], result["timing_ms"]
+    fig, (acc, ms) = plt.subplots(1, 2, figsize=(12.5, 4.9), dpi=120)
+    for m in result["methods"]:
+        base = m.removesuffix(PER_VIEW_SUFFIX)
+        colour, marker = STYLES.get(base, ("C5", "."))
+        kw = dict(color=colour, marker=marker, ms=5, lw=2.4 if m == "token-selector" else 1.4)
+        kw["ls"] = "--" if m != base else "-"
+        acc.plot(ratios, [scores[f"{m}@{r}"]["final"] for r in ratios], label=label(m), **kw)
+        if timing:
+            ms.plot(ratios, [timing[f"{m}@{r}"]["total_ms"] for r in ratios], label=label(m), **kw)
+    un = result["unpruned"]
+    acc.axhline(un["final"], color="k", ls=":", lw=1.2, label="unpruned")
+    acc.set_xlabel("keep ratio r (fraction of visual tokens kept)")
+    acc.set_ylabel(f"DriveLM final score (no judge), {result['n']} questions")
+    acc.set_title("Accuracy against kept visual tokens", fontsize=10)
+    acc.grid(alpha=0.3)
+    if timing:
+        ms.axhline(timing["unpruned"]["prefill_ms"], color="k", ls=":", lw=1.2, label="unpruned")
+        ms.set_ylabel(f"select_tokens + prefill ms (median of {result['timing']['prompts']} prompts)")
+    else:
+        ms.text(0.5, 0.5, "not timed (--timing-n 0)", ha="center", va="center", transform=ms.transAxes)
+    ms.set_xlabel("keep ratio r (fraction of visual tokens kept)")
+    ms.set_title("Prefill against kept visual tokens (selection included)", fontsize=10)
+    ms.grid(alpha=0.3)
+    for ax in (acc, ms):
+        ax.set_xticks(ratios)
+    handles, labels = acc.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False, bbox_to_anchor=(0.995, 0.5))
+    mach = result["machine"]
+    fig.suptitle(
+        f"{result['model']}, views: {result['views']}, {result['visual_tokens']:.0f} visual tokens a prompt"
+        f" ({100 * result['visual_share']:.0f}% of its tokens); {mach['device']}, {mach['threads']} thread(s),"
+        f" torch {mach['torch']}",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0, 0.87, 1))
     fig.savefig(path)
     plt.close(fig)
 
 
+def print_tables(result: dict) -> None:
+    ratios, scores, timing = result["ratios"], result["scores"], result["timing_ms"]
+    un = result["unpruned"]
+    print(
+        f"\n{result['model']}: {result['n']} questions, views={result['views']}, greedy, max "
+        f"{result['max_new_tokens']} new tokens; {result['visual_tokens']:.1f} visual tokens a prompt "
+        f"({100 * result['visual_share']:.1f}% of it)"
+    )
+    print(f"unpruned: final {un['final']:.4f}  closed acc {un['closed_accuracy']}")
+    for m, why in result["absent"].items():
+        print(f"{label(m)}: absent ({why})")
+    head = "| method | " + " | ".join(f"r={r}" for r in ratios) + " |"
+    rule = "|" + "---|" * (len(ratios) + 1)
+    print("\nDriveLM final score (closed-question accuracy)\n\n" + head + "\n" + rule)
+    for m in result["methods"]:
+        cells = [f"{scores[f'{m}@{r}']['final']:.4f} ({scores[f'{m}@{r}']['closed_accuracy']})" for r in ratios]
+        print(f"| {label(m)} | " + " | ".join(cells) + " |")
+    if timing:
+        t = result["timing"]
+        print(
+            f"\nselect_tokens + prefill ms (median of {t['prompts']} prompts, {t['repeats']} repeats each); "
+            f"unpruned prefill {timing['unpruned']['prefill_ms']:.3f} ms\n\n" + head + "\n" + rule
+        )
+        for m in result["methods"]:
+            cells = [
+                f"{timing[f'{m}@{r}']['select_tokens_ms']:.3f} + {timing[f'{m}@{r}']['prefill_ms']:.3f}" for r in ratios
+            ]
+            print(f"| {label(m)} | " + " | ".join(cells) + " |")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from litevlm.data.drivelm import load_samples
-    from litevlm.data.tokenizer import Tokenizer
-    from litevlm.eval.metrics import closed_accuracy, score
-    from litevlm.model.hf import load_native
-    from litevlm.models import resolve_model_dir
+    from litevlm.data.source import check_data_options
+    from litevlm.errors import LiteVLMError
+    from litevlm.models import part_dir
+    from litevlm.options import format_options
+    from litevlm.pipeline import Pipeline
     from litevlm.select.tokens import TokenSelector
 
-    torch.set_num_threads(args.threads)
-    ratios = [float(r) for r in args.ratios.split(",")]
-    methods = [m for m in args.methods.split(",") if m]
-    path = resolve_model_dir(args.model)
-    model = load_native(path).eval()
-    tokenizer = Tokenizer.from_dir(path)
-    selector = TokenSelector.load(args.selector or path, model)
-    quota = selector.cfg.min_per_view if args.min_per_view is None else args.min_per_view
-    tpv = model.cfg.tokens_per_tile * model.cfg.tiles_per_view
-    model.language_model.setup_cache(1, 64 + 6 * (tpv + 16) + 256 + args.max_new_tokens)
-    every = load_samples(args.data)
-    step = max(1.0, len(every) / args.n)  # spread over all frames, deterministically
-    samples = [every[int(i * step)] for i in range(min(args.n, len(every)))]
-    prompts = Prompts(model, tokenizer, args.views)
+    check_data_options(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ratios = [float(r) for r in args.r.split(",") if r.strip()]
+    methods = method_list(args.methods, args.per_view)
+    progress = not args.no_progress
+    t_start = time.time()
+    pipe = Pipeline.from_pretrained(
+        args.model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens, **format_options(args)
+    )
+    absent: dict[str, str] = {}
+    selector = None
+    if "token-selector" in methods:
+        from litevlm.models import resolve_model_dir
+
+        where = Path(args.selector) if args.selector else resolve_model_dir(args.model)
+        try:
+            selector = TokenSelector.load(where if args.selector else part_dir(where, "token_selector"), pipe.model)
+        except LiteVLMError as e:
+            absent["token-selector"] = f"{pipe.name} has no token_selector/ folder" if not args.selector else str(e)
+            methods.remove("token-selector")
+    samples = load_questions(args.data, args.images, args.n, args.seed, args.frames)
+    if not samples:
+        raise SystemExit("no questions to answer")
+    prompts = Prompts(pipe, args.views)
+    configs = {"unpruned": selection(pipe, None, 1.0, None, 0)}
+    configs |= {f"{m}@{r}": selection(pipe, m, r, selector, 0) for m in methods for r in ratios}
 
     t0 = time.time()
-    records, kept = run_accuracy(
-        model, tokenizer, selector, samples, prompts, ratios, methods, args.max_new_tokens, quota
-    )
+    records, kept, shares = run_accuracy(pipe, samples, prompts, configs, progress)
     answer_s = time.time() - t0
-    table = {}
-    for key, recs in records.items():
-        s = score(recs)
-        table[key] = {
-            "final": s["final"],
-            "closed_accuracy": closed_accuracy(recs),
-            "accuracy": s["accuracy"],
-            "language": s["language"],
-            "match": s["match"],
-            "visual_tokens": statistics.fmean(kept[key]),
-        }
-    unpruned = table[("unpruned", 1.0)]
-    base_answers = [r["answer"] for r in records[("unpruned", 1.0)]]
-    for key, recs in records.items():  # how much pruning perturbs the model: answers that differ from unpruned
-        table[key]["changed"] = sum(r["answer"] != a for r, a in zip(recs, base_answers)) / len(recs)
+    base = records["unpruned"]
+    unpruned = summarise(base, kept["unpruned"])
+    scores = {key: summarise(recs, kept[key], base) for key, recs in records.items() if key != "unpruned"}
+    t0 = time.time()
     timing = (
-        run_timing(model, selector, samples[: args.timing_n], prompts, ratios, args.repeats, quota)
-        if args.timing_n
-        else {}
+        run_timing(pipe, samples[: args.timing_n], prompts, configs, args.repeats, progress) if args.timing_n else {}
     )
-
-    # -- report ---------------------------------------------------------------------------------
-    print(
-        f"\n{len(samples)} questions, views={args.views}, selector quota {quota}/view, greedy, "
-        f"max {args.max_new_tokens} new tokens"
+    timing_s = time.time() - t0
+    data = (
+        str(args.data)
+        if args.data
+        else f"synthetic held-out frames, seed {args.seed}, {args.frames} frames (in memory)"
     )
-    print(
-        f"unpruned: final {unpruned['final']:.4f}  closed acc {unpruned['closed_accuracy']:.4f}  "
-        f"visual tokens {unpruned['visual_tokens']:.1f}\n"
-    )
-    head = "| method | " + " | ".join(f"r={r}" for r in ratios) + " |"
-    print("DriveLM final score (closed-question accuracy)\n")
-    print(head)
-    print("|" + "---|" * (len(ratios) + 1))
-    for m in methods:
-        cells = [f"{table[(m, r)]['final']:.4f} ({table[(m, r)]['closed_accuracy']:.3f})" for r in ratios]
-        print(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + " |")
-    print(f"| unpruned | {unpruned['final']:.4f} ({unpruned['closed_accuracy']:.3f}) |" + " |" * (len(ratios) - 1))
-    print("\nAnswers that differ from the unpruned model's (fraction of questions)\n")
-    print(head)
-    print("|" + "---|" * (len(ratios) + 1))
-    for m in methods:
-        print(f"| {LABELS.get(m, m)} | " + " | ".join(f"{table[(m, r)]['changed']:.3f}" for r in ratios) + " |")
-    if timing:
-        print(
-            f"\nprefill ms (median of {min(args.timing_n, len(samples))} prompts, {args.repeats} repeats each, "
-            f"{model.device}, "
-            f"{torch.get_num_threads()} threads); unpruned prefill {timing['prefill_unpruned']:.2f} ms\n"
-        )
-        print(
-            "| r | visual tokens | selector ms | pruned prefill ms | selector + prefill ms | speed-up | "
-            "FastV K=1 ms | FastV K=2 ms |"
-        )
-        print("|---|---|---|---|---|---|---|---|")
-        for r in ratios:
-            tot = timing[f"selector@{r}"] + timing[f"prefill_pruned@{r}"]
-            vt = table[("selector", r)]["visual_tokens"] if ("selector", r) in table else float("nan")
-            print(
-                f"| {r} | {vt:.1f} | {timing[f'selector@{r}']:.2f} | {timing[f'prefill_pruned@{r}']:.2f} | {tot:.2f} | "
-                f"{timing['prefill_unpruned'] / tot:.2f}x | {timing[f'fastv_k1@{r}']:.2f} | "
-                f"{timing[f'fastv_k2@{r}']:.2f} |"
-            )
-    if args.plot:
-        plot(
-            args.plot,
-            table,
-            unpruned["final"],
-            ratios,
-            methods,
-            f"{path.name}, {len(samples)} held-out questions, views: {args.views}",
-        )
-        print(f"\nplot saved to {args.plot}")
-    if args.predictions:
-        Path(args.predictions).write_text(json.dumps({f"{m}@{r}": v for (m, r), v in records.items()}, indent=1))
-    sel_vs_fastv = {
-        r: round(
-            table[("selector", r)]["final"]
-            - max(table[(f, r)]["final"] for f in ("fastv_k1", "fastv_k2") if (f, r) in table),
-            4,
-        )
-        for r in ratios
-        if ("selector", r) in table and any((f, r) in table for f in ("fastv_k1", "fastv_k2"))
-    }
     result = {
-        "model": str(path),
-        "data": str(args.data),
+        "benchmark": "token_pruning",
+        "schema": 2,
+        "model": pipe.name,
+        "data": data,
         "n": len(samples),
+        "n_closed": sum(1 for r in base if r["closed"]),
         "views": args.views,
-        "min_per_view": quota,
         "ratios": ratios,
+        "methods": methods,
+        "labels": {m: label(m) for m in methods},
+        "absent": absent,
+        "per_view": args.per_view,
+        "max_new_tokens": args.max_new_tokens,
+        "scoring": SCORING,
+        "visual_tokens": round(statistics.fmean(kept["unpruned"]), 3),
+        "visual_share": round(statistics.fmean(shares), 4),
         "unpruned": unpruned,
-        "scores": {f"{m}@{r}": v for (m, r), v in table.items() if m != "unpruned"},
-        "selector_minus_best_fastv": sel_vs_fastv,
-        "timing_ms": {k: round(v, 3) for k, v in timing.items()},
+        "scores": scores,
+        "timing": {"prompts": min(args.timing_n, len(samples)), "repeats": args.repeats, "backend": pipe.backend.name},
+        "timing_ms": timing,
         "answer_seconds": round(answer_s, 1),
+        "timing_seconds": round(timing_s, 1),
+        "seconds": round(time.time() - t_start, 1),
+        "machine": machine(pipe.model.device),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "plot": args.plot,
     }
+    print_tables(result)
+    if args.plot:
+        plot(args.plot, result)
+        print(f"\nplot saved to {args.plot}")
+    if args.predictions:
+        Path(args.predictions).write_text(json.dumps(records, indent=1))
     print(json.dumps(result, separators=(",", ":")))
     return result
 

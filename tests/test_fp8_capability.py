@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from litevlm.quant import fp8
 from litevlm.quant.fp8 import fp8_mm, fp8_mm_reference, kernel_out_dtype, quantize_fp8
 
 ADA, HOPPER, BLACKWELL = (8, 9), (9, 0), (10, 0)
@@ -41,8 +42,7 @@ def test_blackwell_rowwise_products_are_made_in_bf16():
 def test_fp8_mm_asks_the_kernel_for_the_chosen_dtype_and_returns_the_wanted_one(monkeypatch, capability, asked, bias):
     """`torch._scaled_mm` replaced by the exact product in the dtype it is asked for: an fp32 row-wise product is
     asked in bf16 on Ada and in fp32 on Hopper, and comes back in fp32 with the bias added either way."""
-    if capability == HOPPER:
-        monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(fp8, "CUDA_BUILD", CUDA_13)
     calls = []
 
     def scaled_mm(a, b, *, scale_a, scale_b, bias, out_dtype, use_fast_accum):

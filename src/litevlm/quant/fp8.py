@@ -154,6 +154,9 @@ def _cuda_version() -> tuple[int, int]:
     return int(major), int(minor.split(".")[0] or 0)
 
 
+CUDA_BUILD = _cuda_version()  # read once: a compiled graph tracing `kernel_out_dtype` sees a constant
+
+
 def kernel_out_dtype(
     out_dtype: torch.dtype, rowwise: bool, capability: tuple[int, int], cuda: tuple[int, int] | None = None
 ) -> torch.dtype:
@@ -165,7 +168,7 @@ def kernel_out_dtype(
     only and refuses fp32, so the product is made in bf16 and cast to `out_dtype` after."""
     if not rowwise or out_dtype == torch.bfloat16:
         return out_dtype
-    if capability[0] == 9 and (cuda or _cuda_version()) >= (12, 9):
+    if capability[0] == 9 and (cuda or CUDA_BUILD) >= (12, 9):
         return out_dtype
     return torch.bfloat16
 
