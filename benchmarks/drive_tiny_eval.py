@@ -217,7 +217,7 @@ def stages(meta: dict) -> list[str]:
         probe = (st.get("looks_probe") or [{}])[-1]
         other = [f"decoder grown after layers {', '.join(map(str, r['grow_after']))}"] if r.get("grow_after") else []
         if r.get("unshuffle"):
-            other.append(f"pixel shuffle dropped (one token a patch, projector folded), {r.get('tiles') or 1} tiles a view")
+            other.append(f"no pixel shuffle (one token a patch, projector folded), {r.get('tiles') or 1} tiles a view")
         other += [f"{k} x{v:g}" for k, v in (r.get("family_weights") or {}).items()]
         other += [
             f"{OBJECTIVE_LABELS[n]} {r[n + '_weight']:g} (layer {r.get(n + '_layer')})"
