@@ -514,18 +514,18 @@ def names(items: list[str]) -> str:
 
 
 def pruning_verdict(res: dict, r: float) -> str | None:
-    """One plain sentence on keep ratio r: which method scores best, and whether a training-free method beats the
-    TokenSelector (by the final score)."""
+    """One plain sentence (a list item) on keep ratio r: which method scores best, and whether a training-free method
+    beats the TokenSelector (by the final score)."""
     finals = {m: (res["scores"].get(f"{m}@{r}") or {}).get("final") for m in res["methods"]}
     finals = {m: v for m, v in finals.items() if v is not None}
     if not finals:
         return None
     kept = next((res["scores"][f"{m}@{r}"].get("visual_tokens") for m in finals), None)
-    head = f"At r={r}" + (f" ({fmt(kept)} visual tokens kept)" if kept is not None else "")
+    head = f"- At r={r}" + (f" ({fmt(kept)} visual tokens kept)" if kept is not None else "")
     top = max(finals.values())
     best = [m for m, v in finals.items() if v == top]
     closed = res["scores"][f"{best[0]}@{r}"].get("closed_accuracy")
-    labels = [pruning_label(res, m) for m in best]
+    labels = [("the " if m == TRAINED else "") + pruning_label(res, m) for m in best]
     who = f"{labels[0]} scores best" if len(best) == 1 else f"{names(labels)} tie for best"
     out = f"{head}, {who}: final {fmt(top)}" + (f", closed accuracy {fmt(closed)}." if len(best) == 1 else ".")
     if TRAINED not in finals:
@@ -535,7 +535,7 @@ def pruning_verdict(res: dict, r: float) -> str | None:
     beat = sorted((m for m in finals if m != TRAINED and finals[m] > ts), key=lambda m: -finals[m])
     tied = [m for m in finals if m != TRAINED and finals[m] == ts]
     if beat:
-        listed = names([f"{pruning_label(res, m)} ({fmt(finals[m])})" for m in beat])
+        listed = names([f"{pruning_label(res, m)} ({fmt(finals[m])}, +{finals[m] - ts:.4f})" for m in beat])
         out += f" A training-free method beats the TokenSelector ({fmt(ts)}) here: {listed}."
     elif tied:
         out += (

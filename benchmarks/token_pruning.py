@@ -68,7 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_model_options(p)
     add_data_options(p, default_help="held-out synthetic frames of --seed, made in memory")
     p.add_argument("--seed", type=int, default=1, help="synthetic frames' seed without --data (1: the held-out split)")
-    p.add_argument("--frames", type=int, default=100, help="synthetic frames the questions are spread over")
+    p.add_argument(
+        "--frames", type=int, default=100, help="synthetic frames the questions are spread over (without --data)"
+    )
     p.add_argument("--selector", default=None, help="TokenSelector directory if not MODEL/token_selector")
     p.add_argument("--n", type=int, default=200, help="questions, spread evenly over the data (every len/N-th)")
     p.add_argument("--r", default=RATIOS, help="keep ratios r (fraction of visual tokens KEPT), comma-separated")
@@ -267,9 +269,9 @@ def run_timing(pipe, samples, prompts: Prompts, configs: dict, repeats: int, pro
             per_prompt[key]["total"].append(statistics.median(a + b for a, b in ms))
     return {
         key: {
-            "select_tokens_ms": round(statistics.median(v["select"]), 4),
-            "prefill_ms": round(statistics.median(v["prefill"]), 4),
-            "total_ms": round(statistics.median(v["total"]), 4),
+            "select_tokens_ms": round(statistics.median(v["select"]), 3),
+            "prefill_ms": round(statistics.median(v["prefill"]), 3),
+            "total_ms": round(statistics.median(v["total"]), 3),
         }
         for key, v in per_prompt.items()
     }
@@ -374,6 +376,10 @@ def plot(path, result: dict) -> None:
     plt.close(fig)
 
 
+def fmt3(v, digits: int = 3) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}"
+
+
 def print_tables(result: dict) -> None:
     ratios, scores, timing = result["ratios"], result["scores"], result["timing_ms"]
     un = result["unpruned"]
@@ -382,14 +388,16 @@ def print_tables(result: dict) -> None:
         f"{result['max_new_tokens']} new tokens; {result['visual_tokens']:.1f} visual tokens a prompt "
         f"({100 * result['visual_share']:.1f}% of it)"
     )
-    print(f"unpruned: final {un['final']:.4f}  closed acc {un['closed_accuracy']}")
+    print(f"unpruned: final {un['final']:.4f}  closed acc {fmt3(un['closed_accuracy'])}")
     for m, why in result["absent"].items():
         print(f"{label(m)}: absent ({why})")
     head = "| method | " + " | ".join(f"r={r}" for r in ratios) + " |"
     rule = "|" + "---|" * (len(ratios) + 1)
     print("\nDriveLM final score (closed-question accuracy)\n\n" + head + "\n" + rule)
     for m in result["methods"]:
-        cells = [f"{scores[f'{m}@{r}']['final']:.4f} ({scores[f'{m}@{r}']['closed_accuracy']})" for r in ratios]
+        cells = [
+            f"{fmt3(scores[f'{m}@{r}']['final'], 4)} ({fmt3(scores[f'{m}@{r}']['closed_accuracy'])})" for r in ratios
+        ]
         print(f"| {label(m)} | " + " | ".join(cells) + " |")
     if timing:
         t = result["timing"]
@@ -407,8 +415,7 @@ def print_tables(result: dict) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from litevlm.data.source import check_data_options
-    from litevlm.errors import LiteVLMError
-    from litevlm.models import part_dir
+    from litevlm.models import resolve_model_dir
     from litevlm.options import format_options
     from litevlm.pipeline import Pipeline
     from litevlm.select.tokens import TokenSelector
@@ -425,15 +432,12 @@ def main(argv=None) -> dict:
     )
     absent: dict[str, str] = {}
     selector = None
-    if "token-selector" in methods:
-        from litevlm.models import resolve_model_dir
-
-        where = Path(args.selector) if args.selector else resolve_model_dir(args.model)
-        try:
-            selector = TokenSelector.load(where if args.selector else part_dir(where, "token_selector"), pipe.model)
-        except LiteVLMError as e:
-            absent["token-selector"] = f"{pipe.name} has no token_selector/ folder" if not args.selector else str(e)
-            methods.remove("token-selector")
+    folder = Path(args.selector) if args.selector else resolve_model_dir(args.model) / "token_selector"
+    if "token-selector" in methods and (args.selector or folder.is_dir()):  # one asked for must load
+        selector = TokenSelector.load(folder, pipe.model)
+    elif "token-selector" in methods:  # a model whose TokenSelector is not trained yet: reported, not an error
+        absent["token-selector"] = f"{pipe.name} has no token_selector/ folder"
+        methods.remove("token-selector")
     samples = load_questions(args.data, args.images, args.n, args.seed, args.frames)
     if not samples:
         raise SystemExit("no questions to answer")

@@ -509,3 +509,208 @@ def test_the_readme_scale_block_is_written_from_both_runs(tmp_path, report):
     assert "stale" not in text and text.startswith("top\n") and text.endswith("end\n") and "\nmid\n" in text
     assert "10.4 questions/s in one process, 18.0 on two ranks (**1.732x**), the same final score" in text
     assert "4.41 answers/s from one replica, 6.59 from two (**1.495x**; p50 latency 1788.1 and 1167.2 ms)" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# drive-hd's Table 1 and the pruning benchmark's sections
+# ------------------------------------------------------------------------------------------------
+HD_COMMAND = "litevlm bench --model drive-hd --data .bench-data/heldout --json"
+
+
+def hd_runs() -> dict:
+    one = bench(1, 3.41) | {"model": "drive-hd"}
+    default = bench(2, 3.05) | {"model": "drive-hd"}
+    plot = " --plot benchmarks/results/bench_hd_1thread.png"
+    return {
+        "bench_hd_1thread": run_file(
+            "bench_hd_1thread", one, f"OMP_NUM_THREADS=1 taskset -c 1 {HD_COMMAND}{plot} --n 100"
+        ),
+        "bench_hd_default_threads": run_file("bench_hd_default_threads", default, f"{HD_COMMAND} --n 100", threads=2),
+    }
+
+
+def scores(final: float, closed: float, kept: float) -> dict:
+    return {"final": final, "closed_accuracy": closed, "accuracy": closed, "language": 0.5, "match": None} | {
+        "visual_tokens": kept,
+        "changed": 0.25,
+    }
+
+
+def timing(select: float, prefill: float) -> dict:
+    return {"select_tokens_ms": select, "prefill_ms": prefill, "total_ms": round(select + prefill, 3)}
+
+
+def pruning_result(model: str, with_selector: bool) -> dict:
+    """A small run of benchmarks/token_pruning.py (its last JSON line), r = 0.1, 0.2 and 0.5."""
+    finals = {  # method -> final at r = 0.1, 0.2, 0.5
+        "token-selector": (0.5011, 0.5301, 0.5402),
+        "fastv-k2": (0.4702, 0.5105, 0.5398),
+        "dart": (0.5123, 0.5201, 0.5388),
+        "divprune": (0.5077, 0.5007, 0.5301),
+        "divprune-per-view": (0.4977, 0.4907, 0.5311),
+    }
+    if not with_selector:
+        del finals["token-selector"]
+    kept = (12.8, 25.6, 64.0)
+    ratios = [0.1, 0.2, 0.5]
+    methods = list(finals)
+    labels = {"token-selector": "TokenSelector", "fastv-k2": "FastV K=2", "dart": "DART", "divprune": "DivPrune"}
+    labels["divprune-per-view"] = "DivPrune per view"
+    return {
+        "benchmark": "token_pruning",
+        "schema": 2,
+        "model": model,
+        "data": ".bench-data/heldout",
+        "n": 40,
+        "n_closed": 22,
+        "views": "needed",
+        "ratios": ratios,
+        "methods": methods,
+        "labels": {m: labels[m] for m in methods},
+        "absent": {} if with_selector else {"token-selector": f"{model} has no token_selector/ folder"},
+        "per_view": True,
+        "max_new_tokens": 160,
+        "scoring": "DriveLM final without a judge (other weights renormalised), no graph gate",
+        "visual_tokens": 128.0,
+        "visual_share": 0.8912,
+        "unpruned": scores(0.5433, 0.8636, 128.0),
+        "scores": {
+            f"{m}@{r}": scores(v, 0.8182 + i / 100, k)
+            for m, vals in finals.items()
+            for i, (r, v, k) in enumerate(zip(ratios, vals, kept))
+        },
+        "timing": {"prompts": 10, "repeats": 3, "backend": "native"},
+        "timing_ms": {
+            "unpruned": timing(0.017, 41.25),
+            **{
+                f"{m}@{r}": timing(0.5 + j, 10.0 + 10 * i + j)
+                for j, m in enumerate(methods)
+                for i, r in enumerate(ratios)
+            },
+        },
+        "machine": {"platform": "Linux-test-x86_64", "processor": "x86_64", "threads": 1, "torch": "2.0.0+cpu"}
+        | {"device": "cpu"},
+        "commit": "0123456789abcdef0123456789abcdef01234567",
+        "date": "2030-01-02 03:04 UTC",
+        "plot": f"benchmarks/results/token_pruning_{model}.png",
+    }
+
+
+def pruning_run(model: str, with_selector: bool = True) -> dict:
+    command = f"OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/token_pruning.py --model {model} --n 40"
+    return run_file(f"token_pruning_{model}", pruning_result(model, with_selector), command)
+
+
+def test_drive_hd_table1_comes_first_and_the_glance_names_both_models(tmp_path, report):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{report.GLANCE[0]}\nold\n{report.GLANCE[1]}\n")
+    page = write(tmp_path, report, {**FIXTURES, **hd_runs()})
+    hd, tiny = (page.index(f"## Table 1: every configuration on {m}, side by side") for m in ("drive-hd", "drive-tiny"))
+    assert hd < tiny < page.index("## EAGLE-2")
+    assert page.index("## Table 1") == hd  # drive-hd's tables are the first on the page
+    hd_part = page[hd:tiny]
+    for name in ("bench_hd_1thread", "bench_hd_default_threads"):
+        run = hd_runs()[name]
+        for r in run["result"]["rows"][:2]:
+            assert row(report, [r[c] for c in report.BENCH_COLUMNS]) in hd_part
+        assert f"Command: `{run['command']}`" in hd_part
+    assert "LiteVLM: **3.41x** the baseline" in hd_part and "LiteVLM: **3.05x** the baseline" in hd_part
+    assert "![Table 1 stages on drive-hd](benchmarks/results/bench_hd_1thread.png)" in hd_part
+    assert "Its baseline prompts hold 96.0 visual tokens of 83.7" in hd_part  # from the run's own baseline row
+    assert "Not measured" not in hd_part
+    assert "LiteVLM **3.41x** the baseline on drive-hd at one pinned thread" in page
+    assert "LiteVLM **2.72x** the baseline on drive-tiny at one pinned thread" in page
+    figures = [line for line in readme.read_text().splitlines() if line.startswith("- ")]
+    assert (
+        len(figures) == 5 and "drive-hd" in figures[0] and "drive-hd" in figures[1] and all(f in page for f in figures)
+    )
+
+
+def test_drive_hd_not_measured_yet_shows_its_commands_and_no_figures(tmp_path, report):
+    page = write(tmp_path, report, FIXTURES)
+    hd = page[
+        page.index("## Table 1: every configuration on drive-hd") : page.index(
+            "## Table 1: every configuration on drive-tiny"
+        )
+    ]
+    assert "**Not measured yet:** no results file for `litevlm bench` on drive-hd at one pinned thread." in hd
+    assert "`python benchmarks/report.py --run --only bench_hd_1thread` runs" in hd
+    assert f"`OMP_NUM_THREADS=1 taskset -c 1 {HD_COMMAND} --plot benchmarks/results/bench_hd_1thread.png --n 100`" in hd
+    assert f"`{HD_COMMAND} --n 100`" in hd  # the default threads: not pinned
+    assert "| baseline |" not in hd and "x** the baseline" not in hd  # nothing invented
+    assert "on drive-hd" not in page.split("## Table 1")[0]  # nor a glance figure
+    pruning = page[page.index("## Token pruning on drive-hd") :]
+    assert "**Not measured yet:** no results file for token pruning on drive-hd." in pruning
+    assert "python benchmarks/token_pruning.py --model drive-hd --data .bench-data/heldout" in pruning
+
+
+def test_the_pruning_section_shows_every_method_and_says_which_is_best(tmp_path, report):
+    runs = {**FIXTURES, "token_pruning_drive-tiny": pruning_run("drive-tiny")}
+    page = write(tmp_path, report, runs)
+    assert "| TokenSelector | 0.5312 (0.851) |" not in page  # the new run replaces the earlier token_pruning.json
+    sec = page[page.index("## Token pruning on drive-tiny") : page.index("## ViewSelector")]
+    assert "40 questions (22 closed) over the views each needs" in sec and "(89% of its tokens)" in sec
+    assert "Unpruned: final **0.5433** (0.8636)." in sec
+    assert "| method | r=0.1 | r=0.2 | r=0.5 |" in sec
+    assert "| visual tokens kept | 12.8 | 25.6 | 64.0 |" in sec
+    assert "| TokenSelector | 0.5011 (0.8182) | 0.5301 (0.8282) | 0.5402 (0.8382) |" in sec
+    assert "| DivPrune per view | 0.4977 (0.8182) | 0.4907 (0.8282) | 0.5311 (0.8382) |" in sec
+    # One sentence for each r <= 0.3, none for 0.5; where a training-free pruner beats the TokenSelector, it says so.
+    assert (
+        "- At r=0.1 (12.8 visual tokens kept), DART scores best: final 0.5123, closed accuracy 0.8182. A training-free"
+        " method beats the TokenSelector (0.5011) here: DART (0.5123, +0.0112) and DivPrune (0.5077, +0.0066)." in sec
+    )
+    assert (
+        "- At r=0.2 (25.6 visual tokens kept), the TokenSelector scores best: final 0.5301, closed accuracy 0.8282."
+        " No training-free method beats the TokenSelector here." in sec
+    )
+    assert "At r=0.5" not in sec
+    assert "With 22 closed questions, a closed accuracy near 0.8636 has a standard error of about 0.073" in sec
+    # Timing: the unpruned prefill, then prefill and the method's own select_tokens ms at each r.
+    assert "Unpruned prefill: **41.25 ms**" in sec and "first 10 prompts (3 repeats" in sec
+    prefill, select = sec.split("Prefill ms:")[1].split("The method's own select_tokens ms:")
+    assert "| TokenSelector | 10.0 | 20.0 | 30.0 |" in prefill and "| DART | 12.0 | 22.0 | 32.0 |" in prefill
+    assert "| TokenSelector | 0.5 | 0.5 | 0.5 |" in select and "| DART | 2.5 | 2.5 | 2.5 |" in select
+    assert "![token pruning on drive-tiny](benchmarks/results/token_pruning_drive-tiny.png)" in sec
+    assert "Command: `OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/token_pruning.py --model drive-tiny" in sec
+    assert "Machine (the benchmark's own record): Linux-test-x86_64, 1 thread(s), torch 2.0.0+cpu" in sec
+    assert "commit 0123456789abcdef0123456789abcdef01234567, 2030-01-02 03:04 UTC" in sec
+
+
+def test_the_pruning_section_on_a_model_without_a_token_selector(tmp_path, report):
+    runs = {**FIXTURES, "token_pruning_drive-hd": pruning_run("drive-hd", with_selector=False)}
+    page = write(tmp_path, report, runs)
+    hd = page[page.index("## Token pruning on drive-hd") : page.index("## Token pruning on drive-tiny")]
+    assert "| TokenSelector | absent | absent | absent |" in hd
+    assert "TokenSelector: absent, drive-hd has no token_selector/ folder" in hd
+    assert (
+        "- At r=0.1 (12.8 visual tokens kept), DART scores best: final 0.5123, closed accuracy 0.8182. No TokenSelector"
+        " was measured (drive-hd has no token_selector/ folder)." in hd
+    )
+    assert "beats the TokenSelector" not in hd
+    # drive-tiny still shows its earlier run (the old schema), said to be one
+    tiny = page[page.index("## Token pruning on drive-tiny") : page.index("## ViewSelector")]
+    assert "An earlier run" in tiny and "| TokenSelector | 0.5312 (0.851) | 0.5349 (0.8598) |" in tiny
+
+
+def test_a_tie_for_best_is_said_as_one(report):
+    res = pruning_result("drive-tiny", with_selector=True)
+    res["scores"]["dart@0.2"]["final"] = res["scores"]["token-selector@0.2"]["final"]
+    line = report.pruning_verdict(res, 0.2)
+    assert "the TokenSelector and DART tie for best: final 0.5301." in line
+    assert "No training-free method beats the TokenSelector; DART ties it." in line
+
+
+def test_the_run_list_measures_drive_hd(report):
+    known = {b.name: b for b in report.benchmarks()}
+    for name in ("bench_hd_1thread", "bench_hd_default_threads", "token_pruning_drive-hd", "token_pruning_drive-tiny"):
+        assert name in known
+    assert known["bench_hd_1thread"].pinned and not known["bench_hd_default_threads"].pinned
+    for name in ("bench_hd_1thread", "bench_hd_default_threads"):
+        hd, tiny = known[name].command(None), known[name.replace("_hd", "")].command(None)
+        assert hd[:2] == tiny[:2] == ["litevlm", "bench"] and hd[2:4] == ["--model", "drive-hd"]
+        assert [a for a in hd[4:] if "bench_hd_1thread" not in a] == [a for a in tiny[2:] if "bench_1thread" not in a]
+    prune = known["token_pruning_drive-hd"].command(None)
+    assert prune[:2] == ["python", "benchmarks/token_pruning.py"] and prune[prune.index("--model") + 1] == "drive-hd"
+    assert "benchmarks/results/token_pruning_drive-hd.png" in prune
+    assert "token_pruning" not in known  # the earlier run is read, no longer made

@@ -1,0 +1,76 @@
+"""benchmarks/token_pruning.py: every method at every r on the same questions, scored and timed, its last stdout line
+one JSON object with every number; its answers are the pipeline's own."""
+
+import json
+
+import pytest
+
+FIELDS = {"final", "closed_accuracy", "accuracy", "language", "match", "visual_tokens", "changed"}
+
+
+@pytest.fixture(scope="module")
+def pruning(benchmark_script):
+    return benchmark_script("token_pruning")
+
+
+def test_the_method_list_adds_the_per_view_variants(pruning):
+    assert pruning.method_list("dart,uniform,token-selector", per_view=True) == [
+        "dart",
+        "dart-per-view",
+        "uniform",
+        "token-selector",
+    ]
+    assert pruning.method_list("divprune-per-view", per_view=False) == ["divprune-per-view"]
+    with pytest.raises(SystemExit, match="unknown method"):
+        pruning.method_list("fastv-per-view", per_view=False)
+
+
+def test_the_held_out_questions_are_spread_over_the_frames(pruning):
+    samples = pruning.load_questions(None, None, 5, seed=1, frames=20)
+    assert len(samples) == 5 and len({s.frame_id for s in samples}) == 5
+    assert [s.id for s in samples] == [s.id for s in pruning.load_questions(None, None, 5, seed=1, frames=20)]
+    assert all(set(s.images) == set(samples[0].images) for s in samples)  # each with its six rendered views
+
+
+def test_a_small_run_reports_every_method_at_every_r_and_answers_as_the_pipeline(tmp_path, pruning, capsys):
+    from litevlm.pipeline import Pipeline
+
+    plot, predictions = tmp_path / "pruning.png", tmp_path / "answers.json"
+    argv = ["--n", "3", "--r", "0.3", "--timing-n", "1", "--repeats", "1", "--views", "all", "--per-view"]
+    result = pruning.main([*argv, "--threads", "1", "--plot", str(plot), "--predictions", str(predictions)])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    methods = ["token-selector", "fastv-k1", "fastv-k2", "dart", "dart-per-view", "divprune", "divprune-per-view"]
+    methods += ["cdpruner", "cdpruner-per-view", "random", "random-per-view", "uniform"]
+    assert result["methods"] == methods and result["absent"] == {} and result["model"] == "drive-tiny"
+    assert set(result["scores"]) == {f"{m}@0.3" for m in methods}
+    assert all(FIELDS <= set(s) for s in result["scores"].values())
+    # Every method keeps the same number of visual tokens at r, about r of the unpruned prompt's.
+    n_visual = result["unpruned"]["visual_tokens"]
+    kept = {s["visual_tokens"] for s in result["scores"].values()}
+    assert len(kept) == 1 and abs(kept.pop() - 0.3 * n_visual) <= 1
+    assert 0 < result["visual_share"] < 1 and result["n"] == 3 and result["ratios"] == [0.3]
+    # Timing: the unpruned prefill and each configuration's own select_tokens and prefill.
+    timing = result["timing_ms"]
+    assert set(timing) == {"unpruned", *result["scores"]}
+    assert all(t["prefill_ms"] > 0 and t["select_tokens_ms"] >= 0 for t in timing.values())
+    assert {"platform", "threads", "torch"} <= set(result["machine"]) and result["date"]
+    assert "commit" in result and plot.stat().st_size > 10_000
+    # The benchmark's answer is the pipeline's: DART (pruning inside the decoder) on the first question.
+    s = pruning.load_questions(None, None, 3, seed=1, frames=100)[0]
+    pipe = Pipeline.from_pretrained("drive-tiny", prune="dart", keep=0.3)
+    assert json.loads(predictions.read_text())["dart@0.3"][0]["answer"] == pipe.answer(s.question, s.images).text
+
+
+def test_a_model_without_a_token_selector_reports_it_absent(tmp_path, pruning, capsys):
+    from litevlm.models import resolve_model_dir
+
+    model = tmp_path / "drive-hd"
+    model.mkdir()
+    for f in resolve_model_dir("drive-tiny").iterdir():
+        if f.is_file():  # the weights and tokenizer, no token_selector/ (nor draft/) folder
+            (model / f.name).symlink_to(f)
+    argv = ["--model", str(model), "--n", "2", "--r", "0.2", "--methods", "token-selector,uniform", "--timing-n", "0"]
+    result = pruning.main([*argv, "--threads", "1", "--no-progress"])
+    assert result["methods"] == ["uniform"] and set(result["scores"]) == {"uniform@0.2"}
+    assert result["absent"] == {"token-selector": "drive-hd has no token_selector/ folder"}
+    assert result["timing_ms"] == {} and result["model"] == "drive-hd"
