@@ -22,7 +22,7 @@ def scene():
 
 
 def test_both_embedded_models_are_bundled():
-    assert {"drive-tiny"} <= set(BUNDLED)
+    assert {"drive-tiny", "drive-hd"} <= set(BUNDLED)
 
 
 @pytest.mark.parametrize("name", BUNDLED)
