@@ -125,6 +125,16 @@ def benchmarks() -> list[Benchmark]:
     ]
     if (ROOT / "benchmarks" / "compile_vs_native.py").exists():
         out.append(Benchmark("compile_vs_native", ["benchmarks/compile_vs_native.py"], pinned=False))
+    # not pinned as a whole: the script pins its own one-thread runs and leaves the default-thread ones free
+    out.append(
+        Benchmark(
+            "before_after",
+            ["benchmarks/before_after.py", "--before", BACKEND_BASELINE, "--data", HELDOUT],
+            n=100,
+            pinned=False,
+            needs=[HELDOUT],
+        )
+    )
     return out
 
 
@@ -853,14 +863,44 @@ def section_compile(run: dict | None) -> list[str]:
     return out + provenance(run)
 
 
+BACKEND_BASELINE = "781ab23"  # the last commit before the execution backends (litevlm.model.backend)
+
+
+def section_before_after(run: dict | None) -> list[str]:
+    out = ["## Before and after the execution backends: drive-tiny's CPU figures", ""]
+    if run is None:
+        return out + missing("the comparison", f"python benchmarks/before_after.py --before {BACKEND_BASELINE}")
+    res = run["result"]
+    out += [
+        f"`litevlm bench` on commit {res['before']} (before one backend per model) and on {res['after']}, back to back",
+        f"on the same {res['questions']} questions: each row's mean sum of the five stages, in ms, and after / before",
+        f"({res['rounds']} before/after pair(s) at each thread count; 1 is unchanged;",
+        "transformers' rows and the emulated FP8 row left out, as they do not run on the backends).",
+        "",
+    ]
+    rows = [
+        [r["config"], "1, pinned" if r["pinned"] else f"default ({r['threads']})", r["before_ms"], r["after_ms"]]
+        + [r["after_over_before"]]
+        for r in res["rows"]
+    ]
+    out += table(["row", "threads", "before ms", "after ms", "after / before"], rows)
+    return out + provenance(run)
+
+
 def section_gpu(runs: dict) -> list[str]:
     out = ["## GPU", ""]
     gpu = {k: v for k, v in runs.items() if k.startswith("gpu")}
     if not gpu:
         return out + [
-            "**None measured yet.** This project's CUDA paths have not run on a device;",
-            "`bash benchmarks/gpu_session.sh` is the command for a machine with one (its outputs saved here as",
-            "`benchmarks/results/gpu_*.json`).",
+            "**None measured yet.** This project's CUDA paths have not run on a device. `bash",
+            "benchmarks/gpu_session.sh` is the command for a machine with one (its outputs saved here as",
+            "`benchmarks/results/gpu_*.json`). It installs on a bare image (torch and transformers, no network), runs",
+            "the `gpu`-marked tests (CUDA graphs per KV bucket against the modules in fp32 and bf16, compiled or not,",
+            "FP8 inside graphs and the compiled prefill, one decoder layer at the 2B shapes in bf16, sampling with a",
+            "CUDA generator), then `litevlm bench --shape 2b` (random weights at the 2B shapes, bf16: baseline, EAGLE,",
+            "LiteVLM, LiteVLM FP8) on the modules and on CUDA graphs side by side, then FP8 against bf16 per stage",
+            "(`benchmarks/fp8_gpu.py`). `bash benchmarks/gpu_session.sh --dry-run` runs every step on the CPU through",
+            "the CUDA backend's twin, and a test runs it.",
             "",
         ]
     for name, run in sorted(gpu.items()):
@@ -997,6 +1037,7 @@ def render(runs: dict) -> str:
         *section_scale(runs.get("serve_replicas")),
         *section_dist(runs.get("dist_eval")),
         *section_compile(runs.get("compile_vs_native")),
+        *section_before_after(runs.get("before_after")),
         *section_gpu(runs),
     ]
     return "\n".join(lines).rstrip() + "\n"
