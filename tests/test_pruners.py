@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
+from test_tokens import tiny_vlm as tokens_tiny_vlm
 
 from litevlm import LiteVLMError, Pipeline
-from litevlm.config import TextConfig, VisionConfig, VLMConfig
 from litevlm.model.generate import pruned_prefill
 from litevlm.model.layers import rope_cos_sin
 from litevlm.model.vlm import VLM
@@ -122,31 +122,8 @@ def test_dart_pivots_are_the_largest_key_norms_and_capped_by_the_budget():
 
 
 def tiny_vlm(layers: int = 3) -> VLM:
-    torch.manual_seed(0)
-    cfg = VLMConfig(
-        vision=VisionConfig(
-            hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, image_size=28, patch_size=7
-        ),
-        text=TextConfig(
-            vocab_size=96,
-            hidden_size=48,
-            num_layers=layers,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=96,
-            rope_theta=10000.0,
-            max_position_embeddings=512,
-        ),
-        image_token_id=95,
-        img_start_id=93,
-        img_end_id=94,
-        eos_token_id=92,
-        pad_token_id=0,
-    )
-    model = VLM(cfg).eval()
-    for p in model.language_model.parameters():
-        if p.ndim == 2:
-            p.data.normal_(0, 0.15)
+    """test_tokens' tiny decoder (seed 0, sharpened attention), with a 128-slot cache."""
+    model = tokens_tiny_vlm(layers=layers)
     model.language_model.setup_cache(1, 128)
     return model
 
