@@ -155,10 +155,9 @@ def test_cuda_graphs_need_a_gpu_and_a_shape(full_model_dir):
         run_bench(str(full_model_dir), n=2, warmup=1, max_new_tokens=4, progress=False, cuda_graphs=True)
 
 
-def test_the_shape_path_runs_every_row_on_random_weights(full_model_dir, monkeypatch):
-    """`--shape NAME` (the GPU table on random weights, latency only): every configuration runs at a preset's
-    shapes, here a tiny one (on the CPU, or the GPU where there is one), with no scores and no transformers rows; FP8
-    is an accuracy row where it is emulated."""
+@pytest.fixture
+def tiny_shape(monkeypatch):
+    """A preset named tiny-test, small enough for `--shape` on the CPU."""
     from litevlm import config
     from litevlm.config import TextConfig, VisionConfig, VLMConfig
 
@@ -180,9 +179,20 @@ def test_the_shape_path_runs_every_row_on_random_weights(full_model_dir, monkeyp
             name="tiny-test",
         ),
     )
+    return "tiny-test"
+
+
+def test_the_shape_path_runs_every_row_on_random_weights(full_model_dir, tiny_shape):
+    """`--shape NAME` (the GPU table on random weights, latency only): every configuration runs at a preset's
+    shapes, here a tiny one (on the CPU, or the GPU where there is one), transformers' rows included, with no scores;
+    FP8 is an accuracy row where it is emulated."""
     result, _ = run_bench(str(full_model_dir), n=2, warmup=1, max_new_tokens=5, shape="tiny-test", progress=False)
     rows = {r["config"]: r for r in result["rows"]}
-    assert list(rows) == list(CONFIGS)  # no bf16 or transformers rows at a preset's shapes
+    assert list(rows) == [*CONFIGS, *HF_ROWS]  # no bf16 rows at a preset's shapes
+    # transformers answers the same prompt with the same random weights, to max_new_tokens like ours
+    for name in HF_ROWS:
+        assert rows[name]["input_tokens"] == rows["baseline"]["input_tokens"]
+        assert rows[name]["decode_tokens"] == rows["baseline"]["decode_tokens"] == 4
     for r in rows.values():
         assert r["score"] is None and r["total_ms"] > 0
     emulated = not fp8_kernel_available(torch.device(result["device"]))
@@ -191,6 +201,34 @@ def test_the_shape_path_runs_every_row_on_random_weights(full_model_dir, monkeyp
     # tiny-test prompts hold fewer visual tokens than the threshold: the selector leaves them whole
     assert rows["litevlm"]["input_tokens"] == rows["views + eagle"]["input_tokens"]
     assert result["model"] == "random weights, tiny-test shapes"
+    assert result["peak_memory_mb"] > 0
+
+
+def test_rows_at_a_preset_shape_share_one_set_of_weights(full_model_dir, tiny_shape):
+    """A 2B model in fp32 is 9 GB: the rows of `--shape` hold their random weights (and the native steps' packing of
+    them) once, each row on its own modules, so that quantising one row or caching in one leaves the others alone."""
+    from litevlm.data.drivelm import samples_from_frame
+    from litevlm.data.synthetic import make_frame, render_views
+    from litevlm.eval.bench import random_pipeline
+    from litevlm.quant.fp8 import FP8Linear
+
+    weights = {}
+    plain = random_pipeline("tiny-test", str(full_model_dir), 4, weights=weights)
+    fp8 = random_pipeline("tiny-test", str(full_model_dir), 4, weights=weights, fp8="fp8-dynamic-per-row")
+    eagle = random_pipeline("tiny-test", str(full_model_dir), 4, weights=weights, speculative=True)
+    base = next(iter(weights.values()))
+    for pipe in (plain, eagle):
+        assert pipe.model is not base
+        for (name, p), q in zip(pipe.model.named_parameters(), base.parameters()):
+            assert p.data_ptr() == q.data_ptr(), name
+        assert not any(isinstance(m, FP8Linear) for m in pipe.model.modules())
+    assert any(isinstance(m, FP8Linear) for m in fp8.model.modules())
+    layer, base_layer = plain.model.language_model.layers[0], base.language_model.layers[0]
+    if base_layer._fused is not None:  # packed on the CPU
+        assert layer.fused_weights().qkv.data_ptr() == base_layer._fused[1].qkv.data_ptr()
+    frame = make_frame(1, 0)
+    s = samples_from_frame(frame, render_views(frame, size=(800, 450)))[0]
+    assert plain.answer(s.question, s.images).text == eagle.answer(s.question, s.images).text
 
 
 def test_rows_can_be_chosen_by_name(full_model_dir):

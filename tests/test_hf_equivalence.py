@@ -244,6 +244,22 @@ def test_export_loads_in_transformers(pair, tmp_path):
     assert again.cfg == ours.cfg
 
 
+@torch.no_grad()
+def test_the_transformers_view_holds_our_tensors_and_equals_the_export(pair, tmp_path):
+    """`transformers_view` (the bench's transformers rows at a preset's shapes, where a second copy of the weights
+    does not fit): every tensor is ours, the same storage, and its logits are those of the exported checkpoint."""
+    from litevlm.model.hf import transformers_view
+
+    spec, _, ours, _ = pair
+    view = transformers_view(ours)
+    our_ptrs = {t.data_ptr() for t in ours.state_dict().values()}
+    assert all(t.data_ptr() in our_ptrs for t in view.state_dict().values())
+    save_hf(ours, tmp_path / "export")
+    back = transformers.InternVLForConditionalGeneration.from_pretrained(tmp_path / "export").eval()
+    for ids, pix in _logits_cases(spec):
+        assert torch.equal(view(input_ids=ids, pixel_values=pix).logits, back(input_ids=ids, pixel_values=pix).logits)
+
+
 # -- key layouts, shards and broken checkpoints -------------------------------------------------------------
 def _tensors(path) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt") as f:

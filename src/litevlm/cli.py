@@ -19,6 +19,7 @@ from pathlib import Path
 
 from litevlm.errors import LiteVLMError
 from litevlm.options import add_pipeline_options, add_recipe_options, pipeline_from_args, recipe_from_args
+from litevlm.presets import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -681,7 +682,7 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend",
         default="auto",
-        choices=("auto", "modules", "native", "cuda", "cuda-twin"),
+        choices=BACKENDS,
         help="each row's execution backend: auto (cuda on a GPU, else the native CPU steps where they apply), the "
         "modules, native, cuda, or cuda-twin (the CUDA backend's graphs replayed eagerly on the CPU)",
     )

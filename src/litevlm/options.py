@@ -14,7 +14,7 @@ import types
 import typing
 
 from litevlm.errors import LiteVLMError
-from litevlm.presets import LITEVLM
+from litevlm.presets import BACKENDS, LITEVLM
 
 MODEL_HELP = (
     "bundled model name or checkpoint directory: ours, a transformers InternVL (-hf) folder or the original "
@@ -148,7 +148,7 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--backend",
         default="auto",
-        choices=("auto", "modules", "native", "cuda", "cuda-twin"),
+        choices=BACKENDS,
         help="the model's execution backend, chosen once: auto (cuda on a GPU, else the native CPU steps where they "
         "apply), the modules, native, cuda (CUDA graphs), or cuda-twin (the CUDA backend's mechanisms on the CPU)",
     )

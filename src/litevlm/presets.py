@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from litevlm.errors import LiteVLMError
 
+# The execution backends a pipeline can be built on (`litevlm.model.backend.choose_backend`): auto, the modules, the
+# native CPU steps, CUDA graphs, and the CUDA backend's mechanisms twinned on the CPU.
+BACKENDS = ("auto", "modules", "native", "cuda", "cuda-twin")
 LITEVLM_KEEP_RATIO = 0.5
 # The TokenSelector scores a prompt in about half a decoder layer; pruning half of n visual tokens saves
 # n / 2 tokens of the other layers. On drive-tiny (16 tokens a view) that pays from three views on

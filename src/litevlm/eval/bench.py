@@ -21,6 +21,7 @@ template and tiling): both sides answer from identical inputs.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import statistics
@@ -203,9 +204,23 @@ def _pipelines(
             )
             for name, opts in configs.items()
         }
+    weights = {}  # one set of random weights for every row (a 2B model in fp32 is 9 GB)
     return {
-        name: random_pipeline(shape, model, max_new_tokens, backend=backend, **opts) for name, opts in configs.items()
+        name: random_pipeline(shape, model, max_new_tokens, backend=backend, weights=weights, **opts)
+        for name, opts in configs.items()
     }
+
+
+def sharing_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose modules are its own (caches, attributes, layers that quantising replaces) and whose
+    weights are `model`'s tensors, with the packings its decoder layers made of them (`DecoderLayer.fused_weights`):
+    rows built on such copies hold the weights once."""
+    memo = {id(p): p for p in model.parameters()}
+    for m in model.modules():
+        packed = getattr(m, "_fused", None)
+        if packed is not None:
+            memo.update({id(t): t for t in packed[1] if t is not None})
+    return copy.deepcopy(model, memo)
 
 
 def random_pipeline(
@@ -223,6 +238,7 @@ def random_pipeline(
     seed: int = 0,
     backend: str = "auto",
     openings: bool = True,
+    weights: dict | None = None,
 ):
     """A pipeline at a real model's shapes with random weights (latency only): `--shape 2b` etc.
 
@@ -234,6 +250,7 @@ def random_pipeline(
     """
     from litevlm.config import preset
     from litevlm.data.tokenizer import Tokenizer
+    from litevlm.model.backend import auto_kind
     from litevlm.model.vlm import VLM
     from litevlm.models import resolve_model_dir
     from litevlm.pipeline import Pipeline
@@ -246,9 +263,22 @@ def random_pipeline(
     cfg.eos_token_id, cfg.pad_token_id = tok.eos_id, tok.pad_id
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    torch.manual_seed(seed)
-    with torch.device(dev):
-        model = VLM(cfg).to(dtype)
+    # `weights` (shared by the rows of one run) keeps a model of these shapes that no row uses; every row runs on a
+    # copy sharing its tensors. Where the rows run the native steps, its decoder layers are packed for them first, so
+    # that the copies share the packing too.
+    key = (shape, seed, dev)
+    if weights is None or key not in weights:
+        torch.manual_seed(seed)
+        with torch.device(dev):
+            base = VLM(cfg).to(dtype).eval()
+        if backend == "native" or (backend == "auto" and auto_kind(base) == "native"):
+            with torch.no_grad():
+                for layer in base.language_model.layers:
+                    layer.fused_weights()
+        if weights is None:
+            weights = {}
+        weights[key] = base
+    model = sharing_weights(weights[key])
     parts = {}
     if select_views:
         from litevlm.select.views import ViewSelector
@@ -289,21 +319,26 @@ def hf_inputs(pipe, s) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([layout.ids], device=dev), pixels.to(dev, pipe.model.dtype)
 
 
-def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int):
-    """transformers' generate on the same weights (exported through our converter), dynamic and static cache:
-    a function (sample, counted) that answers one question in both rows (logged when counted, i.e. past
-    the warm-up), so the run can interleave them with ours question by question."""
+def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int, share: bool = False):
+    """transformers' generate on the same weights (exported through our converter and loaded back; with `share`, a
+    view of the pipeline's own tensors, `litevlm.model.hf.transformers_view`), dynamic and static cache: a function
+    (sample, counted) that answers one question in both rows (logged when counted, i.e. past the warm-up), so the
+    run can interleave them with ours question by question."""
     from transformers import DynamicCache, InternVLForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
-    from litevlm.model.hf import save_hf
+    from litevlm.model.hf import save_hf, transformers_view
 
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
     tok = pipe.tokenizer
-    with tempfile.TemporaryDirectory() as d:
-        save_hf(pipe.model, d, tokenizer=None)
-        hf = InternVLForConditionalGeneration.from_pretrained(d, dtype=pipe.model.dtype).to(pipe.model.device).eval()
+    if share:
+        hf = transformers_view(pipe.model)
+    else:
+        with tempfile.TemporaryDirectory() as d:
+            save_hf(pipe.model, d, tokenizer=None)
+            hf = InternVLForConditionalGeneration.from_pretrained(d, dtype=pipe.model.dtype)
+        hf = hf.to(pipe.model.device).eval()
     dev = pipe.model.device
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
 
@@ -323,6 +358,8 @@ def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int):
                 sync()
                 t2 = time.perf_counter()
                 kw = {"cache_implementation": "static"} if cache_impl else {}
+                if pipe.stop_id is None:  # random weights: every row runs to max_new_tokens (see random_pipeline)
+                    kw["min_new_tokens"] = max_new_tokens
                 out = hf.generate(
                     input_ids=ids,
                     pixel_values=pix,
@@ -451,16 +488,16 @@ def run_bench(
         backends={k: p.backend.name for k, p in pipes.items()},
         setup_ms={k: round(p.setup_ms, 1) for k, p in pipes.items()},
     )
-    logs = {name: RowLog() for name in (*configs, *(HF_ROWS if hf and shape is None else ()))}
+    logs = {name: RowLog() for name in (*configs, *(HF_ROWS if hf else ()))}
     hf_run = None
-    if hf and shape is None:
+    if hf:
         hf_pipe = pipes["baseline"] if "baseline" in pipes else next(iter(pipes.values()))
         if any(isinstance(m, FP8Linear) for m in hf_pipe.model.modules()):
             raise LiteVLMError(
                 "the transformers rows would run FP8 weights (an FP8 checkpoint, or an fp8 row and no baseline row), "
                 "which transformers cannot load: add --no-transformers"
             )
-        hf_run = _hf_runner(hf_pipe, logs, max_new_tokens)
+        hf_run = _hf_runner(hf_pipe, logs, max_new_tokens, share=shape is not None)
     # Each question's rows run in a freshly shuffled order (seeded; the transformers pair counts as one row): a row
     # run right after a similar one finds its weights and images warm in the caches, and a fixed order would hand
     # that to the same rows every time (LiteVLM right after "views + eagle", say).
@@ -530,7 +567,17 @@ def run_bench(
         "setup_ms": {name: round(p.setup_ms, 1) for name, p in pipes.items()},
         "capture_ms": {name: round(p.setup_ms, 1) for name, p in pipes.items()},  # setup_ms's older name
         "graph_replays": {name: dict(p.backend.stats) for name, p in pipes.items()},
+        "peak_memory_mb": peak_memory_mb(dev),
     }, per_question
+
+
+def peak_memory_mb(device: str) -> float:
+    """The process's peak memory so far, in MiB: resident set on the CPU, allocated tensors on a GPU."""
+    if device == "cuda":
+        return round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB on Linux
 
 
 def speed_figure(row: dict) -> bool:

@@ -33,8 +33,8 @@ from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
 from litevlm.model.layers import linear, row_major
 from litevlm.model.lm import RMSNorm
+from litevlm.presets import BACKENDS
 
-BACKENDS = ("auto", "modules", "native", "cuda", "cuda-twin")
 CACHE_MULTIPLE = 128  # cache lengths are rounded up to this (the fused attention kernels like 16-aligned keys)
 KV_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)  # a static step attends over the smallest bucket that holds its slots
 PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -583,16 +583,29 @@ def _sync(device) -> None:
 # ------------------------------------------------------------------------------------------------
 # Choosing
 # ------------------------------------------------------------------------------------------------
+# "auto" leaves decoders larger than this to the modules: the native steps pack a copy of the decoder's weights (twice
+# its memory: a 2B model's fp32 decoder is 7 GB), and what they save, per-step overhead, is nothing beside the matmuls
+# of a step at such sizes, which both paths hand to the same kernels.
+NATIVE_AUTO_MAX_PARAMS = 500_000_000
+
+
+def auto_kind(model, draft=None) -> str:
+    """What "auto" builds for this model: cuda on a CUDA device, else native where it can serve the model and the
+    decoder is at most NATIVE_AUTO_MAX_PARAMS, else the modules."""
+    if model.device.type == "cuda":
+        return "cuda"
+    if native_refusal(model, draft):
+        return "modules"
+    decoder = sum(p.numel() for layer in model.language_model.layers for p in layer.parameters())
+    return "native" if decoder <= NATIVE_AUTO_MAX_PARAMS else "modules"
+
+
 def choose_backend(kind: str, model, draft=None, tree_nodes: int = 0, **cuda_options) -> ModulesBackend:
-    """The backend `kind` names for this model: "modules", "native", "cuda", "cuda-twin", or "auto" (cuda on a
-    CUDA device, else native where it can serve the model, else the modules)."""
+    """The backend `kind` names for this model: "modules", "native", "cuda", "cuda-twin", or "auto" (`auto_kind`)."""
     if kind not in BACKENDS:
         raise LiteVLMError(f"unknown backend {kind!r}; choose one of {', '.join(BACKENDS)}")
     if kind == "auto":
-        if model.device.type == "cuda":
-            kind = "cuda"
-        else:
-            kind = "modules" if native_refusal(model, draft) else "native"
+        kind = auto_kind(model, draft)
     if kind == "modules":
         return ModulesBackend(model, draft)
     if kind == "native":

@@ -839,6 +839,30 @@ def _save_hf_into(model: VLM, d: Path, tokenizer=None) -> None:
         tokenizer.save(d)
 
 
+def transformers_view(model: VLM):
+    """transformers' InternVLForConditionalGeneration holding `model`'s own tensors, no copy: the model a checkpoint
+    written by `save_hf` would load as, for comparisons at sizes where a second copy of the weights does not fit (a 2B
+    model in fp32 is 9 GB). Its parameters are allocated uninitialised and never touched, then replaced by ours."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older 5.x
+        from transformers.modeling_utils import no_init_weights
+
+    cfg = config_to_hf(model.cfg)
+    cfg["dtype"] = str(model.dtype).removeprefix("torch.")
+    ours = model.state_dict()
+    with no_init_weights(), torch.device(model.device):
+        hf = InternVLForConditionalGeneration(InternVLConfig.from_dict(cfg))
+    names = hf.state_dict().keys()
+    missing = [k for k in names if _map_hf(k, "new") not in ours]
+    if missing:
+        raise LiteVLMError(f"transformers' InternVL has tensors this model lacks: {', '.join(missing[:5])}")
+    hf.load_state_dict({k: ours[_map_hf(k, "new")] for k in names}, strict=True, assign=True)
+    return hf.eval()
+
+
 def save_native(model: VLM, out_dir, extra_meta: dict | None = None, dtype: torch.dtype | None = None) -> Path:
     """Our checkpoint: config.json = {"litevlm": VLMConfig.to_dict(), "format": "litevlm", **extra_meta} and
     model.safetensors with our parameter names (a tied lm_head is not stored), floating tensors cast
