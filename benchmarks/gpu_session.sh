@@ -39,7 +39,7 @@ export LITEVLM_NATIVE=0 # the native CPU steps are never used on CUDA: no device
 ROWS="baseline,eagle,litevlm,litevlm fp8"
 if [[ $DRY_RUN == 1 ]]; then
     # drive-tiny (the embedded model) on the CPU, a few questions and tokens: every step's code, none of its cost
-    MODEL_ARGS=(--model drive-tiny --device cpu)
+    MODEL_ARGS=(--model drive-tiny --device cpu --no-score) # unscored like random weights: no pycocoevalcap
     BENCH_ARGS=(--n 2 --warmup 1 --max-new-tokens 8)
     FP8_ARGS=(--dry-run-cpu --iters 2 --warmup 1)
     if [[ $MINIMAL == 1 ]]; then
@@ -118,8 +118,12 @@ fail() {
 }
 
 # 1. install (no dependencies, no isolated build: the image's own torch and setuptools); the dry run only resolves it
+# where this tree's package already imports (a development venv), and installs it like the real run elsewhere
 INSTALL=("$PY" -m pip install --no-build-isolation --no-deps -e .)
-[[ $DRY_RUN == 1 ]] && INSTALL=("$PY" -m pip install --dry-run --no-build-isolation --no-deps -e .)
+if [[ $DRY_RUN == 1 ]] && "$PY" -c 'import pathlib, sys, litevlm
+sys.exit(not pathlib.Path(litevlm.__file__).resolve().is_relative_to(pathlib.Path("src").resolve()))' 2> /dev/null; then
+    INSTALL=("$PY" -m pip install --dry-run --no-build-isolation --no-deps -e .)
+fi
 if ! step install 40 "${INSTALL[@]}"; then
     fail "install failed: ${INSTALL[*]} (see install.err): $(tail -n 5 "$OUT/install.err" | tr '\n' ' ')"
 fi

@@ -29,6 +29,17 @@ def test_the_steps_timeouts_sum_to_under_nine_minutes():
     assert sum(limits.values()) + sum(others) < TIMEOUTS_LIMIT_S
 
 
+# What the GPU image lacks (its pip list): pycocoevalcap, FastAPI, pydantic, uvicorn, Ray.
+NO_EXTRAS = """
+import importlib.abc, sys
+class _NotOnTheImage(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {"pycocoevalcap", "fastapi", "pydantic", "uvicorn", "ray"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, _NotOnTheImage())
+"""
+
+
 def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -38,7 +49,11 @@ def dry_run(tmp_path_factory):
     if shutil.which("bash") is None or shutil.which("timeout") is None:
         pytest.skip("needs bash and coreutils' timeout")
     out = tmp_path_factory.mktemp("gpu_session")
-    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_SESSION_MINIMAL": "1"}
+    # As on the GPU image: none of the serve/eval extras. Every Python the script starts refuses them.
+    site = tmp_path_factory.mktemp("no_extras")
+    (site / "sitecustomize.py").write_text(NO_EXTRAS)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_SESSION_MINIMAL": "1", "PYTHONPATH": path}
     env.pop("GRAPH_FLAGS", None)
     env.pop("EAGER_FLAGS", None)
     proc = subprocess.run(

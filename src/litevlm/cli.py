@@ -688,6 +688,12 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers generate rows")
     p.add_argument(
+        "--no-score",
+        action="store_true",
+        help="no DriveLM score for a real model's rows (latency and closed-question accuracy only; needs no "
+        "pycocoevalcap)",
+    )
+    p.add_argument(
         "--configs",
         default=None,
         metavar="NAMES",
@@ -710,7 +716,7 @@ def run_bench_command(args) -> None:
     from litevlm.options import format_options
     from litevlm.presets import configs_named
 
-    if args.shape is None:  # a real model's rows are scored (DriveLM's language score): pycocoevalcap, checked now
+    if args.shape is None and not args.no_score:  # DriveLM's language score needs pycocoevalcap: checked now
         from litevlm.eval.metrics import language_scorers
 
         language_scorers()
@@ -732,6 +738,7 @@ def run_bench_command(args) -> None:
         cuda_graphs=args.cuda_graphs,
         backend=args.backend,
         jsonl=args.jsonl,
+        scored=not args.no_score,
     )
     if args.plot:
         plot(result, args.plot, per_question)

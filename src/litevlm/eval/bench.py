@@ -455,9 +455,12 @@ def run_bench(
     backend: str = "auto",
     load: dict | None = None,
     jsonl=None,
+    scored: bool = True,
 ) -> dict:
     """Every row of `configs` (default: the paper's table) on the first `n` questions of `data` after `warmup`
-    (default: held-out synthetic frames of `seed`), plus transformers' generate rows with `hf`.
+    (default: held-out synthetic frames of `seed`), plus transformers' generate rows with `hf`. A real model's rows
+    carry DriveLM's score unless `scored` is False (then no language metrics are needed: latency and closed-question
+    accuracy only); random weights at a preset's shapes are never scored.
 
     jsonl: a file the figures are appended to as they come, one JSON line each (`JsonLines`).
 
@@ -541,7 +544,7 @@ def run_bench(
     rows = []
     for name, log in logs.items():
         sc = None
-        if shape is None:
+        if shape is None and scored:
             res = score(log.records)
             sc = round(res["final"], 4) if res["final"] is not None else None
         row = log.row(name, base_total, sc)
