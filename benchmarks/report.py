@@ -399,6 +399,24 @@ def visual_share(result: dict) -> str | None:
     )
 
 
+def selection_line(result: dict) -> str | None:
+    """What token selection does to the prefill (LiteVLM against "views + eagle", which differ by it alone) and
+    LiteVLM's score against the baseline's."""
+    rows = {r["config"]: r for r in bench_rows(result)}
+    lite, views, base = rows.get("litevlm"), rows.get("views + eagle"), rows.get("baseline")
+    if not lite or not views or not views.get("prefill_ms"):
+        return None
+    line = (
+        f'Token selection takes the prefill of "views + eagle" from {fmt(views["prefill_ms"])} ms to'
+        f" {fmt(lite['prefill_ms'])} ms ({100 * lite['prefill_ms'] / views['prefill_ms']:.0f}%; LiteVLM's"
+        f" selection of views and tokens takes {fmt(lite.get('select_ms'))} ms)"
+    )
+    if base and base.get("score") is not None and lite.get("score") is not None:
+        line += f"; LiteVLM scores {fmt(lite['score'])} against the baseline's {fmt(base['score'])}"
+        line += f" ({lite['score'] - base['score']:+.4f})"
+    return line + "."
+
+
 def section_bench(runs: dict, model: str, first: bool) -> list[str]:
     """Table 1 on `model`, at one pinned thread and at the default threads; the measure explained in the `first`."""
     out = [f"## Table 1: every configuration on {model}, side by side", "", *ABOUT[model], ""]
@@ -422,6 +440,8 @@ def section_bench(runs: dict, model: str, first: bool) -> list[str]:
         )
         share = visual_share(res)
         out += ["", share] if share else []
+        selection = selection_line(res)
+        out += ["", selection] if selection else []
         out += ["", *bench_tables(res)]
         out += provenance(run)
         plot = plot_of(run)
