@@ -212,14 +212,23 @@ def _pipelines(
 
 
 def sharing_weights(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `model` whose modules are its own (caches, attributes, layers that quantising replaces) and whose
-    weights are `model`'s tensors, with the packings its decoder layers made of them (`DecoderLayer.fused_weights`):
-    rows built on such copies hold the weights once."""
+    """A copy of `model` whose modules and buffers are its own (the KV cache, attributes, layers that quantising
+    replaces) and whose weights are `model`'s tensors, with what its modules derived from them (the native steps'
+    packing, the row-major copies of the CPU's projections, the vision blocks' packing): rows built on such copies
+    hold the weights once."""
     memo = {id(p): p for p in model.parameters()}
+
+    def derived(v) -> None:  # the tensors of a module's caches (packings, transposed copies, tables)
+        if isinstance(v, torch.Tensor):
+            memo[id(v)] = v
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                derived(x)
+
     for m in model.modules():
-        packed = getattr(m, "_fused", None)
-        if packed is not None:
-            memo.update({id(t): t for t in packed[1] if t is not None})
+        for name, v in vars(m).items():
+            if name not in ("_parameters", "_buffers", "_modules"):  # buffers (the KV cache) stay each row's own
+                derived(v)
     return copy.deepcopy(model, memo)
 
 
@@ -306,6 +315,9 @@ def random_pipeline(
     # (Only the stopping rule changes: the prompt keeps its end-of-turn token.)
     pipe = Pipeline(model, tok, max_new_tokens=max_new_tokens, name=f"random-{shape}", backend=backend, **parts)
     pipe.stop_id = None
+    if weights is not None and (key, "warm") not in weights and not (select_tokens or fastv_k or fp8):
+        # a plain row's model, its caches made by its warm-up: the later rows copy it and share those too
+        weights[key] = weights[(key, "warm")] = model
     return pipe
 
 
