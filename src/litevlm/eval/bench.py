@@ -204,7 +204,7 @@ def _pipelines(
             )
             for name, opts in configs.items()
         }
-    weights = {}  # one set of random weights for every row (a 2B model in fp32 is 9 GB)
+    weights = {}  # one set of random weights for every row (a 2B model in fp32 is 9 GB): see random_pipeline
     return {
         name: random_pipeline(shape, model, max_new_tokens, backend=backend, weights=weights, **opts)
         for name, opts in configs.items()
@@ -259,7 +259,6 @@ def random_pipeline(
     """
     from litevlm.config import preset
     from litevlm.data.tokenizer import Tokenizer
-    from litevlm.model.backend import auto_kind
     from litevlm.model.vlm import VLM
     from litevlm.models import resolve_model_dir
     from litevlm.pipeline import Pipeline
@@ -272,22 +271,15 @@ def random_pipeline(
     cfg.eos_token_id, cfg.pad_token_id = tok.eos_id, tok.pad_id
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    # `weights` (shared by the rows of one run) keeps a model of these shapes that no row uses; every row runs on a
-    # copy sharing its tensors. Where the rows run the native steps, its decoder layers are packed for them first, so
-    # that the copies share the packing too.
+    # `weights` (shared by the rows of one run) maps these shapes to (the model rows copy, whether it is a plain row's
+    # after its warm-up); every row runs on a copy sharing its tensors (`sharing_weights`).
     key = (shape, seed, dev)
-    if weights is None or key not in weights:
+    source, warm = (weights or {}).get(key, (None, False))
+    if source is None:
         torch.manual_seed(seed)
         with torch.device(dev):
-            base = VLM(cfg).to(dtype).eval()
-        if backend == "native" or (backend == "auto" and auto_kind(base) == "native"):
-            with torch.no_grad():
-                for layer in base.language_model.layers:
-                    layer.fused_weights()
-        if weights is None:
-            weights = {}
-        weights[key] = base
-    model = sharing_weights(weights[key])
+            source = VLM(cfg).to(dtype).eval()
+    model = sharing_weights(source)
     parts = {}
     if select_views:
         from litevlm.select.views import ViewSelector
@@ -315,9 +307,10 @@ def random_pipeline(
     # (Only the stopping rule changes: the prompt keeps its end-of-turn token.)
     pipe = Pipeline(model, tok, max_new_tokens=max_new_tokens, name=f"random-{shape}", backend=backend, **parts)
     pipe.stop_id = None
-    if weights is not None and (key, "warm") not in weights and not (select_tokens or fastv_k or fp8):
-        # a plain row's model, its caches made by its warm-up: the later rows copy it and share those too
-        weights[key] = weights[(key, "warm")] = model
+    if weights is not None and not warm:
+        # a plain row's model, with what its warm-up derived from the weights: the later rows copy it and share that too
+        plain = not (select_tokens or fastv_k or fp8)
+        weights[key] = (model, True) if plain else (source, False)
     return pipe
 
 
