@@ -49,8 +49,10 @@ def _ranks(args: argparse.Namespace):
     args.device = d.device
     try:
         yield d
-    finally:
-        close(d)
+    except BaseException:
+        close(d, synced=False)
+        raise
+    close(d)
 
 
 def _json_flag(p: argparse.ArgumentParser, help: str | None = None) -> None:

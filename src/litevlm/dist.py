@@ -141,9 +141,15 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def close(d: Dist) -> None:
-    """Leave the process group (at the end of a job; harmless in a world of one)."""
+def close(d: Dist, *, synced: bool = True) -> None:
+    """Leave the process group (at the end of a job; harmless in a world of one).
+
+    `synced`: wait first until every rank is here, so that no rank tears its connections down while a peer is
+    still finishing a collective with it (gloo aborts the peer then); a job that failed skips the wait, since the
+    other ranks may never come."""
     if d.world_size > 1 and dist.is_initialized():
+        if synced:
+            dist.barrier()
         dist.destroy_process_group()
 
 
