@@ -24,6 +24,7 @@ Progress goes to stderr; the last line of stdout is one JSON object with every n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -473,6 +474,7 @@ def main(argv=None) -> dict:
         "methods": methods,
         "labels": {m: label(m) for m in methods},
         "absent": absent,
+        "selector": None if selector is None else dataclasses.asdict(selector.cfg),
         "per_view": args.per_view,
         "max_new_tokens": args.max_new_tokens,
         "scoring": SCORING,
