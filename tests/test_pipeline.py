@@ -227,3 +227,20 @@ def test_the_token_selector_skips_prompts_below_its_threshold(full_model_dir, im
         ]
     )
     assert pipeline_from_args(args).min_select_tokens == 0
+
+
+def test_select_tokens_true_keeps_the_r_the_selector_stores(full_model_dir, tmp_path):
+    """`--litevlm` keeps the fraction r the model's TokenSelector stores (chosen for that model); a number overrides."""
+    import shutil
+
+    from litevlm.model.hf import load_native
+    from litevlm.presets import LITEVLM
+    from litevlm.select.tokens import SelectorConfig, TokenSelector
+
+    d = tmp_path / "model"
+    shutil.copytree(full_model_dir, d)
+    TokenSelector.from_model(load_native(d), SelectorConfig(keep_ratio=0.3)).save(d)
+    assert LITEVLM["select_tokens"] is True
+    stored = Pipeline.from_pretrained(d, select_tokens=True, backend="modules")
+    assert stored.keep_ratio == stored.selection.keep_ratio == 0.3
+    assert Pipeline.from_pretrained(d, select_tokens=0.7, backend="modules").selection.keep_ratio == 0.7

@@ -162,7 +162,8 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
         "--litevlm",
         action="store_true",
         help="the full LiteVLM configuration (litevlm.presets.LITEVLM): --select-views --select-tokens "
-        f"{LITEVLM['select_tokens']} --select-min-tokens {LITEVLM['min_select_tokens']} --speculative",
+        "R (the r the model's TokenSelector stores as its own) "
+        f"--select-min-tokens {LITEVLM['min_select_tokens']} --speculative",
     )
 
 

@@ -264,7 +264,7 @@ class Pipeline:
         device: str = "cpu",
         dtype: str = "float32",
         select_views: bool = False,
-        select_tokens: float | None = None,
+        select_tokens: float | bool | None = None,
         fastv_k: int | None = None,
         fastv_r: float | None = None,
         prune: str | None = None,
@@ -290,7 +290,8 @@ class Pipeline:
         prompt format they were trained with (its prompt.json; else the checkpoint's chat template).
 
         select_views: use the model's ViewSelector (model_dir/view_selector).
-        select_tokens=r: use its TokenSelector (model_dir/token_selector), keeping a fraction r.
+        select_tokens=r: use its TokenSelector (model_dir/token_selector), keeping a fraction r; True: keeping the r
+            stored with it (`litevlm train tokens --keep-ratio`, chosen for that model on validation data).
         fastv_k, fastv_r: FastV at layer K keeping r (the comparison baseline).
         prune, keep: token pruning by name (`litevlm.select.pruners.METHODS`) keeping a fraction r: "token-selector"
             is select_tokens=r, "fastv" is FastV at prune_layer (default 2, FastV's own), "dart" prunes before decoder
@@ -348,8 +349,9 @@ class Pipeline:
         if select_tokens is not None:
             from litevlm.select.tokens import TokenSelector
 
-            parts["token_selector"] = TokenSelector.load(part_dir(path, "token_selector"), model).to(device)
-            parts["keep_ratio"] = select_tokens
+            sel = TokenSelector.load(part_dir(path, "token_selector"), model).to(device)
+            parts["token_selector"] = sel
+            parts["keep_ratio"] = sel.cfg.keep_ratio if select_tokens is True else select_tokens
         if (fastv_k is None) != (fastv_r is None):
             raise LiteVLMError("FastV needs both K (layer) and r (fraction kept)")
         if fastv_k is not None:

@@ -11,7 +11,6 @@ from litevlm.errors import LiteVLMError
 # The execution backends a pipeline can be built on (`litevlm.model.backend.choose_backend`): auto, the modules, the
 # native CPU steps, CUDA graphs, and the CUDA backend's mechanisms twinned on the CPU.
 BACKENDS = ("auto", "modules", "native", "cuda", "cuda-twin")
-LITEVLM_KEEP_RATIO = 0.5
 # The TokenSelector scores a prompt in about half a decoder layer; pruning half of n visual tokens saves
 # n / 2 tokens of the other layers. On drive-tiny (16 tokens a view) that pays from three views on
 # (`research/select_threshold.py`), so smaller prompts are not pruned.
@@ -19,7 +18,7 @@ LITEVLM_MIN_SELECT_TOKENS = 48
 # The full LiteVLM configuration (`--litevlm`); the table's LiteVLM rows add a precision to it.
 LITEVLM: dict = {
     "select_views": True,
-    "select_tokens": LITEVLM_KEEP_RATIO,
+    "select_tokens": True,  # the fraction r the model's TokenSelector stores as its own (chosen on validation data)
     "min_select_tokens": LITEVLM_MIN_SELECT_TOKENS,
     "speculative": True,
 }

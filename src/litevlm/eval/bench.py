@@ -288,8 +288,9 @@ def random_pipeline(
     if select_tokens is not None:
         from litevlm.select.tokens import SelectorConfig, TokenSelector
 
-        parts["token_selector"] = TokenSelector.from_model(model, SelectorConfig()).to(device=dev, dtype=dtype)
-        parts["keep_ratio"] = select_tokens
+        sel = TokenSelector.from_model(model, SelectorConfig()).to(device=dev, dtype=dtype)
+        parts["token_selector"] = sel
+        parts["keep_ratio"] = sel.cfg.keep_ratio if select_tokens is True else select_tokens
         parts["min_select_tokens"] = min_select_tokens
     if fastv_k is not None:
         parts["fastv"] = (fastv_k, fastv_r)

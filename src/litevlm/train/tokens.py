@@ -82,7 +82,11 @@ class TokenRecipe:
     all_views_prob: float = 0.5  # else: the question's views plus random extras
     extra_view_prob: float = 0.15
     render_size: tuple[int, int] = (400, 225)
-    keep_ratio: float = 0.5  # defaults stored in the checkpoint for select()
+    keep_ratio: float = flag(
+        0.5,
+        "the fraction r of visual tokens kept that the checkpoint stores as its own (what --litevlm keeps): "
+        "choose it on validation data",
+    )
     shared_layer: bool = flag(
         True,
         "train a copy of decoder layer 0 with the head and prune before the decoder (default: the head reads "
