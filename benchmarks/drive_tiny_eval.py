@@ -238,14 +238,21 @@ def stages(meta: dict) -> list[str]:
 
 
 HISTORY = "## Training history"
+FOOTER = "Produced by `python benchmarks/drive_tiny_eval.py`."  # the last generated line of a card
 
 
 def kept_history(card: Path) -> list[str]:
-    """The hand-written training history at the end of an existing card, kept when the card is rewritten."""
+    """The hand-written sections at the end of an existing card (what follows its generated part, whatever their
+    headings: the training history, where the model stands), kept when the card is rewritten. A card without the
+    generated footer keeps its training history."""
     if not card.exists():
         return []
     text = card.read_text()
-    return ["", *text[text.index(HISTORY) :].rstrip().splitlines()] if HISTORY in text else []
+    if FOOTER in text:
+        tail = text[text.index(FOOTER) + len(FOOTER) :].strip()
+    else:
+        tail = text[text.index(HISTORY) :].rstrip() if HISTORY in text else ""
+    return ["", *tail.splitlines()] if tail else []
 
 
 INTROS = {  # what each bundled model is for, above its card's figures
@@ -333,7 +340,7 @@ def write_card(model_dir: Path, result: dict) -> None:
         + ", ".join(f"{s} {t[s]:.1f} ms ({100 * t['share'][s]:.0f}%)" for s in STAGES)
         + f", total {t['total']:.1f} ms.",
         "",
-        "Produced by `python benchmarks/drive_tiny_eval.py`.",
+        FOOTER,
         *kept_history(model_dir / "MODEL.md"),
     ]
     (model_dir / "MODEL.md").write_text("\n".join(lines) + "\n")

@@ -370,6 +370,18 @@ def test_the_model_card_keeps_its_training_history_when_rewritten(tmp_path, benc
     text = (tmp_path / "MODEL.md").read_text()
     assert "old scores" not in text and "| with the camera images | 0.6250 |" in text  # the scores are rewritten
     assert text.endswith(history) and text.count(card.HISTORY) == 1  # the history is kept once, at the end
+    # any hand-written section after the generated footer is kept, whatever its heading, with or without a history
+    stands = "## Where it stands\n\nIts goal is met.\n"
+    (tmp_path / "MODEL.md").write_text(text + "\n" + stands)
+    card.write_card(tmp_path, result)
+    text = (tmp_path / "MODEL.md").read_text()
+    assert "| with the camera images | 0.5000 |" in text
+    assert text.endswith(history + "\n" + stands) and text.count(card.FOOTER) == 1
+    (tmp_path / "MODEL.md").write_text(text[: text.index(card.HISTORY)] + stands)  # no history, one section
+    card.write_card(tmp_path, {**result, "full": {**scores, "final": 0.625}})
+    text = (tmp_path / "MODEL.md").read_text()
+    assert "| with the camera images | 0.6250 |" in text and card.HISTORY not in text
+    assert text.endswith(card.FOOTER + "\n\n" + stands) and text.count(stands) == 1
 
 
 def test_the_server_levels_are_one_row_each_with_their_first_token_times(tmp_path, report):
