@@ -21,6 +21,7 @@ from litevlm.select.tokens import (
     attention_rows,
     fastv_scores,
     keep_count,
+    layer_rows,
     random_select,
     select_by_scores,
     uniform_select,
@@ -325,11 +326,60 @@ def test_shared_layer_selector_scores_like_one_owning_a_copy_of_layer0():
         TokenSelector(model.language_model.cfg).scores(embeds, positions, spans)
 
 
-@pytest.mark.parametrize("shared_layer", [True, False])
-def test_selector_save_load_roundtrip(tmp_path, shared_layer):
+def test_layer_rows_are_the_layers_output_at_those_rows():
+    """A decoder layer run only at some query rows (over every key) gives the rows of the whole layer's output."""
+    from litevlm.model.layers import rope_cos_sin
+
+    model = tiny_vlm()
+    embeds, positions, _ = tiny_prompt(model)
+    layer = model.language_model.layers[0]
+    cfg = model.language_model.cfg
+    rows = torch.tensor([0, 7, embeds.shape[1] - 3, embeds.shape[1] - 1])
+    with torch.no_grad():
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, embeds.dtype)
+        want = layer(embeds, cos, sin)[:, rows]
+        torch.testing.assert_close(layer_rows(layer, embeds, positions, rows), want, atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_reading_selector_prunes_before_the_decoder_and_never_runs_layer0_on_the_views():
+    """reads="prompt": the head reads the views as they enter the decoder and the question's rows as layer 0 leaves
+    them (so a change to layer 0 moves its scores); it prunes the prompt before the decoder (no hook), keeping the
+    question whole, and its fast inference head equals the differentiable one."""
     model = tiny_vlm()
     embeds, positions, spans = tiny_prompt(model)
-    sel = TokenSelector.from_model(model, SelectorConfig(keep_ratio=0.3, min_per_view=2, shared_layer=shared_layer))
+    sel = TokenSelector.from_model(model, SelectorConfig(reads="prompt"))
+    with torch.no_grad():
+        sel.mlp[2].weight.normal_(0, 0.5)
+        sel.query_gate.weight.normal_(0, 0.2)
+    assert not sel.prunes_inside
+    with pytest.raises(LiteVLMError, match="use select"):
+        selector_prefill(model, sel, embeds, positions, spans, 0.5)
+    first = max(e for _, _, e in spans)
+    view = sel.prompt_view(embeds, positions, spans)
+    assert torch.equal(view[:, :first], embeds[:, :first])  # the views are read as they enter the decoder
+    x0 = model.language_model(embeds, positions, start_layer=0, end_layer=1)
+    torch.testing.assert_close(view[:, first:], x0[:, first:], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        fast = sel.scores(embeds, positions, spans)
+    slow = sel.scores(embeds, positions, spans)  # with grad: the differentiable path
+    assert slow.requires_grad
+    torch.testing.assert_close(fast, slow.detach(), atol=1e-5, rtol=1e-5)
+    kept_embeds, kept_pos, kept = sel.select(model, embeds, positions, spans, keep_ratio=0.3)
+    assert kept_embeds.shape[1] == kept.numel() == embeds.shape[1] - (3 * TPV - keep_count(3 * TPV, 0.3))
+    assert torch.equal(kept_pos[0], positions[0, kept])
+    assert torch.equal(kept[kept >= first], torch.arange(first, embeds.shape[1]))  # the question is kept whole
+    with torch.no_grad():
+        model.language_model.layers[0].mlp.down_proj.weight.mul_(3.0)  # layer 0 moves: the question rows move
+        assert not torch.allclose(sel.scores(embeds, positions, spans), fast)
+
+
+@pytest.mark.parametrize("shared_layer,reads", [(True, "layer0"), (False, "layer0"), (True, "prompt")])
+def test_selector_save_load_roundtrip(tmp_path, shared_layer, reads):
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    sel = TokenSelector.from_model(
+        model, SelectorConfig(keep_ratio=0.3, min_per_view=2, shared_layer=shared_layer, reads=reads)
+    )
     with torch.no_grad():
         sel.mlp[2].weight.normal_()  # make the head non-trivial
     sel.save(tmp_path, recipe={"note": "test"})

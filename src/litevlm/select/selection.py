@@ -6,8 +6,9 @@ the prompt pruned before the decoder, or left whole with the `Pruning` hook that
 
 - `KeepAll`: every visual token (the baseline).
 - `FastV`: the in-LLM baseline at layer K (arXiv 2403.06764); its answers decode plainly (`plain_decoding`).
-- `TokenSelector`: LiteVLM's trained selector, sharing the decoder's layer 0 (a hook after it) or with its own copy
-  (pruning before the decoder); prompts with fewer than `min_tokens` visual tokens are left whole.
+- `TokenSelector`: LiteVLM's trained selector, ranking from the decoder's own layer-0 output (a hook after it) or
+  pruning the prompt before the decoder (its own copy of layer 0, or one that reads the prompt itself); prompts
+  with fewer than `min_tokens` visual tokens are left whole.
 - `Pruner`: a training-free pruner (`litevlm.select.pruners`: DART, DivPrune, CDPruner, random, uniform).
 """
 
@@ -63,7 +64,7 @@ class TokenSelector(KeepAll):
         sel = self.selector
         if p.num_visual_tokens < self.min_tokens:
             return p.embeds, p.positions, None
-        if sel.cfg.shared_layer:  # ranks from the decoder's own layer 0: a hook after it
+        if sel.prunes_inside:  # ranks from the decoder's own layer 0: a hook after it
             hook = sel.pruning(model, p.positions, p.view_spans, self.keep_ratio, question=question, tiling=tiling)
             return p.embeds, p.positions, hook
         embeds, positions, _ = sel.select(

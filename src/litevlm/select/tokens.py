@@ -449,6 +449,24 @@ def fastv_pruning(
 # ---------------------------------------------------------------------------------------------
 
 
+READS = ("layer0", "prompt")  # what a TokenSelector's head reads (SelectorConfig.reads)
+
+
+def layer_rows(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Decoder `layer`'s output (B, n, C) at the query tokens `rows` (n,) of x (B, T, C), each attending causally
+    over the whole of x: equal to the matching rows of `layer(x)` (a test), without running the layer on the others
+    (their keys and values alone are projected). Differentiable."""
+    attn, cfg = layer.self_attn, layer.self_attn.cfg
+    b, t, _ = x.shape
+    xn = layer.input_layernorm(x)
+    p = row_logits(attn.q_proj, attn.k_proj, xn, positions, rows, cfg).softmax(-1).to(x.dtype)  # (B, H, n, T)
+    v = attn.v_proj(xn).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+    v = v.repeat_interleave(cfg.num_heads // cfg.num_kv_heads, dim=1)  # head h reads kv head h // G, as enable_gqa
+    y = attn.o_proj((p @ v).transpose(1, 2).reshape(b, rows.numel(), -1))  # (B, n, C)
+    h = x[:, rows] + y
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 @dataclass
 class SelectorConfig:
     """The scoring head's shape and the selection defaults a checkpoint carries."""
@@ -462,6 +480,11 @@ class SelectorConfig:
     # runs that layer once: on the whole prompt, ranks, and runs layers 1.. on the kept tokens only.
     # False: the selector owns a trainable copy of layer 0 and prunes before the decoder.
     shared_layer: bool = True
+    # What the head reads. "layer0": decoder layer 0's output over the whole prompt (above). "prompt": the prompt's
+    # own embeddings, its question rows replaced by layer 0's output at those rows alone (they attend over the
+    # whole prompt): layer 0 is never run on the visual tokens, and the selector prunes BEFORE the decoder, which
+    # then runs every layer on the kept tokens only.
+    reads: str = "layer0"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.keep_ratio <= 1.0:
@@ -470,6 +493,8 @@ class SelectorConfig:
             raise ValueError(f"config field 'min_per_view': must be >= 0; got {self.min_per_view}")
         if self.mlp_hidden < 1:
             raise ValueError(f"config field 'mlp_hidden': must be positive; got {self.mlp_hidden}")
+        if self.reads not in READS:
+            raise ValueError(f"config field 'reads': must be one of {', '.join(READS)}; got {self.reads!r}")
 
 
 class TokenSelector(nn.Module):
@@ -512,7 +537,9 @@ class TokenSelector(nn.Module):
 
     @classmethod
     def from_model(cls, model, cfg: SelectorConfig | None = None) -> TokenSelector:
-        """Initialised from `model`: layer 0 copied, the scoring q/k and norm from layer 1 (or 0 for a 1-layer LLM)."""
+        """Initialised from `model`: layer 0 copied, the scoring q/k and norm from layer 1 (or 0 for a 1-layer LLM),
+        the input of layer 1; reading the prompt, the keys (and norm) from layer 0, whose input the visual tokens
+        are."""
         lm = model.language_model
         sel = cls(lm.cfg, cfg)
         if sel.layer is None:
@@ -520,10 +547,17 @@ class TokenSelector(nn.Module):
         else:
             sel.layer.load_state_dict(lm.layers[0].state_dict())
         src = lm.layers[1 if len(lm.layers) > 1 else 0]
-        sel.norm.load_state_dict(src.input_layernorm.state_dict())
+        keys = lm.layers[0] if sel.cfg.reads == "prompt" else src
+        sel.norm.load_state_dict(keys.input_layernorm.state_dict())
         sel.q_proj.load_state_dict(src.self_attn.q_proj.state_dict())
-        sel.k_proj.load_state_dict(src.self_attn.k_proj.state_dict())
+        sel.k_proj.load_state_dict(keys.self_attn.k_proj.state_dict())
         return sel.to(device=model.device, dtype=model.dtype)
+
+    @property
+    def prunes_inside(self) -> bool:
+        """Whether the selector ranks from the served decoder's own layer-0 output, a hook inside the prefill
+        (`pruning`); else it prunes the prompt before the decoder (`select`)."""
+        return self.cfg.shared_layer and self.cfg.reads == "layer0"
 
     def bind(self, model) -> TokenSelector:
         """Read `model`'s own decoder layer 0 (shared_layer); a no-op for a selector with its own copy."""
@@ -581,11 +615,22 @@ class TokenSelector(nn.Module):
         tags: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Log-scores (B, N) of the visual tokens, view after view; differentiable (training). tags: (2, N) or None."""
+        if self.cfg.reads == "prompt":
+            return self.head_scores(self.prompt_view(embeds, positions, view_spans), positions, view_spans, tags)
         cfg = self.text_cfg
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, embeds.dtype)
         return self.head_scores(
             self.decoder_layer()(embeds, cos, sin), positions, view_spans, tags
         )  # causal SDPA, no cache
+
+    def prompt_view(self, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span]) -> torch.Tensor:
+        """What the head reads with reads="prompt": the embeddings (B, T, C), the question's rows (every token after
+        the last view) replaced by decoder layer 0's output there (`layer_rows`, over the whole prompt)."""
+        first = max(e for _, _, e in view_spans)
+        if first >= embeds.shape[1]:
+            raise LiteVLMError("the prompt ends inside an image block: a question must follow the views")
+        rows = torch.arange(first, embeds.shape[1], device=embeds.device)
+        return torch.cat([embeds[:, :first], layer_rows(self.decoder_layer(), embeds, positions, rows)], 1)
 
     def head_scores(
         self, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], tags: torch.Tensor | None = None
@@ -759,8 +804,8 @@ class TokenSelector(nn.Module):
         head ranks from that layer's output and keeps what `select` keeps (timed as "select_tokens", the c-tags read
         included). Generation then runs layers 1.. on the kept tokens only (`litevlm.model.generate.pruned_prefill`).
         """
-        if not self.cfg.shared_layer:
-            raise LiteVLMError("this TokenSelector owns a copy of layer 0 and prunes before the decoder: use select()")
+        if not self.prunes_inside:
+            raise LiteVLMError("this TokenSelector prunes the prompt before the decoder: use select()")
         self._check(model)
         if self.decoder_layer() is not model.language_model.layers[0]:
             raise LiteVLMError("this TokenSelector is bound to another model's decoder layer 0")

@@ -50,6 +50,7 @@ from litevlm.dist import Dist, all_reduce_mean, barrier, ddp, shard
 from litevlm.errors import LiteVLMError
 from litevlm.select.tokens import (
     C_TAG,
+    READS,
     SelectorConfig,
     TokenSelector,
     ViewGrid,
@@ -92,6 +93,13 @@ class TokenRecipe:
         "train a copy of decoder layer 0 with the head and prune before the decoder (default: the head reads "
         "the model's own frozen layer 0, which then runs once and the rest of the decoder sees only the kept tokens)",
         flag="--own-layer",
+    )
+    reads: str = flag(
+        "layer0",
+        "what the selector's head reads: decoder layer 0's output over the whole prompt, or the prompt itself with "
+        "only its question through layer 0 (then the selector prunes before the decoder, which runs every layer on "
+        "the kept tokens alone)",
+        choices=READS,
     )
     min_per_view: int = 1
     mlp_hidden: int = 128
@@ -630,6 +638,7 @@ def train_token_selector(
             recipe.mlp_hidden,
             use_tags=recipe.use_tags,
             shared_layer=recipe.shared_layer,
+            reads=recipe.reads,
         ),
     ).float()
     before = {}
