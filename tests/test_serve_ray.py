@@ -42,15 +42,29 @@ def requests():
     return out
 
 
+def _free_port() -> int:
+    """A free port outside the kernel's ephemeral range (32768+) and Ray's worker ports (10002-19999): a port the
+    kernel handed out and this test released could be taken by one of Ray's own processes before the proxy binds it
+    (it failed CI once with "Failed to bind to address")."""
+    import random
+
+    for port in random.Random().sample(range(20000, 32768), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
+
+
 @pytest.fixture(scope="module")
 def replicas_url():
     """Two replicas of drive-tiny, one thread each, behind Ray Serve's proxy on a local two-CPU Ray instance."""
     from litevlm.serve import replicas
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
+    port = _free_port()
     try:
         yield replicas.deploy(MODEL, {"max_new_tokens": NEW_TOKENS}, APP, replicas=2, cpus_per_replica=1, port=port)
     finally:
