@@ -452,6 +452,14 @@ def fastv_pruning(
 READS = ("layer0", "prompt")  # what a TokenSelector's head reads (SelectorConfig.reads)
 
 
+def question_start(view_spans: Sequence[Span], t: int) -> int:
+    """The first prompt index after the last view, where the question's rows (the selector's queries) begin."""
+    first = max(e for _, _, e in view_spans)
+    if first >= t:
+        raise LiteVLMError("the prompt ends inside an image block: a question must follow the views")
+    return first
+
+
 def layer_rows(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Decoder `layer`'s output (B, n, C) at the query tokens `rows` (n,) of x (B, T, C), each attending causally
     over the whole of x: equal to the matching rows of `layer(x)` (a test), without running the layer on the others
@@ -626,9 +634,7 @@ class TokenSelector(nn.Module):
     def prompt_view(self, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span]) -> torch.Tensor:
         """What the head reads with reads="prompt": the embeddings (B, T, C), the question's rows (every token after
         the last view) replaced by decoder layer 0's output there (`layer_rows`, over the whole prompt)."""
-        first = max(e for _, _, e in view_spans)
-        if first >= embeds.shape[1]:
-            raise LiteVLMError("the prompt ends inside an image block: a question must follow the views")
+        first = question_start(view_spans, embeds.shape[1])
         rows = torch.arange(first, embeds.shape[1], device=embeds.device)
         return torch.cat([embeds[:, :first], layer_rows(self.decoder_layer(), embeds, positions, rows)], 1)
 
@@ -638,9 +644,7 @@ class TokenSelector(nn.Module):
         """The scoring head alone: log-scores (B, N) from decoder layer 0's output x (B, T, C)."""
         cfg = self.text_cfg
         b, t, _ = x.shape
-        last_visual = max(e for _, _, e in view_spans)
-        if last_visual >= t:
-            raise LiteVLMError("the prompt ends inside an image block: a question must follow the views")
+        last_visual = question_start(view_spans, t)
         if b == 1 and not torch.is_grad_enabled() and x.dtype == torch.float32:
             return self._head_scores_one(x[0], positions, view_spans, last_visual, tags)[None]
         h = self.norm(x)
