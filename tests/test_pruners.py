@@ -35,7 +35,7 @@ from litevlm.select.pruners import (
     instruction_relevance,
     random_prune,
 )
-from litevlm.select.tokens import Pruning, keep_count, view_budgets, visual_index
+from litevlm.select.tokens import Pruning, keep_count, select_by_scores, view_budgets, visual_index
 
 SPANS = [("CAM_FRONT", 2, 18), ("CAM_BACK", 20, 36), ("CAM_BACK_LEFT", 38, 54)]  # 3 views of 16 tokens
 T = 60  # the prompt: labels between the views, 6 text tokens after the last
@@ -432,3 +432,31 @@ def test_cli_help_names_every_method():
         flags = {f: a for a in commands[name]._actions for f in a.option_strings}
         assert {"--prune", "--keep", "--prune-layer", "--per-view"} <= set(flags)
     assert all(m in flags["--prune"].help for m in METHODS)
+
+
+def test_dpp_greedy_map_takes_its_first_tokens_then_the_greedy_on_determinants():
+    torch.manual_seed(1)
+    f = torch.nn.functional.normalize(torch.randn(9, 12), dim=-1)
+    q = torch.rand(9) + 0.1
+    kernel = q[:, None] * (f @ f.T) * q[None, :]
+    chosen: list[int] = [7, 2]
+    for _ in range(3):
+        rest = [i for i in range(9) if i not in chosen]
+        chosen.append(max(rest, key=lambda i: float(torch.det(kernel[chosen + [i]][:, chosen + [i]].double()))))
+    assert dpp_greedy_map(kernel, 5, torch.tensor([7, 2])).tolist() == chosen
+    with pytest.raises(LiteVLMError, match="take first"):
+        dpp_greedy_map(kernel, 1, torch.tensor([7, 2]))
+
+
+def test_a_diverse_selection_gives_up_a_near_duplicate_for_other_evidence():
+    e = torch.eye(4)
+    feats = torch.stack([e[0], e[0] + 0.01 * e[1], e[2], e[3]])  # tokens 0 and 1 are near copies
+    scores = torch.tensor([3.0, 2.9, 2.5, -12.0])  # log-scores: 3 is irrelevant
+    assert select_by_scores(scores, [4], 0.5).tolist() == [0, 1]  # top scores: the copy
+    assert select_by_scores(scores, [4], 0.5, features=feats, diversity=1.0).tolist() == [0, 2]
+    assert select_by_scores(scores, [4], 0.75, features=feats, diversity=1.0).tolist() == [0, 1, 2]  # not 3
+    assert select_by_scores(scores, [4], 0.5, features=feats, diversity=1e-3).tolist() == [0, 1]  # tau -> 0: top-k
+    # the per-view quota still holds: one token of the second view, then the DPP over the rest
+    assert select_by_scores(scores, [3, 1], 0.75, 1, features=feats, diversity=1.0).tolist() == [0, 2, 3]
+    with pytest.raises(LiteVLMError, match="features"):
+        select_by_scores(scores, [4], 0.5, diversity=1.0)

@@ -74,3 +74,35 @@ def test_a_model_without_a_token_selector_reports_it_absent(tmp_path, pruning, c
     assert result["methods"] == ["uniform"] and set(result["scores"]) == {"uniform@0.2"}
     assert result["absent"] == {"token-selector": "drive-hd has no token_selector/ folder"}
     assert result["timing_ms"] == {} and result["model"] == "drive-hd"
+
+
+def test_the_stored_keep_ratio_is_the_smallest_within_the_tolerance(tmp_path, benchmark_script):
+    choose = benchmark_script("choose_keep_ratio")
+    run = {
+        "benchmark": "token_pruning",
+        "data": "val",
+        "n": 200,
+        "views": "needed",
+        "commit": "abc",
+        "selector": {"reads": "prompt"},
+        "unpruned": {"final": 0.5137},
+        "scores": {
+            "token-selector@0.5": {"final": 0.5094},
+            "token-selector@0.3": {"final": 0.4991},
+            "token-selector@0.4": {"final": 0.5079},
+            "cdpruner@0.3": {"final": 0.52},
+        },
+    }
+    assert choose.choose(run, 0.005)[0] == 0.5  # 0.4 is 0.0058 below unpruned
+    assert choose.choose(run, 0.006)[0] == 0.4
+    assert choose.choose(run, 0.0001)[0] == 0.5  # none within: the largest measured
+    sel = tmp_path / "token_selector"
+    sel.mkdir()
+    (sel / "config.json").write_text(json.dumps({"selector": {"keep_ratio": 0.3, "reads": "prompt"}}))
+    (tmp_path / "run.txt").write_text("progress\n" + json.dumps(run) + "\n")
+    assert choose.main([str(tmp_path / "run.txt"), str(sel)]) == 0
+    cfg = json.loads((sel / "config.json").read_text())
+    assert cfg["selector"]["keep_ratio"] == 0.5 and cfg["keep_ratio_choice"]["final_at_r"]["0.4"] == 0.5079
+    (sel / "config.json").write_text(json.dumps({"selector": {"keep_ratio": 0.3}}))  # reads layer 0
+    with pytest.raises(SystemExit, match="another input"):
+        choose.main([str(tmp_path / "run.txt"), str(sel)])

@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from litevlm.errors import LiteVLMError
+from litevlm.select.dpp import budget, cosine_similarity_matrix, dpp_greedy_map
 from litevlm.select.tokens import (
     Pruning,
     Span,
@@ -147,24 +148,10 @@ class PruneConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def _budget(k: int, n: int) -> int:
-    if n < 1:
-        raise LiteVLMError("there are no visual tokens to select from")
-    if k < 1:
-        raise LiteVLMError(f"a selection keeps at least one token; asked for {k}")
-    return min(int(k), n)
-
-
-def cosine_similarity_matrix(features: torch.Tensor) -> torch.Tensor:
-    """(N, C) -> (N, N) pairwise cosine similarity, fp32."""
-    f = F.normalize(features.float(), dim=-1)
-    return f @ f.T
-
-
 def divprune_select(features: torch.Tensor, k: int) -> torch.Tensor:
     """DivPrune: k of the N tokens (N, C), greedy max-min diverse under cosine distance -> indices (k,) ascending."""
     n = features.shape[0]
-    k = _budget(k, n)
+    k = budget(k, n)
     if k == n:
         return torch.arange(n, device=features.device)
     dist = 1.0 - cosine_similarity_matrix(features)  # (N, N)
@@ -193,7 +180,7 @@ def dart_select(
     then for each pivot in turn (visual ones in index order, then the text pivots' features (q, C)) its share of the
     remaining k - p, the unclaimed tokens least cosine-similar to it -> indices (k,) ascending."""
     n = features.shape[0]
-    k = _budget(k, n)
+    k = budget(k, n)
     if k == n:
         return torch.arange(n, device=features.device)
     piv = pivots[:k].sort().values
@@ -225,34 +212,6 @@ def instruction_relevance(features: torch.Tensor, instruction: torch.Tensor) -> 
     return (rel - lo + 1e-6) / (hi - lo).clamp_min(1e-6)
 
 
-def dpp_greedy_map(kernel: torch.Tensor, k: int) -> torch.Tensor:
-    """Greedy MAP inference of a DPP with PSD kernel (N, N) (Chen, Zhang and Zhou, NeurIPS 2018): k indices in the
-    order chosen, each the token of largest marginal gain d_j^2 = det(L_{S+j}) / det(L_S), the gains updated with
-    one new row of the incremental Cholesky factor per step. Past the kernel's rank no token adds volume (every
-    gain is ~0, within fp32 noise of the largest diagonal); the rest of the budget then goes by the diagonal (for
-    CDPruner's kernel: relevance), so exactly k distinct tokens are chosen."""
-    n = kernel.shape[0]
-    k = _budget(k, n)
-    kernel = kernel.float()
-    diag = kernel.diagonal().clone()  # (N,)
-    eps = 1e-6 * diag.max().clamp_min(1e-30)  # a gain below this is rounding, not volume
-    factor = kernel.new_zeros(k, n)  # row i: the i-th chosen token's Cholesky row against every token
-    gain = diag.clone()  # (N,) d_j^2
-    chosen = torch.empty(k, dtype=torch.long, device=kernel.device)
-    taken = torch.zeros(n, dtype=torch.bool, device=kernel.device)
-    for i in range(k):
-        pick = torch.where(gain > eps, gain, diag * 1e-30).masked_fill(taken, float("-inf"))  # gains, then diagonal
-        j = pick.argmax()
-        chosen[i] = j
-        g = gain[j]
-        scale = torch.where(g > eps, g.clamp_min(eps).rsqrt(), torch.zeros_like(g))  # no update once rank is spent
-        e = (kernel[j] - factor[:i, j] @ factor[:i]) * scale  # (N,) the new Cholesky row
-        factor[i] = e
-        taken[j] = True
-        gain = gain - e * e
-    return chosen
-
-
 def cdpruner_select(
     features: torch.Tensor, relevance: torch.Tensor, k: int, theta: float | None = None
 ) -> torch.Tensor:
@@ -260,7 +219,7 @@ def cdpruner_select(
     diag(q) S diag(q), S the cosine similarity (q = relevance, or exp(theta / (2 (1 - theta)) relevance))
     -> indices (k,) ascending."""
     n = features.shape[0]
-    k = _budget(k, n)
+    k = budget(k, n)
     if k == n:
         return torch.arange(n, device=features.device)
     q = relevance.float()

@@ -52,6 +52,7 @@ from litevlm.model import cpu_steps, native
 from litevlm.model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_table, rotate_head_rows
 from litevlm.model.lm import DecoderLayer
 from litevlm.model.prompt import Tiling, closest_grid
+from litevlm.select.dpp import cosine_similarity_matrix, dpp_greedy_map, score_quality
 
 SELECTOR_DIR = "token_selector"
 SELECTOR_FORMAT = "litevlm-token-selector"
@@ -83,12 +84,20 @@ def view_sizes(view_spans: Sequence[Span]) -> list[int]:
 
 
 def select_by_scores(
-    scores: torch.Tensor, sizes: Sequence[int], keep_ratio: float, min_per_view: int = 0
+    scores: torch.Tensor,
+    sizes: Sequence[int],
+    keep_ratio: float,
+    min_per_view: int = 0,
+    features: torch.Tensor | None = None,
+    diversity: float = 0.0,
 ) -> torch.Tensor:
     """Indices (ascending, into the visual tokens) of the kept ones: a quota per view, then global top score.
 
     Exactly keep_count(N, r) tokens are kept, so methods compare at equal token counts; the quota
     per view is min(min_per_view, budget // views, view size) and never exceeds the budget.
+    With `diversity` tau > 0 and the tokens' `features` (N, C), the tokens after the quota are not the top scores
+    but the greedy MAP subset of a DPP whose quality comes from the scores (`litevlm.select.dpp.score_quality`):
+    the kept set maximises its total score plus tau times the log-volume its tokens span.
     """
     n = int(sum(sizes))
     if scores.shape != (n,):
@@ -104,7 +113,14 @@ def select_by_scores(
             chosen[scores[off : off + size].topk(q).indices + off] = True
         off += size
     rest = k - int(chosen.sum())
-    if rest > 0:
+    if rest > 0 and diversity > 0.0:
+        if features is None or features.shape[0] != n:
+            raise LiteVLMError(f"a diverse selection needs the {n} visual tokens' features")
+        q = score_quality(scores, diversity)
+        kernel = q[:, None] * cosine_similarity_matrix(features) * q[None, :]
+        first = chosen.nonzero().squeeze(1)
+        chosen[dpp_greedy_map(kernel, k, first)] = True
+    elif rest > 0:
         chosen[scores.masked_fill(chosen, float("-inf")).topk(rest).indices] = True
     return chosen.nonzero().squeeze(1)
 
@@ -493,6 +509,10 @@ class SelectorConfig:
     # whole prompt): layer 0 is never run on the visual tokens, and the selector prunes BEFORE the decoder, which
     # then runs every layer on the kept tokens only.
     reads: str = "layer0"
+    # 0: keep the top scores. tau > 0: keep the subset that maximises its total score plus tau times the log-volume
+    # its tokens span (a DPP over the tokens the head reads, quality from the scores: `select_by_scores`), so near
+    # duplicates of a kept token give way to other evidence. Selection only: training does not read it.
+    diversity: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.keep_ratio <= 1.0:
@@ -501,6 +521,8 @@ class SelectorConfig:
             raise ValueError(f"config field 'min_per_view': must be >= 0; got {self.min_per_view}")
         if self.mlp_hidden < 1:
             raise ValueError(f"config field 'mlp_hidden': must be positive; got {self.mlp_hidden}")
+        if not self.diversity >= 0.0:
+            raise ValueError(f"config field 'diversity': must be >= 0; got {self.diversity}")
         if self.reads not in READS:
             raise ValueError(f"config field 'reads': must be one of {', '.join(READS)}; got {self.reads!r}")
 
@@ -792,7 +814,15 @@ class TokenSelector(nn.Module):
         if r >= 1.0:
             return embeds, positions, torch.arange(embeds.shape[1], device=embeds.device)
         s = self.scores(embeds, positions, view_spans, self.tag_features(model, question, view_spans, tiling))[0]
-        return prune_prompt(embeds, positions, view_spans, select_by_scores(s, view_sizes(view_spans), r, quota))
+        kept = self._keep(s, embeds[0], view_spans, r, quota)
+        return prune_prompt(embeds, positions, view_spans, kept)
+
+    def _keep(self, s: torch.Tensor, x: torch.Tensor, view_spans: Sequence[Span], r: float, quota: int) -> torch.Tensor:
+        """The kept visual tokens from their scores s (N,): the top ones, or with `diversity` a DPP over the visual
+        rows of x (T, C), the prompt as the head reads it (the embeddings, or layer 0's output inside the decoder)."""
+        tau = self.cfg.diversity
+        feats = x[visual_index(view_spans, x.device)] if tau > 0.0 else None
+        return select_by_scores(s, view_sizes(view_spans), r, quota, feats, tau)
 
     def pruning(
         self,
@@ -818,8 +848,7 @@ class TokenSelector(nn.Module):
 
         def keep(x: torch.Tensor) -> torch.Tensor:
             s = self.head_scores(x, positions, view_spans, self.tag_features(model, question, view_spans, tiling))[0]
-            kept_visual = select_by_scores(s, view_sizes(view_spans), r, quota)
-            return kept_prompt_index(x.shape[1], view_spans, kept_visual)
+            return kept_prompt_index(x.shape[1], view_spans, self._keep(s, x[0], view_spans, r, quota))
 
         return Pruning(1, keep, "select_tokens")
 

@@ -101,6 +101,12 @@ class TokenRecipe:
         "the kept tokens alone)",
         choices=READS,
     )
+    diversity: float = flag(
+        0.0,
+        "the diversity weight tau the checkpoint stores for selection (training does not read it): 0 keeps the top "
+        "scores; tau > 0 keeps the set that maximises its total score plus tau times the log-volume its tokens span "
+        "(a DPP; slower, 4-12 ms on one CPU thread for a few hundred tokens)",
+    )
     min_per_view: int = 1
     mlp_hidden: int = 128
     use_tags: bool = True  # the selector's c-tag cell bonuses
@@ -639,6 +645,7 @@ def train_token_selector(
             use_tags=recipe.use_tags,
             shared_layer=recipe.shared_layer,
             reads=recipe.reads,
+            diversity=recipe.diversity,
         ),
     ).float()
     before = {}
