@@ -586,6 +586,23 @@ def pruning_verdict(res: dict, r: float) -> str | None:
     return out
 
 
+def selector_timing_note(selector: dict) -> list[str]:
+    """Where each method's choice is timed: FastV inside the prefill, the rest in select_tokens; the TokenSelector
+    inside the decoder only when its head reads the model's own layer 0 there."""
+    inside = selector.get("shared_layer", True) and selector.get("reads", "layer0") == "layer0"
+    if inside:
+        return [
+            "FastV chooses inside the prefill pass and is timed there; DART and the TokenSelector choose inside it",
+            "too, but their choice is timed as select_tokens, as the pipeline reports it; the methods that prune",
+            "before the decoder choose in select_tokens.",
+        ]
+    return [
+        "FastV chooses inside the prefill pass and is timed there; DART chooses inside it too, but its choice is",
+        "timed as select_tokens, as the pipeline reports it; the TokenSelector (its head reads the prompt, so it",
+        "prunes before the decoder) and the other methods that prune before the decoder choose in select_tokens.",
+    ]
+
+
 def section_pruning(runs: dict, model: str) -> list[str]:
     """Every token-selection method against r on `model` (benchmarks/token_pruning.py): final score and closed
     accuracy, prefill and the method's own select_tokens ms, one sentence per r <= 0.3, the plot."""
@@ -643,9 +660,7 @@ def section_pruning(runs: dict, model: str) -> list[str]:
             f" each, interleaved over the configurations; medians), {mach.get('device')}, {mach.get('threads')}"
             f" thread(s), {t.get('backend')} backend. Unpruned prefill:"
             f" **{fmt(res['timing_ms']['unpruned']['prefill_ms'])} ms**.",
-            "FastV chooses inside the prefill pass and is timed there; DART and the TokenSelector choose inside it",
-            "too, but their choice is timed as select_tokens, as the pipeline reports it; the methods that prune",
-            "before the decoder choose in select_tokens.",
+            *selector_timing_note(res.get("selector") or {}),
         ]
         for key, caption in (("prefill_ms", "Prefill ms:"), ("select_tokens_ms", "The method's own select_tokens ms:")):
             out += [
