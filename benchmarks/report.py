@@ -530,23 +530,12 @@ PRUNING = {  # model -> (its pruning run, an earlier run of the old benchmark re
     "drive-hd": ("token_pruning_drive-hd", None),
     "drive-tiny": ("token_pruning_drive-tiny", "token_pruning"),
 }
-PRUNING_LABELS = {
-    "token-selector": "TokenSelector",
-    "fastv-k1": "FastV K=1",
-    "fastv-k2": "FastV K=2",
-    "dart": "DART",
-    "divprune": "DivPrune",
-    "cdpruner": "CDPruner",
-}
 TRAINED = "token-selector"  # every other method is training-free
 
 
 def pruning_label(res: dict, method: str) -> str:
-    labels = res.get("labels") or {}
-    if method in labels:
-        return labels[method]
-    base = method.removesuffix("-per-view")
-    return PRUNING_LABELS.get(base, base) + (" per view" if base != method else "")
+    """A method's name as the pruning run wrote it (its `labels`, every method run or absent)."""
+    return (res.get("labels") or {}).get(method, method)
 
 
 def names(items: list[str]) -> str:

@@ -472,7 +472,7 @@ def main(argv=None) -> dict:
         "views": args.views,
         "ratios": ratios,
         "methods": methods,
-        "labels": {m: label(m) for m in methods},
+        "labels": {m: label(m) for m in [*methods, *absent]},
         "absent": absent,
         "selector": None if selector is None else dataclasses.asdict(selector.cfg),
         "per_view": args.per_view,

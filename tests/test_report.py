@@ -578,7 +578,7 @@ def pruning_result(model: str, with_selector: bool) -> dict:
         "views": "needed",
         "ratios": ratios,
         "methods": methods,
-        "labels": {m: labels[m] for m in methods},
+        "labels": {m: labels[m] for m in [*methods, *([] if with_selector else ["token-selector"])]},
         "absent": {} if with_selector else {"token-selector": f"{model} has no token_selector/ folder"},
         "per_view": True,
         "max_new_tokens": 160,
