@@ -59,11 +59,12 @@ class Benchmark:
         return [*head, *self.argv, *([self.n_flag, str(n)] if n is not None else [])]
 
 
-def pruning(model: str, name: str) -> Benchmark:
-    """The pruning benchmark on one model; its JSON is named by the model (token_pruning_drive-hd.json)."""
+def pruning(model: str, name: str, n: int = 200) -> Benchmark:
+    """The pruning benchmark on one model over n questions; its JSON is named by the model
+    (token_pruning_drive-hd.json)."""
     argv = ["benchmarks/token_pruning.py", "--model", model, "--data", HELDOUT, "--threads", "1", "--timing-n", "10"]
     argv += ["--per-view", "--plot", f"benchmarks/results/token_pruning_{name}.png"]
-    return Benchmark(f"token_pruning_{name}", argv, n=200, needs=[HELDOUT])
+    return Benchmark(f"token_pruning_{name}", argv, n=n, needs=[HELDOUT])
 
 
 def benchmarks() -> list[Benchmark]:
@@ -85,7 +86,7 @@ def benchmarks() -> list[Benchmark]:
             n=100,
             needs=[HELDOUT],
         ),
-        pruning(HD, "drive-hd"),
+        pruning(HD, "drive-hd", n=600),  # three times the questions: pruners differ by a few
         pruning(MODEL, "drive-tiny"),
         Benchmark(
             "view_selection",
@@ -572,7 +573,23 @@ def pruning_verdict(res: dict, r: float) -> str | None:
         )
     else:
         out += " No training-free method beats the TokenSelector here."
-    return out
+    return out + paired_line(res, r, finals)
+
+
+def paired_line(res: dict, r: float, finals: dict) -> str:
+    """The strongest training-free method at r against the TokenSelector on the closed questions where the two
+    differ (the run's `vs_selector`), with the sign test's p; empty where the run has no pairing."""
+    free = [m for m in finals if m != TRAINED]
+    if not free:
+        return ""
+    m = max(free, key=lambda m: finals[m])
+    pair = res["scores"][f"{m}@{r}"].get("vs_selector")
+    if not pair:
+        return ""
+    return (
+        f" On the closed questions where the two differ, only the TokenSelector is right on {pair['selector_only']}"
+        f" and only {pruning_label(res, m)} on {pair['method_only']} (sign test p = {fmt(pair['p'])})."
+    )
 
 
 def selector_timing_note(selector: dict) -> list[str]:

@@ -7,7 +7,9 @@ a token_selector/ folder), FastV at K=1 and K=2 (arXiv 2403.06764), DART, DivPru
 is the pipeline's own token selection (`litevlm.select.selection.token_selection`) on one pipeline built from the
 checkpoint, with its prompt format and execution backend; the answers are scored as `litevlm eval` scores the
 synthetic benchmarks (DriveLM final without a judge, the other weights renormalised, no graph gate), with
-closed-question accuracy beside it, against the unpruned model.
+closed-question accuracy beside it, against the unpruned model. Every other method is also paired with the
+TokenSelector at the same r on the closed questions (`vs_selector`): how many only one of the two answers right,
+and the exact sign test's p on that split, since a difference of one or two questions is not evidence.
 
 Timing, side by side in the same process on the first --timing-n prompts: each configuration's select_tokens and
 prefill stages (the pipeline's StageTimer; repeats interleaved over the configurations, the median per prompt,
@@ -27,6 +29,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -297,6 +300,29 @@ def summarise(records: list[dict], kept: list[int], base: list[dict] | None = No
     return out
 
 
+def sign_test(wins: int, losses: int) -> float:
+    """Two-sided exact sign test: the chance of a split at least this uneven if either side were equally likely."""
+    n, k = wins + losses, min(wins, losses)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired_closed(selector: list[dict], other: list[dict]) -> dict:
+    """The closed questions on which the TokenSelector and another method disagree, paired question by question:
+    how many only the selector answers right, how many only the other, and the sign test's p on that split."""
+    from litevlm.eval.metrics import normalize_answer
+
+    def right(r: dict) -> bool:
+        return normalize_answer(r["answer"]) == normalize_answer(r["gt"])
+
+    pairs = [(right(a), right(b)) for a, b in zip(selector, other) if a.get("closed")]
+    wins = sum(a and not b for a, b in pairs)
+    losses = sum(b and not a for a, b in pairs)
+    return {"selector_only": wins, "method_only": losses, "p": round(sign_test(wins, losses), 4)}
+
+
 def git_commit() -> str | None:
     try:
         proc = subprocess.run(
@@ -452,6 +478,11 @@ def main(argv=None) -> dict:
     base = records["unpruned"]
     unpruned = summarise(base, kept["unpruned"])
     scores = {key: summarise(recs, kept[key], base) for key, recs in records.items() if key != "unpruned"}
+    if selector is not None:  # every other method against the TokenSelector at the same r, question by question
+        for key, score in scores.items():
+            method, r = key.split("@")
+            if method != "token-selector":
+                score["vs_selector"] = paired_closed(records[f"token-selector@{r}"], records[key])
     t0 = time.time()
     timing = (
         run_timing(pipe, samples[: args.timing_n], prompts, configs, args.repeats, progress) if args.timing_n else {}

@@ -726,3 +726,14 @@ def test_the_run_list_measures_drive_hd(report):
     assert prune[:2] == ["python", "benchmarks/token_pruning.py"] and prune[prune.index("--model") + 1] == "drive-hd"
     assert "benchmarks/results/token_pruning_drive-hd.png" in prune
     assert "token_pruning" not in known  # the earlier run is read, no longer made
+
+
+def test_the_pruning_verdict_pairs_the_strongest_pruner_with_the_selector(tmp_path, report):
+    run = pruning_run("drive-hd")["result"]
+    run["scores"]["dart@0.1"]["vs_selector"] = {"selector_only": 1, "method_only": 4, "p": 0.375}
+    line = report.pruning_verdict(run, 0.1)
+    assert line.endswith(
+        "On the closed questions where the two differ, only the TokenSelector is right on 1 and only DART on 4"
+        " (sign test p = 0.375)."
+    )
+    assert "sign test" not in report.pruning_verdict(run, 0.2)  # a run without the pairing says nothing of it

@@ -106,3 +106,16 @@ def test_the_stored_keep_ratio_is_the_smallest_within_the_tolerance(tmp_path, be
     (sel / "config.json").write_text(json.dumps({"selector": {"keep_ratio": 0.3}}))  # reads layer 0
     with pytest.raises(SystemExit, match="another input"):
         choose.main([str(tmp_path / "run.txt"), str(sel)])
+
+
+def test_methods_are_paired_with_the_selector_on_the_closed_questions(pruning):
+    assert pruning.sign_test(0, 0) == 1.0 and pruning.sign_test(4, 4) == 1.0
+    assert pruning.sign_test(3, 0) == pytest.approx(0.25)  # 2 * (1/2)^3
+    assert pruning.sign_test(1, 9) == pytest.approx(2 * 11 / 1024)
+
+    def rec(answer, gt, closed=True):
+        return {"answer": answer, "gt": gt, "closed": closed}
+
+    sel = [rec("Yes.", "Yes."), rec("No.", "Yes."), rec("B", "B"), rec("left", "right", closed=False), rec("A", "A")]
+    other = [rec("No.", "Yes."), rec("yes", "Yes."), rec("C", "B"), rec("right", "right", closed=False), rec("A", "A")]
+    assert pruning.paired_closed(sel, other) == {"selector_only": 2, "method_only": 1, "p": 1.0}
