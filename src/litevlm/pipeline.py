@@ -34,6 +34,7 @@ from litevlm.model.generate import (
 from litevlm.model.prompt import SPECIAL_STRINGS, PromptFormat, Tiling
 from litevlm.model.vlm import VLM, load_image, normalize_tiles
 from litevlm.models import load_model, part_dir
+from litevlm.presets import GRAPH_BACKENDS
 from litevlm.quant.fp8 import precision_of
 from litevlm.select.selection import token_selection
 from litevlm.select.tokens import Pruning
@@ -213,7 +214,7 @@ class Pipeline:
         t0 = time.perf_counter()
         lm = self.model.language_model
         nodes = self.tree.total_tokens if self.drafting else 0
-        scratch = max(1, nodes) if self.backend_kind in ("cuda", "cuda-twin") else 0
+        scratch = max(1, nodes) if self.backend_kind in GRAPH_BACKENDS else 0
         lm.setup_cache(1, self.max_len, scratch=scratch)
         self.backend = choose_backend(self.backend_kind, self.model, self.draft, tree_nodes=nodes)
         self.warmed = False

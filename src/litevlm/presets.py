@@ -11,6 +11,7 @@ from litevlm.errors import LiteVLMError
 # The execution backends a pipeline can be built on (`litevlm.model.backend.choose_backend`): auto, the modules, the
 # native CPU steps, CUDA graphs, and the CUDA backend's mechanisms twinned on the CPU.
 BACKENDS = ("auto", "modules", "native", "cuda", "cuda-twin")
+GRAPH_BACKENDS = ("cuda", "cuda-twin")  # those that capture decode graphs (on the GPU, or their CPU twin)
 # The TokenSelector scores a prompt in about half a decoder layer; pruning half of n visual tokens saves
 # n / 2 tokens of the other layers. On drive-tiny (16 tokens a view) that pays from three views on
 # (`research/select_threshold.py`), so smaller prompts are not pruned.

@@ -40,7 +40,7 @@ from litevlm.errors import LiteVLMError
 from litevlm.eval.timing import emulated_precision, mean_latency
 from litevlm.model import cpu_steps
 from litevlm.pipeline import STAGES
-from litevlm.presets import BF16_CONFIGS, CONFIGS, HF_ROWS
+from litevlm.presets import BF16_CONFIGS, CONFIGS, GRAPH_BACKENDS, HF_ROWS
 
 # The table's columns in the paper's order; `select_ms` is select_views + select_tokens (the paper's "sel" column),
 # so that vit + prefill + decode + select + other = total, row by row.
@@ -571,7 +571,7 @@ def run_bench(
         "cpu_steps": cpu_steps.backend(),
         "questions": len(samples) - warmup,
         "rows": rows,
-        "cuda_graphs": backend in ("cuda", "cuda-twin"),
+        "cuda_graphs": backend in GRAPH_BACKENDS,
         "backends": {name: p.backend.name for name, p in pipes.items()},
         "setup_ms": {name: round(p.setup_ms, 1) for name, p in pipes.items()},
         "capture_ms": {name: round(p.setup_ms, 1) for name, p in pipes.items()},  # setup_ms's older name
