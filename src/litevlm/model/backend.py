@@ -503,9 +503,13 @@ class CudaBackend(ModulesBackend):
         return next((w for w in self.widths if w >= end), None)
 
     # -- operations -----------------------------------------------------------------------------
+    def _bucket(self, t: int) -> int | None:
+        """The smallest prefill bucket that holds a t-token prompt, or None past the cache."""
+        return next((b for b in self.prefill_buckets if b >= t), None) if t <= self.cache_len else None
+
     def prefill(self, embeds, positions):
         t = embeds.shape[1]
-        b = next(b for b in self.prefill_buckets if b >= t) if t <= self.cache_len else None
+        b = self._bucket(t)
         if b is None:
             raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {self.cache_len}")
         fn = self._prefill_fns.get(b)
@@ -522,7 +526,7 @@ class CudaBackend(ModulesBackend):
         """Compile the prefill bucket of a t-token prompt now, as setup, on a zero prompt (the real prefill that
         follows rewrites every slot it wrote)."""
         lm, dev = self.lm, self.model.device
-        b = next((b for b in self.prefill_buckets if b >= t), None)
+        b = self._bucket(t)
         if b is not None and b not in self._prefill_fns:
             embeds = torch.zeros(1, t, lm.cfg.hidden_size, dtype=lm.embed_tokens.weight.dtype, device=dev)
             self.prefill(embeds, torch.arange(t, device=dev)[None])
