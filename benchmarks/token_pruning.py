@@ -312,12 +312,9 @@ def sign_test(wins: int, losses: int) -> float:
 def paired_closed(selector: list[dict], other: list[dict]) -> dict:
     """The closed questions on which the TokenSelector and another method disagree, paired question by question:
     how many only the selector answers right, how many only the other, and the sign test's p on that split."""
-    from litevlm.eval.metrics import normalize_answer
+    from litevlm.eval.metrics import answered_right
 
-    def right(r: dict) -> bool:
-        return normalize_answer(r["answer"]) == normalize_answer(r["gt"])
-
-    pairs = [(right(a), right(b)) for a, b in zip(selector, other) if a.get("closed")]
+    pairs = [(answered_right(a), answered_right(b)) for a, b in zip(selector, other) if a.get("closed")]
     wins = sum(a and not b for a, b in pairs)
     losses = sum(b and not a for a, b in pairs)
     return {"selector_only": wins, "method_only": losses, "p": round(sign_test(wins, losses), 4)}

@@ -301,12 +301,17 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split()).lower().rstrip(". ")
 
 
+def answered_right(record: dict) -> bool:
+    """A record's answer equals its reference after `normalize_answer` (how a closed question is scored)."""
+    return normalize_answer(record["answer"]) == normalize_answer(record["gt"])
+
+
 def closed_accuracy(records: Iterable[dict]) -> float | None:
     """Accuracy (0..1) over the records flagged `closed=True`, exact match after `normalize_answer`.
 
     The headline "closed-question accuracy"; None when no record is closed.
     """
-    hits = [normalize_answer(r["answer"]) == normalize_answer(r["gt"]) for r in records if r.get("closed")]
+    hits = [answered_right(r) for r in records if r.get("closed")]
     return sum(hits) / len(hits) if hits else None
 
 

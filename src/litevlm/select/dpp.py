@@ -30,6 +30,12 @@ def cosine_similarity_matrix(features: torch.Tensor) -> torch.Tensor:
     return f @ f.T
 
 
+def quality_kernel(features: torch.Tensor, quality: torch.Tensor) -> torch.Tensor:
+    """The DPP kernel L = diag(q) S diag(q) (N, N) of tokens (N, C) with quality q (N,), S their cosine similarity."""
+    q = quality.float()
+    return q[:, None] * cosine_similarity_matrix(features) * q[None, :]
+
+
 def dpp_greedy_map(kernel: torch.Tensor, k: int, first: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy MAP inference of a DPP with PSD kernel (N, N): k indices in the order chosen, each the token of largest
     marginal gain d_j^2 = det(L_{S+j}) / det(L_S), the gains updated with one new row of the incremental Cholesky

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from litevlm.errors import LiteVLMError
-from litevlm.select.dpp import budget, cosine_similarity_matrix, dpp_greedy_map
+from litevlm.select.dpp import budget, cosine_similarity_matrix, dpp_greedy_map, quality_kernel
 from litevlm.select.tokens import (
     Pruning,
     Span,
@@ -225,8 +225,7 @@ def cdpruner_select(
     q = relevance.float()
     if theta is not None:
         q = torch.exp(theta / (2.0 * (1.0 - theta)) * q)
-    kernel = q[:, None] * cosine_similarity_matrix(features) * q[None, :]  # (N, N)
-    return dpp_greedy_map(kernel, k).sort().values
+    return dpp_greedy_map(quality_kernel(features, q), k).sort().values
 
 
 def per_view_select(

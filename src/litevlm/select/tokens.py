@@ -52,7 +52,7 @@ from litevlm.model import cpu_steps, native
 from litevlm.model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_table, rotate_head_rows
 from litevlm.model.lm import DecoderLayer
 from litevlm.model.prompt import Tiling, closest_grid
-from litevlm.select.dpp import cosine_similarity_matrix, dpp_greedy_map, score_quality
+from litevlm.select.dpp import dpp_greedy_map, quality_kernel, score_quality
 
 SELECTOR_DIR = "token_selector"
 SELECTOR_FORMAT = "litevlm-token-selector"
@@ -116,10 +116,8 @@ def select_by_scores(
     if rest > 0 and diversity > 0.0:
         if features is None or features.shape[0] != n:
             raise LiteVLMError(f"a diverse selection needs the {n} visual tokens' features")
-        q = score_quality(scores, diversity)
-        kernel = q[:, None] * cosine_similarity_matrix(features) * q[None, :]
-        first = chosen.nonzero().squeeze(1)
-        chosen[dpp_greedy_map(kernel, k, first)] = True
+        kernel = quality_kernel(features, score_quality(scores, diversity))
+        chosen[dpp_greedy_map(kernel, k, chosen.nonzero().squeeze(1))] = True
     elif rest > 0:
         chosen[scores.masked_fill(chosen, float("-inf")).topk(rest).indices] = True
     return chosen.nonzero().squeeze(1)
