@@ -55,6 +55,24 @@ def test_a_chat_template_with_a_system_turn_and_labels(tok):
     assert [(c, b - a) for c, a, b in layout.view_spans] == [("CAM_FRONT", 4), ("CAM_BACK", 8)]
 
 
+def test_a_prompt_is_the_tokenization_of_its_fully_written_text(tok):
+    """`build` tokenizes one placeholder per image and widens it: the ids are those of the text with every placeholder
+    written out, for any counts, labels and system turn."""
+    from litevlm.model.prompt import IMAGE_MARK
+
+    rng = random.Random(1)
+    formats = [PromptFormat(), PromptFormat(system="Drive.", camera_label="Image-{index} ({camera}): ")]
+    for q in list(question_corpus(n_frames=20, seed=5))[:120]:
+        fmt = rng.choice(formats)
+        views = [c for c in CAMERAS if rng.random() < 0.5] or ["CAM_FRONT"]
+        counts = [rng.choice([1, 16, 64, 257]) for _ in views]
+        pieces = fmt.render(q, views).split(IMAGE_MARK)
+        text = pieces[0] + "".join(f"<img>{IMAGE_MARK * n}</img>" + p for n, p in zip(counts, pieces[1:]))
+        layout = fmt.build(tok, q, views, counts)
+        assert layout.ids == tok.encode(text)
+        assert [(c, b - a) for c, a, b in layout.view_spans] == list(zip(views, counts))
+
+
 def test_a_chat_template_without_a_user_turn_is_refused(tok):
     fmt = PromptFormat(chat_template="<|im_start|>assistant\n")
     with pytest.raises(LiteVLMError, match="no user turn"):

@@ -506,6 +506,24 @@ def test_train_token_selector_smoke(tmp_path):
     stored = load_file(str(out / "selector.safetensors"))
     assert stored and not any(k.startswith("layer.") for k in stored)
     assert "fastv_k1" in sel.meta["training"]["validation"]
+    # fine-tuned from it with the answer objective: the same head and inputs, a measured answer KL
+    ft = TokenRecipe(
+        frames=2,
+        val_frames=1,
+        questions_per_frame=3,
+        epochs=1,
+        batch=2,
+        minutes=1,
+        render_size=(160, 90),
+        init=str(out),
+        answer_weight=1.0,
+        reads="layer0" if sel.cfg.reads == "prompt" else "prompt",  # the init's inputs win over the recipe's
+    )
+    out2 = train_token_selector(tmp_path / "m", ft, progress=False, out_dir=tmp_path / "ft")
+    tuned = TokenSelector.load(out2.parent, model)
+    assert tuned.cfg.reads == sel.cfg.reads and tuned.meta["recipe"]["reads"] == sel.cfg.reads
+    assert tuned.meta["recipe"]["init"] == str(out) and tuned.meta["training"]["final_answer_kl"] >= 0.0
+    assert not torch.equal(tuned.mlp[0].weight, sel.mlp[0].weight)
 
 
 @pytest.mark.parametrize("path", ["native", "eager"])
@@ -541,3 +559,48 @@ def test_the_inference_head_equals_the_training_head(path, monkeypatch):
     torch.testing.assert_close(fast, slow.detach(), atol=1e-5, rtol=1e-5)
     if path == "native":
         assert calls  # the native head ran
+
+
+def test_a_hard_keep_mask_makes_the_answer_objective_the_kl_to_the_pruned_prompt():
+    """At a near-zero temperature the soft mask is the hard top-k: the answer objective is then the KL from the full
+    prompt's answer distributions to those of the prompt pruned to the top-r tokens (at their original positions)."""
+    from litevlm.train.tokens import answer_loss, soft_keep_bias
+
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    n = len(spans) * TPV
+    scores = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    bias = soft_keep_bias(scores, 0.25, 1e-4)
+    kept = scores.topk(keep_count(n, 0.25)).indices
+    assert (bias[kept] > -1e-3).all() and (bias.index_fill(0, kept, -1e9) < -100).all()
+    answer = [30, 31, 32, 92]
+    got = answer_loss(model, embeds, positions, spans, answer, scores, 0.25, 1e-4)
+    with torch.no_grad():
+        lm = model.language_model
+        x = torch.cat([embeds, lm.embed_tokens(torch.tensor([answer[:-1]]))], 1)
+        pos = torch.arange(x.shape[1])[None]
+        t = embeds.shape[1]
+        full = model.lm_head(lm(x, pos))[0, t - 1 :].log_softmax(-1)
+        keep = torch.ones(x.shape[1], dtype=torch.bool)
+        keep[visual_index(spans)] = False
+        keep[visual_index(spans)[kept]] = True
+        pruned = model.lm_head(lm(x[:, keep], pos[:, keep]))[0, -len(answer) :].log_softmax(-1)
+    want = (full.exp() * (full - pruned)).sum(-1).mean()
+    assert want > 1e-4  # pruning changes this tiny model's answer distributions
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_answer_objective_reaches_the_scores_near_the_cut_only():
+    from litevlm.train.tokens import answer_loss
+
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    n = len(spans) * TPV
+    scores = torch.linspace(-3, 3, n)[torch.randperm(n, generator=torch.Generator().manual_seed(0))]
+    scores.requires_grad_(True)
+    assert float(answer_loss(model, embeds, positions, spans, [30, 92], scores.detach(), 1.0, 0.2)) < 1e-6
+    answer_loss(model, embeds, positions, spans, [30, 31, 92], scores, 0.5, 0.05).backward()
+    g = scores.grad.abs()
+    cut = scores.detach().sort().values[n // 2 - 1 : n // 2 + 1].mean()  # midway between the kept and the dropped
+    far = (scores.detach() - cut).abs() > 1.0  # over 11 spreads (0.05 x std 1.75) from it
+    assert g[~far].max() > 0 and g[far].max() < 1e-3 * g[~far].max()

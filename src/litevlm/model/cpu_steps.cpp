@@ -852,7 +852,7 @@ at::Tensor view_logits_op(const at::Tensor& ids_in, const at::Tensor& lexical_in
 
 // `_head_ops` of litevlm/select/tokens.py: decoder layer 0's output x (T, C) -> log-scores (N,) of the visual tokens
 // at prompt indices `vis`, the question being rows first_row..T-1. cos / sin (T, D) at the prompt's positions; tags
-// (2, N) or empty; w = [norm, W_q (C, 2 Hq D + 1) = [q | rot q | gate], b_q, W_k (C, 2 Hkv D) = [k | rot k], b_k,
+// (2, N) or empty; w = [norm, W_q (C, 2 Hq D + 1) = [q | rot q | gate], b_q, W_k (C, Hkv D), b_k,
 // last bonus (1), head logits (Hq), W1 token half (C, hidden), b1, W1 context half (hidden, C), w2 (hidden), b2 (1),
 // tag weights (2)], all contiguous fp32.
 at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, int64_t first_row,
@@ -868,7 +868,7 @@ at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const 
   const int64_t t = x.size(0), c = x.size(1), n = t - first_row, nv = vis_t.numel(), g = hq / hkv;
   const int64_t hidden = w[7].size(1);
   TORCH_CHECK(first_row >= 1 && n >= 1 && cos.size(0) == t && cos.size(1) == d, "litevlm_cpu: token_scores shapes");
-  TORCH_CHECK(w[1].size(1) == 2 * hq * d + 1 && w[3].size(1) == 2 * hkv * d, "litevlm_cpu: token_scores projections");
+  TORCH_CHECK(w[1].size(1) == 2 * hq * d + 1 && w[3].size(1) == hkv * d, "litevlm_cpu: token_scores projections");
   const int64_t* vis = vis_t.data_ptr<int64_t>();
   for (int64_t j = 0; j < nv; ++j) TORCH_CHECK(vis[j] >= 0 && vis[j] < first_row, "litevlm_cpu: a visual index past the views");
   const float* cs = cos.data_ptr<float>();
@@ -878,16 +878,28 @@ at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const 
   rms_norm_rows(x.data_ptr<float>(), w[0].data_ptr<float>(), h.data_ptr<float>(), t, c, eps);
   const float* hp = h.data_ptr<float>();
   at::Tensor qg = at::addmm(w[2], h.slice(0, first_row, t), w[1]);  // (n, 2 Hq D + 1)
-  at::Tensor kk = at::addmm(w[4], h, w[3]);                           // (T, 2 Hkv D)
-  const int64_t qw = qg.size(1), kw = kk.size(1);
+  at::Tensor kk = at::addmm(w[4], h, w[3]);                           // (T, Hkv D)
+  const int64_t qw = qg.size(1), kw = hkv * d, half = d / 2;
   float* qp = qg.data_ptr<float>();
-  float* kp = kk.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i)  // RoPE: a * cos + rot(a) * sin, the rotation folded into the weights
     for (int64_t e = 0; e < hq * d; ++e)
       qp[i * qw + e] = qp[i * qw + e] * cs[(first_row + i) * d + e % d] + qp[i * qw + hq * d + e] * sn[(first_row + i) * d + e % d];
+  // the keys' RoPE with rot = rotate_half applied here: (T, Hkv, D) -> (Hkv, D, T), the layout of one batched matmul
+  at::Tensor kt = at::empty({hkv, d, t}, x.options());
+  const float* kp = kk.data_ptr<float>();
+  float* ktp = kt.data_ptr<float>();
   for (int64_t r = 0; r < t; ++r)
-    for (int64_t e = 0; e < hkv * d; ++e)
-      kp[r * kw + e] = kp[r * kw + e] * cs[r * d + e % d] + kp[r * kw + hkv * d + e] * sn[r * d + e % d];
+    for (int64_t m = 0; m < hkv; ++m) {
+      const float* a = kp + r * kw + m * d;
+      for (int64_t e = 0; e < d; ++e) {
+        const float rot = e < half ? -a[e + half] : a[e - half];
+        ktp[(m * d + e) * t + r] = a[e] * cs[r * d + e] + rot * sn[r * d + e];
+      }
+    }
+  // the query rows grouped by kv head, row i * G + g of group m = query head m * G + g of row i
+  at::Tensor qh = qg.slice(1, 0, hq * d).view({n, hkv, g, d}).permute({1, 0, 2, 3}).reshape({hkv, n * g, d});
+  at::Tensor logits = at::bmm(qh, kt).contiguous();  // (Hkv, n G, T)
+  float* lp = logits.data_ptr<float>();
 
   // row pooling beta (softmax of the gates, the last row's with its bonus) and the head weights
   std::vector<float> beta(n), head_w(hq);
@@ -904,15 +916,22 @@ at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const 
 
   // mix_j = sum over heads m and rows i of head_w[m] beta[i] softmax_keys(q_i^m . k^m / sqrt(d))[vis_j]
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  std::vector<float> mix(nv, 0.f), p(t);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t top = first_row + i + 1;  // causal: row first_row + i sees keys 0..first_row + i
-    for (int64_t m = 0; m < hq; ++m) {
-      const float total = exp_scores(qp + i * qw + m * d, kp + (m / g) * d, kw, top, d, scale, p.data());
-      const float coef = head_w[m] * beta[i] / total;
-      for (int64_t j = 0; j < nv; ++j) mix[j] += coef * p[vis[j]];
+  std::vector<float> mix(nv, 0.f);
+  for (int64_t m = 0; m < hkv; ++m)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t top = first_row + i + 1;  // causal: row first_row + i sees keys 0..first_row + i
+      for (int64_t gg = 0; gg < g; ++gg) {
+        float* p = lp + ((m * n + i) * g + gg) * t;
+        float best = -INFINITY;
+        for (int64_t j = 0; j < top; ++j) best = std::max(best, p[j] *= scale);
+        for (int64_t j = 0; j < top; ++j) p[j] -= best;
+        exp_inplace(p, top);
+        float total = 0.f;
+        for (int64_t j = 0; j < top; ++j) total += p[j];
+        const float coef = head_w[m * g + gg] * beta[i] / total;
+        for (int64_t j = 0; j < nv; ++j) mix[j] += coef * p[vis[j]];
+      }
     }
-  }
   // the content MLP on [norm(h_j), context], its first layer split into the token and the context halves
   std::vector<float> ctx(c, 0.f), pre_ctx(hidden);
   for (int64_t i = 0; i < n; ++i)

@@ -195,14 +195,24 @@ class PromptFormat:
         counts = [tokens] * len(views) if isinstance(tokens, int) else list(tokens)
         if len(counts) != len(views):
             raise LiteVLMError(f"{len(views)} views but visual token counts for {len(counts)}")
+        # Each image block is tokenized with one placeholder and widened to its count after: the placeholder and the
+        # block's ends are special tokens, which the tokenizer never merges with their neighbours, so the ids are
+        # those of the fully written text, without running the tokenizer over hundreds of placeholders.
         pieces = self.render(question, views).split(IMAGE_MARK)
-        text = pieces[0] + "".join(f"<img>{IMAGE_MARK * n}</img>" + p for n, p in zip(counts, pieces[1:]))
-        ids = tokenizer.encode(text)
-        starts = [i for i, t in enumerate(ids) if t == tokenizer.img_start_id]
+        short = tokenizer.encode(pieces[0] + "".join(f"<img>{IMAGE_MARK}</img>" + p for p in pieces[1:]))
+        img_start, image = tokenizer.img_start_id, tokenizer.image_id
+        starts = [i for i, t in enumerate(short) if t == img_start]
         if len(starts) != len(views):
             raise LiteVLMError(f"the prompt holds {len(starts)} <img> tokens for {len(views)} views")
-        spans = [(c, s + 1, s + 1 + n) for c, s, n in zip(views, starts, counts)]
-        return PromptLayout(ids, spans)
+        ids, spans, done = [], [], 0
+        for c, s, n in zip(views, starts, counts):
+            if short[s + 1 : s + 2] != [image]:
+                raise LiteVLMError("the tokenizer does not keep <img> and its placeholder as single tokens")
+            ids += short[done : s + 1]
+            spans.append((c, len(ids), len(ids) + n))
+            ids += [image] * n
+            done = s + 2
+        return PromptLayout(ids + short[done:], spans)
 
     # -- saving ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:

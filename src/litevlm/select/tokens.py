@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
 from litevlm.config import TextConfig
@@ -391,12 +392,12 @@ def _head_ops(
 ) -> torch.Tensor:
     """The TokenSelector's head on one prompt x (T, C) -> log-scores (N,) of the visual tokens `vis`.
 
-    The question rows are the contiguous tail from `first_row`. One matmul gives their [q | rot(q) | gate],
-    one gives every token's [k | rot(k)] (RoPE as a*cos + rot(a)*sin, the rotation folded into the packed
-    weights, `TokenSelector._packed`); the MLP's first layer is split into its per-token and context halves,
-    so the (N, 2C) feature matrix is never built. w = [norm, W_q, b_q, W_k, b_k, last bonus, head logits,
-    W1 token half (C, hidden), b1, W1 context half (hidden, C), w2 (hidden,), b2, tag weights]; tags (2, N)
-    or empty. cos / sin (T, 1, D).
+    The question rows are the contiguous tail from `first_row`. One matmul gives their [q | rot(q) | gate]
+    (RoPE as a*cos + rot(a)*sin, the rotation folded into the packed weights, `TokenSelector._packed`), one gives
+    every token's k, rotated after (the keys are most of the rows: half the multiply-adds); the MLP's first layer
+    is split into its per-token and context halves, so the (N, 2C) feature matrix is never built. w = [norm, W_q,
+    b_q, W_k, b_k, last bonus, head logits, W1 token half (C, hidden), b1, W1 context half (hidden, C), w2 (hidden,),
+    b2, tag weights]; tags (2, N) or empty. cos / sin (T, 1, D).
     """
     t, c = x.shape
     n, g = t - first_row, hq // hkv
@@ -405,8 +406,8 @@ def _head_ops(
     q = torch.addcmul(
         qg[:, : hq * d].view(n, hq, d) * cos[first_row:], qg[:, hq * d : 2 * hq * d].view(n, hq, d), sin[first_row:]
     )
-    kk = torch.addmm(w[4], h, w[3])  # (T, 2 Hkv D)
-    k = torch.addcmul(kk[:, : hkv * d].view(t, hkv, d) * cos, kk[:, hkv * d :].view(t, hkv, d), sin)  # (T, Hkv, D)
+    k = torch.addmm(w[4], h, w[3]).view(t, hkv, d)  # (T, Hkv, D)
+    k = torch.addcmul(k * cos, torch.cat([-k[..., d // 2 :], k[..., : d // 2]], -1), sin)  # RoPE, rotated here
     q = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # (Hkv, n G, D): row = i G + g
     logits = torch.bmm(q, k.permute(1, 2, 0)) * (1.0 / math.sqrt(d))  # (Hkv, n G, T)
     future = torch.arange(t, device=x.device)[None, :] > torch.arange(first_row, t, device=x.device)[:, None]  # (n, T)
@@ -477,15 +478,22 @@ def question_start(view_spans: Sequence[Span], t: int) -> int:
 def layer_rows(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Decoder `layer`'s output (B, n, C) at the query tokens `rows` (n,) of x (B, T, C), each attending causally
     over the whole of x: equal to the matching rows of `layer(x)` (a test), without running the layer on the others
-    (their keys and values alone are projected). Differentiable."""
+    (their keys and values alone are projected). One fused attention call (SDPA, GQA unexpanded). Differentiable."""
     attn, cfg = layer.self_attn, layer.self_attn.cfg
     b, t, _ = x.shape
+    n, d = rows.numel(), cfg.head_dim
+    if x.device.type == "cpu":  # a table kept between prompts (reading a position's value would sync a GPU)
+        table_cos, table_sin = rope_table(layer, d, cfg.rope_theta, int(positions.max()), x.dtype, x.device)
+        cos, sin = table_cos[positions].transpose(1, 2), table_sin[positions].transpose(1, 2)  # (B, 1, T, D)
+    else:
+        cos, sin = rope_cos_sin(positions, d, cfg.rope_theta, x.dtype)
     xn = layer.input_layernorm(x)
-    p = row_logits(attn.q_proj, attn.k_proj, xn, positions, rows, cfg).softmax(-1).to(x.dtype)  # (B, H, n, T)
-    v = attn.v_proj(xn).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-    v = v.repeat_interleave(cfg.num_heads // cfg.num_kv_heads, dim=1)  # head h reads kv head h // G, as enable_gqa
-    y = attn.o_proj((p @ v).transpose(1, 2).reshape(b, rows.numel(), -1))  # (B, n, C)
-    h = x[:, rows] + y
+    q = apply_rope(attn.q_proj(xn[:, rows]).view(b, n, -1, d).transpose(1, 2), cos[:, :, rows], sin[:, :, rows])
+    k = apply_rope(attn.k_proj(xn).view(b, t, -1, d).transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
+    v = attn.v_proj(xn).view(b, t, -1, d).transpose(1, 2)
+    allowed = torch.arange(t, device=x.device)[None, :] <= rows[:, None]  # (n, T): causal by index
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)  # (B, H, n, D)
+    h = x[:, rows] + attn.o_proj(y.transpose(1, 2).reshape(b, n, -1))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
@@ -759,9 +767,8 @@ class TokenSelector(nn.Module):
         return weights
 
     def _packed(self) -> tuple:
-        """(W_q (C, 2 Hq D + 1), b_q, W_k (C, 2 Hkv D), b_k), row-major: [q | rot(q) | gate] and [k | rot(k)],
-        rot = rotate_half folded into the weights (built by `_head_weights`, which keeps them until a weight
-        changes)."""
+        """(W_q (C, 2 Hq D + 1), b_q, W_k (C, Hkv D), b_k), row-major: [q | rot(q) | gate], rot = rotate_half folded
+        into the weights, and k (built by `_head_weights`, which keeps them until a weight changes)."""
         d = self.text_cfg.head_dim
 
         def bias(lin: nn.Linear, rows: int) -> torch.Tensor:
@@ -772,8 +779,8 @@ class TokenSelector(nn.Module):
         return (
             torch.cat([wq, rotate_head_rows(wq, d), self.query_gate.weight.detach()]).t().contiguous(),
             torch.cat([bq, rotate_head_rows(bq, d), self.query_gate.bias.detach()]),
-            torch.cat([wk, rotate_head_rows(wk, d)]).t().contiguous(),
-            torch.cat([bk, rotate_head_rows(bk, d)]),
+            wk.t().contiguous(),
+            bk.contiguous(),
         )
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,7 +37,7 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -110,6 +110,23 @@ class TokenRecipe:
     min_per_view: int = 1
     mlp_hidden: int = 128
     use_tags: bool = True  # the selector's c-tag cell bonuses
+    answer_weight: float = flag(
+        0.0,
+        "weight of the answer objective beside the attention labels: the KL from the full model's next-token "
+        "distributions over the answer to the model's own under the selector's soft keep mask at an r drawn from "
+        "--answer-ratios (0: the labels alone)",
+    )
+    answer_ratios: tuple[float, ...] = flag((0.2, 0.3, 0.4), "the keep ratios r the answer objective draws from")
+    answer_temperature: float = flag(
+        0.2, "softness of the answer objective's keep mask: sigmoid((score - threshold) / (T * the scores' std))"
+    )
+    answer_tokens_max: int = flag(24, "the answer objective reads at most this many answer tokens")
+    init: str | None = flag(
+        None,
+        "start from this TokenSelector (a folder holding token_selector/, or the folder itself) instead of the "
+        "model's layers; its head shape and inputs are kept",
+        metavar="DIR",
+    )
     threads: int = flag(2, "torch threads")
     # --data only (the user's DriveLM data)
     val_fraction: float = flag(0.1, "with --data: share of the scenes held out for validation (scene_split, seed)")
@@ -249,6 +266,7 @@ class Item:
     target: torch.Tensor  # (N,) label distribution
     attn: torch.Tensor = field(repr=False, default=None)  # teacher attention part
     prior: torch.Tensor = field(repr=False, default=None)
+    answer: list[int] | None = None  # the answer ids (end token included) the answer objective is forced on
 
 
 def pick_views(rng: random.Random, needed: Sequence[str], recipe: TokenRecipe) -> tuple[str, ...]:
@@ -310,7 +328,9 @@ def build_items(pipe, recipe: TokenRecipe, frame_range: range, rng: random.Rando
             grids = view_grids(pipe.format.tiling, p.view_spans, model.cfg.tokens_per_tile)
             prior = box_prior(frame_boxes(frame, qa.question, qa.answer, qa.views), views, grid, grids)
             target = label(attn, prior, recipe.prior_weight)
-            items.append(Item(len(bank) - 1, views, qa.question, p.ids[0].tolist(), p.view_spans, target, attn, prior))
+            items.append(
+                Item(len(bank) - 1, views, qa.question, p.ids[0].tolist(), p.view_spans, target, attn, prior, answer)
+            )
     return bank, items
 
 
@@ -483,7 +503,10 @@ def data_items(pipe, groups, recipe: TokenRecipe, cache: LabelCache, progress: b
             if prior.numel() != attn.numel():
                 raise LiteVLMError(f"the cached label of {s.id} does not fit its prompt: delete {cache.folder}")
             target = label(attn, prior, recipe.prior_weight)
-            items.append(Item(len(bank) - 1, views, s.question, p.ids[0].tolist(), p.view_spans, target, attn, prior))
+            answer = pipe.tokenizer.encode(s.answer) + [pipe.tokenizer.eos_id] if s.answer.strip() else None
+            items.append(
+                Item(len(bank) - 1, views, s.question, p.ids[0].tolist(), p.view_spans, target, attn, prior, answer)
+            )
     return bank, items
 
 
@@ -519,6 +542,47 @@ def kl_loss(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """KL(target || softmax(scores)) over the visual tokens, (N,) each."""
     logq = F.log_softmax(scores.float(), -1)
     return (target * (torch.log(target.clamp_min(1e-12)) - logq)).sum()
+
+
+def soft_keep_bias(scores: torch.Tensor, keep_ratio: float, temperature: float) -> torch.Tensor:
+    """log m (N,) of a soft keep mask over the visual tokens, m = sigmoid((s - threshold) / (temperature * std(s))),
+    the threshold midway between the k-th and the (k+1)-th score (k = keep_count(N, r)), threshold and spread held
+    fixed: near 0 for the tokens a hard top-k keeps, very negative for the ones it drops, and differentiable in the
+    scores near the cut."""
+    n = scores.numel()
+    k = keep_count(n, keep_ratio)
+    s = scores.float()
+    if k == n:  # everything is kept
+        return s * 0.0
+    top = s.detach().topk(k + 1).values
+    spread = temperature * s.detach().std().clamp_min(1e-6)
+    return F.logsigmoid((s - 0.5 * (top[k - 1] + top[k])) / spread)
+
+
+def answer_loss(
+    model, embeds, positions, view_spans, answer: Sequence[int], scores: torch.Tensor, keep_ratio: float, temperature
+) -> torch.Tensor:
+    """The answer objective: KL(full || pruned) of the model's next-token distributions over the answer, teacher-forced.
+
+    "full" reads the whole prompt; "pruned" the same prompt with every attention to visual token j weighted by the
+    soft keep mask m_j (`soft_keep_bias`, added to the logits in every layer: a dropped token is read by no one, as
+    when pruning removes it). The gradient reaches the scores alone (the model is frozen), through the tokens near
+    the cut: those whose keeping changes what the model says."""
+    lm = model.language_model
+    t, dev = embeds.shape[1], embeds.device
+    ans = torch.tensor([list(answer)[:-1]], device=dev, dtype=torch.long)  # the last answer token predicts nothing
+    x = torch.cat([embeds, lm.embed_tokens(ans).to(embeds.dtype)], 1)
+    n = x.shape[1]
+    pos = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(ans.shape[1], device=dev)[None]], 1)
+    rows = torch.arange(t - 1, n, device=dev)  # the rows that predict each answer token
+    with torch.no_grad():
+        full = F.log_softmax(model.lm_head(lm(x, pos)[:, rows]).float(), -1)
+    bias = torch.zeros(n, device=dev, dtype=torch.float32)
+    bias = bias.index_put((visual_index(view_spans, dev),), soft_keep_bias(scores, keep_ratio, temperature))
+    causal = torch.full((n, n), float("-inf"), device=dev).triu(1)
+    mask = (causal + bias[None, :]).to(embeds.dtype)[None, None]  # (1, 1, n, n)
+    pruned = F.log_softmax(model.lm_head(lm(x, pos, mask=mask)[:, rows]).float(), -1)
+    return (full.exp() * (full - pruned)).sum(-1).mean()
 
 
 def topk_recall(scores: torch.Tensor, target: torch.Tensor, sizes: Sequence[int], r: float) -> float:
@@ -636,18 +700,31 @@ def train_token_selector(
         }
     if not items:
         raise LiteVLMError("no training items were labelled within the time budget; raise --minutes")
-    selector = TokenSelector.from_model(
-        model,
-        SelectorConfig(
-            recipe.keep_ratio,
-            recipe.min_per_view,
-            recipe.mlp_hidden,
-            use_tags=recipe.use_tags,
-            shared_layer=recipe.shared_layer,
-            reads=recipe.reads,
-            diversity=recipe.diversity,
-        ),
-    ).float()
+    if recipe.init is not None:  # fine-tune a trained selector: its shape and inputs are the recipe's
+        selector = TokenSelector.load(recipe.init, model).float()
+        selector.cfg = replace(selector.cfg, keep_ratio=recipe.keep_ratio, diversity=recipe.diversity)
+        c = selector.cfg
+        recipe = replace(
+            recipe,
+            min_per_view=c.min_per_view,
+            mlp_hidden=c.mlp_hidden,
+            use_tags=c.use_tags,
+            shared_layer=c.shared_layer,
+            reads=c.reads,
+        )
+    else:
+        selector = TokenSelector.from_model(
+            model,
+            SelectorConfig(
+                recipe.keep_ratio,
+                recipe.min_per_view,
+                recipe.mlp_hidden,
+                use_tags=recipe.use_tags,
+                shared_layer=recipe.shared_layer,
+                reads=recipe.reads,
+                diversity=recipe.diversity,
+            ),
+        ).float()
     before = {}
     if d.is_main:
         before = {
@@ -661,7 +738,8 @@ def train_token_selector(
     steps_per_epoch = math.ceil(len(items) / recipe.batch)
     total = steps_per_epoch * recipe.epochs
     bar = tqdm(total=total, desc="training token selector", disable=not shown)
-    losses, step, t_loop = [], 0, time.time()
+    losses, kls, answer_losses, step, t_loop = [], [], [], 0, time.time()
+    draw = random.Random(recipe.seed + 1)  # the answer objective's keep ratios
     selector.train()
     for epoch in range(recipe.epochs):
         order = list(range(len(items)))
@@ -675,11 +753,21 @@ def train_token_selector(
                 g["lr"] = lr
             batch = [items[i] for i in order[s * recipe.batch : (s + 1) * recipe.batch]]
             opt.zero_grad(set_to_none=True)
-            loss_sum = 0.0
+            loss_sum = kl_sum = 0.0
             for it, share in batch_share(batch, d):
                 with _autocast(model):
                     scores = item_scores(selector, model, bank, it, tiling, module)
-                loss = kl_loss(scores, it.target.to(model.device)) / len(batch)
+                    loss = kl_loss(scores, it.target.to(model.device))
+                    kl_sum += float(loss.detach()) / len(batch)
+                    if recipe.answer_weight > 0 and it.answer:
+                        embeds, positions = item_inputs(model, bank, it)
+                        r = draw.choice(recipe.answer_ratios)
+                        answer = it.answer[: recipe.answer_tokens_max + 1]
+                        temp = recipe.answer_temperature
+                        a = answer_loss(model, embeds, positions, it.spans, answer, scores, r, temp)
+                        answer_losses.append(float(a.detach()))
+                        loss = loss + recipe.answer_weight * a
+                loss = loss / len(batch)
                 if d.world_size > 1:  # DDP averages over the ranks: each rank's sum counts W times
                     loss = loss * share
                 loss.backward()
@@ -687,6 +775,7 @@ def train_token_selector(
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             losses.append(loss_sum)
+            kls.append(kl_sum)
             step += 1
             if step == 20:  # re-plan the cosine schedule to what the time budget allows
                 per_step = all_reduce_mean((time.time() - t_loop) / 20, d)
@@ -695,7 +784,10 @@ def train_token_selector(
                 bar.total = total
             bar.update(1)
             if step % 10 == 0:
-                bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+                shown_loss = {"loss": f"{sum(losses[-20:]) / len(losses[-20:]):.3f}"}
+                if answer_losses:
+                    shown_loss["answer_kl"] = f"{sum(answer_losses[-200:]) / len(answer_losses[-200:]):.4f}"
+                bar.set_postfix(shown_loss)
     bar.close()
     selector.eval()
     if not d.is_main:
@@ -707,7 +799,8 @@ def train_token_selector(
         "items": len(items),
         "frames_labelled": len(bank),
         "train_seconds": round(time.time() - t_start, 1),
-        "final_kl": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4) if losses else None,
+        "final_kl": round(sum(kls[-20:]) / max(1, len(kls[-20:])), 4) if kls else None,
+        "final_answer_kl": round(sum(answer_losses[-200:]) / len(answer_losses[-200:]), 5) if answer_losses else None,
         "source": source,
         "validation": {**before, "selector": after},
     }
