@@ -884,21 +884,22 @@ at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const 
   for (int64_t i = 0; i < n; ++i)  // RoPE: a * cos + rot(a) * sin, the rotation folded into the weights
     for (int64_t e = 0; e < hq * d; ++e)
       qp[i * qw + e] = qp[i * qw + e] * cs[(first_row + i) * d + e % d] + qp[i * qw + hq * d + e] * sn[(first_row + i) * d + e % d];
-  // the keys' RoPE with rot = rotate_half applied here: (T, Hkv, D) -> (Hkv, D, T), the layout of one batched matmul
-  at::Tensor kt = at::empty({hkv, d, t}, x.options());
+  // the keys' RoPE with rot = rotate_half applied here, into (Hkv, T, D): one batched matmul reads them transposed
+  at::Tensor kh = at::empty({hkv, t, d}, x.options());
   const float* kp = kk.data_ptr<float>();
-  float* ktp = kt.data_ptr<float>();
-  for (int64_t r = 0; r < t; ++r)
-    for (int64_t m = 0; m < hkv; ++m) {
+  float* khp = kh.data_ptr<float>();
+  for (int64_t m = 0; m < hkv; ++m)
+    for (int64_t r = 0; r < t; ++r) {
       const float* a = kp + r * kw + m * d;
+      float* out = khp + (m * t + r) * d;
       for (int64_t e = 0; e < d; ++e) {
         const float rot = e < half ? -a[e + half] : a[e - half];
-        ktp[(m * d + e) * t + r] = a[e] * cs[r * d + e] + rot * sn[r * d + e];
+        out[e] = a[e] * cs[r * d + e] + rot * sn[r * d + e];
       }
     }
   // the query rows grouped by kv head, row i * G + g of group m = query head m * G + g of row i
   at::Tensor qh = qg.slice(1, 0, hq * d).view({n, hkv, g, d}).permute({1, 0, 2, 3}).reshape({hkv, n * g, d});
-  at::Tensor logits = at::bmm(qh, kt).contiguous();  // (Hkv, n G, T)
+  at::Tensor logits = at::bmm(qh, kh.transpose(1, 2)).contiguous();  // (Hkv, n G, T)
   float* lp = logits.data_ptr<float>();
 
   // row pooling beta (softmax of the gates, the last row's with its bonus) and the head weights

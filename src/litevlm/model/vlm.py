@@ -108,8 +108,9 @@ class VLM(nn.Module):
                 f"the prompt has {n_slots} image placeholder tokens but {n_visual} visual tokens were given "
                 f"({self.cfg.tokens_per_tile} per tile): the images do not match the prompt"
             )
-        if n_visual:
-            x = x.masked_scatter(slots[..., None], visual.reshape(-1, x.shape[-1]).to(x.dtype))
+        if n_visual:  # into the placeholders in order (masked_scatter's order, at a fraction of its time on a CPU)
+            rows = slots.reshape(-1).nonzero().squeeze(1)
+            x = x.reshape(-1, x.shape[-1]).index_copy(0, rows, visual.reshape(-1, x.shape[-1]).to(x.dtype)).view_as(x)
         return x
 
     def forward(self, input_ids: torch.Tensor, pixels: torch.Tensor | None = None, positions=None) -> torch.Tensor:

@@ -13,7 +13,11 @@ make concrete:
      question or answer names by c-tag, otherwise the objects seen in the views it needs).
 The label is p = (1 - prior_weight) * attention + prior_weight * prior over the visual tokens;
 the selector is trained by a listwise KL(p || softmax(scores)), which matches a distribution-valued
-teacher at every budget r at once. Frames come from the synthetic training stream (seed 0; the
+teacher at every budget r at once. With `answer_weight` > 0 the labels get a second objective beside them, what
+they stand for (`answer_loss`): the KL from the full model's next-token distributions over the answer to those of the
+same model reading only the selector's top-r visual tokens (r drawn from `answer_ratios`), its gradient reaching the
+scores through a soft mask around the cut (straight-through: the forward pass is the hard top-r); `init` fine-tunes a
+trained selector so. Frames come from the synthetic training stream (seed 0; the
 held-out split is seed 1); view sets mix "the views the question needs (plus random extras)" with
 "all six", as the pipeline feeds the selector.
 
@@ -74,7 +78,7 @@ class TokenRecipe:
     minutes: float = flag(10.0, "wall-clock budget for labelling and training (labelling takes at most 40%)")
     epochs: int = flag(4, "passes over the labelled prompts (the budget may stop it sooner)")
     batch: int = 16
-    lr: float = 1e-3
+    lr: float = flag(1e-3, "peak learning rate (cosine schedule); lower it to fine-tune a trained selector (--init)")
     weight_decay: float = 0.01
     band: tuple[int, int] | None = None  # teacher layers [a, b); None: every layer but the first, [1, L)
     last_row_weight: float = 0.5  # share of the last prompt token's row; the answer rows share the rest
@@ -559,15 +563,25 @@ def soft_keep_bias(scores: torch.Tensor, keep_ratio: float, temperature: float) 
     return F.logsigmoid((s - 0.5 * (top[k - 1] + top[k])) / spread)
 
 
+def hard_keep_bias(scores: torch.Tensor, keep_ratio: float, temperature: float, floor: float = -30.0) -> torch.Tensor:
+    """The top-k keep mask itself in the forward pass (0 for a kept token, `floor` for a dropped one: read by no
+    one), with the gradient of `soft_keep_bias` (a straight-through estimate). A soft mask alone in the forward pass
+    lets training crowd scores at the cut, where every token is half kept; at inference each is kept or not."""
+    soft = soft_keep_bias(scores, keep_ratio, temperature)
+    n = scores.numel()
+    hard = torch.full_like(soft, floor).index_fill(0, scores.detach().topk(keep_count(n, keep_ratio)).indices, 0.0)
+    return hard + (soft - soft.detach())
+
+
 def answer_loss(
     model, embeds, positions, view_spans, answer: Sequence[int], scores: torch.Tensor, keep_ratio: float, temperature
 ) -> torch.Tensor:
     """The answer objective: KL(full || pruned) of the model's next-token distributions over the answer, teacher-forced.
 
-    "full" reads the whole prompt; "pruned" the same prompt with every attention to visual token j weighted by the
-    soft keep mask m_j (`soft_keep_bias`, added to the logits in every layer: a dropped token is read by no one, as
-    when pruning removes it). The gradient reaches the scores alone (the model is frozen), through the tokens near
-    the cut: those whose keeping changes what the model says."""
+    "full" reads the whole prompt; "pruned" the same prompt with the top-r tokens alone (`hard_keep_bias` added to
+    the attention logits in every layer: a dropped token is read by no one, as when pruning removes it). The
+    gradient reaches the scores alone (the model is frozen), through the soft mask's tokens near the cut: those
+    whose keeping changes what the model says."""
     lm = model.language_model
     t, dev = embeds.shape[1], embeds.device
     ans = torch.tensor([list(answer)[:-1]], device=dev, dtype=torch.long)  # the last answer token predicts nothing
@@ -578,7 +592,7 @@ def answer_loss(
     with torch.no_grad():
         full = F.log_softmax(model.lm_head(lm(x, pos)[:, rows]).float(), -1)
     bias = torch.zeros(n, device=dev, dtype=torch.float32)
-    bias = bias.index_put((visual_index(view_spans, dev),), soft_keep_bias(scores, keep_ratio, temperature))
+    bias = bias.index_put((visual_index(view_spans, dev),), hard_keep_bias(scores, keep_ratio, temperature))
     causal = torch.full((n, n), float("-inf"), device=dev).triu(1)
     mask = (causal + bias[None, :]).to(embeds.dtype)[None, None]  # (1, 1, n, n)
     pruned = F.log_softmax(model.lm_head(lm(x, pos, mask=mask)[:, rows]).float(), -1)
