@@ -159,8 +159,13 @@ def machine(pinned: bool) -> dict:
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        lines = cpuinfo.read_text().splitlines()
+        names = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")]
         cpu = names[0] if names else cpu
+        # two CPUs of one model name can differ in their vector units, and CPU figures move with them
+        flags = next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
+        isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+        cpu = f"{cpu} ({isa})" if isa else cpu
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
