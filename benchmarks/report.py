@@ -1022,9 +1022,10 @@ def glance(runs: dict) -> list[str]:
             if name in runs:
                 res = runs[name]["result"]
                 on = f" on {model}" if hd else ""  # named once drive-hd's figures stand beside drive-tiny's
+                cpu = runs[name].get("machine", {}).get("cpu")  # CPU ratios move with the CPU
                 lines.append(
                     f"- LiteVLM **{fmt(litevlm_speedup(res))}x** the baseline{on} at {label} ({res['threads']}"
-                    " thread(s); the ratio of mean totals, as in the paper's Table 1)"
+                    f" thread(s){f', {cpu}' if cpu else ''}; the ratio of mean totals, as in the paper's Table 1)"
                 )
     if "drive_tiny_views" in runs:
         f = runs["drive_tiny_views"]["result"]["full"]
