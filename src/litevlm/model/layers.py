@@ -93,6 +93,16 @@ def rope_table(owner, head_dim: int, theta: float, top: int, dtype, device) -> t
     return table
 
 
+def rope_at(owner, positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (B, 1, T, D) at positions (B, T): on a CPU gathered from `owner`'s kept table (`rope_table`), else
+    computed (`rope_cos_sin`), the same values. Reading the top position syncs a GPU, and a compiled step must not
+    read a tensor's value at all."""
+    if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+        cos, sin = rope_table(owner, head_dim, theta, int(positions.max()), dtype, positions.device)  # (P, 1, D)
+        return cos[positions].transpose(1, 2), sin[positions].transpose(1, 2)
+    return rope_cos_sin(positions, head_dim, theta, dtype)
+
+
 def rotate_head_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     """A projection's output rows (weight or bias) re-ordered per head as [-second half, first half]:
     x @ rotate_head_rows(W, D).T == rotate_half(x @ W.T) per head, so RoPE's rotation folds into packed weights."""

@@ -22,7 +22,7 @@ from litevlm.model.layers import (
     RMSNorm,
     apply_rope,
     plain_linear,
-    rope_cos_sin,
+    rope_at,
     rope_table,
     rotate_head_rows,
 )
@@ -218,12 +218,7 @@ class TextModel(nn.Module):
         tree_tail (m, T) bool, for a prompt from slot 0 without a mask: its last m rows are a tree after the prompt
         (answer openings), row i seeing the slots where tree_tail[i] is True; the other rows stay causal.
         """
-        if embeds.device.type == "cpu" and not torch.compiler.is_compiling():  # the kept table, gathered (the same
-            # values; reading its top syncs a GPU, and a compiled step must not read a tensor's value at all)
-            table_cos, table_sin = self.rope_table(int(positions.max()), embeds.dtype, embeds.device)  # (P, 1, D)
-            cos, sin = table_cos[positions].transpose(1, 2), table_sin[positions].transpose(1, 2)  # (B, 1, T, D)
-        else:
-            cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
+        cos, sin = rope_at(self, positions, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
         layers = self.layers[start_layer:end_layer]
         x = embeds
         if tree_tail is not None:

@@ -50,7 +50,7 @@ from litevlm.cameras import IMAGE_HEIGHT, IMAGE_WIDTH
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps, native
-from litevlm.model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_table, rotate_head_rows
+from litevlm.model.layers import RMSNorm, apply_rope, rope_at, rope_cos_sin, rope_table, rotate_head_rows
 from litevlm.model.lm import DecoderLayer
 from litevlm.model.prompt import Tiling, closest_grid
 from litevlm.select.dpp import dpp_greedy_map, quality_kernel, score_quality
@@ -482,11 +482,7 @@ def layer_rows(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, ro
     attn, cfg = layer.self_attn, layer.self_attn.cfg
     b, t, _ = x.shape
     n, d = rows.numel(), cfg.head_dim
-    if x.device.type == "cpu":  # a table kept between prompts (reading a position's value would sync a GPU)
-        table_cos, table_sin = rope_table(layer, d, cfg.rope_theta, int(positions.max()), x.dtype, x.device)
-        cos, sin = table_cos[positions].transpose(1, 2), table_sin[positions].transpose(1, 2)  # (B, 1, T, D)
-    else:
-        cos, sin = rope_cos_sin(positions, d, cfg.rope_theta, x.dtype)
+    cos, sin = rope_at(layer, positions, d, cfg.rope_theta, x.dtype)  # (B, 1, T, D)
     xn = layer.input_layernorm(x)
     q = apply_rope(attn.q_proj(xn[:, rows]).view(b, n, -1, d).transpose(1, 2), cos[:, :, rows], sin[:, :, rows])
     k = apply_rope(attn.k_proj(xn).view(b, t, -1, d).transpose(1, 2), cos, sin)  # (B, Hkv, T, D)

@@ -117,8 +117,8 @@ class TokenRecipe:
     answer_weight: float = flag(
         0.0,
         "weight of the answer objective beside the attention labels: the KL from the full model's next-token "
-        "distributions over the answer to the model's own under the selector's soft keep mask at an r drawn from "
-        "--answer-ratios (0: the labels alone)",
+        "distributions over the answer to the model's own reading only the selector's top-r visual tokens, r drawn "
+        "from --answer-ratios, its gradient through a soft keep mask (0: the labels alone)",
     )
     answer_ratios: tuple[float, ...] = flag((0.2, 0.3, 0.4), "the keep ratios r the answer objective draws from")
     answer_temperature: float = flag(
@@ -205,6 +205,15 @@ def frame_boxes(frame, question: str, answer: str, needed: Sequence[str]) -> dic
 
 
 @torch.no_grad()
+def with_answer(lm, embeds: torch.Tensor, positions: torch.Tensor, answer_ids: Sequence[int]):
+    """The prompt (1, T, C) with the answer's tokens appended, teacher-forced, at the positions after it:
+    (embeds (1, T + A, C), positions (1, T + A))."""
+    ans = torch.tensor([list(answer_ids)], device=embeds.device, dtype=torch.long)
+    x = torch.cat([embeds, lm.embed_tokens(ans).to(embeds.dtype)], 1)
+    after = positions[:, -1:] + 1 + torch.arange(ans.shape[1], device=embeds.device)[None]
+    return x, torch.cat([positions, after], 1)
+
+
 def teacher_attention(
     model,
     embeds,
@@ -230,10 +239,8 @@ def teacher_attention(
         raise LiteVLMError(f"teacher band {band} must satisfy 0 <= a < b <= {n_layers}")
     t = embeds.shape[1]
     dev = embeds.device
-    ans = torch.tensor([list(answer_ids)], device=dev)
-    x = torch.cat([embeds, lm.embed_tokens(ans).to(embeds.dtype)], 1)
-    pos = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(ans.shape[1], device=dev)[None]], 1)
-    rows = torch.arange(t - 1, t + ans.shape[1] - 1, device=dev)  # last prompt token, then the answer tokens
+    x, pos = with_answer(lm, embeds, positions, answer_ids)
+    rows = torch.arange(t - 1, x.shape[1] - 1, device=dev)  # last prompt token, then the answer tokens
     w = torch.full((rows.numel(),), (1 - last_row_weight) / max(1, rows.numel() - 1), device=dev)
     w[0] = last_row_weight if rows.numel() > 1 else 1.0
     vis = visual_index(view_spans, dev)
@@ -584,10 +591,8 @@ def answer_loss(
     whose keeping changes what the model says."""
     lm = model.language_model
     t, dev = embeds.shape[1], embeds.device
-    ans = torch.tensor([list(answer)[:-1]], device=dev, dtype=torch.long)  # the last answer token predicts nothing
-    x = torch.cat([embeds, lm.embed_tokens(ans).to(embeds.dtype)], 1)
+    x, pos = with_answer(lm, embeds, positions, list(answer)[:-1])  # the last answer token predicts nothing
     n = x.shape[1]
-    pos = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(ans.shape[1], device=dev)[None]], 1)
     rows = torch.arange(t - 1, n, device=dev)  # the rows that predict each answer token
     with torch.no_grad():
         full = F.log_softmax(model.lm_head(lm(x, pos)[:, rows]).float(), -1)
@@ -714,7 +719,7 @@ def train_token_selector(
         }
     if not items:
         raise LiteVLMError("no training items were labelled within the time budget; raise --minutes")
-    if recipe.init is not None:  # fine-tune a trained selector: its shape and inputs are the recipe's
+    if recipe.init is not None:  # fine-tune a trained selector: the recipe takes its shape and inputs
         selector = TokenSelector.load(recipe.init, model).float()
         selector.cfg = replace(selector.cfg, keep_ratio=recipe.keep_ratio, diversity=recipe.diversity)
         c = selector.cfg
