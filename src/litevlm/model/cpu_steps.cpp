@@ -11,6 +11,7 @@
 // is otherwise about a hundred dispatched ops, which on a CPU cost more than the arithmetic between its weight reads.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -54,16 +55,22 @@ void exp_inplace(float* x, int64_t count) {
 }
 
 // out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, rows of width c.
+// A prompt's loops over its rows (norms, RoPE and the cache writes, SiLU-gating) are split over the threads in
+// blocks of this many rows; a step of fewer rows runs on the calling thread.
+constexpr int64_t kRowGrain = 32;
+
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t c, double eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * c;
-    float* o = out + r * c;
-    float ss = 0.f;
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t stop) {
+    for (int64_t r = begin; r < stop; ++r) {
+      const float* xr = x + r * c;
+      float* o = out + r * c;
+      float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-    for (int64_t j = 0; j < c; ++j) ss += xr[j] * xr[j];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(c) + static_cast<float>(eps));
-    for (int64_t j = 0; j < c; ++j) o[j] = xr[j] * inv * w[j];
-  }
+      for (int64_t j = 0; j < c; ++j) ss += xr[j] * xr[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(c) + static_cast<float>(eps));
+      for (int64_t j = 0; j < c; ++j) o[j] = xr[j] * inv * w[j];
+    }
+  });
 }
 
 
@@ -299,10 +306,14 @@ void softmax_row(float* pr, int64_t top, int64_t end, const bool* mrow, float sc
   for (int64_t j = 0; j < top; ++j) pr[j] *= inv;
 }
 
+// From this many rows on, a step's attention is ATen's fused kernel; below it, two small GEMMs per KV head (a tree's
+// verification, a draft's extension), where the fused kernel's set-up costs more than it saves.
+constexpr int64_t kFusedAttentionRows = 64;
+
 // Attention of n rows (their rotated queries in q_rows, one row every `width` floats; `first` is the first
 // row's index among the step's tokens) over cached slots 0..end-1 -> y (n, hq d). One row: loops over the
-// cache. Several rows: per KV head, the scores of its query heads' rows and their weighted values as two
-// small GEMMs, the softmax between them.
+// cache. A few rows: per KV head, the scores of its query heads' rows and their weighted values as two small
+// GEMMs, the softmax between them. Many rows (a prompt): ATen's fused attention.
 void attend(const float* q_rows, int64_t width, int64_t n, int64_t first, const float* kc, const float* vc,
             int64_t slots, int64_t end, const Visible& visible, int64_t hq, int64_t hkv, int64_t d, float* y) {
   const int64_t group = hq / hkv;
@@ -340,6 +351,28 @@ void attend(const float* q_rows, int64_t width, int64_t n, int64_t first, const 
     return;
   }
   const auto options = at::TensorOptions().dtype(at::kFloat);
+  if (n >= kFusedAttentionRows) {
+    // ATen's fused attention (a causal prompt's masked blocks skipped, the softmax in its tiles, over the threads),
+    // reading the queries in place and the cache's first `end` slots, GQA unexpanded
+    at::Tensor q = at::from_blob(const_cast<float*>(q_rows), {1, hq, n, d}, {n * width, d, width, 1}, options);
+    at::Tensor k = at::from_blob(const_cast<float*>(kc), {1, hkv, end, d}, {hkv * slots * d, slots * d, d, 1}, options);
+    at::Tensor v = at::from_blob(const_cast<float*>(vc), {1, hkv, end, d}, {hkv * slots * d, slots * d, d, 1}, options);
+    const bool plain_causal = visible.causal && !visible.tail_mask && !visible.mask && visible.start == 0 && first == 0 && end == n;
+    std::optional<at::Tensor> mask;
+    if (!plain_causal) {
+      at::Tensor allowed = at::zeros({n, end}, options.dtype(at::kBool));
+      bool* a = allowed.data_ptr<bool>();
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t top = top_of(first + r);
+        const bool* mrow = mask_of(first + r);
+        for (int64_t j = 0; j < top; ++j) a[r * end + j] = !mrow || mrow[j];
+      }
+      mask = allowed;
+    }
+    at::Tensor out = at::scaled_dot_product_attention(q, k, v, mask, 0.0, plain_causal, std::nullopt, hq != hkv);
+    at::from_blob(y, {1, hq, n, d}, {n * hq * d, d, hq * d, 1}, options).copy_(out);
+    return;
+  }
   const int64_t m = n * group;  // query rows per KV head: (token, head in group)
   at::Tensor q_g = at::empty({m, d}, options);
   float* q_p = q_g.data_ptr<float>();
@@ -416,23 +449,25 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
     float* kc = k_cache.data_ptr<float>();
     float* vc = v_cache.data_ptr<float>();
     // RoPE in place over q|k, x * cos + rotate_half(x) * sin per head, then the cache writes.
-    for (int64_t r = 0; r < n; ++r) {
-      float* row = qkv_p + r * width;
-      const float* cs = cos_rows[r];
-      const float* sn = sin_rows[r];
-      for (int64_t h = 0; h < hq + hkv; ++h) {
-        float* q = row + h * d;
-        for (int64_t j = 0; j < half_d; ++j) {
-          const float a = q[j], b = q[j + half_d];
-          q[j] = a * cs[j] - b * sn[j];
-          q[j + half_d] = b * cs[j + half_d] + a * sn[j + half_d];
+    at::parallel_for(0, n, kRowGrain, [&](int64_t begin, int64_t stop) {
+      for (int64_t r = begin; r < stop; ++r) {
+        float* row = qkv_p + r * width;
+        const float* cs = cos_rows[r];
+        const float* sn = sin_rows[r];
+        for (int64_t h = 0; h < hq + hkv; ++h) {
+          float* q = row + h * d;
+          for (int64_t j = 0; j < half_d; ++j) {
+            const float a = q[j], b = q[j + half_d];
+            q[j] = a * cs[j] - b * sn[j];
+            q[j + half_d] = b * cs[j + half_d] + a * sn[j + half_d];
+          }
+        }
+        for (int64_t h = 0; h < hkv; ++h) {
+          std::copy_n(row + (hq + h) * d, d, kc + (h * slots + start + r) * d);
+          std::copy_n(row + nqk + h * d, d, vc + (h * slots + start + r) * d);
         }
       }
-      for (int64_t h = 0; h < hkv; ++h) {
-        std::copy_n(row + (hq + h) * d, d, kc + (h * slots + start + r) * d);
-        std::copy_n(row + nqk + h * d, d, vc + (h * slots + start + r) * d);
-      }
-    }
+    });
     const int64_t first = last_only ? n - 1 : 0;  // rows that go on past the cache writes
     if (last_only) {
       x = x.slice(0, n - 1, n);
@@ -448,13 +483,15 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
     at::Tensor act = at::empty({n, half}, x.options());
     const float* gu_p = gu.data_ptr<float>();
     float* act_p = act.data_ptr<float>();
-    for (int64_t r = 0; r < n; ++r) {
-      const float* gate = gu_p + r * 2 * half;
-      float* a = act_p + r * half;
-      for (int64_t j = 0; j < half; ++j) a[j] = -gate[j];
-      exp_inplace(a, half);
-      for (int64_t j = 0; j < half; ++j) a[j] = gate[j] / (1.f + a[j]) * gate[half + j];
-    }
+    at::parallel_for(0, n, kRowGrain, [&](int64_t begin, int64_t stop) {
+      for (int64_t r = begin; r < stop; ++r) {
+        const float* gate = gu_p + r * 2 * half;
+        float* a = act_p + r * half;
+        for (int64_t j = 0; j < half; ++j) a[j] = -gate[j];
+        exp_inplace(a, half);
+        for (int64_t j = 0; j < half; ++j) a[j] = gate[j] / (1.f + a[j]) * gate[half + j];
+      }
+    });
     x = mul(i, 3, x, act, down);
   }
   return x;

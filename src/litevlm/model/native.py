@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_steps.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+# OpenMP where torch's own runtime is GCC's libgomp (Linux): a prompt's row loops then split over torch's threads
+# (at::parallel_for), and the library shares torch's libgomp by its soname. Elsewhere only the simd pragmas.
+OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
+CFLAGS = ["-O3", "-march=native", *(OPENMP or ["-fopenmp-simd"])]
 _LOADED: list = []  # [torch.ops.litevlm_cpu or None], filled on first use
 _ERROR: list = []  # [why the build or load failed], beside it
 
@@ -81,6 +84,7 @@ def build(verbose: bool = False) -> Path:
             sources=[str(SOURCE)],
             build_directory=str(folder),
             extra_cflags=CFLAGS,
+            extra_ldflags=OPENMP,
             is_python_module=False,
             verbose=verbose,
         )
