@@ -17,6 +17,18 @@ def pytest_configure(config):
         torch.set_num_threads(int(threads))
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test marked `once` does its work in subprocesses, whose thread count LITEVLM_TEST_THREADS does not set: a
+    second pass at more threads would repeat the same run, so only the one-thread pass (or a run without
+    LITEVLM_TEST_THREADS) runs it."""
+    if int(os.environ.get("LITEVLM_TEST_THREADS") or 1) <= 1:
+        return
+    skip = pytest.mark.skip(reason="a `once` test: the one-thread pass runs it")
+    for item in items:
+        if item.get_closest_marker("once"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _suite_threads():
     """The training recipes set torch's thread count for their run; each test starts at the suite's."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.once  # subprocesses: the same run in each of CI's thread passes
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 ROWS = ["baseline", "eagle", "litevlm", "litevlm fp8"]
 STEPS = ["install", "env", "gpu_tests", "bench_2b_eager", "bench_2b_graphs", "fp8_gpu"]

@@ -25,6 +25,7 @@ print(json.dumps({"setup_ms": pipe.setup_ms, "backend": pipe.backend.name, "firs
 
 
 @pytest.mark.slow
+@pytest.mark.once
 def test_the_first_answer_on_an_empty_build_cache_costs_about_the_second(tmp_path):
     if not native.enabled() or native.ops() is None:
         pytest.skip(f"the native CPU steps are unavailable here ({native.error()})")

@@ -19,6 +19,7 @@ from litevlm.pipeline import Pipeline
 ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.once  # subprocesses: the same run in each of CI's thread passes
 
 
 @pytest.fixture(scope="module")
