@@ -738,3 +738,18 @@ def test_the_pruning_verdict_pairs_the_strongest_pruner_with_the_selector(tmp_pa
         " (sign test p = 0.375)."
     )
     assert "sign test" not in report.pruning_verdict(run, 0.2)  # a run without the pairing says nothing of it
+
+
+def test_the_bf16_rows_are_read_against_both_baselines(report):
+    """Where the CPU multiplies bf16 natively the table holds `baseline bf16` and `litevlm bf16`: the page gives
+    LiteVLM bf16 over the fp32 baseline (precision and techniques) and over the bf16 baseline (the techniques)."""
+    rows = [
+        bench_row("baseline", 100.0, 1.0, 0.5),
+        bench_row("litevlm", 40.0, 2.5, 0.51),
+        bench_row("baseline bf16", 80.0, 1.25, 0.5),
+        bench_row("litevlm bf16", 25.0, 4.0, 0.512),
+    ]
+    line = report.bf16_line({"rows": rows})
+    assert "4.00x the fp32 baseline" in line and "3.20x the bf16 baseline" in line
+    assert "scores 0.512 (+0.0120 on the fp32 baseline)" in line
+    assert report.bf16_line({"rows": rows[:2]}) is None  # a CPU without native bf16 runs no bf16 rows
