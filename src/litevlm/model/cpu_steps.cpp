@@ -74,36 +74,18 @@ void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int
 }
 
 
-// The product of one row with a weight held row-major, (in, out): a decode step's or a draft step's. An own loop
-// streams the weight once in storage order, four weight rows at a time, into the output row, ahead of the
-// BLAS call (whose dispatch it also skips).
-void row_product(const float* x, int64_t in, const float* w, int64_t out, float* y) {
-  int64_t k = 0;
-  for (; k + 4 <= in; k += 4) {
-    const float* w0 = w + k * out;
-    const float* w1 = w0 + out;
-    const float* w2 = w1 + out;
-    const float* w3 = w2 + out;
-    const float x0 = x[k], x1 = x[k + 1], x2 = x[k + 2], x3 = x[k + 3];
-#pragma omp simd
-    for (int64_t j = 0; j < out; ++j) y[j] += x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j];
-  }
-  for (; k < in; ++k) {
-    const float* wk = w + k * out;
-    const float xv = x[k];
-#pragma omp simd
-    for (int64_t j = 0; j < out; ++j) y[j] += xv * wk[j];
-  }
-}
-
-// The product of a few rows with the same row-major weight: a verification's chain or tree (up to kFewRows: a
-// 16-token draft and its root). Four weight rows at a time are read from memory once and, from the cache, serve every
-// input row in turn, so a step of n rows streams the weights once, as a decode step does (the BLAS packs them for
-// each call first: at two to seventeen rows that cost it about twice the one-row step). Each output row is summed in
-// exactly `row_product`'s order: a row's product is the one a decode step would compute from the same input.
+// y (n, out) += x (n, in) @ w (in, out), w held row-major: a decode step's or a draft step's one row, or a
+// verification's few (up to kFewRows: a 16-token draft and its root). An own loop streams the weight once in storage
+// order, four weight rows at a time, each read from memory once and, from the cache, serving every input row in turn,
+// ahead of the BLAS call (whose dispatch it also skips, and which packs the weights for each call first: at two to
+// seventeen rows that cost it about twice the one-row step). Every row is summed in the same order whatever n is, so
+// a verified row's product is the one a decode step would compute from the same input. kRows > 0 fixes the row count
+// when compiling (the one-row step, whose loop over rows then goes away); 0 takes n.
 constexpr int64_t kFewRows = 24;
 
-void few_rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y) {
+template <int64_t kRows>
+void rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y) {
+  if (kRows > 0) n = kRows;
   int64_t k = 0;
   for (; k + 4 <= in; k += 4) {
     const float* w0 = w + k * out;
@@ -127,6 +109,10 @@ void few_rows_product(const float* x, int64_t n, int64_t in, const float* w, int
       for (int64_t j = 0; j < out; ++j) yr[j] += xv * wk[j];
     }
   }
+}
+
+void row_product(const float* x, int64_t in, const float* w, int64_t out, float* y) {
+  rows_product<1>(x, 1, in, w, out, y);
 }
 
 // ---- a draft step's one-row products on bf16 weight panels -----------------------------------------------------
@@ -296,7 +282,7 @@ at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor
   if (n == 1) {
     row_product(x.data_ptr<float>(), x.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
   } else {
-    few_rows_product(x.data_ptr<float>(), n, x.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
+    rows_product<0>(x.data_ptr<float>(), n, x.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
   }
   return y;
 }
