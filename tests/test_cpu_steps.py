@@ -277,9 +277,9 @@ def test_a_native_prompt_equals_the_modules():
 
 @pytest.mark.parametrize("tail_rows", [0, 9])
 def test_a_long_native_prompt_through_the_fused_attention_equals_the_modules(tail_rows):
-    """From 64 rows on a step's attention is ATen's fused kernel (causal, or under a mask where rows see other than
-    slots 0..r): a long prompt, its pruned halves and a tree after it (answer openings) give the same hidden states
-    and cache contents as the modules."""
+    """From 64 rows on a causal prompt's attention goes by blocks of rows, each over the slots up to its last row (a
+    tree after it by its mask): a long prompt over three blocks, its pruned halves and a tree after it (answer
+    openings) give the same hidden states and cache contents as the modules."""
     model = tiny_vlm(layers=3)
     n = 110
     embeds, pos = prompt(model, seed=6, n=n, pruned=True)

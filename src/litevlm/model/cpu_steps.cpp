@@ -329,14 +329,21 @@ void softmax_row(float* pr, int64_t top, int64_t end, const bool* mrow, float sc
   for (int64_t j = 0; j < top; ++j) pr[j] *= inv;
 }
 
-// From this many rows on, a step's attention is ATen's fused kernel; below it, two small GEMMs per KV head (a tree's
-// verification, a draft's extension), where the fused kernel's set-up costs more than it saves.
+// Below this many rows, a step's attention is two small GEMMs per KV head (a tree's verification, a draft's
+// extension); from it on, a causal prompt's goes by blocks of rows through the same GEMMs, and any other (rows under
+// a mask) is ATen's fused kernel.
 constexpr int64_t kFusedAttentionRows = 64;
+// A causal prompt's blocks of query rows, each over the slots up to its own last row: on drive-hd's 200-400 token
+// prompts ATen's fused kernel reached about 40 GFLOP/s at one thread and gained little from a second, where the
+// blocks' GEMMs run near the products' speed and over both threads.
+constexpr int64_t kCausalBlockRows = 48;
+static_assert(kCausalBlockRows < kFusedAttentionRows, "a causal block must take the few-rows path");
 
 // Attention of n rows (their rotated queries in q_rows, one row every `width` floats; `first` is the first
 // row's index among the step's tokens) over cached slots 0..end-1 -> y (n, hq d). One row: loops over the
 // cache. A few rows: per KV head, the scores of its query heads' rows and their weighted values as two small
-// GEMMs, the softmax between them. Many rows (a prompt): ATen's fused attention.
+// GEMMs, the softmax between them. Many rows of a causal prompt (with or without a tree after it): blocks of a
+// few rows. Many rows under a mask: ATen's fused attention.
 void attend(const float* q_rows, int64_t width, int64_t n, int64_t first, const float* kc, const float* vc,
             int64_t slots, int64_t end, const Visible& visible, int64_t hq, int64_t hkv, int64_t d, float* y) {
   const int64_t group = hq / hkv;
@@ -374,6 +381,35 @@ void attend(const float* q_rows, int64_t width, int64_t n, int64_t first, const 
     return;
   }
   const auto options = at::TensorOptions().dtype(at::kFloat);
+  if (n >= kFusedAttentionRows && visible.tail_mask && visible.causal && !visible.mask && visible.start == 0 &&
+      first == 0 && end == n && visible.tail_first > 0 && visible.tail_first < n) {
+    // a causal prompt with a tree after it (answer openings): the prompt's rows as a plain causal prompt, so the fused
+    // kernel skips its masked blocks, then the tree's few rows over every slot by their mask
+    const int64_t prompt = visible.tail_first;
+    Visible causal = visible;
+    causal.tail_mask = nullptr;
+    attend(q_rows, width, prompt, 0, kc, vc, slots, prompt, causal, hq, hkv, d, y);
+    attend(q_rows + prompt * width, width, n - prompt, prompt, kc, vc, slots, end, visible, hq, hkv, d,
+           y + prompt * hq * d);
+    return;
+  }
+  if (n >= kFusedAttentionRows && visible.causal && !visible.mask && !(visible.tail_mask && first + n > visible.tail_first)) {
+    // a causal prompt: blocks of kCausalBlockRows rows, each over the slots up to its last row only, by the few-rows
+    // path's two GEMMs a KV head; the blocks' costs grow with their index, so a task takes block i and its mirror
+    const int64_t blocks = (n + kCausalBlockRows - 1) / kCausalBlockRows;
+    auto block = [&](int64_t b) {
+      const int64_t r0 = b * kCausalBlockRows, rows = std::min(kCausalBlockRows, n - r0);
+      attend(q_rows + r0 * width, width, rows, first + r0, kc, vc, slots, std::min(end, visible.start + first + r0 + rows),
+             visible, hq, hkv, d, y + r0 * hq * d);
+    };
+    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t stop) {
+      for (int64_t b = begin; b < stop; ++b) {
+        block(b);
+        if (blocks - 1 - b != b) block(blocks - 1 - b);
+      }
+    });
+    return;
+  }
   if (n >= kFusedAttentionRows) {
     // ATen's fused attention (a causal prompt's masked blocks skipped, the softmax in its tiles, over the threads),
     // reading the queries in place and the cache's first `end` slots, GQA unexpanded
