@@ -84,7 +84,7 @@ void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int
 constexpr int64_t kFewRows = 24;
 
 template <int64_t kRows>
-void rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y) {
+void rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y, int64_t j0, int64_t j1) {
   if (kRows > 0) n = kRows;
   int64_t k = 0;
   for (; k + 4 <= in; k += 4) {
@@ -97,7 +97,7 @@ void rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t
       float* yr = y + r * out;
       const float x0 = xr[0], x1 = xr[1], x2 = xr[2], x3 = xr[3];
 #pragma omp simd
-      for (int64_t j = 0; j < out; ++j) yr[j] += x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j];
+      for (int64_t j = j0; j < j1; ++j) yr[j] += x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j];
     }
   }
   for (; k < in; ++k) {
@@ -106,9 +106,23 @@ void rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t
       const float xv = x[r * in + k];
       float* yr = y + r * out;
 #pragma omp simd
-      for (int64_t j = 0; j < out; ++j) yr[j] += xv * wk[j];
+      for (int64_t j = j0; j < j1; ++j) yr[j] += xv * wk[j];
     }
   }
+}
+
+// A few-rows product of at least this many multiply-adds is split over the threads by blocks of kColumnBlock output
+// columns, each column summed as on one thread; a smaller one runs on the calling thread.
+constexpr int64_t kParallelProductWork = 1 << 16;
+constexpr int64_t kColumnBlock = 64;
+
+template <int64_t kRows>
+void rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y) {
+  const int64_t rows = kRows > 0 ? kRows : n;
+  if (rows * in * out < kParallelProductWork) return rows_product<kRows>(x, n, in, w, out, y, 0, out);
+  at::parallel_for(0, (out + kColumnBlock - 1) / kColumnBlock, 1, [&](int64_t begin, int64_t stop) {
+    rows_product<kRows>(x, n, in, w, out, y, begin * kColumnBlock, std::min(out, stop * kColumnBlock));
+  });
 }
 
 void row_product(const float* x, int64_t in, const float* w, int64_t out, float* y) {
