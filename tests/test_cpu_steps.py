@@ -82,6 +82,38 @@ def test_a_native_decode_step_equals_the_modules():
     assert_all_close(*both_backends(model, run))
 
 
+def test_native_steps_give_the_same_numbers_at_one_and_at_two_threads():
+    """A decode step's and a verification's products large enough to be split over the threads by output columns
+    (hidden 256, as drive-hd's) sum each column as one thread does: every output is equal bit for bit."""
+    need_native()
+    model = tiny_vlm(vocab=300, hidden=256, layers=2, std=0.05)
+    embeds, pos = prompt(model, seed=7, n=40)
+    t = embeds.shape[1]
+    chain = torch.tensor([11, 12, 13, 14, 15])
+
+    def run(threads):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.no_grad():
+                backend = NativeBackend(model)
+                backend.prefill(embeds, pos)
+                step = backend.decode(torch.tensor([[9]]), t, t)
+                return step, backend.verify_chain(chain, t + 1, t + 1)
+        finally:
+            torch.set_num_threads(before)
+
+    def tensors(out):
+        return [t for part in out for t in (part if isinstance(part, (tuple, list)) else [part])]
+
+    one, two = tensors(run(1)), tensors(run(2))
+    assert (
+        len(one) == len(two) == 6
+    )  # the step's logits and hidden states; the chain's tokens, features, embeddings, positions
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
 def test_a_native_tree_verification_equals_the_modules():
     model = tiny_vlm(layers=2)
     embeds, pos = prompt(model, seed=4)
