@@ -83,45 +83,53 @@ void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int
 // when compiling (the one-row step, whose loop over rows then goes away); 0 takes n.
 constexpr int64_t kFewRows = 24;
 
+// y (n, cols, row stride ldy) += x (n, in) @ w (in, cols, row stride ldw).
 template <int64_t kRows>
-void rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y, int64_t j0, int64_t j1) {
+void rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t cols) {
   if (kRows > 0) n = kRows;
   int64_t k = 0;
   for (; k + 4 <= in; k += 4) {
-    const float* w0 = w + k * out;
-    const float* w1 = w0 + out;
-    const float* w2 = w1 + out;
-    const float* w3 = w2 + out;
+    const float* w0 = w + k * ldw;
+    const float* w1 = w0 + ldw;
+    const float* w2 = w1 + ldw;
+    const float* w3 = w2 + ldw;
     for (int64_t r = 0; r < n; ++r) {
       const float* xr = x + r * in + k;
-      float* yr = y + r * out;
+      float* yr = y + r * ldy;
       const float x0 = xr[0], x1 = xr[1], x2 = xr[2], x3 = xr[3];
 #pragma omp simd
-      for (int64_t j = j0; j < j1; ++j) yr[j] += x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j];
+      for (int64_t j = 0; j < cols; ++j) yr[j] += x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j];
     }
   }
   for (; k < in; ++k) {
-    const float* wk = w + k * out;
+    const float* wk = w + k * ldw;
     for (int64_t r = 0; r < n; ++r) {
       const float xv = x[r * in + k];
-      float* yr = y + r * out;
+      float* yr = y + r * ldy;
 #pragma omp simd
-      for (int64_t j = j0; j < j1; ++j) yr[j] += xv * wk[j];
+      for (int64_t j = 0; j < cols; ++j) yr[j] += xv * wk[j];
     }
   }
 }
 
 // A few-rows product of at least this many multiply-adds is split over the threads by blocks of kColumnBlock output
-// columns, each column summed as on one thread; a smaller one runs on the calling thread.
+// columns, each column summed as on one thread; a smaller one runs on the calling thread. Each thread sums its
+// columns in a buffer of its own and writes them to y once: summed in place, the rows' cache lines where two
+// threads' columns meet went back and forth between the cores at every step of the sum.
 constexpr int64_t kParallelProductWork = 1 << 16;
 constexpr int64_t kColumnBlock = 64;
 
 template <int64_t kRows>
 void rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y) {
   const int64_t rows = kRows > 0 ? kRows : n;
-  if (rows * in * out < kParallelProductWork) return rows_product<kRows>(x, n, in, w, out, y, 0, out);
+  if (rows * in * out < kParallelProductWork || at::get_num_threads() == 1)
+    return rows_product<kRows>(x, n, in, w, out, y, out, out);
   at::parallel_for(0, (out + kColumnBlock - 1) / kColumnBlock, 1, [&](int64_t begin, int64_t stop) {
-    rows_product<kRows>(x, n, in, w, out, y, begin * kColumnBlock, std::min(out, stop * kColumnBlock));
+    const int64_t j0 = begin * kColumnBlock, cols = std::min(out, stop * kColumnBlock) - j0;
+    std::vector<float> own(rows * cols);
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(y + r * out + j0, cols, own.data() + r * cols);
+    rows_product<kRows>(x, n, in, w + j0, out, own.data(), cols, cols);
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(own.data() + r * cols, cols, y + r * out + j0);
   });
 }
 
