@@ -104,12 +104,11 @@ def test_native_steps_give_the_same_numbers_at_one_and_at_two_threads():
             torch.set_num_threads(before)
 
     def tensors(out):
-        return [t for part in out for t in (part if isinstance(part, (tuple, list)) else [part])]
+        return [x for part in out for x in (part if isinstance(part, (tuple, list)) else [part])]
 
     one, two = tensors(run(1)), tensors(run(2))
-    assert (
-        len(one) == len(two) == 6
-    )  # the step's logits and hidden states; the chain's tokens, features, embeddings, positions
+    # the step's logits and hidden states; the chain's tokens, features, embeddings, positions
+    assert len(one) == len(two) == 6
     for a, b in zip(one, two):
         assert torch.equal(a, b)
 
@@ -127,6 +126,27 @@ def test_a_native_tree_verification_equals_the_modules():
         return verify_tree(backend, tree, t, t), caches(model)
 
     assert_all_close(*both_backends(model, run))
+
+
+def test_a_native_tree_of_64_rows_and_more_under_its_mask_equals_the_modules():
+    """From 64 rows on a step under a mask (a tree's verification) is ATen's fused attention: a 70-node tree whose
+    nodes hang off random earlier ones gives the same verification and cache contents as the modules."""
+    model = tiny_vlm(layers=2)
+    embeds, pos = prompt(model, seed=5)
+    t = embeds.shape[1]
+    g = torch.Generator().manual_seed(2)
+    parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, 70)])
+    depth = torch.zeros(70, dtype=torch.long)
+    for i in range(1, 70):
+        depth[i] = depth[parents[i]] + 1
+    tokens = torch.randint(8, model.cfg.text.vocab_size, (70,), generator=g)
+    tree = Tree(tokens, parents, depth, ancestor_mask(parents, int(depth.max())))
+
+    def run(backend):
+        backend.prefill(embeds, pos)
+        return verify_tree(backend, tree, t, t), caches(model)
+
+    assert_all_close(*both_backends(model, run), ulps=4)  # sums over up to 82 slots in another order
 
 
 @pytest.mark.parametrize("input_norm", [True, False])
@@ -308,7 +328,7 @@ def test_a_native_prompt_equals_the_modules():
 
 
 @pytest.mark.parametrize("tail_rows", [0, 9])
-def test_a_long_native_prompt_through_the_fused_attention_equals_the_modules(tail_rows):
+def test_a_long_native_prompt_through_the_blocked_attention_equals_the_modules(tail_rows):
     """From 64 rows on a causal prompt's attention goes by blocks of rows, each over the slots up to its last row (a
     tree after it by its mask): a long prompt over three blocks, its pruned halves and a tree after it (answer
     openings) give the same hidden states and cache contents as the modules."""

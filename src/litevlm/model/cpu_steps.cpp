@@ -126,7 +126,8 @@ void rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t
     return rows_product<kRows>(x, n, in, w, out, y, out, out);
   at::parallel_for(0, (out + kColumnBlock - 1) / kColumnBlock, 1, [&](int64_t begin, int64_t stop) {
     const int64_t j0 = begin * kColumnBlock, cols = std::min(out, stop * kColumnBlock) - j0;
-    std::vector<float> own(rows * cols);
+    thread_local std::vector<float> own;  // kept between calls: a decode step makes dozens of these products
+    own.resize(rows * cols);
     for (int64_t r = 0; r < rows; ++r) std::copy_n(y + r * out + j0, cols, own.data() + r * cols);
     rows_product<kRows>(x, n, in, w + j0, out, own.data(), cols, cols);
     for (int64_t r = 0; r < rows; ++r) std::copy_n(own.data() + r * cols, cols, y + r * out + j0);
@@ -403,25 +404,14 @@ void attend(const float* q_rows, int64_t width, int64_t n, int64_t first, const 
     return;
   }
   const auto options = at::TensorOptions().dtype(at::kFloat);
-  if (n >= kFusedAttentionRows && visible.tail_mask && visible.causal && !visible.mask && visible.start == 0 &&
-      first == 0 && end == n && visible.tail_first > 0 && visible.tail_first < n) {
-    // a causal prompt with a tree after it (answer openings): the prompt's rows as a plain causal prompt, so the fused
-    // kernel skips its masked blocks, then the tree's few rows over every slot by their mask
-    const int64_t prompt = visible.tail_first;
-    Visible causal = visible;
-    causal.tail_mask = nullptr;
-    attend(q_rows, width, prompt, 0, kc, vc, slots, prompt, causal, hq, hkv, d, y);
-    attend(q_rows + prompt * width, width, n - prompt, prompt, kc, vc, slots, end, visible, hq, hkv, d,
-           y + prompt * hq * d);
-    return;
-  }
-  if (n >= kFusedAttentionRows && visible.causal && !visible.mask && !(visible.tail_mask && first + n > visible.tail_first)) {
-    // a causal prompt: blocks of kCausalBlockRows rows, each over the slots up to its last row only, by the few-rows
-    // path's two GEMMs a KV head; the blocks' costs grow with their index, so a task takes block i and its mirror
+  if (n >= kFusedAttentionRows && visible.causal && !visible.mask) {
+    // a causal prompt, a tree's rows after it by their mask (answer openings): blocks of kCausalBlockRows rows, each
+    // over the slots up to its last row only (every slot for a block holding tree rows), by the few-rows path's two
+    // GEMMs a KV head; the blocks' costs grow with their index, so a task takes block i and its mirror
     const int64_t blocks = (n + kCausalBlockRows - 1) / kCausalBlockRows;
     auto block = [&](int64_t b) {
       const int64_t r0 = b * kCausalBlockRows, rows = std::min(kCausalBlockRows, n - r0);
-      attend(q_rows + r0 * width, width, rows, first + r0, kc, vc, slots, std::min(end, visible.start + first + r0 + rows),
+      attend(q_rows + r0 * width, width, rows, first + r0, kc, vc, slots, std::min(end, top_of(first + r0 + rows - 1)),
              visible, hq, hkv, d, y + r0 * hq * d);
     };
     at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t stop) {
@@ -433,24 +423,19 @@ void attend(const float* q_rows, int64_t width, int64_t n, int64_t first, const 
     return;
   }
   if (n >= kFusedAttentionRows) {
-    // ATen's fused attention (a causal prompt's masked blocks skipped, the softmax in its tiles, over the threads),
-    // reading the queries in place and the cache's first `end` slots, GQA unexpanded
+    // rows under a mask: ATen's fused attention (the softmax in its tiles, over the threads), reading the queries in
+    // place and the cache's first `end` slots, GQA unexpanded
     at::Tensor q = at::from_blob(const_cast<float*>(q_rows), {1, hq, n, d}, {n * width, d, width, 1}, options);
     at::Tensor k = at::from_blob(const_cast<float*>(kc), {1, hkv, end, d}, {hkv * slots * d, slots * d, d, 1}, options);
     at::Tensor v = at::from_blob(const_cast<float*>(vc), {1, hkv, end, d}, {hkv * slots * d, slots * d, d, 1}, options);
-    const bool plain_causal = visible.causal && !visible.tail_mask && !visible.mask && visible.start == 0 && first == 0 && end == n;
-    std::optional<at::Tensor> mask;
-    if (!plain_causal) {
-      at::Tensor allowed = at::zeros({n, end}, options.dtype(at::kBool));
-      bool* a = allowed.data_ptr<bool>();
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t top = top_of(first + r);
-        const bool* mrow = mask_of(first + r);
-        for (int64_t j = 0; j < top; ++j) a[r * end + j] = !mrow || mrow[j];
-      }
-      mask = allowed;
+    at::Tensor allowed = at::zeros({n, end}, options.dtype(at::kBool));
+    bool* a = allowed.data_ptr<bool>();
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t top = top_of(first + r);
+      const bool* mrow = mask_of(first + r);
+      for (int64_t j = 0; j < top; ++j) a[r * end + j] = !mrow || mrow[j];
     }
-    at::Tensor out = at::scaled_dot_product_attention(q, k, v, mask, 0.0, plain_causal, std::nullopt, hq != hkv);
+    at::Tensor out = at::scaled_dot_product_attention(q, k, v, allowed, 0.0, false, std::nullopt, hq != hkv);
     at::from_blob(y, {1, hq, n, d}, {n * hq * d, d, hq * d, 1}, options).copy_(out);
     return;
   }
