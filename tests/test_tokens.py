@@ -341,6 +341,33 @@ def test_layer_rows_are_the_layers_output_at_those_rows():
         torch.testing.assert_close(layer_rows(layer, embeds, positions, rows), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("question_len", [9, 70])
+def test_native_question_rows_are_layer0s_output_there(question_len, monkeypatch):
+    """The prompt-reading selector's view at inference (one native call: keys and values of every row, the question
+    rows alone through the layer; queries made only for them when the rows before are many) equals `layer_rows` of
+    the modules, for a short question and for one long enough that its rows attend by blocks."""
+    from litevlm.model import cpu_steps, native
+    from litevlm.select import tokens
+
+    if cpu_steps.backend() != "native":
+        pytest.skip(f"the native CPU code is unavailable here ({native.error()})")
+    calls = []
+    real = native.ops()
+    monkeypatch.setattr(tokens.native, "ops", lambda: calls.append(1) or real)
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model, question_len=question_len)
+    sel = TokenSelector.from_model(model, SelectorConfig(reads="prompt"))
+    first = max(e for _, _, e in spans)
+    rows = torch.arange(first, embeds.shape[1])
+    assert first >= 24 and (rows.numel() >= 64) == (question_len == 70)  # the split product; the blocked attention
+    want = layer_rows(model.language_model.layers[0], embeds, positions, rows)  # with grad: the modules
+    with torch.no_grad():
+        view = sel.prompt_view(embeds, positions, spans)
+    assert calls  # the native op ran
+    assert torch.equal(view[:, :first], embeds[:, :first])
+    torch.testing.assert_close(view[:, first:], want.detach(), atol=1e-5, rtol=1e-5)
+
+
 def test_prompt_reading_selector_prunes_before_the_decoder_and_never_runs_layer0_on_the_views():
     """reads="prompt": the head reads the views as they enter the decoder and the question's rows as layer 0 leaves
     them (so a change to layer 0 moves its scores); it prunes the prompt before the decoder (no hook), keeping the

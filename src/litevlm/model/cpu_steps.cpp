@@ -458,11 +458,13 @@ void attend(const float* q_rows, int64_t width, int64_t n, int64_t first, const 
   }
 }
 
-// n tokens at cache slots start..start+n-1 through the layers -> (n, C) (or (1, C) with last_only).
-// cos / sin: one (D,) row per token (its RoPE position).
+// n tokens at cache slots start..start+n-1 through the layers -> (n, C). cos / sin: one (D,) row per token (its RoPE
+// position). go_on_from > 0 (one layer): rows before it only write their keys and values, and the rows from it on go
+// on through the layer -> (n - go_on_from, C): a draft's extension (its last row), the question rows of a prompt
+// whose other rows only need to be attended to (the TokenSelector's view of layer 0).
 at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, const std::vector<const float*>& sin_rows,
                       int64_t start, const Visible& visible, at::TensorList weights, at::TensorList caches, int64_t hq,
-                      int64_t hkv, int64_t d, double eps, bool last_only, at::TensorList bf16 = {},
+                      int64_t hkv, int64_t d, double eps, int64_t go_on_from, at::TensorList bf16 = {},
                       at::TensorList panels = {}) {
   const int64_t layers = weights.size() / kWeightsPerLayer;
   TORCH_CHECK(bf16.empty() || static_cast<int64_t>(bf16.size()) == 4 * layers,
@@ -478,10 +480,11 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
               "litevlm_cpu: weights must hold 7 tensors per layer");
   TORCH_CHECK(static_cast<int64_t>(caches.size()) == layers * kCachesPerLayer,
               "litevlm_cpu: caches must hold K and V per layer");
-  TORCH_CHECK(!last_only || layers == 1, "last_only runs one layer: the next layer would need every row");
+  TORCH_CHECK(go_on_from == 0 || layers == 1, "rows that go on from the middle run one layer: the next would need every row");
   x = x.contiguous();
   check_f32_contiguous(x, "x");
   int64_t n = x.size(0);
+  TORCH_CHECK(go_on_from >= 0 && go_on_from < n, "litevlm_cpu: rows go on from ", go_on_from, " of ", n);
   const int64_t c = x.size(1);
   const int64_t nqk = (hq + hkv) * d;
   const int64_t end = start + n;
@@ -508,7 +511,16 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
     }
     TORCH_CHECK(qkv_w.size(1) == nqk + hkv * d, "litevlm_cpu: the packed q|k|v projection must be (C, ", nqk + hkv * d,
                 ") without the rotated copies (cpu_steps.py's native wrappers cut them); got ", qkv_w.size(1), " columns");
-    at::Tensor qkv = mul(i, 0, qkv_b, xn, qkv_w);  // (n, nqk + hkv d): [q k | v]
+    const int64_t qd = hq * d;
+    at::Tensor qkv;  // (n, nqk + hkv d): [q k | v]
+    if (go_on_from >= kFewRows && bf16.empty() && panels.empty()) {
+      // many rows only write their keys and values: their queries are never read, so q is made for the others alone
+      qkv = at::empty({n, qkv_w.size(1)}, x.options());
+      qkv.slice(1, qd).copy_(at::addmm(qkv_b.slice(0, qd), xn, qkv_w.slice(1, qd)));
+      qkv.slice(0, go_on_from).slice(1, 0, qd).copy_(at::addmm(qkv_b.slice(0, 0, qd), xn.slice(0, go_on_from), qkv_w.slice(1, 0, qd)));
+    } else {
+      qkv = mul(i, 0, qkv_b, xn, qkv_w);
+    }
     const int64_t width = qkv.size(1);
     const int64_t half_d = d / 2;
     float* qkv_p = qkv.data_ptr<float>();
@@ -520,7 +532,7 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
         float* row = qkv_p + r * width;
         const float* cs = cos_rows[r];
         const float* sn = sin_rows[r];
-        for (int64_t h = 0; h < hq + hkv; ++h) {
+        for (int64_t h = r < go_on_from ? hq : 0; h < hq + hkv; ++h) {  // the queries of the rows that go on, every key
           float* q = row + h * d;
           for (int64_t j = 0; j < half_d; ++j) {
             const float a = q[j], b = q[j + half_d];
@@ -534,10 +546,10 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
         }
       }
     });
-    const int64_t first = last_only ? n - 1 : 0;  // rows that go on past the cache writes
-    if (last_only) {
-      x = x.slice(0, n - 1, n);
-      n = 1;
+    const int64_t first = go_on_from;  // rows that go on past the cache writes
+    if (first > 0) {
+      x = x.slice(0, first, n);
+      n -= first;
     }
     at::Tensor y = at::empty({n, hq * d}, x.options());
     attend(qkv_p + first * width, width, n, first, kc, vc, slots, end, visible, hq, hkv, d, y.data_ptr<float>());
@@ -596,7 +608,20 @@ at::Tensor layers_op(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
     TORCH_CHECK(m.numel() == n * (start + n), "litevlm_cpu: the mask must be (1, 1, n, start + n)");
     visible.mask = m.data_ptr<bool>();
   }
-  return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), start, visible, weights, caches, hq, hkv, d, eps, last_only);
+  return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), start, visible, weights, caches, hq, hkv, d, eps,
+                    last_only ? x.size(0) - 1 : 0);
+}
+
+// One decoder layer over a prompt x (T, C) at cache slots 0..T-1 (the caches a scratch pair of this layer's shape),
+// causally, for its rows first..T-1 alone: every row's keys and values are written, and only the rows from `first`
+// on go through the attention's output, the residuals and the MLP -> (T - first, C). The TokenSelector's question
+// rows (`litevlm.select.tokens.layer_rows`): layer 0's output there, never run on the visual tokens.
+at::Tensor question_rows_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t first,
+                            at::TensorList weights, at::TensorList caches, int64_t hq, int64_t hkv, int64_t d, double eps) {
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer, "litevlm_cpu: question_rows runs one layer");
+  Visible causal;
+  causal.causal = true;
+  return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), 0, causal, weights, caches, hq, hkv, d, eps, first);
 }
 
 // The most likely draft token after a feature and its log-probability: (log p, index into the draft vocabulary).
@@ -642,7 +667,7 @@ at::Tensor chain_op(const at::Tensor& root_hidden, int64_t position, int64_t sta
     at::Tensor x = product(fc_b, pair, fc_w, fc_panels);
     const int64_t pos = position + i;
     hidden = run_layers(x, rows_at(cos_table, &pos, 1), rows_at(sin_table, &pos, 1), start + i, Visible{}, weights,
-                        caches, hq, hkv, d, eps, false, {}, layer_panels);
+                        caches, hq, hkv, d, eps, 0, {}, layer_panels);
     auto [step_value, step_idx] = top1(hidden, head, head_panels);
     value += step_value;
     tok = target_id(step_idx);
@@ -662,7 +687,7 @@ at::Tensor draft_cycle_op(const at::Tensor& feats, const at::Tensor& nxt, const 
   const int64_t m = pos.numel();
   at::Tensor h_root = run_layers(x, rows_at(cos_table, pos.data_ptr<int64_t>(), m),
                                  rows_at(sin_table, pos.data_ptr<int64_t>(), m), done, Visible{}, weights, caches, hq,
-                                 hkv, d, eps, true, {}, panels.empty() ? at::TensorList() : panels.slice(2));
+                                 hkv, d, eps, m - 1, {}, panels.empty() ? at::TensorList() : panels.slice(2));
   at::Tensor drafted = chain_op(h_root, root_pos, done + feats.size(0), depth, log_min, eos, cos_table, sin_table,
                                 embed, fc_w, fc_b, head, vocab_map, weights, caches, hq, hkv, d, eps, panels);
   return at::cat({root.to(at::kLong).view({1}), drafted});
@@ -681,7 +706,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_op(
   causal.causal = true;
   causal.start = start;
   at::Tensor x = run_layers(embed.index_select(0, toks), rows_at(cos_table, pos.data(), n),
-                            rows_at(sin_table, pos.data(), n), start, causal, weights, caches, hq, hkv, d, eps, false);
+                            rows_at(sin_table, pos.data(), n), start, causal, weights, caches, hq, hkv, d, eps, 0);
   const int64_t c = x.size(1);
   at::Tensor xn = at::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), norm_w.contiguous().data_ptr<float>(), xn.data_ptr<float>(), n, c, eps);
@@ -710,7 +735,7 @@ std::tuple<at::Tensor, at::Tensor> decode_logits_op(const at::Tensor& token, int
                                                     int64_t hq, int64_t hkv, int64_t d, double eps,
                                                     const at::Tensor& norm_w, const at::Tensor& head) {
   at::Tensor x = run_layers(embed.index_select(0, token.to(at::kLong).view({1})), rows_at(cos_table, &position, 1),
-                            rows_at(sin_table, &position, 1), slot, Visible{}, weights, caches, hq, hkv, d, eps, false);
+                            rows_at(sin_table, &position, 1), slot, Visible{}, weights, caches, hq, hkv, d, eps, 0);
   at::Tensor xn = at::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), norm_w.contiguous().data_ptr<float>(), xn.data_ptr<float>(), 1, x.size(1), eps);
   return {product(at::Tensor(), xn, head), xn};
@@ -733,8 +758,8 @@ at::Tensor prompt_layers_op(const at::Tensor& x, const at::Tensor& cos, const at
     causal.tail_mask = tail.data_ptr<bool>();
     causal.tail_first = n - tail.size(0);
   }
-  return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), 0, causal, weights, caches, hq, hkv, d, eps,
-                    false, bf16);
+  return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), 0, causal, weights, caches, hq, hkv, d, eps, 0,
+                    bf16);
 }
 
 // ---- the ViewSelector's inference (litevlm.select.views), one question --------------------------------------
@@ -994,11 +1019,13 @@ at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const 
   for (int64_t m = 0; m < hkv; ++m)
     for (int64_t r = 0; r < t; ++r) {
       const float* a = kp + r * kw + m * d;
+      const float* cr = cs + r * d;
+      const float* sr = sn + r * d;
       float* out = khp + (m * t + r) * d;
-      for (int64_t e = 0; e < d; ++e) {
-        const float rot = e < half ? -a[e + half] : a[e - half];
-        out[e] = a[e] * cs[r * d + e] + rot * sn[r * d + e];
-      }
+#pragma omp simd
+      for (int64_t e = 0; e < half; ++e) out[e] = a[e] * cr[e] - a[e + half] * sr[e];
+#pragma omp simd
+      for (int64_t e = half; e < d; ++e) out[e] = a[e] * cr[e] + a[e - half] * sr[e];
     }
   // the query rows grouped by kv head, row i * G + g of group m = query head m * G + g of row i
   at::Tensor qh = qg.slice(1, 0, hq * d).view({n, hkv, g, d}).permute({1, 0, 2, 3}).reshape({hkv, n * g, d});
@@ -1018,9 +1045,10 @@ at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const 
   std::copy_n(w[6].data_ptr<float>(), hq, head_w.data());
   softmax(head_w);
 
-  // mix_j = sum over heads m and rows i of head_w[m] beta[i] softmax_keys(q_i^m . k^m / sqrt(d))[vis_j]
+  // mix_j = sum over heads m and rows i of head_w[m] beta[i] softmax_keys(q_i^m . k^m / sqrt(d))[vis_j], summed over
+  // every key in `pooled` (contiguous, vectorised) and read at the visual tokens once
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  std::vector<float> mix(nv, 0.f);
+  std::vector<float> pooled(t, 0.f);
   for (int64_t m = 0; m < hkv; ++m)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t top = first_row + i + 1;  // causal: row first_row + i sees keys 0..first_row + i
@@ -1033,7 +1061,9 @@ at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const 
         float total = 0.f;
         for (int64_t j = 0; j < top; ++j) total += p[j];
         const float coef = head_w[m * g + gg] * beta[i] / total;
-        for (int64_t j = 0; j < nv; ++j) mix[j] += coef * p[vis[j]];
+        float* acc = pooled.data();
+#pragma omp simd
+        for (int64_t j = 0; j < top; ++j) acc[j] += coef * p[j];
       }
     }
   // the content MLP on [norm(h_j), context], its first layer split into the token and the context halves
@@ -1046,12 +1076,13 @@ at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const 
     for (int64_t e = 0; e < c; ++e) acc += w1c[u * c + e] * ctx[e];
     pre_ctx[u] = acc;
   }
-  at::Tensor hv = h.index_select(0, vis_t);  // (N, C)
-  std::vector<float> pre(nv * hidden), scratch(nv * hidden);
-  for (int64_t j = 0; j < nv; ++j) std::copy_n(pre_ctx.data(), hidden, pre.data() + j * hidden);
-  at::Tensor pre_t = at::from_blob(pre.data(), {nv, hidden}, x.options());
-  pre_t.addmm_(hv, w[7]);
-  gelu_inplace(pre.data(), nv * hidden, scratch.data());
+  // over every row before the question (the visual tokens and the few text tokens between the views, which costs less
+  // than gathering the visual rows), read at the visual tokens below
+  std::vector<float> pre(first_row * hidden), scratch(first_row * hidden);
+  for (int64_t j = 0; j < first_row; ++j) std::copy_n(pre_ctx.data(), hidden, pre.data() + j * hidden);
+  at::Tensor pre_t = at::from_blob(pre.data(), {first_row, hidden}, x.options());
+  pre_t.addmm_(h.slice(0, 0, first_row), w[7]);
+  gelu_inplace(pre.data(), first_row * hidden, scratch.data());
   const float* w2 = w[10].data_ptr<float>();
   const float b2 = w[11].data_ptr<float>()[0];
   const bool tagged = tags.numel() > 0;
@@ -1062,8 +1093,9 @@ at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const 
   float* o = out.data_ptr<float>();
   for (int64_t j = 0; j < nv; ++j) {
     float s = b2;
-    for (int64_t u = 0; u < hidden; ++u) s += pre[j * hidden + u] * w2[u];
-    s += std::log(mix[j] + 1e-9f);
+    const float* pj = pre.data() + vis[j] * hidden;
+    for (int64_t u = 0; u < hidden; ++u) s += pj[u] * w2[u];
+    s += std::log(pooled[vis[j]] + 1e-9f);
     if (tagged) s += tw[0] * tags_c.data_ptr<float>()[j] + tw[1] * tags_c.data_ptr<float>()[nv + j];
     o[j] = s;
   }
@@ -1096,6 +1128,9 @@ TORCH_LIBRARY(litevlm_cpu, m) {
   m.def("prompt_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, "
         "float eps, Tensor[] bf16, Tensor? tail_mask=None) -> Tensor",
         &prompt_layers_op);
+  m.def("question_rows(Tensor x, Tensor cos, Tensor sin, int first, Tensor[] weights, Tensor[] caches, int hq, "
+        "int hkv, int d, float eps) -> Tensor",
+        &question_rows_op);
   m.def("pack_panels(Tensor w) -> Tensor", &pack_panels_op);
   m.def("panels_built() -> bool", &panels_built_op);
   m.def("token_scores(Tensor x, Tensor cos, Tensor sin, int first_row, Tensor vis, Tensor tags, Tensor[] weights, "

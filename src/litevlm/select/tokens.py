@@ -493,6 +493,20 @@ def layer_rows(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, ro
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+def _native_rows(layer: DecoderLayer, x: torch.Tensor) -> bool:
+    """Whether `layer_rows` of this layer over x (B, T, C) may run as the native op (cpu_steps.cpp's `question_rows`):
+    inference on one fp32 prompt on the CPU through a plain, unhooked layer, where the native steps serve."""
+    return (
+        not torch.is_grad_enabled()
+        and x.shape[0] == 1
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and cpu_steps.backend() == "native"
+        and layer.fusable()
+        and not cpu_steps.hooked([layer])
+    )
+
+
 @dataclass
 class SelectorConfig:
     """The scoring head's shape and the selection defaults a checkpoint carries."""
@@ -659,8 +673,17 @@ class TokenSelector(nn.Module):
         """What the head reads with reads="prompt": the embeddings (B, T, C), the question's rows (every token after
         the last view) replaced by decoder layer 0's output there (`layer_rows`, over the whole prompt)."""
         first = question_start(view_spans, embeds.shape[1])
+        layer = self.decoder_layer()
+        if _native_rows(layer, embeds):  # one native call: the same rows (a test), without a dispatch per op
+            cfg = self.text_cfg
+            hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            cos, sin = self._rope(positions[0], embeds.dtype)
+            scratch = [embeds.new_empty(1, hkv, embeds.shape[1], d) for _ in range(2)]  # layer 0's K, V of this prompt
+            weights = list(cpu_steps.unrotated(cpu_steps.layer_weights(layer), hq, hkv, d))  # [q k | v]
+            out = native.ops().question_rows(embeds[0], cos, sin, first, weights, scratch, hq, hkv, d, cfg.norm_eps)
+            return torch.cat([embeds[:, :first], out[None]], 1)
         rows = torch.arange(first, embeds.shape[1], device=embeds.device)
-        return torch.cat([embeds[:, :first], layer_rows(self.decoder_layer(), embeds, positions, rows)], 1)
+        return torch.cat([embeds[:, :first], layer_rows(layer, embeds, positions, rows)], 1)
 
     def head_scores(
         self, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], tags: torch.Tensor | None = None
