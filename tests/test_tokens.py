@@ -221,10 +221,10 @@ def test_keep_ratio_one_is_the_unpruned_output():
         assert fastv_generate(model, embeds, positions, spans, 2, 1.0, 12, eos_id=None).tokens == full.tokens
 
 
-def trained_looking_selector(model, shared_layer: bool = True) -> TokenSelector:
+def trained_looking_selector(model, shared_layer: bool = True, reads: str = "layer0") -> TokenSelector:
     """A selector whose head is not at its FastV-like init (MLP output and tag weights non-zero)."""
     torch.manual_seed(5)
-    sel = TokenSelector.from_model(model, SelectorConfig(shared_layer=shared_layer))
+    sel = TokenSelector.from_model(model, SelectorConfig(shared_layer=shared_layer, reads=reads))
     with torch.no_grad():
         sel.mlp[2].weight.normal_(0, 0.5)
         sel.query_gate.weight.normal_(0, 0.2)
@@ -342,10 +342,11 @@ def test_layer_rows_are_the_layers_output_at_those_rows():
 
 
 @pytest.mark.parametrize("question_len", [9, 70])
-def test_native_question_rows_are_layer0s_output_there(question_len, monkeypatch):
-    """The prompt-reading selector's view at inference (one native call: keys and values of every row, the question
-    rows alone through the layer; queries made only for them when the rows before are many) equals `layer_rows` of
-    the modules, for a short question and for one long enough that its rows attend by blocks."""
+def test_native_prompt_scores_equal_the_head_on_the_prompt_view(question_len, monkeypatch):
+    """A prompt-reading selector at inference scores in one native call (the rows before the question through one
+    product with the norms folded in, the question rows alone through layer 0, then the head) exactly what its
+    differentiable form scores, tags included, for a short question and for one long enough that its rows attend
+    by blocks; and a change to layer 0 reaches the native scores (its packing is not kept stale)."""
     from litevlm.model import cpu_steps, native
     from litevlm.select import tokens
 
@@ -356,16 +357,23 @@ def test_native_question_rows_are_layer0s_output_there(question_len, monkeypatch
     monkeypatch.setattr(tokens.native, "ops", lambda: calls.append(1) or real)
     model = tiny_vlm()
     embeds, positions, spans = tiny_prompt(model, question_len=question_len)
-    sel = TokenSelector.from_model(model, SelectorConfig(reads="prompt"))
-    first = max(e for _, _, e in spans)
-    rows = torch.arange(first, embeds.shape[1])
-    assert first >= 24 and (rows.numel() >= 64) == (question_len == 70)  # the split product; the blocked attention
-    want = layer_rows(model.language_model.layers[0], embeds, positions, rows)  # with grad: the modules
+    sel = trained_looking_selector(model, reads="prompt")
     with torch.no_grad():
-        view = sel.prompt_view(embeds, positions, spans)
+        sel.norm.weight.uniform_(0.5, 1.5)  # the head's norm unlike layer 0's: both are folded apart
+        sel.tag_weight.copy_(torch.tensor([1.5, 0.5]))
+    tags = torch.zeros(2, len(spans) * TPV)
+    tags[0, 3], tags[1, 4] = 1.0, 1.0
+    assert embeds.shape[1] - max(e for _, _, e in spans) >= (64 if question_len == 70 else 1)
+    slow = sel.scores(embeds, positions, spans, tags)  # with grad: the modules
+    with torch.no_grad():
+        fast = sel.scores(embeds, positions, spans, tags)
     assert calls  # the native op ran
-    assert torch.equal(view[:, :first], embeds[:, :first])
-    torch.testing.assert_close(view[:, first:], want.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast, slow.detach(), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        model.language_model.layers[0].input_layernorm.weight.mul_(1.5)
+        moved = sel.scores(embeds, positions, spans, tags)
+    torch.testing.assert_close(moved, sel.scores(embeds, positions, spans, tags).detach(), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(moved, fast)
 
 
 def test_prompt_reading_selector_prunes_before_the_decoder_and_never_runs_layer0_on_the_views():

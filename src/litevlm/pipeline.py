@@ -20,6 +20,7 @@ from contextlib import closing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from litevlm.cameras import CAMERAS
@@ -217,6 +218,7 @@ class Pipeline:
         scratch = max(1, nodes) if self.backend_kind in GRAPH_BACKENDS else 0
         lm.setup_cache(1, self.max_len, scratch=scratch)
         self.backend = choose_backend(self.backend_kind, self.model, self.draft, tree_nodes=nodes)
+        self.precision = precision_of(self.model)  # what every answer reports, read once per set of weights
         self.warmed = False
         self.setup_ms += (time.perf_counter() - t0) * 1e3
         if warmup:
@@ -441,7 +443,7 @@ class Pipeline:
         """The question's prompt in the checkpoint's format, embedded with the visual tokens (`counts` per view) in
         place."""
         layout = self.format.build(self.tokenizer, question, views, counts)
-        ids = torch.tensor([layout.ids], device=self.model.device)
+        ids = torch.from_numpy(np.asarray(layout.ids, dtype=np.int64))[None].to(self.model.device)
         positions = torch.arange(ids.shape[1], device=self.model.device)[None]
         n_visual = int(visual.shape[0] * visual.shape[1])
         return Prompt(views, layout.view_spans, ids, self.model.embed(ids, visual), n_visual, positions)
@@ -535,7 +537,7 @@ class Pipeline:
             tokens=gen.tokens,
             input_tokens=gen.prompt_len,
             opened_tokens=gen.opened,
-            precision=precision_of(self.model),
+            precision=self.precision,
         )
 
     def _opening(self, question: str):

@@ -458,13 +458,11 @@ void attend(const float* q_rows, int64_t width, int64_t n, int64_t first, const 
   }
 }
 
-// n tokens at cache slots start..start+n-1 through the layers -> (n, C). cos / sin: one (D,) row per token (its RoPE
-// position). go_on_from > 0 (one layer): rows before it only write their keys and values, and the rows from it on go
-// on through the layer -> (n - go_on_from, C): a draft's extension (its last row), the question rows of a prompt
-// whose other rows only need to be attended to (the TokenSelector's view of layer 0).
+// n tokens at cache slots start..start+n-1 through the layers -> (n, C) (or (1, C) with last_only).
+// cos / sin: one (D,) row per token (its RoPE position).
 at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, const std::vector<const float*>& sin_rows,
                       int64_t start, const Visible& visible, at::TensorList weights, at::TensorList caches, int64_t hq,
-                      int64_t hkv, int64_t d, double eps, int64_t go_on_from, at::TensorList bf16 = {},
+                      int64_t hkv, int64_t d, double eps, bool last_only, at::TensorList bf16 = {},
                       at::TensorList panels = {}) {
   const int64_t layers = weights.size() / kWeightsPerLayer;
   TORCH_CHECK(bf16.empty() || static_cast<int64_t>(bf16.size()) == 4 * layers,
@@ -480,11 +478,10 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
               "litevlm_cpu: weights must hold 7 tensors per layer");
   TORCH_CHECK(static_cast<int64_t>(caches.size()) == layers * kCachesPerLayer,
               "litevlm_cpu: caches must hold K and V per layer");
-  TORCH_CHECK(go_on_from == 0 || layers == 1, "rows that go on from the middle run one layer: the next would need every row");
+  TORCH_CHECK(!last_only || layers == 1, "last_only runs one layer: the next layer would need every row");
   x = x.contiguous();
   check_f32_contiguous(x, "x");
   int64_t n = x.size(0);
-  TORCH_CHECK(go_on_from >= 0 && go_on_from < n, "litevlm_cpu: rows go on from ", go_on_from, " of ", n);
   const int64_t c = x.size(1);
   const int64_t nqk = (hq + hkv) * d;
   const int64_t end = start + n;
@@ -511,16 +508,7 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
     }
     TORCH_CHECK(qkv_w.size(1) == nqk + hkv * d, "litevlm_cpu: the packed q|k|v projection must be (C, ", nqk + hkv * d,
                 ") without the rotated copies (cpu_steps.py's native wrappers cut them); got ", qkv_w.size(1), " columns");
-    const int64_t qd = hq * d;
-    at::Tensor qkv;  // (n, nqk + hkv d): [q k | v]
-    if (go_on_from >= kFewRows && bf16.empty() && panels.empty()) {
-      // many rows only write their keys and values: their queries are never read, so q is made for the others alone
-      qkv = at::empty({n, qkv_w.size(1)}, x.options());
-      qkv.slice(1, qd).copy_(at::addmm(qkv_b.slice(0, qd), xn, qkv_w.slice(1, qd)));
-      qkv.slice(0, go_on_from).slice(1, 0, qd).copy_(at::addmm(qkv_b.slice(0, 0, qd), xn.slice(0, go_on_from), qkv_w.slice(1, 0, qd)));
-    } else {
-      qkv = mul(i, 0, qkv_b, xn, qkv_w);
-    }
+    at::Tensor qkv = mul(i, 0, qkv_b, xn, qkv_w);  // (n, nqk + hkv d): [q k | v]
     const int64_t width = qkv.size(1);
     const int64_t half_d = d / 2;
     float* qkv_p = qkv.data_ptr<float>();
@@ -532,7 +520,7 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
         float* row = qkv_p + r * width;
         const float* cs = cos_rows[r];
         const float* sn = sin_rows[r];
-        for (int64_t h = r < go_on_from ? hq : 0; h < hq + hkv; ++h) {  // the queries of the rows that go on, every key
+        for (int64_t h = 0; h < hq + hkv; ++h) {
           float* q = row + h * d;
           for (int64_t j = 0; j < half_d; ++j) {
             const float a = q[j], b = q[j + half_d];
@@ -546,10 +534,10 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
         }
       }
     });
-    const int64_t first = go_on_from;  // rows that go on past the cache writes
-    if (first > 0) {
-      x = x.slice(0, first, n);
-      n -= first;
+    const int64_t first = last_only ? n - 1 : 0;  // rows that go on past the cache writes
+    if (last_only) {
+      x = x.slice(0, n - 1, n);
+      n = 1;
     }
     at::Tensor y = at::empty({n, hq * d}, x.options());
     attend(qkv_p + first * width, width, n, first, kc, vc, slots, end, visible, hq, hkv, d, y.data_ptr<float>());
@@ -608,20 +596,7 @@ at::Tensor layers_op(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
     TORCH_CHECK(m.numel() == n * (start + n), "litevlm_cpu: the mask must be (1, 1, n, start + n)");
     visible.mask = m.data_ptr<bool>();
   }
-  return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), start, visible, weights, caches, hq, hkv, d, eps,
-                    last_only ? x.size(0) - 1 : 0);
-}
-
-// One decoder layer over a prompt x (T, C) at cache slots 0..T-1 (the caches a scratch pair of this layer's shape),
-// causally, for its rows first..T-1 alone: every row's keys and values are written, and only the rows from `first`
-// on go through the attention's output, the residuals and the MLP -> (T - first, C). The TokenSelector's question
-// rows (`litevlm.select.tokens.layer_rows`): layer 0's output there, never run on the visual tokens.
-at::Tensor question_rows_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t first,
-                            at::TensorList weights, at::TensorList caches, int64_t hq, int64_t hkv, int64_t d, double eps) {
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer, "litevlm_cpu: question_rows runs one layer");
-  Visible causal;
-  causal.causal = true;
-  return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), 0, causal, weights, caches, hq, hkv, d, eps, first);
+  return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), start, visible, weights, caches, hq, hkv, d, eps, last_only);
 }
 
 // The most likely draft token after a feature and its log-probability: (log p, index into the draft vocabulary).
@@ -667,7 +642,7 @@ at::Tensor chain_op(const at::Tensor& root_hidden, int64_t position, int64_t sta
     at::Tensor x = product(fc_b, pair, fc_w, fc_panels);
     const int64_t pos = position + i;
     hidden = run_layers(x, rows_at(cos_table, &pos, 1), rows_at(sin_table, &pos, 1), start + i, Visible{}, weights,
-                        caches, hq, hkv, d, eps, 0, {}, layer_panels);
+                        caches, hq, hkv, d, eps, false, {}, layer_panels);
     auto [step_value, step_idx] = top1(hidden, head, head_panels);
     value += step_value;
     tok = target_id(step_idx);
@@ -687,7 +662,7 @@ at::Tensor draft_cycle_op(const at::Tensor& feats, const at::Tensor& nxt, const 
   const int64_t m = pos.numel();
   at::Tensor h_root = run_layers(x, rows_at(cos_table, pos.data_ptr<int64_t>(), m),
                                  rows_at(sin_table, pos.data_ptr<int64_t>(), m), done, Visible{}, weights, caches, hq,
-                                 hkv, d, eps, m - 1, {}, panels.empty() ? at::TensorList() : panels.slice(2));
+                                 hkv, d, eps, true, {}, panels.empty() ? at::TensorList() : panels.slice(2));
   at::Tensor drafted = chain_op(h_root, root_pos, done + feats.size(0), depth, log_min, eos, cos_table, sin_table,
                                 embed, fc_w, fc_b, head, vocab_map, weights, caches, hq, hkv, d, eps, panels);
   return at::cat({root.to(at::kLong).view({1}), drafted});
@@ -706,7 +681,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_op(
   causal.causal = true;
   causal.start = start;
   at::Tensor x = run_layers(embed.index_select(0, toks), rows_at(cos_table, pos.data(), n),
-                            rows_at(sin_table, pos.data(), n), start, causal, weights, caches, hq, hkv, d, eps, 0);
+                            rows_at(sin_table, pos.data(), n), start, causal, weights, caches, hq, hkv, d, eps, false);
   const int64_t c = x.size(1);
   at::Tensor xn = at::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), norm_w.contiguous().data_ptr<float>(), xn.data_ptr<float>(), n, c, eps);
@@ -735,7 +710,7 @@ std::tuple<at::Tensor, at::Tensor> decode_logits_op(const at::Tensor& token, int
                                                     int64_t hq, int64_t hkv, int64_t d, double eps,
                                                     const at::Tensor& norm_w, const at::Tensor& head) {
   at::Tensor x = run_layers(embed.index_select(0, token.to(at::kLong).view({1})), rows_at(cos_table, &position, 1),
-                            rows_at(sin_table, &position, 1), slot, Visible{}, weights, caches, hq, hkv, d, eps, 0);
+                            rows_at(sin_table, &position, 1), slot, Visible{}, weights, caches, hq, hkv, d, eps, false);
   at::Tensor xn = at::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), norm_w.contiguous().data_ptr<float>(), xn.data_ptr<float>(), 1, x.size(1), eps);
   return {product(at::Tensor(), xn, head), xn};
@@ -758,8 +733,8 @@ at::Tensor prompt_layers_op(const at::Tensor& x, const at::Tensor& cos, const at
     causal.tail_mask = tail.data_ptr<bool>();
     causal.tail_first = n - tail.size(0);
   }
-  return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), 0, causal, weights, caches, hq, hkv, d, eps, 0,
-                    bf16);
+  return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), 0, causal, weights, caches, hq, hkv, d, eps,
+                    false, bf16);
 }
 
 // ---- the ViewSelector's inference (litevlm.select.views), one question --------------------------------------
@@ -978,47 +953,42 @@ at::Tensor view_logits_op(const at::Tensor& ids_in, const at::Tensor& lexical_in
 
 // ---- the TokenSelector's scoring head (litevlm.select.tokens), one prompt --------------------------------------
 
-// `_head_ops` of litevlm/select/tokens.py: decoder layer 0's output x (T, C) -> log-scores (N,) of the visual tokens
-// at prompt indices `vis`, the question being rows first_row..T-1. cos / sin (T, D) at the prompt's positions; tags
-// (2, N) or empty; w = [norm, W_q (C, 2 Hq D + 1) = [q | rot q | gate], b_q, W_k (C, Hkv D), b_k,
-// last bonus (1), head logits (Hq), W1 token half (C, hidden), b1, W1 context half (hidden, C), w2 (hidden), b2 (1),
-// tag weights (2)], all contiguous fp32.
-at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, int64_t first_row,
-                           const at::Tensor& vis_in, const at::Tensor& tags, at::TensorList w, int64_t hq, int64_t hkv,
-                           int64_t d, double eps) {
-  TORCH_CHECK(w.size() == 13, "litevlm_cpu: token_scores takes 13 weights");
-  for (const auto& t : w) check_f32_contiguous(t, "a TokenSelector weight");
-  const at::Tensor x = x_in.contiguous();
-  check_f32_contiguous(x, "x");
-  check_f32_contiguous(cos, "cos");
-  check_f32_contiguous(sin, "sin");
-  const at::Tensor vis_t = vis_in.to(at::kLong).contiguous();
-  const int64_t t = x.size(0), c = x.size(1), n = t - first_row, nv = vis_t.numel(), g = hq / hkv;
+// The head's weights w = [norm, W_q (C, 2 Hq D + 1) = [q | rot q | gate], b_q, W_k (C, Hkv D), b_k, last bonus (1),
+// head logits (Hq), W1 token half (C, hidden), b1, W1 context half (hidden, C), w2 (hidden), b2 (1), tag weights (2)],
+// all contiguous fp32; cos / sin (T, D) at the prompt's positions; tags (2, N) or empty; the question is rows
+// first_row..T-1 and the visual tokens sit at prompt indices `vis`.
+
+// The head's scores from its products: hq_rows (n, C) the question rows through the head's RMSNorm, keys (T, Hkv D)
+// every row's head keys (bias included, RoPE not yet applied), pre (first_row, hidden) every row before the question
+// through the token half of the content MLP's first layer (no bias) -> log-scores (N,) of the visual tokens `vis`.
+at::Tensor head_scores(const at::Tensor& hq_rows, const at::Tensor& keys, at::Tensor pre_t, const at::Tensor& cos,
+                       const at::Tensor& sin, int64_t first_row, const at::Tensor& vis_t, const at::Tensor& tags,
+                       at::TensorList w, int64_t hq, int64_t hkv, int64_t d) {
+  const int64_t n = hq_rows.size(0), c = hq_rows.size(1), t = first_row + n, nv = vis_t.numel(), g = hq / hkv;
   const int64_t hidden = w[7].size(1);
-  TORCH_CHECK(first_row >= 1 && n >= 1 && cos.size(0) == t && cos.size(1) == d, "litevlm_cpu: token_scores shapes");
+  TORCH_CHECK(first_row >= 1 && n >= 1 && cos.size(0) == t && cos.size(1) == d && keys.size(0) == t &&
+                  pre_t.size(0) == first_row && pre_t.size(1) == hidden,
+              "litevlm_cpu: token_scores shapes");
   TORCH_CHECK(w[1].size(1) == 2 * hq * d + 1 && w[3].size(1) == hkv * d, "litevlm_cpu: token_scores projections");
   const int64_t* vis = vis_t.data_ptr<int64_t>();
   for (int64_t j = 0; j < nv; ++j) TORCH_CHECK(vis[j] >= 0 && vis[j] < first_row, "litevlm_cpu: a visual index past the views");
   const float* cs = cos.data_ptr<float>();
   const float* sn = sin.data_ptr<float>();
-
-  at::Tensor h = at::empty({t, c}, x.options());
-  rms_norm_rows(x.data_ptr<float>(), w[0].data_ptr<float>(), h.data_ptr<float>(), t, c, eps);
-  const float* hp = h.data_ptr<float>();
-  at::Tensor qg = at::addmm(w[2], h.slice(0, first_row, t), w[1]);  // (n, 2 Hq D + 1)
-  at::Tensor kk = at::addmm(w[4], h, w[3]);                           // (T, Hkv D)
+  const float* hp = hq_rows.data_ptr<float>();
+  at::Tensor qg = at::addmm(w[2], hq_rows, w[1]);  // (n, 2 Hq D + 1)
   const int64_t qw = qg.size(1), kw = hkv * d, half = d / 2;
   float* qp = qg.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i)  // RoPE: a * cos + rot(a) * sin, the rotation folded into the weights
     for (int64_t e = 0; e < hq * d; ++e)
       qp[i * qw + e] = qp[i * qw + e] * cs[(first_row + i) * d + e % d] + qp[i * qw + hq * d + e] * sn[(first_row + i) * d + e % d];
   // the keys' RoPE with rot = rotate_half applied here, into (Hkv, T, D): one batched matmul reads them transposed
-  at::Tensor kh = at::empty({hkv, t, d}, x.options());
-  const float* kp = kk.data_ptr<float>();
+  at::Tensor kh = at::empty({hkv, t, d}, hq_rows.options());
+  const float* kp = keys.data_ptr<float>();
+  const int64_t kstride = keys.stride(0);
   float* khp = kh.data_ptr<float>();
   for (int64_t m = 0; m < hkv; ++m)
     for (int64_t r = 0; r < t; ++r) {
-      const float* a = kp + r * kw + m * d;
+      const float* a = kp + r * kstride + m * d;
       const float* cr = cs + r * d;
       const float* sr = sn + r * d;
       float* out = khp + (m * t + r) * d;
@@ -1066,40 +1036,146 @@ at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const 
         for (int64_t j = 0; j < top; ++j) acc[j] += coef * p[j];
       }
     }
-  // the content MLP on [norm(h_j), context], its first layer split into the token and the context halves
+  // the content MLP on [norm(h_j), context], its first layer split into the token half (`pre`, over every row before
+  // the question: the visual tokens and the few text tokens between the views, which costs less than gathering the
+  // visual rows) and the context half, added here with the bias
   std::vector<float> ctx(c, 0.f), pre_ctx(hidden);
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t e = 0; e < c; ++e) ctx[e] += beta[i] * hp[(first_row + i) * c + e];
+    for (int64_t e = 0; e < c; ++e) ctx[e] += beta[i] * hp[i * c + e];
   const float* w1c = w[9].data_ptr<float>();  // (hidden, C)
   for (int64_t u = 0; u < hidden; ++u) {
     float acc = w[8].data_ptr<float>()[u];
     for (int64_t e = 0; e < c; ++e) acc += w1c[u * c + e] * ctx[e];
     pre_ctx[u] = acc;
   }
-  // over every row before the question (the visual tokens and the few text tokens between the views, which costs less
-  // than gathering the visual rows), read at the visual tokens below
-  std::vector<float> pre(first_row * hidden), scratch(first_row * hidden);
-  for (int64_t j = 0; j < first_row; ++j) std::copy_n(pre_ctx.data(), hidden, pre.data() + j * hidden);
-  at::Tensor pre_t = at::from_blob(pre.data(), {first_row, hidden}, x.options());
-  pre_t.addmm_(h.slice(0, 0, first_row), w[7]);
-  gelu_inplace(pre.data(), first_row * hidden, scratch.data());
+  at::Tensor act = at::empty({first_row, hidden}, hq_rows.options());
+  float* pre = act.data_ptr<float>();
+  const float* pre_in = pre_t.data_ptr<float>();
+  const int64_t pstride = pre_t.stride(0);
+  for (int64_t j = 0; j < first_row; ++j)
+    for (int64_t u = 0; u < hidden; ++u) pre[j * hidden + u] = pre_in[j * pstride + u] + pre_ctx[u];
+  std::vector<float> scratch(first_row * hidden);
+  gelu_inplace(pre, first_row * hidden, scratch.data());
   const float* w2 = w[10].data_ptr<float>();
   const float b2 = w[11].data_ptr<float>()[0];
   const bool tagged = tags.numel() > 0;
   at::Tensor tags_c = tagged ? tags.to(at::kFloat).contiguous() : tags;
   TORCH_CHECK(!tagged || (tags_c.size(0) == 2 && tags_c.size(1) == nv), "litevlm_cpu: token_scores tags must be (2, N)");
   const float* tw = w[12].data_ptr<float>();
-  at::Tensor out = at::empty({nv}, x.options());
+  at::Tensor out = at::empty({nv}, hq_rows.options());
   float* o = out.data_ptr<float>();
   for (int64_t j = 0; j < nv; ++j) {
     float s = b2;
-    const float* pj = pre.data() + vis[j] * hidden;
+    const float* pj = pre + vis[j] * hidden;
     for (int64_t u = 0; u < hidden; ++u) s += pj[u] * w2[u];
     s += std::log(pooled[vis[j]] + 1e-9f);
     if (tagged) s += tw[0] * tags_c.data_ptr<float>()[j] + tw[1] * tags_c.data_ptr<float>()[nv + j];
     o[j] = s;
   }
   return out;
+}
+
+void check_head_inputs(at::TensorList w, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(w.size() == 13, "litevlm_cpu: token_scores takes 13 weights");
+  for (const auto& t : w) check_f32_contiguous(t, "a TokenSelector weight");
+  check_f32_contiguous(cos, "cos");
+  check_f32_contiguous(sin, "sin");
+}
+
+// `_head_ops` of litevlm/select/tokens.py: the head on the prompt x (T, C) as it reads it (the views as they enter the decoder or layer 0's output, the
+// question rows from `first_row` on) -> log-scores (N,).
+at::Tensor token_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, int64_t first_row,
+                           const at::Tensor& vis_in, const at::Tensor& tags, at::TensorList w, int64_t hq, int64_t hkv,
+                           int64_t d, double eps) {
+  check_head_inputs(w, cos, sin);
+  const at::Tensor x = x_in.contiguous();
+  check_f32_contiguous(x, "x");
+  const int64_t t = x.size(0), c = x.size(1);
+  TORCH_CHECK(first_row >= 1 && first_row < t, "litevlm_cpu: token_scores needs question rows after the views");
+  at::Tensor h = at::empty({t, c}, x.options());
+  rms_norm_rows(x.data_ptr<float>(), w[0].data_ptr<float>(), h.data_ptr<float>(), t, c, eps);
+  return head_scores(h.slice(0, first_row, t), at::addmm(w[4], h, w[3]), at::mm(h.slice(0, 0, first_row), w[7]), cos,
+                     sin, first_row, vis_in.to(at::kLong).contiguous(), tags, w, hq, hkv, d);
+}
+
+// A prompt-reading TokenSelector at inference, in one call: the prompt's embeddings x (T, C), the question from
+// `first_row` on. Every row before the question meets one product, `fused` (C, 2 Hkv D + Hkv D + hidden): decoder
+// layer 0's keys and values and the head's keys and token-half MLP, their RMSNorm weights folded in (each row is
+// scaled by its own 1 / rms first), `fused_bias` beside it; layer 0's keys and values go to the scratch `caches`
+// (one layer's K and V for T slots), and the question rows alone then run through layer 0 (`layer`: its 7 weights,
+// q|k|v unrotated) over them, and through the head's norm -> log-scores (N,), as `token_scores` of the prompt the
+// head reads (`TokenSelector.prompt_view`).
+at::Tensor prompt_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, int64_t first_row,
+                            const at::Tensor& vis_in, const at::Tensor& tags, at::TensorList layer, at::TensorList caches,
+                            at::TensorList w, const at::Tensor& fused, const at::Tensor& fused_bias, int64_t hq,
+                            int64_t hkv, int64_t d, double eps) {
+  check_head_inputs(w, cos, sin);
+  TORCH_CHECK(static_cast<int64_t>(layer.size()) == kWeightsPerLayer && layer[0].numel() > 0,
+              "litevlm_cpu: prompt_scores takes one decoder layer with its input norm");
+  check_f32_contiguous(fused, "the fused products");
+  check_f32_contiguous(fused_bias, "the fused bias");
+  const at::Tensor x = x_in.contiguous();
+  check_f32_contiguous(x, "x");
+  const int64_t t = x.size(0), c = x.size(1), kw = hkv * d, hidden = w[7].size(1);
+  TORCH_CHECK(first_row >= 1 && first_row < t, "litevlm_cpu: prompt_scores needs question rows after the views");
+  TORCH_CHECK(fused.size(0) == c && fused.size(1) == 3 * kw + hidden && fused_bias.numel() == fused.size(1),
+              "litevlm_cpu: prompt_scores' fused product must be (C, 3 Hkv D + hidden)");
+  const at::Tensor& k_cache = caches[0];
+  const at::Tensor& v_cache = caches[1];
+  check_f32_contiguous(k_cache, "the K cache");
+  check_f32_contiguous(v_cache, "the V cache");
+  const int64_t slots = k_cache.size(2);
+  TORCH_CHECK(slots >= t, "litevlm_cpu: the scratch cache holds ", slots, " slots for ", t, " rows");
+
+  // every row before the question, scaled by 1 / its rms (the norms' weights are in `fused`), in one product
+  at::Tensor xs = at::empty({first_row, c}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* xsp = xs.data_ptr<float>();
+  at::parallel_for(0, first_row, kRowGrain, [&](int64_t begin, int64_t stop) {
+    for (int64_t r = begin; r < stop; ++r) {
+      const float* row = xp + r * c;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t e = 0; e < c; ++e) ss += row[e] * row[e];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(c) + static_cast<float>(eps));
+      for (int64_t e = 0; e < c; ++e) xsp[r * c + e] = row[e] * inv;
+    }
+  });
+  at::Tensor prod = at::addmm(fused_bias, xs, fused);  // (first_row, [k v | head k | token MLP])
+  const int64_t width = prod.size(1), half = d / 2;
+  const float* pp = prod.data_ptr<float>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  at::parallel_for(0, first_row, kRowGrain, [&](int64_t begin, int64_t stop) {  // layer 0's K (RoPE) and V, cached
+    for (int64_t r = begin; r < stop; ++r) {
+      const float* row = pp + r * width;
+      const float* cr = cs + r * d;
+      const float* sr = sn + r * d;
+      for (int64_t h = 0; h < hkv; ++h) {
+        const float* a = row + h * d;
+        float* out = kc + (h * slots + r) * d;
+        for (int64_t e = 0; e < half; ++e) out[e] = a[e] * cr[e] - a[e + half] * sr[e];
+        for (int64_t e = half; e < d; ++e) out[e] = a[e] * cr[e] + a[e - half] * sr[e];
+        std::copy_n(row + kw + h * d, d, vc + (h * slots + r) * d);
+      }
+    }
+  });
+  // the question rows through layer 0 over the cached rows before them and themselves, then the head's norm
+  Visible causal;
+  causal.causal = true;
+  causal.start = first_row;
+  const std::vector<const float*> cos_rows = rows_of(cos, t), sin_rows = rows_of(sin, t);
+  at::Tensor q_out = run_layers(x.slice(0, first_row, t), {cos_rows.begin() + first_row, cos_rows.end()},
+                                {sin_rows.begin() + first_row, sin_rows.end()}, first_row, causal, layer, caches, hq,
+                                hkv, d, eps, false);
+  const int64_t n = t - first_row;
+  at::Tensor hq_rows = at::empty({n, c}, x.options());
+  rms_norm_rows(q_out.data_ptr<float>(), w[0].data_ptr<float>(), hq_rows.data_ptr<float>(), n, c, eps);
+  at::Tensor keys = at::cat({prod.slice(1, 2 * kw, 3 * kw), at::addmm(w[4], hq_rows, w[3])});  // (T, Hkv D)
+  return head_scores(hq_rows, keys, prod.slice(1, 3 * kw, 3 * kw + hidden), cos, sin, first_row,
+                     vis_in.to(at::kLong).contiguous(), tags, w, hq, hkv, d);
 }
 
 }  // namespace
@@ -1128,14 +1204,14 @@ TORCH_LIBRARY(litevlm_cpu, m) {
   m.def("prompt_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, "
         "float eps, Tensor[] bf16, Tensor? tail_mask=None) -> Tensor",
         &prompt_layers_op);
-  m.def("question_rows(Tensor x, Tensor cos, Tensor sin, int first, Tensor[] weights, Tensor[] caches, int hq, "
-        "int hkv, int d, float eps) -> Tensor",
-        &question_rows_op);
   m.def("pack_panels(Tensor w) -> Tensor", &pack_panels_op);
   m.def("panels_built() -> bool", &panels_built_op);
   m.def("token_scores(Tensor x, Tensor cos, Tensor sin, int first_row, Tensor vis, Tensor tags, Tensor[] weights, "
         "int hq, int hkv, int d, float eps) -> Tensor",
         &token_scores_op);
+  m.def("prompt_scores(Tensor x, Tensor cos, Tensor sin, int first_row, Tensor vis, Tensor tags, Tensor[] layer, "
+        "Tensor[] caches, Tensor[] weights, Tensor fused, Tensor fused_bias, int hq, int hkv, int d, float eps) -> Tensor",
+        &prompt_scores_op);
   m.def("view_logits(Tensor ids, Tensor lexical, Tensor packed, int layers, int width, int ffn, int heads, "
         "int buckets, int max_words, float eps) -> Tensor",
         &view_logits_op);

@@ -493,20 +493,6 @@ def layer_rows(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, ro
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def _native_rows(layer: DecoderLayer, x: torch.Tensor) -> bool:
-    """Whether `layer_rows` of this layer over x (B, T, C) may run as the native op (cpu_steps.cpp's `question_rows`):
-    inference on one fp32 prompt on the CPU through a plain, unhooked layer, where the native steps serve."""
-    return (
-        not torch.is_grad_enabled()
-        and x.shape[0] == 1
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and cpu_steps.backend() == "native"
-        and layer.fusable()
-        and not cpu_steps.hooked([layer])
-    )
-
-
 @dataclass
 class SelectorConfig:
     """The scoring head's shape and the selection defaults a checkpoint carries."""
@@ -662,6 +648,8 @@ class TokenSelector(nn.Module):
     ) -> torch.Tensor:
         """Log-scores (B, N) of the visual tokens, view after view; differentiable (training). tags: (2, N) or None."""
         if self.cfg.reads == "prompt":
+            if self._native_prompt(embeds):
+                return self._prompt_scores_native(embeds, positions, view_spans, tags)[None]
             return self.head_scores(self.prompt_view(embeds, positions, view_spans), positions, view_spans, tags)
         cfg = self.text_cfg
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, embeds.dtype)
@@ -673,17 +661,8 @@ class TokenSelector(nn.Module):
         """What the head reads with reads="prompt": the embeddings (B, T, C), the question's rows (every token after
         the last view) replaced by decoder layer 0's output there (`layer_rows`, over the whole prompt)."""
         first = question_start(view_spans, embeds.shape[1])
-        layer = self.decoder_layer()
-        if _native_rows(layer, embeds):  # one native call: the same rows (a test), without a dispatch per op
-            cfg = self.text_cfg
-            hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-            cos, sin = self._rope(positions[0], embeds.dtype)
-            scratch = [embeds.new_empty(1, hkv, embeds.shape[1], d) for _ in range(2)]  # layer 0's K, V of this prompt
-            weights = list(cpu_steps.unrotated(cpu_steps.layer_weights(layer), hq, hkv, d))  # [q k | v]
-            out = native.ops().question_rows(embeds[0], cos, sin, first, weights, scratch, hq, hkv, d, cfg.norm_eps)
-            return torch.cat([embeds[:, :first], out[None]], 1)
         rows = torch.arange(first, embeds.shape[1], device=embeds.device)
-        return torch.cat([embeds[:, :first], layer_rows(layer, embeds, positions, rows)], 1)
+        return torch.cat([embeds[:, :first], layer_rows(self.decoder_layer(), embeds, positions, rows)], 1)
 
     def head_scores(
         self, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], tags: torch.Tensor | None = None
@@ -753,6 +732,72 @@ class TokenSelector(nn.Module):
             cfg.head_dim,
             self.norm.eps,
         )
+
+    def _native_prompt(self, embeds: torch.Tensor) -> bool:
+        """Whether a prompt-reading selector scores these embeddings (B, T, C) in one native call (`prompt_scores` of
+        cpu_steps.cpp): inference on one fp32 prompt on the CPU where the native steps serve, through a plain,
+        unhooked layer 0 whose norm shares the head's epsilon."""
+        if torch.is_grad_enabled() or embeds.shape[0] != 1 or embeds.dtype != torch.float32:
+            return False
+        if embeds.device.type != "cpu" or cpu_steps.backend() != "native":
+            return False
+        layer = self.decoder_layer()
+        norm = layer.input_layernorm
+        return (
+            layer.fusable()
+            and not cpu_steps.hooked([layer])
+            and getattr(norm, "eps", None) == self.norm.eps
+            and getattr(norm, "weight", None) is not None
+        )
+
+    def _prompt_scores_native(
+        self, embeds: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], tags: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`scores` of a prompt-reading selector (batch 1, no grad) in one native call: the rows before the question
+        meet one product (layer 0's keys and values, the head's keys and its MLP's token half, `_fused_products`), the
+        question rows alone run through layer 0 (equal to `head_scores(prompt_view(...))`, a test) -> (N,)."""
+        cfg = self.text_cfg
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        t = embeds.shape[1]
+        cos, sin = self._rope(positions[0], embeds.dtype)  # (T, 1, D)
+        layer = list(cpu_steps.unrotated(cpu_steps.layer_weights(self.decoder_layer()), hq, hkv, d))  # [q k | v]
+        head = self._head_weights()
+        fused, fused_bias = self._fused_products(layer, head)
+        scratch = [embeds.new_empty(1, hkv, t, d) for _ in range(2)]  # layer 0's K and V of this prompt
+        return native.ops().prompt_scores(
+            embeds[0],
+            cos[:, 0],
+            sin[:, 0],
+            question_start(view_spans, t),
+            visual_index(view_spans, embeds.device),
+            embeds.new_empty(0) if tags is None else tags.float(),
+            layer,
+            scratch,
+            head,
+            fused,
+            fused_bias,
+            hq,
+            hkv,
+            d,
+            self.norm.eps,
+        )
+
+    def _fused_products(self, layer: list, head: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """(C, 3 Hkv D + hidden) and its bias: decoder layer 0's k | v, the head's k and its MLP's token half, each
+        with its RMSNorm's weight folded into its rows (norm(x) @ W = (x / rms(x)) @ (diag(w) W)); made again when a
+        weight of either changes (the layer's packing is new then, the head's list too)."""
+        hq_d = self.text_cfg.num_heads * self.text_cfg.head_dim
+        norm0, qkv, qkv_bias = layer[0], layer[1], layer[2]
+        key = (head, qkv, norm0, norm0._version)
+        cache = self.__dict__.get("_fused_cache")
+        if cache is not None and all(a is b for a, b in zip(cache[0][:3], key[:3])) and cache[0][3] == key[3]:
+            return cache[1]
+        with torch.no_grad():
+            ws = head[0][:, None]
+            fused = torch.cat([norm0.detach()[:, None] * qkv[:, hq_d:], ws * head[3], ws * head[7]], 1).contiguous()
+            bias = torch.cat([qkv_bias[hq_d:], head[4], head[8].new_zeros(head[7].shape[1])]).contiguous()
+        self.__dict__["_fused_cache"] = (key, (fused, bias))
+        return fused, bias
 
     def _head_weights(self) -> list:
         """`_head_ops`' weight list, contiguous (`_packed` projections, the MLP's first layer split into its token half,
