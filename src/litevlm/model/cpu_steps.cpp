@@ -958,6 +958,15 @@ at::Tensor view_logits_op(const at::Tensor& ids_in, const at::Tensor& lexical_in
 // all contiguous fp32; cos / sin (T, D) at the prompt's positions; tags (2, N) or empty; the question is rows
 // first_row..T-1 and the visual tokens sit at prompt indices `vis`.
 
+// out = a * cos + rotate_half(a) * sin over one head's d values (RoPE into another place; out does not overlap a).
+inline void rope_into(const float* a, const float* cr, const float* sr, int64_t d, float* out) {
+  const int64_t half = d / 2;
+#pragma omp simd
+  for (int64_t e = 0; e < half; ++e) out[e] = a[e] * cr[e] - a[e + half] * sr[e];
+#pragma omp simd
+  for (int64_t e = half; e < d; ++e) out[e] = a[e] * cr[e] + a[e - half] * sr[e];
+}
+
 // The head's scores from its products: hq_rows (n, C) the question rows through the head's RMSNorm, keys (T, Hkv D)
 // every row's head keys (bias included, RoPE not yet applied), pre (first_row, hidden) every row before the question
 // through the token half of the content MLP's first layer (no bias) -> log-scores (N,) of the visual tokens `vis`.
@@ -976,7 +985,7 @@ at::Tensor head_scores(const at::Tensor& hq_rows, const at::Tensor& keys, at::Te
   const float* sn = sin.data_ptr<float>();
   const float* hp = hq_rows.data_ptr<float>();
   at::Tensor qg = at::addmm(w[2], hq_rows, w[1]);  // (n, 2 Hq D + 1)
-  const int64_t qw = qg.size(1), kw = hkv * d, half = d / 2;
+  const int64_t qw = qg.size(1);
   float* qp = qg.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i)  // RoPE: a * cos + rot(a) * sin, the rotation folded into the weights
     for (int64_t e = 0; e < hq * d; ++e)
@@ -988,14 +997,7 @@ at::Tensor head_scores(const at::Tensor& hq_rows, const at::Tensor& keys, at::Te
   float* khp = kh.data_ptr<float>();
   for (int64_t m = 0; m < hkv; ++m)
     for (int64_t r = 0; r < t; ++r) {
-      const float* a = kp + r * kstride + m * d;
-      const float* cr = cs + r * d;
-      const float* sr = sn + r * d;
-      float* out = khp + (m * t + r) * d;
-#pragma omp simd
-      for (int64_t e = 0; e < half; ++e) out[e] = a[e] * cr[e] - a[e + half] * sr[e];
-#pragma omp simd
-      for (int64_t e = half; e < d; ++e) out[e] = a[e] * cr[e] + a[e - half] * sr[e];
+      rope_into(kp + r * kstride + m * d, cs + r * d, sn + r * d, d, khp + (m * t + r) * d);
     }
   // the query rows grouped by kv head, row i * G + g of group m = query head m * G + g of row i
   at::Tensor qh = qg.slice(1, 0, hq * d).view({n, hkv, g, d}).permute({1, 0, 2, 3}).reshape({hkv, n * g, d});
@@ -1142,7 +1144,7 @@ at::Tensor prompt_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const
     }
   });
   at::Tensor prod = at::addmm(fused_bias, xs, fused);  // (first_row, [k v | head k | token MLP])
-  const int64_t width = prod.size(1), half = d / 2;
+  const int64_t width = prod.size(1);
   const float* pp = prod.data_ptr<float>();
   const float* cs = cos.data_ptr<float>();
   const float* sn = sin.data_ptr<float>();
@@ -1154,10 +1156,7 @@ at::Tensor prompt_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const
       const float* cr = cs + r * d;
       const float* sr = sn + r * d;
       for (int64_t h = 0; h < hkv; ++h) {
-        const float* a = row + h * d;
-        float* out = kc + (h * slots + r) * d;
-        for (int64_t e = 0; e < half; ++e) out[e] = a[e] * cr[e] - a[e + half] * sr[e];
-        for (int64_t e = half; e < d; ++e) out[e] = a[e] * cr[e] + a[e - half] * sr[e];
+        rope_into(row + h * d, cr, sr, d, kc + (h * slots + r) * d);
         std::copy_n(row + kw + h * d, d, vc + (h * slots + r) * d);
       }
     }
