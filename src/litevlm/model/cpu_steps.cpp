@@ -54,7 +54,7 @@ void exp_inplace(float* x, int64_t count) {
   }
 }
 
-// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, rows of width c.
+// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, rows of width c; w null: the rows scaled alone (unit weights).
 // A prompt's loops over its rows (norms, RoPE and the cache writes, SiLU-gating) are split over the threads in
 // blocks of this many rows; a step of fewer rows runs on the calling thread.
 constexpr int64_t kRowGrain = 32;
@@ -68,7 +68,11 @@ void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int
 #pragma omp simd reduction(+ : ss)
       for (int64_t j = 0; j < c; ++j) ss += xr[j] * xr[j];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(c) + static_cast<float>(eps));
-      for (int64_t j = 0; j < c; ++j) o[j] = xr[j] * inv * w[j];
+      if (w) {
+        for (int64_t j = 0; j < c; ++j) o[j] = xr[j] * inv * w[j];
+      } else {
+        for (int64_t j = 0; j < c; ++j) o[j] = xr[j] * inv;
+      }
     }
   });
 }
@@ -1131,18 +1135,7 @@ at::Tensor prompt_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const
 
   // every row before the question, scaled by 1 / its rms (the norms' weights are in `fused`), in one product
   at::Tensor xs = at::empty({first_row, c}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* xsp = xs.data_ptr<float>();
-  at::parallel_for(0, first_row, kRowGrain, [&](int64_t begin, int64_t stop) {
-    for (int64_t r = begin; r < stop; ++r) {
-      const float* row = xp + r * c;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t e = 0; e < c; ++e) ss += row[e] * row[e];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(c) + static_cast<float>(eps));
-      for (int64_t e = 0; e < c; ++e) xsp[r * c + e] = row[e] * inv;
-    }
-  });
+  rms_norm_rows(x.data_ptr<float>(), nullptr, xs.data_ptr<float>(), first_row, c, eps);
   at::Tensor prod = at::addmm(fused_bias, xs, fused);  // (first_row, [k v | head k | token MLP])
   const int64_t width = prod.size(1);
   const float* pp = prod.data_ptr<float>();
