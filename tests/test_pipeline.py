@@ -88,6 +88,31 @@ def test_bad_images(pipe, images, tmp_path):
         pipe.answer("Anything ahead?", {**images, "CAM_FRONT": np.zeros((4, 4))})
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_images_cut_side_by_side_hold_the_bytes_of_one_by_one(images, tmp_path, threads):
+    from litevlm.model.prompt import Tiling
+    from litevlm.model.vlm import cut_images, load_image
+
+    tiling = Tiling(max_tiles=6, thumbnail=True)  # a grid and a thumbnail each: two resizes an image
+    sources = [images[c] for c in CAMERAS]
+    sources[2] = tmp_path / "front_left.png"  # paths, arrays and PIL images mixed, of different sizes
+    images[CAMERAS[2]].resize((333, 177)).save(sources[2])
+    sources[4] = np.asarray(images[CAMERAS[4]].resize((90, 160)))
+    one_by_one = [tiling.cut(load_image(s), 32) for s in sources]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        side_by_side = cut_images(sources, tiling, 32)
+        assert [a.shape for a in side_by_side] == [a.shape for a in one_by_one]
+        assert all(np.array_equal(a, b) for a, b in zip(side_by_side, one_by_one, strict=True))
+        corrupt = tmp_path / "corrupt.png"
+        corrupt.write_bytes(b"\x89PNG\r\n\x1a\nnot a png")
+        with pytest.raises(LiteVLMError, match="cannot read image .*corrupt.png"):
+            cut_images([sources[0], corrupt, tmp_path / "missing.png"], tiling, 32)  # the first bad one in order
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_images_from_dir(images, tmp_path):
     for c in CAMERAS:
         images[c].save(tmp_path / f"{c}.png")

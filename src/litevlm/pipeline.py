@@ -33,7 +33,7 @@ from litevlm.model.generate import (
     stream_decode,
 )
 from litevlm.model.prompt import SPECIAL_STRINGS, PromptFormat, Tiling
-from litevlm.model.vlm import VLM, load_image, normalize_tiles
+from litevlm.model.vlm import VLM, cut_images, normalize_tiles
 from litevlm.models import load_model, part_dir
 from litevlm.presets import GRAPH_BACKENDS
 from litevlm.quant.fp8 import precision_of
@@ -423,9 +423,9 @@ class Pipeline:
 
     def tiles(self, images: Mapping, views: list[str]) -> tuple[torch.Tensor, list[int]]:
         """The chosen views' images cut into normalised tiles (the prompt format's tiling): (tiles, 3, S, S) and the
-        number of visual tokens each view gives."""
+        number of visual tokens each view gives. The views are read and resized side by side (`cut_images`)."""
         size = self.cfg.vision.image_size
-        cut = [torch.from_numpy(self.format.tiling.cut(load_image(images[c]), size)) for c in views]
+        cut = [torch.from_numpy(a) for a in cut_images([images[c] for c in views], self.format.tiling, size)]
         return normalize_tiles(torch.cat(cut)), [t.shape[0] * self.cfg.tokens_per_tile for t in cut]
 
     @torch.no_grad()

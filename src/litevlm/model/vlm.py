@@ -7,6 +7,8 @@ masked_scatter does); the decoder then runs over text and visual tokens alike.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -149,6 +151,31 @@ def normalize_tiles(tiles: torch.Tensor) -> torch.Tensor:
 def image_to_tiles(image, image_size: int, tiles_per_view: int) -> torch.Tensor:
     """A PIL image (any size) -> (tiles_per_view, 3, S, S) float32, normalised."""
     return normalize_tiles(torch.from_numpy(image_to_uint8_tiles(image, image_size, tiles_per_view)))
+
+
+_CUT_POOLS: dict[int, ThreadPoolExecutor] = {}  # worker count -> the threads that cut images side by side
+_CUT_POOLS_LOCK = threading.Lock()
+
+
+def cut_images(sources, tiling: Tiling, size: int) -> list[np.ndarray]:
+    """Each image (a path, PIL image or array) read and cut into (tiles, 3, S, S) uint8 tiles (`Tiling.cut`), in order.
+
+    PIL decodes and resamples without holding the GIL, so with several images and more than one of torch's threads
+    (the threads the user runs with: one pinned thread cuts them one after another) the images are cut side by side,
+    one a thread. Each is still its own whole resize, so the bytes are those of cutting them one by one. A bad image
+    raises its `LiteVLMError` (the first such in order)."""
+
+    def one(source) -> np.ndarray:
+        return tiling.cut(load_image(source), size)
+
+    workers = min(len(sources), torch.get_num_threads())
+    if workers < 2:
+        return [one(s) for s in sources]
+    with _CUT_POOLS_LOCK:
+        pool = _CUT_POOLS.get(workers)
+        if pool is None:
+            pool = _CUT_POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="litevlm-cut")
+    return list(pool.map(one, sources))
 
 
 def load_image(source) -> Image.Image:
