@@ -82,6 +82,29 @@ def test_a_native_decode_step_equals_the_modules():
     assert_all_close(*both_backends(model, run))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_few_rows_product_sums_each_row_as_one_row_alone(threads):
+    """The products of a decode step (one row) and of a verification (up to 24 rows, by blocks of four rows and of
+    32, 16 and single columns): each row's outputs are those of the row alone, bit for bit, whatever the row count,
+    the column count, the input width (one not a multiple of four) or the threads; and the product is x @ w + b."""
+    need_native()
+    g = torch.Generator().manual_seed(5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for inp, out in ((256, 1280), (64, 49), (30, 17), (256, 854)):
+            w = torch.randn(inp, out, generator=g)
+            b = torch.randn(out, generator=g)
+            x = torch.randn(24, inp, generator=g)
+            alone = torch.cat([native.ops().product(b, x[i : i + 1], w) for i in range(24)])
+            assert torch.allclose(alone, x @ w + b, atol=1e-3, rtol=1e-4)
+            for n in (2, 3, 5, 7, 8, 17, 24):
+                assert torch.equal(native.ops().product(b, x[:n], w), alone[:n]), (inp, out, n)
+            assert torch.equal(native.ops().product(None, x[:6], w), native.ops().product(torch.zeros(out), x[:6], w))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_native_steps_give_the_same_numbers_at_one_and_at_two_threads():
     """A decode step's and a verification's products large enough to be split over the threads by output columns
     (hidden 256, as drive-hd's) sum each column as one thread does: every output is equal bit for bit."""

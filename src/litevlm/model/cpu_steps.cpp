@@ -87,39 +87,67 @@ void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int
 // when compiling (the one-row step, whose loop over rows then goes away); 0 takes n.
 constexpr int64_t kFewRows = 24;
 
-// y (n, cols, row stride ldy) += x (n, in) @ w (in, cols, row stride ldw).
-template <int64_t kRows>
-void rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t cols) {
-  if (kRows > 0) n = kRows;
+// A block of R rows by J columns of y, summed in registers over the whole input and stored once: each weight row of
+// the block loaded once serves the R rows, and y is read and written once instead of at every four inputs. Each
+// element gets the same sums in the same order as one row alone (the base, then four inputs at a time, then the
+// rest), so the result does not depend on how the rows are blocked.
+template <int64_t R, int64_t J>
+inline void block_product(const float* x, int64_t in, const float* w, int64_t ldw, float* y, int64_t ldy) {
+  float acc[R][J];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < J; ++j) acc[r][j] = y[r * ldy + j];
   int64_t k = 0;
   for (; k + 4 <= in; k += 4) {
     const float* w0 = w + k * ldw;
     const float* w1 = w0 + ldw;
     const float* w2 = w1 + ldw;
     const float* w3 = w2 + ldw;
-    for (int64_t r = 0; r < n; ++r) {
+    for (int64_t r = 0; r < R; ++r) {
       const float* xr = x + r * in + k;
-      float* yr = y + r * ldy;
       const float x0 = xr[0], x1 = xr[1], x2 = xr[2], x3 = xr[3];
 #pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) yr[j] += x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j];
+      for (int64_t j = 0; j < J; ++j) acc[r][j] += x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j];
     }
   }
   for (; k < in; ++k) {
     const float* wk = w + k * ldw;
-    for (int64_t r = 0; r < n; ++r) {
+    for (int64_t r = 0; r < R; ++r) {
       const float xv = x[r * in + k];
-      float* yr = y + r * ldy;
 #pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) yr[j] += xv * wk[j];
+      for (int64_t j = 0; j < J; ++j) acc[r][j] += xv * wk[j];
     }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < J; ++j) y[r * ldy + j] = acc[r][j];
+}
+
+// R rows of y (row stride ldy) += x (R, in) @ w (in, cols, row stride ldw), by blocks of 32 columns, the last of
+// them narrower: 16 or, in a step of its own, one column at a time.
+template <int64_t R>
+void rows_block(const float* x, int64_t in, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t cols) {
+  int64_t j = 0;
+  for (; j + 32 <= cols; j += 32) block_product<R, 32>(x, in, w + j, ldw, y + j, ldy);
+  for (; j + 16 <= cols; j += 16) block_product<R, 16>(x, in, w + j, ldw, y + j, ldy);
+  for (; j < cols; ++j) block_product<R, 1>(x, in, w + j, ldw, y + j, ldy);
+}
+
+// y (n, cols, row stride ldy) += x (n, in) @ w (in, cols, row stride ldw): blocks of four rows, then the rest.
+template <int64_t kRows>
+void rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t cols) {
+  if (kRows > 0) n = kRows;
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) rows_block<4>(x + r * in, in, w, ldw, y + r * ldy, ldy, cols);
+  switch (n - r) {
+    case 3: rows_block<3>(x + r * in, in, w, ldw, y + r * ldy, ldy, cols); break;
+    case 2: rows_block<2>(x + r * in, in, w, ldw, y + r * ldy, ldy, cols); break;
+    case 1: rows_block<1>(x + r * in, in, w, ldw, y + r * ldy, ldy, cols); break;
+    default: break;
   }
 }
 
 // A few-rows product of at least this many multiply-adds is split over the threads by blocks of kColumnBlock output
-// columns, each column summed as on one thread; a smaller one runs on the calling thread. Each thread sums its
-// columns in a buffer of its own and writes them to y once: summed in place, the rows' cache lines where two
-// threads' columns meet went back and forth between the cores at every step of the sum.
+// columns, each column summed as on one thread. Each element of y is read and written once (its sums stay in
+// registers), so two threads' columns meeting in a cache line cost one exchange, not one at every step of the sum.
 constexpr int64_t kParallelProductWork = 1 << 16;
 constexpr int64_t kColumnBlock = 64;
 
@@ -130,11 +158,7 @@ void rows_product(const float* x, int64_t n, int64_t in, const float* w, int64_t
     return rows_product<kRows>(x, n, in, w, out, y, out, out);
   at::parallel_for(0, (out + kColumnBlock - 1) / kColumnBlock, 1, [&](int64_t begin, int64_t stop) {
     const int64_t j0 = begin * kColumnBlock, cols = std::min(out, stop * kColumnBlock) - j0;
-    thread_local std::vector<float> own;  // kept between calls: a decode step makes dozens of these products
-    own.resize(rows * cols);
-    for (int64_t r = 0; r < rows; ++r) std::copy_n(y + r * out + j0, cols, own.data() + r * cols);
-    rows_product<kRows>(x, n, in, w + j0, out, own.data(), cols, cols);
-    for (int64_t r = 0; r < rows; ++r) std::copy_n(own.data() + r * cols, cols, y + r * out + j0);
+    rows_product<kRows>(x, n, in, w + j0, out, y + j0, out, cols);
   });
 }
 
@@ -312,6 +336,11 @@ at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor
     rows_product<0>(x.data_ptr<float>(), n, x.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
   }
   return y;
+}
+
+// `product` on its own (fp32 weights), for the tests: a few rows' products summed as one row's.
+at::Tensor product_op(const std::optional<at::Tensor>& base, const at::Tensor& x, const at::Tensor& w) {
+  return product(base.has_value() ? *base : at::Tensor(), x, w);
 }
 
 // base + x (n, in) @ w16 (in, out) with w16 a bf16 copy of the weight: x rounded to bf16 and multiplied in the CPU
@@ -1196,6 +1225,7 @@ TORCH_LIBRARY(litevlm_cpu, m) {
   m.def("prompt_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, "
         "float eps, Tensor[] bf16, Tensor? tail_mask=None) -> Tensor",
         &prompt_layers_op);
+  m.def("product(Tensor? base, Tensor x, Tensor w) -> Tensor", &product_op);
   m.def("pack_panels(Tensor w) -> Tensor", &pack_panels_op);
   m.def("panels_built() -> bool", &panels_built_op);
   m.def("token_scores(Tensor x, Tensor cos, Tensor sin, int first_row, Tensor vis, Tensor tags, Tensor[] weights, "
