@@ -132,6 +132,7 @@ FLAGS = (
     "vision_warmup",
     "view_subset_prob",
     "token_drop_prob",
+    "token_drop_min_keep",
     "visual_norm",
     "probe_frames",
     "grow_after",

@@ -225,6 +225,28 @@ def test_an_unknown_family_weight_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize("min_keep", [0.1, 0.3])
+def test_thinned_frames_keep_a_share_from_min_keep_and_a_token_of_every_view(min_keep):
+    from litevlm.train.vlm import drop_visual_tokens
+
+    image, per_view, views = 5, 64, 3
+    text = [7, 8, 9]
+    ids = text + [image] * (views * per_view) + text
+    seq = (ids, [-100] * len(ids), list(range(len(ids))), [0] * len(ids))
+    rng = random.Random(0)
+    shares = []
+    for _ in range(200):
+        (out_ids, _, pos, _), keep = drop_visual_tokens(seq, image, views, per_view, rng, min_keep)
+        assert out_ids.count(image) == int(keep.sum()) and out_ids[:3] == text and out_ids[-3:] == text
+        assert pos == sorted(pos) and all(p == i or ids[p] == image for i, p in enumerate(pos[:3]))
+        assert all(keep[v * per_view : (v + 1) * per_view].any() for v in range(views))
+        shares.append(keep.float().mean().item())
+    assert min(shares) >= min_keep - 0.08 and max(shares) <= 0.95 + 0.08  # the draw, give or take the sampling
+    assert min(shares) < min_keep + 0.1  # the low end is reached
+    with pytest.raises(ValueError, match="token_drop_min_keep"):
+        train_vlm("/nonexistent", VLMRecipe(frames=2, token_drop_min_keep=0.0), progress=False)
+
+
 def test_tag_targets_point_at_the_tagged_cells_and_the_answer_row(tiny_bank):
     from litevlm.train.vlm import IGNORE, tag_attention_loss, tag_cells
 

@@ -116,7 +116,8 @@ class VLMRecipe:
     warmup: int = flag(200, "linear warm-up steps")
     weight_decay: float = 0.05
     view_subset_prob: float = flag(0.5, "share of frames shown only some questions' views")
-    token_drop_prob: float = flag(0.35, "share of frames whose visual tokens are thinned (keep 30-95%)")
+    token_drop_prob: float = flag(0.35, "share of frames whose visual tokens are thinned (keep MIN-95%)")
+    token_drop_min_keep: float = flag(0.3, "MIN: the smallest share of a thinned frame's visual tokens kept")
     render_size: tuple[int, int] = (400, 225)
     vocab_size: int = 1024
     tokenizer_frames: int = 2000  # frames whose questions and answers train the tokenizer
@@ -459,7 +460,9 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
         seq = pack_frame(tokenizer, views, tpv_tokens, [(qa[0], qa[1]) for qa in chosen])
         keep = torch.ones(len(views) * tpv_tokens, dtype=torch.bool)
         if rng.random() < recipe.token_drop_prob:
-            seq, keep = drop_visual_tokens(seq, tokenizer.image_id, len(views), tpv_tokens, rng)
+            seq, keep = drop_visual_tokens(
+                seq, tokenizer.image_id, len(views), tpv_tokens, rng, recipe.token_drop_min_keep
+            )
         else:
             looks += [
                 (len(seqs), *target) for target in tag_targets(seq, chosen, views, tokenizer.image_id, tpv_tokens)
@@ -718,10 +721,13 @@ def _weighted_sample(items: list, weights: list[float], k: int, rng: random.Rand
     return [items[i] for i in order[:k]]
 
 
-def drop_visual_tokens(seq, image_id: int, n_views: int, per_view: int, rng: random.Random):
-    """Remove a random fraction of a frame's visual tokens (at least one per view); the rest keep
-    their positions, as token selection at inference leaves them. Teaches the model pruned inputs."""
-    ratio = rng.uniform(0.3, 0.95)
+def drop_visual_tokens(
+    seq, image_id: int, n_views: int, per_view: int, rng: random.Random, min_keep: float = 0.3
+) -> tuple:
+    """Remove a random fraction of a frame's visual tokens, keeping a share drawn from [min_keep, 0.95] (at least one
+    token per view); the rest keep their positions, as token selection at inference leaves them. Teaches the model
+    pruned inputs."""
+    ratio = rng.uniform(min_keep, 0.95)
     keep = torch.rand(n_views * per_view, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) < ratio
     for v in range(n_views):
         keep[v * per_view + rng.randrange(per_view)] = True
@@ -950,6 +956,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         )
     if recipe.store_dtype not in STORE_DTYPES:  # checked here, not at the first save minutes into training
         raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {recipe.store_dtype!r}")
+    if not 0.0 < recipe.token_drop_min_keep <= 0.95:
+        raise ValueError(f"token_drop_min_keep must lie in (0, 0.95], got {recipe.token_drop_min_keep}")
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
     out = Path(out_dir)
