@@ -219,6 +219,9 @@ def stages(meta: dict) -> list[str]:
         other = [f"decoder grown after layers {', '.join(map(str, r['grow_after']))}"] if r.get("grow_after") else []
         if r.get("unshuffle"):
             other.append(f"no pixel shuffle (one token a patch, projector folded), {r.get('tiles') or 1} tiles a view")
+        if r.get("token_drop_prob"):
+            keep = r.get("token_drop_min_keep", 0.3)
+            other.append(f"visual tokens thinned in {r['token_drop_prob']:.0%} of frames (keep {keep:.0%}-95%)")
         other += [f"{k} x{v:g}" for k, v in (r.get("family_weights") or {}).items()]
         other += [
             f"{OBJECTIVE_LABELS[n]} {r[n + '_weight']:g} (layer {r.get(n + '_layer')})"
