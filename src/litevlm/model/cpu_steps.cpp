@@ -775,39 +775,11 @@ at::Tensor prompt_layers_op(const at::Tensor& x, const at::Tensor& cos, const at
 // arithmetic, so everything here, from the hashed word ids to the logits, is plain loops over fp32 rows, with the
 // weights packed into one buffer (`ViewSelector._native`) so that a call passes three tensors.
 
-// y (rows, out) = x (rows, in) Wt + b, Wt (in, out) row-major (nn.Linear's weight.t()). Blocks of 4 rows by 32
-// columns are summed in registers, so each weight row loaded serves four input rows.
+// y (rows, out) = x (rows, in) Wt + b, Wt (in, out) row-major (nn.Linear's weight.t()): the bias in every row, then
+// the few-rows product (`rows_product`, on the calling thread: these layers are too small to split).
 void linear_into(const float* x, int64_t rows, int64_t in, const float* wt, int64_t out, const float* b, float* y) {
-  constexpr int64_t R = 4, J = 32;
-  int64_t r0 = 0;
-  for (; r0 + R <= rows; r0 += R) {
-    int64_t j0 = 0;
-    for (; j0 + J <= out; j0 += J) {
-      float acc[R][J];
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t j = 0; j < J; ++j) acc[r][j] = b[j0 + j];
-      for (int64_t k = 0; k < in; ++k) {
-        const float* w = wt + k * out + j0;
-        for (int64_t r = 0; r < R; ++r) {
-          const float xv = x[(r0 + r) * in + k];
-#pragma omp simd
-          for (int64_t j = 0; j < J; ++j) acc[r][j] += xv * w[j];
-        }
-      }
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t j = 0; j < J; ++j) y[(r0 + r) * out + j0 + j] = acc[r][j];
-    }
-    for (int64_t r = r0; r < r0 + R; ++r)  // columns past the last full block
-      for (int64_t j = j0; j < out; ++j) {
-        float s = b[j];
-        for (int64_t k = 0; k < in; ++k) s += x[r * in + k] * wt[k * out + j];
-        y[r * out + j] = s;
-      }
-  }
-  for (; r0 < rows; ++r0) {  // rows past the last full block
-    std::copy(b, b + out, y + r0 * out);
-    row_product(x + r0 * in, in, wt, out, y + r0 * out);
-  }
+  for (int64_t r = 0; r < rows; ++r) std::copy(b, b + out, y + r * out);
+  rows_product<0>(x, rows, in, wt, out, y, out, out);
 }
 
 void layer_norm_into(const float* x, int64_t rows, int64_t c, const float* w, const float* b, double eps, float* y) {
