@@ -238,7 +238,7 @@ def test_thinned_frames_keep_a_share_from_min_keep_and_a_token_of_every_view(min
     for _ in range(200):
         (out_ids, _, pos, _), keep = drop_visual_tokens(seq, image, views, per_view, rng, min_keep)
         assert out_ids.count(image) == int(keep.sum()) and out_ids[:3] == text and out_ids[-3:] == text
-        assert pos == sorted(pos) and all(p == i or ids[p] == image for i, p in enumerate(pos[:3]))
+        assert pos == sorted(set(pos)) and [ids[p] for p in pos] == out_ids  # each kept token at its own position
         assert all(keep[v * per_view : (v + 1) * per_view].any() for v in range(views))
         shares.append(keep.float().mean().item())
     assert min(shares) >= min_keep - 0.08 and max(shares) <= 0.95 + 0.08  # the draw, give or take the sampling
