@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections import Counter
 
 import pytest
 import torch
@@ -136,6 +137,46 @@ def test_a_cache_made_with_other_settings_is_refused_untouched(world, offline_ru
     with pytest.raises(LiteVLMError, match="max_new_tokens: 6 there, 7 now"):
         target_sequences(load_model(model), other, samples, str(data), cache, progress=False)
     assert {p.name: p.read_bytes() for p in cache.iterdir()} == before
+
+
+def test_pruned_prompts_are_answered_as_the_token_selector_leaves_them(world, tmp_path):
+    """--prune-prob: the prompts drawn for pruning are answered as LiteVLM's pipeline answers them, pruned by the
+    model's TokenSelector at its stored r with every kept token at its own position; the rest whole. A model without
+    a selector that prunes before the decoder is refused before any answer."""
+    from litevlm.select.tokens import SelectorConfig, TokenSelector
+
+    src, data, samples = world
+    model = tmp_path / "model"
+    shutil.copytree(src, model)
+    recipe = DraftRecipe(**{**RECIPE.__dict__, "prune_prob": 0.5, "context": 0})  # whole prompts: the skips show
+    with pytest.raises(LiteVLMError, match="--prune-prob needs the model's TokenSelector"):
+        target_sequences(load_model(model), recipe, samples, str(data), None, progress=False)
+    TokenSelector.from_model(load_model(model).model).save(model)  # ranks from inside the decoder
+    with pytest.raises(LiteVLMError, match="prunes the prompt before the decoder"):
+        target_sequences(load_model(model), recipe, samples, str(data), None, progress=False)
+    TokenSelector.from_model(load_model(model).model, SelectorConfig(reads="prompt", keep_ratio=0.3)).save(model)
+    seqs = target_sequences(load_model(model), recipe, samples, str(data), None, progress=False)
+    whole = Pipeline.from_loaded(load_model(model), max_new_tokens=RECIPE.max_new_tokens)
+    pruned = Pipeline.from_pretrained(model, select_tokens=True, max_new_tokens=RECIPE.max_new_tokens)
+    once = Counter(s.question for s in samples)
+    by_question = {s.question: s for s in samples if once[s.question] == 1}  # a question asked of one frame only
+    kinds = set()
+    for seq in (s for s in seqs if s.question in by_question):
+        sample = by_question[seq.question]
+        images = load_images(sample)
+        full = whole.prompt(sample.question, images)
+        positions = seq.pair_positions(seq.embeds.shape[0])
+        skips = not torch.equal(positions, torch.arange(seq.embeds.shape[0]))
+        kinds.add(skips)
+        pipe = pruned if skips else whole
+        assert seq.answer == pipe.answer(sample.question, images).tokens
+        if skips:  # fewer tokens than the whole prompt, each at its own place in it, the answer right after
+            assert seq.prompt_len < full.embeds.shape[1]
+            assert int(positions[seq.prompt_len - 1]) == full.embeds.shape[1] - 1
+            assert torch.equal(positions[seq.prompt_len :], torch.arange(len(seq.answer)) + full.embeds.shape[1])
+        else:
+            assert seq.prompt_len == full.embeds.shape[1]
+    assert kinds == {True, False}  # about half of each
 
 
 def test_the_head_loads_with_the_pipeline_and_is_lossless(world, offline_run):

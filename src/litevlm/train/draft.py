@@ -55,6 +55,11 @@ class DraftRecipe:
     seed: int = flag(0, "the seed of the frames (held-out split: seed 1), of the views and of the split by scene")
     max_new_tokens: int = flag(96, "the target's answers are cut at this many tokens")
     view_subset_prob: float = 0.5  # prompts with only the needed views (+ random extras), as view selection feeds
+    prune_prob: float = flag(
+        0.0,
+        "this share of the prompts is pruned by the model's TokenSelector, at the keep ratio stored with it, before "
+        "the target answers them, as LiteVLM feeds it (the head then learns the features of pruned prompts too)",
+    )
     render_size: tuple[int, int] = (400, 225)
     gen_batch: int = flag(16, "questions the target answers at once (a shard holds 8 x this many or more)")
     # The head's shape. On a small target the draft must be much cheaper than a target step: a narrow
@@ -96,6 +101,7 @@ class Sequence:
     offset: int = 0  # position of the first token (> 0 once the prompt is windowed)
     question: str = ""
     held_out: bool = False  # a validation question
+    positions: torch.Tensor | None = None  # (n,) RoPE positions where they skip (pruned prompts); None: offset + 0..
 
     def window(self, context: int) -> Sequence:
         """Only the last `context` prompt tokens (what a windowed draft sees), positions kept."""
@@ -105,18 +111,31 @@ class Sequence:
             embeds=self.embeds[start:],
             features=self.features[start:],
             prompt_len=self.prompt_len - start,
-            offset=self.offset + start,
+            offset=self.offset + start if self.positions is None else int(self.positions[start]),
+            positions=None if self.positions is None else self.positions[start:],
         )
+
+    def pair_positions(self, n: int) -> torch.Tensor:
+        """The RoPE positions of the first n tokens (pair j sits at token j's), padded on from the last."""
+        if self.positions is None:
+            return torch.arange(n) + self.offset
+        m = min(n, self.positions.shape[0])
+        return torch.cat([self.positions[:m], self.positions[m - 1] + 1 + torch.arange(n - m)])
 
 
 @torch.no_grad()
 def greedy_batch(
-    model, prompts: list[torch.Tensor], max_new_tokens: int, eos_id: int
+    model,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    eos_id: int,
+    prompt_positions: list[torch.Tensor | None] | None = None,
 ) -> list[tuple[list[int], torch.Tensor]]:
     """Greedy answers for several prompts at once (left-padded, one static cache).
 
-    prompts: embeddings (T_r, C) each -> per prompt (answer tokens up to and including EOS,
-    hidden states (T_r + len(answer) - 1, C) at every token but the last).
+    prompts: embeddings (T_r, C) each; prompt_positions: their RoPE positions (T_r,) where a prompt's skip (pruned
+    at the input), None for 0..T_r-1 -> per prompt (answer tokens up to and including EOS, hidden states
+    (T_r + len(answer) - 1, C) at every token but the last).
     """
     lm = model.language_model
     b = len(prompts)
@@ -130,6 +149,10 @@ def greedy_batch(
     cols = torch.arange(t + max_new_tokens, device=dev)
     valid = cols[None, :] >= offset[:, None]  # (B, S): real (non-pad) slots
     positions = (torch.arange(t, device=dev)[None] - offset[:, None]).clamp(min=0)  # (B, T)
+    for r, pos in enumerate(prompt_positions or []):
+        if pos is not None:
+            positions[r, t - pos.shape[0] :] = pos
+    next_pos = positions[:, -1] + 1  # (B,) the first answer token's position
     causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
     mask = (causal[None] & valid[:, None, :t]) | torch.eye(t, dtype=torch.bool, device=dev)[
         None
@@ -142,7 +165,7 @@ def greedy_batch(
     for i in range(max_new_tokens - 1):
         if bool(done.all()):
             break
-        pos = (torch.tensor(lengths, device=dev) + i)[:, None]  # (B, 1)
+        pos = (next_pos + i)[:, None]  # (B, 1)
         h = lm(
             lm.embed_tokens(tok[:, None]),
             pos,
@@ -183,6 +206,7 @@ class Item:
     sample: Sample
     views: list[str]
     held_out: bool = False
+    pruned: bool = False  # the TokenSelector prunes its prompt first
 
 
 def synthetic_frames(recipe: DraftRecipe) -> list[Frame]:
@@ -212,6 +236,7 @@ def plan(frames: list[Frame], recipe: DraftRecipe, held_out: frozenset[str] = fr
     ones it needs plus random extras, as view selection does. Frames are grouped into shards of at least
     8 x gen_batch questions: the unit of batched generation and of the offline cache. -> shards of (frame, items)."""
     rng = random.Random(recipe.seed)
+    pruning = random.Random(recipe.seed + 1)  # its own stream: the views drawn are those of a recipe without pruning
     shards, group, n = [], [], 0
     for frame in frames:
         items = []
@@ -220,7 +245,7 @@ def plan(frames: list[Frame], recipe: DraftRecipe, held_out: frozenset[str] = fr
             if rng.random() < recipe.view_subset_prob:
                 keep = set(s.views) | {c for c in CAMERAS if rng.random() < 0.15}
                 cams = [c for c in CAMERAS if c in keep] or cams
-            items.append(Item(s, cams, s.id in held_out))
+            items.append(Item(s, cams, s.id in held_out, pruning.random() < recipe.prune_prob))
         group.append((frame, items))
         n += len(items)
         if n >= 8 * recipe.gen_batch:
@@ -235,9 +260,10 @@ def plan(frames: list[Frame], recipe: DraftRecipe, held_out: frozenset[str] = fr
 def answer_shard(pipe, group: list[tuple], recipe: DraftRecipe, store_dtype: torch.dtype) -> list[Sequence]:
     """The target's greedy answers to one shard's questions, batched, and its features along prompt + answer,
     windowed to the head's context and kept on the CPU in `store_dtype`. Prompts are the pipeline's own
-    (`Pipeline.tiles`, `encode_tiles`, `Pipeline.embed_prompt`), in the checkpoint's format."""
+    (`Pipeline.tiles`, `encode_tiles`, `Pipeline.embed_prompt`), in the checkpoint's format; an item marked `pruned`
+    is first pruned by the pipeline's token selection (`Pipeline.selection`), its tokens at their own positions."""
     model, tok = pipe.model, pipe.tokenizer
-    pending = []  # (reference answer length, prompt embeddings (T, C), item)
+    pending = []  # (reference answer length, prompt embeddings (T, C), item, positions (T,) or None)
     for frame, items in group:
         pixels, counts = pipe.tiles(frame.images(), list(CAMERAS))
         visual = model.encode_tiles(pixels.to(model.device))  # (tiles, tokens per tile, C)
@@ -246,14 +272,20 @@ def answer_shard(pipe, group: list[tuple], recipe: DraftRecipe, store_dtype: tor
             idx = [CAMERAS.index(c) for c in item.views]
             vis = torch.cat([per_view[i] for i in idx])
             prompt = pipe.embed_prompt(item.sample.question, item.views, vis, [counts[i] for i in idx])
-            pending.append((len(tok.encode(item.sample.answer)), prompt.embeds[0], item))
+            embeds, positions = prompt.embeds[0], None
+            if item.pruned:
+                embeds, positions, _ = pipe.selection.select(model, prompt, item.sample.question, pipe.format.tiling)
+                embeds, positions = embeds[0], positions[0]
+            pending.append((len(tok.encode(item.sample.answer)), embeds, item, positions))
     # Batch prompts whose reference answers have similar lengths: a batch runs as long as its longest answer.
     pending.sort(key=lambda p: p[0])
     seqs = []
     for i in range(0, len(pending), recipe.gen_batch):
         chunk = pending[i : i + recipe.gen_batch]
-        out = greedy_batch(model, [emb for _, emb, _ in chunk], recipe.max_new_tokens, tok.eos_id)
-        for (_, emb, item), (answer, feats) in zip(chunk, out):
+        out = greedy_batch(
+            model, [p[1] for p in chunk], recipe.max_new_tokens, tok.eos_id, prompt_positions=[p[3] for p in chunk]
+        )
+        for (_, emb, item, pos), (answer, feats) in zip(chunk, out):
             ans = model.language_model.embed_tokens(torch.tensor(answer, device=emb.device))
             whole = Sequence(
                 torch.cat([emb, ans]).to(store_dtype).cpu(),
@@ -262,6 +294,7 @@ def answer_shard(pipe, group: list[tuple], recipe: DraftRecipe, store_dtype: tor
                 answer,
                 question=item.sample.question,
                 held_out=item.held_out,
+                positions=None if pos is None else pos.cpu(),
             ).window(recipe.context)
             seqs.append(replace(whole, embeds=whole.embeds.clone(), features=whole.features.clone()))  # own storage
     return seqs
@@ -296,6 +329,7 @@ def cache_key(loaded, recipe: DraftRecipe, data: str, samples: list[Sample]) -> 
         "seed": recipe.seed,
         "max_new_tokens": recipe.max_new_tokens,
         "view_subset_prob": recipe.view_subset_prob,
+        "prune_prob": recipe.prune_prob,
         "gen_batch": recipe.gen_batch,
         "context": recipe.context,
     }
@@ -318,6 +352,7 @@ def save_shard(path: Path, seqs: list[Sequence]) -> None:
         "prompt_lens": torch.tensor([s.prompt_len for s in seqs], dtype=torch.long),
         "answer_lens": torch.tensor([len(s.answer) for s in seqs], dtype=torch.long),
         "offsets": torch.tensor([s.offset for s in seqs], dtype=torch.long),
+        "positions": torch.cat([s.pair_positions(s.embeds.shape[0]) for s in seqs]),  # (sum n,)
         "held_out": torch.tensor([s.held_out for s in seqs], dtype=torch.bool),
     }
     tmp = path.with_name(path.name + ".tmp")
@@ -337,6 +372,7 @@ def load_shard(path: Path, features: bool = True) -> list[Sequence]:
             answers = f.get_tensor("answers").tolist()
             embeds = f.get_tensor("embeds") if features else None
             feats = f.get_tensor("features") if features else None
+            positions = f.get_tensor("positions") if "positions" in f.keys() else None  # older shards: none skip
     except (OSError, KeyError, ValueError, TypeError) as e:
         raise LiteVLMError(
             f"cannot read the feature shard {path}: {e}; delete it and run again to rewrite it"
@@ -346,8 +382,11 @@ def load_shard(path: Path, features: bool = True) -> list[Sequence]:
         a = meta["answer_lens"][i]
         emb = embeds[e0 : e0 + n] if features else torch.empty(0)
         fea = feats[f0 : f0 + n - 1] if features else torch.empty(0)
+        pos = None if positions is None else positions[e0 : e0 + n]
         seqs.append(
-            Sequence(emb, fea, meta["prompt_lens"][i], answers[a0 : a0 + a], meta["offsets"][i], questions[i], held[i])
+            Sequence(
+                emb, fea, meta["prompt_lens"][i], answers[a0 : a0 + a], meta["offsets"][i], questions[i], held[i], pos
+            )
         )
         e0, f0, a0 = e0 + n, f0 + n - 1, a0 + a
     if len(questions) != len(seqs) or (features and (e0 != embeds.shape[0] or f0 != feats.shape[0])):
@@ -481,7 +520,7 @@ def collate(seqs: list[Sequence], device) -> dict[str, torch.Tensor]:
         target[r, : m - 1] = s.features[1:].float()
         # pair j predicts f_{j+1}, whose LM head gives x_{j+2}: answer pairs are j = T-1 .. n_r-3
         mask[r, s.prompt_len - 1 : m - 1] = True
-    positions = torch.arange(n)[None] + torch.tensor([s.offset for s in seqs])[:, None]  # (B, T)
+    positions = torch.stack([s.pair_positions(n) for s in seqs])  # (B, T)
     return {
         k: v.to(device) for k, v in dict(feats=feats, nxt=nxt, target=target, mask=mask, positions=positions).items()
     }
@@ -607,7 +646,7 @@ def target_sequences(
         frames = data_frames(samples)
         held = frozenset(s.id for s in scene_split(samples, recipe.val_fraction, recipe.seed)[1])
     shards = plan(frames, recipe, held)
-    pipe = Pipeline.from_loaded(loaded)
+    pipe = pruning_pipeline(loaded) if recipe.prune_prob > 0 else Pipeline.from_loaded(loaded)
     model = loaded.model
     store = torch.float16 if model.dtype == torch.float32 else model.dtype  # bf16 targets keep their own dtype
     if offline is not None:
@@ -620,6 +659,26 @@ def target_sequences(
             seqs += answer_shard(pipe, items, recipe, store)
             bar.update(sum(len(it) for _, it in items))
     return seqs
+
+
+def pruning_pipeline(loaded):
+    """The checkpoint's pipeline with its TokenSelector at its stored keep ratio, as LiteVLM prunes; an error where it
+    has none, or where its selector prunes inside the decoder (the target's batched answers take a pruned prompt)."""
+    from litevlm.models import part_dir
+    from litevlm.pipeline import Pipeline
+    from litevlm.select.tokens import TokenSelector
+
+    try:
+        folder = part_dir(loaded.path, "token_selector")
+    except LiteVLMError as e:
+        raise LiteVLMError(f"--prune-prob needs the model's TokenSelector: {e}") from None
+    sel = TokenSelector.load(folder, loaded.model).to(loaded.model.device)
+    if sel.prunes_inside:
+        raise LiteVLMError(
+            f"--prune-prob needs a TokenSelector that prunes the prompt before the decoder (`litevlm train tokens "
+            f"--reads prompt`): the one in {folder} ranks from inside the decoder"
+        )
+    return Pipeline.from_loaded(loaded, token_selector=sel, keep_ratio=sel.cfg.keep_ratio)
 
 
 def train_draft(
