@@ -51,11 +51,13 @@ def choose(run: dict, tolerance: float) -> tuple[float, dict[str, float], float]
 
 
 def write_json(path: Path, obj: dict) -> None:
-    """Write beside the target and rename over it: a reader never sees half a file."""
+    """Write beside the target and rename over it: a reader never sees half a file. The file keeps its permissions
+    (a temporary file is made readable by its owner alone)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".config-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
+    os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
     os.replace(tmp, path)
 
 

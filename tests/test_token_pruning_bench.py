@@ -99,8 +99,10 @@ def test_the_stored_keep_ratio_is_the_smallest_within_the_tolerance(tmp_path, be
     sel = tmp_path / "token_selector"
     sel.mkdir()
     (sel / "config.json").write_text(json.dumps({"selector": {"keep_ratio": 0.3, "reads": "prompt"}}))
+    (sel / "config.json").chmod(0o644)
     (tmp_path / "run.txt").write_text("progress\n" + json.dumps(run) + "\n")
     assert choose.main([str(tmp_path / "run.txt"), str(sel)]) == 0
+    assert (sel / "config.json").stat().st_mode & 0o777 == 0o644  # readable as before, not the temporary file's 0600
     cfg = json.loads((sel / "config.json").read_text())
     assert cfg["selector"]["keep_ratio"] == 0.5 and cfg["keep_ratio_choice"]["final_at_r"]["0.4"] == 0.5079
     (sel / "config.json").write_text(json.dumps({"selector": {"keep_ratio": 0.3}}))  # reads layer 0
