@@ -32,8 +32,10 @@ from litevlm.spec.tree import (
     TreeConfig,
     accept_greedy,
     accept_sampled,
+    chain_tree,
     commit_path,
     draft_tree,
+    repeat_guess,
 )
 
 
@@ -139,15 +141,40 @@ def stream_speculative(
         pair_pos = torch.cat([positions[0, c0:], torch.arange(next_pos, next_pos + a, device=embeds.device)])
         done, L = 0, t + a  # pairs in the draft cache (its slots 0..done-1), tokens in the target cache
         # A greedy chain on the native backend runs each side of a cycle as one call (draft_cycle, verify_chain).
-        fused = backend.greedy_chain and sampling.greedy and tree.top_k == 1 and n_tree == tree.depth + 1
+        chains = sampling.greedy and tree.top_k == 1 and n_tree == tree.depth + 1
+        fused = backend.greedy_chain and chains
+        lookup = tree.lookup if chains else 0
+        looked, a = False, 1  # whether the last cycle verified a lookup chain; its accepted drafts
     while not finished():
         with timer("decode"):
             root_pos = next_pos + L - t
+            # After a cycle that accepted no draft, or a lookup chain that was accepted, a chain from earlier in the
+            # answer (`repeat_guess`), where there is one.
+            ask = lookup and L + n_tree <= cap and (a == 0 or (looked and a > 0))
+            guess = repeat_guess(out, lookup, tree.depth) if ask else []
+            looked = bool(guess)
             if L + n_tree > cap:  # no room for a tree: finish with plain steps (the cache is exact)
                 logits, _ = backend.decode(root.view(1, 1), root_pos, L)
                 root = sampling.sample(logits)
                 new_list, a = [int(root)], 0
                 new = root.view(1)
+            elif guess:
+                with timer("draft"):  # the head takes in the new pairs all the same: its cache stays whole
+                    draft.extend(feats, nxt, pair_pos, done, last_only=True)
+                    done += feats.shape[0]
+                    chain = torch.tensor(out[-1:] + guess, device=embeds.device)
+                with timer("verify"):
+                    if fused:
+                        new, feats, nxt, pair_pos = backend.verify_chain(chain, L, root_pos)
+                    else:
+                        tr = chain_tree(chain)
+                        logits, hid = backend.verify(tr.tokens, tr.depth, tr.mask, L, root_pos)
+                        path, bonus = accept_greedy(tr, logits)  # a prefix of the chain: nothing to commit
+                        new = torch.cat([tr.tokens[path[1:]], bonus.view(1)])
+                        feats, nxt = hid[path], lm.embed_tokens(new)
+                        pair_pos = torch.arange(root_pos, root_pos + new.numel(), device=embeds.device)
+                    new_list = new.tolist()
+                    a = len(new_list) - 1
             elif fused:
                 with timer("draft"):
                     chain = draft.draft_cycle(

@@ -40,6 +40,11 @@ class TreeConfig:
         (all of it), 16 for a tree.
 
     min_value: chains only: stop drafting once the path's draft probability falls below it.
+    lookup: chains only, greedy: after a cycle whose drafts were all rejected, where the answer's last `lookup`
+        tokens occurred earlier in it, the chain verified is what followed them there, continued with the same
+        period (`repeat_guess`: prompt lookup over the answer itself), and so on while such chains are accepted. A
+        loop the draft head never saw in training (a small model repeating one word) then runs at up to depth + 1
+        tokens a cycle instead of one; verification keeps every answer exactly the greedy one. 0: off.
 
     The default is a deep chain (16 drafts) cut at value 0.1: on a CPU a target pass costs more
     with every verified token, and drive-tiny's templated answers are predictable enough that depth
@@ -54,6 +59,7 @@ class TreeConfig:
     depth: int = 16
     total_tokens: int = 0
     min_value: float = 0.1
+    lookup: int = 2
 
     def __post_init__(self) -> None:
         if self.total_tokens == 0 and self.top_k >= 1 and self.depth >= 1:  # frozen: set the derived size once
@@ -64,6 +70,8 @@ class TreeConfig:
             raise LiteVLMError(f"tree depth must be >= 1, got {self.depth}")
         if not 0.0 <= self.min_value < 1.0:
             raise LiteVLMError(f"tree min_value must lie in [0, 1), got {self.min_value}")
+        if self.lookup < 0:
+            raise LiteVLMError(f"tree lookup must be >= 0 (0: off), got {self.lookup}")
         if not 2 <= self.total_tokens <= 1 + self.pool_size:
             raise LiteVLMError(
                 f"tree total_tokens={self.total_tokens} must lie in [2, {1 + self.pool_size}] for top_k={self.top_k}, "
@@ -76,9 +84,9 @@ class TreeConfig:
         return self.top_k + (self.depth - 1) * self.top_k**2
 
     @classmethod
-    def chain(cls, depth: int, min_value: float = 0.0) -> TreeConfig:
+    def chain(cls, depth: int, min_value: float = 0.0, lookup: int = 2) -> TreeConfig:
         """A chain of `depth` draft tokens (top_k = 1), cut short where its draft probability < min_value."""
-        return cls(top_k=1, depth=depth, total_tokens=depth + 1, min_value=min_value)
+        return cls(top_k=1, depth=depth, total_tokens=depth + 1, min_value=min_value, lookup=lookup)
 
     def label(self) -> str:
         if self.top_k == 1:
@@ -86,6 +94,7 @@ class TreeConfig:
                 f"chain d{self.depth}"
                 + ("" if self.total_tokens == self.depth + 1 else f" n{self.total_tokens}")
                 + (f" v{self.min_value:g}" if self.min_value else "")
+                + ("" if self.lookup == 2 else f" lookup{self.lookup}")
             )
         return f"tree k{self.top_k} d{self.depth} n{self.total_tokens}"
 
@@ -128,6 +137,25 @@ def _chain(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, to
 def chain_tree(tokens: torch.Tensor) -> Tree:
     """A chain as a Tree: tokens (n,), the root first, each node the child of the one before."""
     return Tree(tokens, *_chain(tokens.numel(), tokens.device))
+
+
+def repeat_guess(tokens: list[int], n: int, depth: int) -> list[int]:
+    """Where the last n of `tokens` occurred before (the latest such place, overlaps allowed), the `depth` tokens that
+    would follow if the stretch from there repeated with the same period; [] where they did not occur (or n = 0).
+
+    [a, b, a, b, a] with n = 2 -> [b, a, b, ...]: the last "b a" sits 2 tokens after an earlier one, so each next
+    token is the one 2 before it."""
+    end = len(tokens)
+    if n <= 0 or end <= n:
+        return []
+    tail = tokens[-n:]
+    for i in range(end - n - 1, -1, -1):
+        if tokens[i : i + n] == tail:
+            period, ext = end - n - i, list(tokens[-(end - n - i) :])
+            for _ in range(depth):
+                ext.append(ext[-period])
+            return ext[period:]
+    return []
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
