@@ -89,6 +89,7 @@ def test_the_data_are_the_targets_own_answers_through_its_pipeline(world, offlin
     head = json.loads((head_dir / "config.json").read_text())
     assert head["recipe"]["answers"] == "target" and head["recipe"]["data"] == str(data)
     assert head["metrics"]["val_sequences"] == len(held) and head["metrics"]["validation"] == "scenes held out"
+    assert "prune_prob" not in index["key"]  # a cache made without pruning keys as one made before the option
 
 
 def test_the_disk_cost_is_printed_before_generation_and_a_rerun_resumes(world, offline_run, monkeypatch, capsys):

@@ -329,10 +329,11 @@ def cache_key(loaded, recipe: DraftRecipe, data: str, samples: list[Sample]) -> 
         "seed": recipe.seed,
         "max_new_tokens": recipe.max_new_tokens,
         "view_subset_prob": recipe.view_subset_prob,
-        "prune_prob": recipe.prune_prob,
         "gen_batch": recipe.gen_batch,
         "context": recipe.context,
     }
+    if recipe.prune_prob:  # absent without pruning: caches made before the option read as they were made
+        key["prune_prob"] = recipe.prune_prob
     if data:
         key["val_fraction"] = recipe.val_fraction
     else:
