@@ -158,28 +158,15 @@ def stream_speculative(
                 root = sampling.sample(logits)
                 new_list, a = [int(root)], 0
                 new = root.view(1)
-            elif guess:
-                with timer("draft"):  # the head takes in the new pairs all the same: its cache stays whole
-                    draft.extend(feats, nxt, pair_pos, done, last_only=True)
-                    done += feats.shape[0]
-                    chain = torch.tensor(out[-1:] + guess, device=embeds.device)
-                with timer("verify"):
-                    if fused:
-                        new, feats, nxt, pair_pos = backend.verify_chain(chain, L, root_pos)
-                    else:
-                        tr = chain_tree(chain)
-                        logits, hid = backend.verify(tr.tokens, tr.depth, tr.mask, L, root_pos)
-                        path, bonus = accept_greedy(tr, logits)  # a prefix of the chain: nothing to commit
-                        new = torch.cat([tr.tokens[path[1:]], bonus.view(1)])
-                        feats, nxt = hid[path], lm.embed_tokens(new)
-                        pair_pos = torch.arange(root_pos, root_pos + new.numel(), device=embeds.device)
-                    new_list = new.tolist()
-                    a = len(new_list) - 1
             elif fused:
                 with timer("draft"):
-                    chain = draft.draft_cycle(
-                        feats, nxt, pair_pos, done, root, root_pos, tree.depth, tree.min_value, eos_id
-                    )
+                    if guess:  # the head takes in the new pairs all the same: its cache stays whole
+                        draft.extend(feats, nxt, pair_pos, done, last_only=True)
+                        chain = torch.tensor(out[-1:] + guess, device=embeds.device)
+                    else:
+                        chain = draft.draft_cycle(
+                            feats, nxt, pair_pos, done, root, root_pos, tree.depth, tree.min_value, eos_id
+                        )
                     done += feats.shape[0]
                 with timer("verify"):  # a chain's accepted path is a prefix of it: nothing to commit
                     new, feats, nxt, pair_pos = backend.verify_chain(chain, L, root_pos)
@@ -188,7 +175,10 @@ def stream_speculative(
             else:
                 with timer("draft"):
                     h_root = draft.extend(feats, nxt, pair_pos, done, last_only=True)  # (1, C): predicted f_L
-                    tr = draft_tree(draft, root, h_root, done + feats.shape[0], root_pos, tree, eos_id)  # scratch
+                    if guess:
+                        tr = chain_tree(torch.tensor(out[-1:] + guess, device=embeds.device))
+                    else:
+                        tr = draft_tree(draft, root, h_root, done + feats.shape[0], root_pos, tree, eos_id)  # scratch
                     done += feats.shape[0]
                 with timer("verify"):
                     logits, hid = backend.verify(tr.tokens, tr.depth, tr.mask, L, root_pos)
