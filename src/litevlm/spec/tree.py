@@ -27,6 +27,8 @@ import torch
 
 from litevlm.errors import LiteVLMError
 
+LOOKUP = 2  # the default `TreeConfig.lookup`: the answer's last two tokens are looked up
+
 
 @dataclass(frozen=True)
 class TreeConfig:
@@ -59,7 +61,7 @@ class TreeConfig:
     depth: int = 16
     total_tokens: int = 0
     min_value: float = 0.1
-    lookup: int = 2
+    lookup: int = LOOKUP
 
     def __post_init__(self) -> None:
         if self.total_tokens == 0 and self.top_k >= 1 and self.depth >= 1:  # frozen: set the derived size once
@@ -84,7 +86,7 @@ class TreeConfig:
         return self.top_k + (self.depth - 1) * self.top_k**2
 
     @classmethod
-    def chain(cls, depth: int, min_value: float = 0.0, lookup: int = 2) -> TreeConfig:
+    def chain(cls, depth: int, min_value: float = 0.0, lookup: int = LOOKUP) -> TreeConfig:
         """A chain of `depth` draft tokens (top_k = 1), cut short where its draft probability < min_value."""
         return cls(top_k=1, depth=depth, total_tokens=depth + 1, min_value=min_value, lookup=lookup)
 
@@ -94,7 +96,7 @@ class TreeConfig:
                 f"chain d{self.depth}"
                 + ("" if self.total_tokens == self.depth + 1 else f" n{self.total_tokens}")
                 + (f" v{self.min_value:g}" if self.min_value else "")
-                + ("" if self.lookup == 2 else f" lookup{self.lookup}")
+                + ("" if self.lookup == LOOKUP else f" lookup{self.lookup}")
             )
         return f"tree k{self.top_k} d{self.depth} n{self.total_tokens}"
 
@@ -151,7 +153,8 @@ def repeat_guess(tokens: list[int], n: int, depth: int) -> list[int]:
     tail = tokens[-n:]
     for i in range(end - n - 1, -1, -1):
         if tokens[i : i + n] == tail:
-            period, ext = end - n - i, list(tokens[-(end - n - i) :])
+            period = end - n - i
+            ext = tokens[-period:]  # a new list: the stretch that repeats
             for _ in range(depth):
                 ext.append(ext[-period])
             return ext[period:]
