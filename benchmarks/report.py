@@ -59,12 +59,21 @@ class Benchmark:
         return [*head, *self.argv, *([self.n_flag, str(n)] if n is not None else [])]
 
 
-def pruning(model: str, name: str, n: int = 200) -> Benchmark:
+def pruning(model: str, name: str, n: int = 200, extra: tuple[str, ...] = ()) -> Benchmark:
     """The pruning benchmark on one model over n questions; its JSON is named by the model
     (token_pruning_drive-hd.json)."""
     argv = ["benchmarks/token_pruning.py", "--model", model, "--data", HELDOUT, "--threads", "1", "--timing-n", "10"]
-    argv += ["--per-view", "--plot", f"benchmarks/results/token_pruning_{name}.png"]
+    argv += ["--per-view", "--plot", f"benchmarks/results/token_pruning_{name}.png", *extra]
     return Benchmark(f"token_pruning_{name}", argv, n=n, needs=[HELDOUT])
+
+
+# drive-hd: r = 0.05 too, where the methods part, and its TokenSelector's choice applied inside the decoder as well
+HD_PRUNING = (
+    "--r",
+    "0.05,0.1,0.2,0.3,0.5,0.7",
+    "--methods",
+    "token-selector,token-selector-k2,fastv-k1,fastv-k2,dart,divprune,cdpruner,random,uniform",
+)
 
 
 def benchmarks() -> list[Benchmark]:
@@ -86,7 +95,7 @@ def benchmarks() -> list[Benchmark]:
             n=100,
             needs=[HELDOUT],
         ),
-        pruning(HD, "drive-hd", n=600),  # three times the questions: pruners differ by a few
+        pruning(HD, "drive-hd", n=600, extra=HD_PRUNING),  # three times the questions: pruners differ by a few
         pruning(MODEL, "drive-tiny"),
         Benchmark(
             "view_selection",
@@ -556,7 +565,12 @@ PRUNING = {  # model -> (its pruning run, an earlier run of the old benchmark re
     "drive-hd": ("token_pruning_drive-hd", None),
     "drive-tiny": ("token_pruning_drive-tiny", "token_pruning"),
 }
-TRAINED = "token-selector"  # every other method is training-free
+TRAINED = "token-selector"  # it and its variants (the same choice applied inside the decoder) are trained; the rest
+# training-free
+
+
+def trained(method: str) -> bool:
+    return method.startswith(TRAINED)
 
 
 def pruning_label(res: dict, method: str) -> str:
@@ -587,8 +601,8 @@ def pruning_verdict(res: dict, r: float) -> str | None:
         why = (res.get("absent") or {}).get(TRAINED)
         return out + (f" No TokenSelector was measured ({why})." if why else "")
     ts = finals[TRAINED]
-    beat = sorted((m for m in finals if m != TRAINED and finals[m] > ts), key=lambda m: -finals[m])
-    tied = [m for m in finals if m != TRAINED and finals[m] == ts]
+    beat = sorted((m for m in finals if not trained(m) and finals[m] > ts), key=lambda m: -finals[m])
+    tied = [m for m in finals if not trained(m) and finals[m] == ts]
     if beat:
         listed = names([f"{pruning_label(res, m)} ({fmt(finals[m])}, +{finals[m] - ts:.4f})" for m in beat])
         out += f" A training-free method beats the TokenSelector ({fmt(ts)}) here: {listed}."
@@ -598,13 +612,33 @@ def pruning_verdict(res: dict, r: float) -> str | None:
         )
     else:
         out += " No training-free method beats the TokenSelector here."
-    return out + paired_line(res, r, finals)
+    return out + paired_line(res, r, finals) + variant_line(res, finals)
+
+
+def variant_line(res: dict, finals: dict) -> str:
+    """Each variant of the TokenSelector (its choice applied inside the decoder) against the best training-free
+    method; empty where the run has none."""
+    free = [m for m in finals if not trained(m)]
+    out = ""
+    for m in (m for m in finals if trained(m) and m != TRAINED):
+        v = finals[m]
+        out += f" {pruning_label(res, m)} scores {fmt(v)}"
+        if free:
+            top = max(free, key=lambda f: finals[f])
+            if v > finals[top]:
+                out += (
+                    f", ahead of every training-free method (the best, {pruning_label(res, top)}: {fmt(finals[top])})"
+                )
+            else:
+                out += f", not ahead of {pruning_label(res, top)} ({fmt(finals[top])})"
+        out += "."
+    return out
 
 
 def paired_line(res: dict, r: float, finals: dict) -> str:
     """The strongest training-free method at r against the TokenSelector on the closed questions where the two
     differ (the run's `vs_selector`), with the sign test's p; empty where the run has no pairing."""
-    free = [m for m in finals if m != TRAINED]
+    free = [m for m in finals if not trained(m)]
     if not free:
         return ""
     m = max(free, key=lambda m: finals[m])
@@ -674,6 +708,14 @@ def section_pruning(runs: dict, model: str) -> list[str]:
     out += table(header, rows)
     for m, why in absent.items():
         out += ["", f"{pruning_label(res, m)}: absent, {why} (`litevlm train tokens` trains one)."]
+    for m in (m for m in methods if trained(m) and m != TRAINED):
+        k = m.rsplit("-k", 1)[-1]
+        out += [
+            "",
+            f"{pruning_label(res, m)}: the TokenSelector's own choice, made from the prompt before the decoder,"
+            f" applied before decoder layer {k} (`--prune token-selector --keep R --prune-layer {k}`): the layers"
+            " before it read the whole prompt, as FastV's and DART's do, and cost what they cost there.",
+        ]
     verdicts = [v for v in (pruning_verdict(res, r) for r in ratios if r <= 0.3) if v]
     out += ["", *verdicts] if verdicts else []
     n_closed, p = res.get("n_closed"), un.get("closed_accuracy")

@@ -3,7 +3,9 @@
 Every method answers the same questions over the same views (by default the views each question needs: what view
 selection hands the token stage) with greedy decoding, at each keep ratio r: the TokenSelector (where the model has
 a token_selector/ folder), FastV at K=1 and K=2 (arXiv 2403.06764), DART, DivPrune, CDPruner, random and uniform
-(`litevlm.select.pruners`), and with `--per-view` the variants that split the budget over the cameras. Each method
+(`litevlm.select.pruners`), and with `--per-view` the variants that split the budget over the cameras. Asked for by
+name, `token-selector-k2` is the TokenSelector's own choice (a selector that reads the prompt) applied before decoder
+layer 2, as FastV K=2 and DART prune, instead of before the decoder. Each method
 is the pipeline's own token selection (`litevlm.select.selection.token_selection`) on one pipeline built from the
 checkpoint, with its prompt format and execution backend; the answers are scored as `litevlm eval` scores the
 synthetic benchmarks (DriveLM final without a judge, the other weights renormalised, no graph gate), with
@@ -41,9 +43,12 @@ from pathlib import Path
 import torch
 
 METHODS = ("token-selector", "fastv-k1", "fastv-k2", "dart", "divprune", "cdpruner", "random", "uniform")
+SELECTOR_INSIDE = ("token-selector-k1", "token-selector-k2")  # by name only: the TokenSelector's choice inside
 PER_VIEW_SUFFIX = "-per-view"
 LABELS = {
     "token-selector": "TokenSelector",
+    "token-selector-k1": "TokenSelector K=1",
+    "token-selector-k2": "TokenSelector K=2",
     "fastv-k1": "FastV K=1",
     "fastv-k2": "FastV K=2",
     "dart": "DART",
@@ -78,7 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--selector", default=None, help="TokenSelector directory if not MODEL/token_selector")
     p.add_argument("--n", type=int, default=200, help="questions, spread evenly over the data (every len/N-th)")
     p.add_argument("--r", default=RATIOS, help="keep ratios r (fraction of visual tokens KEPT), comma-separated")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join(METHODS))
+    p.add_argument(
+        "--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join((*METHODS, *SELECTOR_INSIDE))
+    )
     p.add_argument(
         "--per-view",
         action="store_true",
@@ -137,8 +144,9 @@ def method_list(methods: str, per_view: bool) -> list[str]:
         if not m:
             continue
         base = m.removesuffix(PER_VIEW_SUFFIX)
-        if base not in METHODS or (m != base and base not in PER_VIEW):
-            raise SystemExit(f"unknown method {m!r}; known: {', '.join(METHODS)} (and NAME{PER_VIEW_SUFFIX})")
+        if base not in (*METHODS, *SELECTOR_INSIDE) or (m != base and base not in PER_VIEW):
+            known = ", ".join((*METHODS, *SELECTOR_INSIDE))
+            raise SystemExit(f"unknown method {m!r}; known: {known} (and NAME{PER_VIEW_SUFFIX})")
         out.append(m)
         # uniform already splits its budget over the cameras: no variant
         if per_view and m == base and base in PER_VIEW and base != "uniform":
@@ -157,6 +165,9 @@ def selection(pipe, method: str | None, r: float, selector, seed: int):
         return token_selection(model, None, None, 0, None, None, tok, seed)
     if method == "token-selector":
         return token_selection(model, selector, r, 0, None, None, tok, seed)
+    if method in SELECTOR_INSIDE:
+        layer = int(method.removeprefix("token-selector-k"))
+        return token_selection(model, selector, r, 0, None, None, tok, seed, select_layer=layer)
     if method.startswith("fastv-k"):
         return token_selection(model, None, None, 0, (int(method.removeprefix("fastv-k")), r), None, tok, seed)
     base = method.removesuffix(PER_VIEW_SUFFIX)
@@ -342,6 +353,8 @@ def machine(device) -> dict:
 
 STYLES = {  # colour, marker
     "token-selector": ("C3", "o"),
+    "token-selector-k1": ("C6", "o"),
+    "token-selector-k2": ("C6", "*"),
     "fastv-k1": ("C0", "s"),
     "fastv-k2": ("C9", "^"),
     "dart": ("C1", "v"),
@@ -457,11 +470,16 @@ def main(argv=None) -> dict:
     absent: dict[str, str] = {}
     selector = None
     folder = Path(args.selector) if args.selector else resolve_model_dir(args.model) / "token_selector"
-    if "token-selector" in methods and (args.selector or folder.is_dir()):  # one asked for must load
+    wanted = [m for m in methods if m.startswith("token-selector")]
+    if wanted and (args.selector or folder.is_dir()):  # one asked for must load
         selector = TokenSelector.load(folder, pipe.model)
-    elif "token-selector" in methods:  # a model whose TokenSelector is not trained yet: reported, not an error
-        absent["token-selector"] = f"{pipe.name} has no token_selector/ folder"
-        methods.remove("token-selector")
+    for m in wanted:  # a model whose TokenSelector is not trained yet, or cannot prune there: reported, not an error
+        if selector is None:
+            absent[m] = f"{pipe.name} has no token_selector/ folder"
+        elif m in SELECTOR_INSIDE and selector.prunes_inside:
+            absent[m] = "its TokenSelector reads decoder layer 0's output and prunes after that layer"
+        if m in absent:
+            methods.remove(m)
     samples = load_questions(args.data, args.images, args.n, args.seed, args.frames)
     if not samples:
         raise SystemExit("no questions to answer")
@@ -475,7 +493,7 @@ def main(argv=None) -> dict:
     base = records["unpruned"]
     unpruned = summarise(base, kept["unpruned"])
     scores = {key: summarise(recs, kept[key], base) for key, recs in records.items() if key != "unpruned"}
-    if selector is not None:  # every other method against the TokenSelector at the same r, question by question
+    if "token-selector" in methods:  # every other method against the TokenSelector at the same r, question by question
         for key, score in scores.items():
             method, r = key.split("@")
             if method != "token-selector":

@@ -294,6 +294,8 @@ def test_from_options_needs_both_method_and_ratio():
     assert PruneConfig.from_options("dart", 0.3).decoder_layer == 2
     assert PruneConfig.from_options("fastv", 0.3, 1).decoder_layer == 1
     assert PruneConfig.from_options("cdpruner", 0.3).decoder_layer is None
+    assert PruneConfig.from_options("token-selector", 0.3, 2).decoder_layer == 2
+    assert PruneConfig.from_options("token-selector", 0.3).decoder_layer is None
     for args, message in [
         (("dart", None), "needs --keep"),
         ((None, 0.3), "needs --prune"),
@@ -371,6 +373,50 @@ def test_the_pipeline_refuses_mixed_or_impossible_pruning():
         Pipeline.from_pretrained("drive-tiny", prune="dart")
     with pytest.raises(LiteVLMError, match="6 layers"):
         Pipeline.from_pretrained("drive-tiny", prune="dart", keep=0.3, prune_layer=6)
+
+
+def test_a_prompt_reading_selectors_choice_applies_inside_the_decoder(full_model_dir, tmp_path, images):
+    """--prune token-selector --prune-layer K: the choice a prompt-reading TokenSelector makes before the decoder is
+    applied before decoder layer K instead, layers [0, K) reading the whole prompt: the same tokens kept, the choice
+    timed as select_tokens, the answers lossless under speculation. A selector that reads layer 0's output, a layer
+    outside the decoder, or a layer without a selector are refused."""
+    import shutil
+
+    from litevlm.models import load_model
+    from litevlm.select.tokens import SelectorConfig, TokenSelector
+
+    d = tmp_path / "model"
+    shutil.copytree(full_model_dir, d)
+    torch.manual_seed(3)
+    sel = TokenSelector.from_model(load_model(d).model, SelectorConfig(reads="prompt"))
+    with torch.no_grad():
+        sel.mlp[2].weight.normal_(0, 0.5)  # a head whose choice is not the untrained one's
+    sel.save(d)
+    before = Pipeline.from_pretrained(d, select_tokens=0.5, max_new_tokens=10)
+    inside = Pipeline.from_pretrained(d, prune="token-selector", keep=0.5, prune_layer=1, max_new_tokens=10)
+    spec = Pipeline.from_pretrained(
+        d, prune="token-selector", keep=0.5, prune_layer=1, speculative=True, max_new_tokens=10
+    )
+    assert inside.config_name == "tokens r=0.5 K=1" and before.config_name == "tokens r=0.5"
+    for q in (QUESTION, "What is the moving status of <c1,CAM_BACK,800.0,500.0>?"):
+        p = before.prompt(q, images)
+        pruned, pruned_pos, none = before.selection.select(before.model, p, q, before.format.tiling)
+        embeds, positions, hook = inside.selection.select(inside.model, p, q, inside.format.tiling)
+        assert none is None and embeds is p.embeds and positions is p.positions
+        assert (hook.layer, hook.stage) == (1, "select_tokens")
+        kept = hook.keep(None)
+        assert torch.equal(pruned, p.embeds[:, kept]) and torch.equal(pruned_pos, p.positions[:, kept])
+        a, b, c = inside.answer(q, images), spec.answer(q, images), before.answer(q, images)
+        assert a.tokens == b.tokens
+        assert a.num_visual_tokens == c.num_visual_tokens < p.num_visual_tokens
+        assert a.input_tokens == c.input_tokens == kept.numel()
+        assert a.timings_ms["select_tokens"] > 0
+    with pytest.raises(LiteVLMError, match="layer 0's output"):
+        Pipeline.from_pretrained("drive-tiny", prune="token-selector", keep=0.3, prune_layer=1)
+    with pytest.raises(LiteVLMError, match=r"pruning layer in 1\.\.1"):
+        Pipeline.from_pretrained(d, prune="token-selector", keep=0.3, prune_layer=2)
+    with pytest.raises(LiteVLMError, match="needs the TokenSelector"):
+        Pipeline(before.model, before.tokenizer, select_layer=1)
 
 
 # ---------------------------------------------------------------------------------------------

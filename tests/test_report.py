@@ -714,6 +714,31 @@ def test_a_tie_for_best_is_said_as_one(report):
     assert "No training-free method beats the TokenSelector; DART ties it." in line
 
 
+def test_the_selectors_variant_inside_the_decoder_is_weighed_against_the_training_free_methods(tmp_path, report):
+    """TokenSelector K=2 is the TokenSelector's own (trained) choice: never counted among the training-free methods
+    that beat it; its own sentence says whether it is ahead of the best of them, and the page says what it is."""
+    res = pruning_result("drive-hd", with_selector=True)
+    res["methods"].insert(1, "token-selector-k2")
+    res["labels"]["token-selector-k2"] = "TokenSelector K=2"
+    for r, v in ((0.1, 0.5201), (0.2, 0.5102), (0.5, 0.5)):
+        res["scores"][f"token-selector-k2@{r}"] = scores(v, 0.82, 1.0)
+        res["timing_ms"][f"token-selector-k2@{r}"] = timing(0.5, 12.0)
+    line = report.pruning_verdict(res, 0.1)
+    assert "TokenSelector K=2 scores best: final 0.5201" in line
+    assert "A training-free method beats the TokenSelector (0.5011) here: DART (0.5123, +0.0112)" in line
+    assert "TokenSelector K=2 (" not in line.split("beats the TokenSelector")[1].split(".")[0]  # not training-free
+    assert line.endswith(
+        " TokenSelector K=2 scores 0.5201, ahead of every training-free method (the best, DART: 0.5123)."
+    )
+    assert report.pruning_verdict(res, 0.2).endswith(" TokenSelector K=2 scores 0.5102, not ahead of DART (0.5201).")
+    runs = {**FIXTURES, "token_pruning_drive-hd": run_file("token_pruning_drive-hd", res, "python x.py")}
+    page = write(tmp_path, report, runs)
+    hd = page[page.index("## Token pruning on drive-hd") : page.index("## Token pruning on drive-tiny")]
+    assert "| TokenSelector K=2 | 0.5201 (0.82) | 0.5102 (0.82) | 0.5 (0.82) |" in hd
+    assert "TokenSelector K=2: the TokenSelector's own choice, made from the prompt before the decoder, applied" in hd
+    assert "`--prune token-selector --keep R --prune-layer 2`" in hd
+
+
 def test_the_run_list_measures_drive_hd(report):
     known = {b.name: b for b in report.benchmarks()}
     for name in ("bench_hd_1thread", "bench_hd_default_threads", "token_pruning_drive-hd", "token_pruning_drive-tiny"):

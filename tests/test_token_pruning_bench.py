@@ -76,6 +76,42 @@ def test_a_model_without_a_token_selector_reports_it_absent(tmp_path, pruning, c
     assert result["timing_ms"] == {} and result["model"] == "drive-hd"
 
 
+def test_the_selectors_choice_inside_the_decoder_is_a_method_of_its_own(tmp_path, pruning):
+    """token-selector-k2: a prompt-reading TokenSelector's choice applied before decoder layer 2, answered as the
+    pipeline answers `--prune token-selector --prune-layer 2`, paired with the selector; a selector that reads layer
+    0's output has none, and says why."""
+    from litevlm.models import load_model, resolve_model_dir
+    from litevlm.pipeline import Pipeline
+    from litevlm.select.tokens import SelectorConfig, TokenSelector
+
+    argv = ["--n", "2", "--r", "0.2", "--timing-n", "0", "--threads", "1", "--no-progress"]
+    tiny = pruning.main([*argv, "--methods", "token-selector-k2,uniform"])
+    assert tiny["methods"] == ["uniform"]
+    assert tiny["absent"] == {
+        "token-selector-k2": "its TokenSelector reads decoder layer 0's output and prunes after that layer"
+    }
+    model = tmp_path / "drive-tiny"
+    model.mkdir()
+    for f in resolve_model_dir("drive-tiny").iterdir():
+        if f.is_file():
+            (model / f.name).symlink_to(f)
+    TokenSelector.from_model(load_model(model).model, SelectorConfig(reads="prompt")).save(model)
+    predictions = tmp_path / "answers.json"
+    methods = "token-selector,token-selector-k2"
+    result = pruning.main([*argv, "--model", str(model), "--methods", methods, "--predictions", str(predictions)])
+    assert result["methods"] == ["token-selector", "token-selector-k2"] and result["absent"] == {}
+    assert result["labels"]["token-selector-k2"] == "TokenSelector K=2"
+    assert "vs_selector" in result["scores"]["token-selector-k2@0.2"]
+    assert (
+        result["scores"]["token-selector-k2@0.2"]["visual_tokens"]
+        == result["scores"]["token-selector@0.2"]["visual_tokens"]
+    )
+    s = pruning.load_questions(None, None, 2, seed=1, frames=100)[0]
+    pipe = Pipeline.from_pretrained(model, prune="token-selector", keep=0.2, prune_layer=2)
+    answers = json.loads(predictions.read_text())["token-selector-k2@0.2"]
+    assert answers[0]["answer"] == pipe.answer(s.question, s.images).text
+
+
 def test_the_stored_keep_ratio_is_the_smallest_within_the_tolerance(tmp_path, benchmark_script):
     choose = benchmark_script("choose_keep_ratio")
     run = {

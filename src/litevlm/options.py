@@ -121,7 +121,8 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="K",
-        help="with --prune fastv or dart: prune before decoder layer K (default: the method's paper's, 2)",
+        help="with --prune fastv or dart: prune before decoder layer K (default: the method's paper's, 2); with "
+        "--prune token-selector: apply its choice before layer K, layers 0..K-1 reading the whole prompt",
     )
     g.add_argument(
         "--per-view",

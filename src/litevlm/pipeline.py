@@ -125,6 +125,8 @@ class Pipeline:
     token_selector + keep_ratio: TokenSelector keeping a fraction r of the visual tokens, or None.
     min_select_tokens: the TokenSelector runs only on prompts with at least this many visual tokens;
         below, its scoring costs more than the tokens it prunes save (0: always).
+    select_layer: 0, the TokenSelector prunes where it reads; K >= 1, a prompt-reading selector's choice is applied
+        before decoder layer K, layers [0, K) running on the whole prompt (`litevlm.select.selection.TokenSelector`).
     fastv: (K, r) for FastV pruning inside the LLM (the baseline), or None.
     pruner: a training-free pruner (`litevlm.select.pruners.PruneConfig`: DART, DivPrune, CDPruner, random, uniform)
         keeping its fraction r of the visual tokens, or None; its selection is timed as "select_tokens".
@@ -149,6 +151,7 @@ class Pipeline:
         token_selector=None,
         keep_ratio: float | None = None,
         min_select_tokens: int = 0,
+        select_layer: int = 0,
         fastv: tuple[int, float] | None = None,
         pruner=None,
         draft=None,
@@ -166,7 +169,7 @@ class Pipeline:
         warmup: bool = True,
     ):
         self.selection = token_selection(
-            model, token_selector, keep_ratio, min_select_tokens, fastv, pruner, tokenizer, seed
+            model, token_selector, keep_ratio, min_select_tokens, fastv, pruner, tokenizer, seed, select_layer
         )  # the one token selection, checked
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -297,8 +300,9 @@ class Pipeline:
             stored with it (`litevlm train tokens --keep-ratio`, chosen for that model on validation data).
         fastv_k, fastv_r: FastV at layer K keeping r (the comparison baseline).
         prune, keep: token pruning by name (`litevlm.select.pruners.METHODS`) keeping a fraction r: "token-selector"
-            is select_tokens=r, "fastv" is FastV at prune_layer (default 2, FastV's own), "dart" prunes before decoder
-            layer prune_layer (default 2), "divprune", "cdpruner", "random" and "uniform" the projector's output.
+            is select_tokens=r (with prune_layer K, its choice applied before decoder layer K: `select_layer`), "fastv"
+            is FastV at prune_layer (default 2, FastV's own), "dart" prunes before decoder layer prune_layer (default
+            2), "divprune", "cdpruner", "random" and "uniform" the projector's output.
             prune_per_view: about r of each camera's tokens instead of r of all (dart, divprune, cdpruner, random).
         speculative: EAGLE-2 with its draft head (model_dir/draft), tree_* override the default tree
             (tree_min_value: a chain ends where its draft probability falls below it).
@@ -316,7 +320,7 @@ class Pipeline:
             if select_tokens is not None or fastv_k is not None or fastv_r is not None:
                 raise LiteVLMError("--prune METHOD --keep R replaces --select-tokens and --fastv-k/--fastv-r: give one")
             if pruner.method == "token-selector":
-                select_tokens, pruner = pruner.keep_ratio, None
+                select_tokens, options["select_layer"], pruner = pruner.keep_ratio, pruner.layer or 0, None
             elif pruner.method == "fastv":
                 fastv_k, fastv_r, pruner = pruner.decoder_layer, pruner.keep_ratio, None
         loaded = load_model(

@@ -85,7 +85,8 @@ class PruneConfig:
     """A token-pruning method and its budget: `--prune METHOD --keep R` on the command line.
 
     method: one of METHODS; keep_ratio: r, the fraction of visual tokens KEPT, in (0, 1]. layer: for the in-decoder
-    methods (fastv, dart), the decoder layer K they prune before (default: their paper's, `DECODER_LAYER`).
+    methods (fastv, dart), the decoder layer K they prune before (default: their paper's, `DECODER_LAYER`); for the
+    token-selector, the layer its choice is applied before (default: where it reads, before the decoder).
     per_view: keep about r of each camera's tokens (`view_budgets`) instead of r of all of them.
     theta: CDPruner's relevance weight in [0, 1) (None: plain relevance).
     """
@@ -103,10 +104,10 @@ class PruneConfig:
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r <= 1.0:
             raise LiteVLMError(f"--keep R is the fraction of visual tokens KEPT and must be in (0, 1]; got {r!r}")
         if self.layer is not None:
-            if self.method not in DECODER_LAYER:
+            if self.method not in (*DECODER_LAYER, "token-selector"):
                 raise LiteVLMError(
                     f"{self.method} prunes before the decoder: a pruning layer applies to "
-                    f"{' and '.join(DECODER_LAYER)} only"
+                    f"{', '.join(DECODER_LAYER)} and token-selector only"
                 )
             if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 1:
                 raise LiteVLMError(f"the pruning layer K must be an integer >= 1; got {self.layer!r}")

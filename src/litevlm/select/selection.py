@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from litevlm.errors import LiteVLMError
-from litevlm.select.tokens import fastv_pruning
+from litevlm.select.tokens import Pruning, fastv_pruning
 
 
 class KeepAll:
@@ -50,15 +50,24 @@ class FastV(KeepAll):
 
 @dataclass
 class TokenSelector(KeepAll):
-    """The trained TokenSelector keeping `keep_ratio` of prompts with at least `min_tokens` visual tokens."""
+    """The trained TokenSelector keeping `keep_ratio` of prompts with at least `min_tokens` visual tokens.
+
+    layer: 0, where the selector itself prunes (a prompt-reading one before the decoder, one reading layer 0's output
+    after that layer); K >= 1, its choice (made from the prompt, before the decoder) applied before decoder layer K,
+    so layers [0, K) read the whole prompt as FastV's and DART's do, at the cost of running them on it."""
 
     selector: object
     keep_ratio: float | None
     min_tokens: int = 0
+    layer: int = 0
 
     @property
     def label(self) -> str:
-        return f"tokens r={self.keep_ratio}" + (f" from {self.min_tokens}" if self.min_tokens else "")
+        return (
+            f"tokens r={self.keep_ratio}"
+            + (f" K={self.layer}" if self.layer else "")
+            + (f" from {self.min_tokens}" if self.min_tokens else "")
+        )
 
     def select(self, model, p, question: str, tiling):
         sel = self.selector
@@ -67,9 +76,11 @@ class TokenSelector(KeepAll):
         if sel.prunes_inside:  # ranks from the decoder's own layer 0: a hook after it
             hook = sel.pruning(model, p.positions, p.view_spans, self.keep_ratio, question=question, tiling=tiling)
             return p.embeds, p.positions, hook
-        embeds, positions, _ = sel.select(
+        embeds, positions, kept = sel.select(
             model, p.embeds, p.positions, p.view_spans, keep_ratio=self.keep_ratio, question=question, tiling=tiling
         )
+        if self.layer:  # the same choice, applied inside the decoder
+            return p.embeds, p.positions, Pruning(self.layer, lambda x: kept, "select_tokens")
         return embeds, positions, None
 
 
@@ -95,10 +106,18 @@ class Pruner(KeepAll):
 
 
 def token_selection(
-    model, token_selector, keep_ratio, min_select_tokens: int, fastv, pruner, tokenizer, seed: int
+    model,
+    token_selector,
+    keep_ratio,
+    min_select_tokens: int,
+    fastv,
+    pruner,
+    tokenizer,
+    seed: int,
+    select_layer: int = 0,
 ) -> KeepAll:
     """The one selection a pipeline's options describe, checked: at most one of a TokenSelector, FastV (K, r) and a
-    pruner; every r in (0, 1]; a pruning layer inside the decoder."""
+    pruner; every r in (0, 1]; a pruning layer inside the decoder (`select_layer`: the TokenSelector's, 0 its own)."""
     chosen = [name for name, x in (("the TokenSelector", token_selector), ("FastV", fastv), ("a pruner", pruner)) if x]
     if len(chosen) > 1:
         raise LiteVLMError(f"choose one token pruning, not {' and '.join(chosen)}")
@@ -114,10 +133,22 @@ def token_selection(
             f"{pruner.method} prunes before decoder layer {layer}, but this decoder has {n_layers} "
             f"layers: choose a pruning layer in 1..{n_layers - 1}"
         )
+    if select_layer and not token_selector:
+        raise LiteVLMError("a TokenSelector pruning layer needs the TokenSelector")
+    if select_layer and not 1 <= select_layer < n_layers:
+        raise LiteVLMError(
+            f"the TokenSelector's choice is applied before decoder layer {select_layer}, but this decoder has "
+            f"{n_layers} layers: choose a pruning layer in 1..{n_layers - 1}"
+        )
+    if select_layer and token_selector.prunes_inside:
+        raise LiteVLMError(
+            "this TokenSelector reads decoder layer 0's output and prunes after it: a pruning layer applies to a "
+            "selector that reads the prompt (`litevlm train tokens --reads prompt`)"
+        )
     if fastv:
         return FastV(*fastv)
     if token_selector:
-        return TokenSelector(token_selector, keep_ratio, min_select_tokens)
+        return TokenSelector(token_selector, keep_ratio, min_select_tokens, select_layer)
     if pruner:
         return Pruner(pruner, tokenizer, torch.Generator().manual_seed(seed))
     return KeepAll()
