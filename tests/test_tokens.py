@@ -376,6 +376,36 @@ def test_native_prompt_scores_equal_the_head_on_the_prompt_view(question_len, mo
     assert not torch.allclose(moved, fast)
 
 
+def test_an_embedding_reading_selector_runs_no_decoder_layer():
+    """reads="embeds": the head reads the prompt's embeddings alone, the question's rows too (its queries and keys start
+    from layer 0's, the projections that read those embeddings): no decoder layer runs, none is stored, a change to
+    layer 0 leaves the scores as they are; it prunes before the decoder and its fast head equals the differentiable
+    one."""
+    model = tiny_vlm()
+    embeds, positions, spans = tiny_prompt(model)
+    sel = TokenSelector.from_model(model, SelectorConfig(reads="embeds", shared_layer=False))
+    attn0 = model.language_model.layers[0].self_attn
+    assert sel.layer is None and not any(n.startswith("layer.") for n, _ in sel.named_parameters())
+    assert torch.equal(sel.q_proj.weight, attn0.q_proj.weight) and torch.equal(sel.k_proj.weight, attn0.k_proj.weight)
+    with torch.no_grad():
+        sel.mlp[2].weight.normal_(0, 0.5)
+        sel.query_gate.weight.normal_(0, 0.2)
+    assert not sel.prunes_inside
+    with torch.no_grad():
+        fast = sel.scores(embeds, positions, spans)
+    slow = sel.scores(embeds, positions, spans)
+    assert slow.requires_grad
+    torch.testing.assert_close(fast, slow.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast, sel.head_scores(embeds, positions, spans).detach(), atol=1e-5, rtol=1e-5)
+    first = max(e for _, _, e in spans)
+    kept_embeds, kept_pos, kept = sel.select(model, embeds, positions, spans, keep_ratio=0.3)
+    assert kept_embeds.shape[1] == kept.numel() == embeds.shape[1] - (3 * TPV - keep_count(3 * TPV, 0.3))
+    assert torch.equal(kept[kept >= first], torch.arange(first, embeds.shape[1]))  # the question is kept whole
+    with torch.no_grad():
+        model.language_model.layers[0].mlp.down_proj.weight.mul_(3.0)
+        torch.testing.assert_close(sel.scores(embeds, positions, spans), fast)
+
+
 def test_prompt_reading_selector_prunes_before_the_decoder_and_never_runs_layer0_on_the_views():
     """reads="prompt": the head reads the views as they enter the decoder and the question's rows as layer 0 leaves
     them (so a change to layer 0 moves its scores); it prunes the prompt before the decoder (no hook), keeping the

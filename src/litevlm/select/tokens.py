@@ -464,7 +464,7 @@ def fastv_pruning(
 # ---------------------------------------------------------------------------------------------
 
 
-READS = ("layer0", "prompt")  # what a TokenSelector's head reads (SelectorConfig.reads)
+READS = ("layer0", "prompt", "embeds")  # what a TokenSelector's head reads (SelectorConfig.reads)
 
 
 def question_start(view_spans: Sequence[Span], t: int) -> int:
@@ -509,7 +509,8 @@ class SelectorConfig:
     # What the head reads. "layer0": decoder layer 0's output over the whole prompt (above). "prompt": the prompt's
     # own embeddings, its question rows replaced by layer 0's output at those rows alone (they attend over the
     # whole prompt): layer 0 is never run on the visual tokens, and the selector prunes BEFORE the decoder, which
-    # then runs every layer on the kept tokens only.
+    # then runs every layer on the kept tokens only. "embeds": the prompt's embeddings alone, the question's rows too
+    # (no decoder layer at all: the cheapest; it prunes before the decoder as "prompt" does).
     reads: str = "layer0"
     # 0: keep the top scores. tau > 0: keep the subset that maximises its total score plus tau times the log-volume
     # its tokens span (a DPP over the tokens the head reads, quality from the scores: `select_by_scores`), so near
@@ -551,8 +552,10 @@ class TokenSelector(nn.Module):
         self.text_cfg = text_cfg
         self.cfg = cfg or SelectorConfig()
         c = text_cfg.hidden_size
-        # decoder layer 0: a trainable copy, or (shared_layer) the served model's own, bound by `bind`
-        self.layer = None if self.cfg.shared_layer else DecoderLayer(text_cfg)
+        # decoder layer 0: a trainable copy, or (shared_layer) the served model's own, bound by `bind`; none where
+        # the head reads the embeddings alone
+        own = not self.cfg.shared_layer and self.cfg.reads != "embeds"
+        self.layer = DecoderLayer(text_cfg) if own else None
         self._shared: list[DecoderLayer] = []  # a plain list: the shared layer is not this module's parameter
         self.norm = RMSNorm(c, text_cfg.norm_eps)
         self.q_proj = nn.Linear(c, text_cfg.num_heads * text_cfg.head_dim, bias=text_cfg.qkv_bias)
@@ -571,7 +574,7 @@ class TokenSelector(nn.Module):
     def from_model(cls, model, cfg: SelectorConfig | None = None) -> TokenSelector:
         """Initialised from `model`: layer 0 copied, the scoring q/k and norm from layer 1 (or 0 for a 1-layer LLM),
         the input of layer 1; reading the prompt, the keys (and norm) from layer 0, whose input the visual tokens
-        are."""
+        are; reading the embeddings alone, the queries from layer 0 too."""
         lm = model.language_model
         sel = cls(lm.cfg, cfg)
         if sel.layer is None:
@@ -579,9 +582,10 @@ class TokenSelector(nn.Module):
         else:
             sel.layer.load_state_dict(lm.layers[0].state_dict())
         src = lm.layers[1 if len(lm.layers) > 1 else 0]
-        keys = lm.layers[0] if sel.cfg.reads == "prompt" else src
+        keys = lm.layers[0] if sel.cfg.reads in ("prompt", "embeds") else src
+        queries = lm.layers[0] if sel.cfg.reads == "embeds" else src  # the question's rows as they enter the decoder
         sel.norm.load_state_dict(keys.input_layernorm.state_dict())
-        sel.q_proj.load_state_dict(src.self_attn.q_proj.state_dict())
+        sel.q_proj.load_state_dict(queries.self_attn.q_proj.state_dict())
         sel.k_proj.load_state_dict(keys.self_attn.k_proj.state_dict())
         return sel.to(device=model.device, dtype=model.dtype)
 
@@ -647,6 +651,8 @@ class TokenSelector(nn.Module):
         tags: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Log-scores (B, N) of the visual tokens, view after view; differentiable (training). tags: (2, N) or None."""
+        if self.cfg.reads == "embeds":
+            return self.head_scores(embeds, positions, view_spans, tags)
         if self.cfg.reads == "prompt":
             if self._native_prompt(embeds):
                 return self._prompt_scores_native(embeds, positions, view_spans, tags)[None]

@@ -100,9 +100,9 @@ class TokenRecipe:
     )
     reads: str = flag(
         "layer0",
-        "what the selector's head reads: decoder layer 0's output over the whole prompt, or the prompt itself with "
+        "what the selector's head reads: decoder layer 0's output over the whole prompt, the prompt itself with "
         "only its question through layer 0 (then the selector prunes before the decoder, which runs every layer on "
-        "the kept tokens alone)",
+        "the kept tokens alone), or the embeddings alone (no decoder layer: the cheapest, pruning before it too)",
         choices=READS,
     )
     diversity: float = flag(
