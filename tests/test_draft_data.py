@@ -140,6 +140,26 @@ def test_a_cache_made_with_other_settings_is_refused_untouched(world, offline_ru
     assert {p.name: p.read_bytes() for p in cache.iterdir()} == before
 
 
+def test_a_cache_of_pruned_prompts_is_refused_once_the_token_selector_changes(world, tmp_path):
+    """The prompts of --prune-prob are the TokenSelector's: a cache made with one selector is not read with another
+    (retrained, or storing another r), and is left as it was; the same selector resumes it."""
+    from litevlm.select.tokens import SelectorConfig, TokenSelector
+
+    src, data, samples = world
+    model = tmp_path / "model"
+    shutil.copytree(src, model)
+    recipe = DraftRecipe(**{**RECIPE.__dict__, "prune_prob": 0.5})
+    TokenSelector.from_model(load_model(model).model, SelectorConfig(reads="embeds", keep_ratio=0.3)).save(model)
+    cache = tmp_path / "cache"
+    target_sequences(load_model(model), recipe, samples, str(data), cache, progress=False)
+    target_sequences(load_model(model), recipe, samples, str(data), cache, progress=False)  # the same: resumes
+    before = {p.name: p.read_bytes() for p in cache.iterdir()}
+    TokenSelector.from_model(load_model(model).model, SelectorConfig(reads="embeds", keep_ratio=0.5)).save(model)
+    with pytest.raises(LiteVLMError, match="token_selector_sha256"):
+        target_sequences(load_model(model), recipe, samples, str(data), cache, progress=False)
+    assert {p.name: p.read_bytes() for p in cache.iterdir()} == before
+
+
 def test_pruned_prompts_are_answered_as_the_token_selector_leaves_them(world, tmp_path):
     """--prune-prob: the prompts drawn for pruning are answered as LiteVLM's pipeline answers them, pruned by the
     model's TokenSelector at its stored r with every kept token at its own position; the rest whole. A model without

@@ -334,11 +334,23 @@ def cache_key(loaded, recipe: DraftRecipe, data: str, samples: list[Sample]) -> 
     }
     if recipe.prune_prob:  # absent without pruning: caches made before the option read as they were made
         key["prune_prob"] = recipe.prune_prob
+        key["token_selector_sha256"] = selector_digest(loaded.path)  # a retrained selector prunes other tokens
     if data:
         key["val_fraction"] = recipe.val_fraction
     else:
         key.update(frames=recipe.frames, render_size=list(recipe.render_size))
     return key
+
+
+def selector_digest(model_dir: Path) -> str:
+    """sha256 over the files of the checkpoint's TokenSelector (its weights and its config, the stored r with it)."""
+    from litevlm.models import part_dir
+
+    digest = hashlib.sha256()
+    for f in sorted(p for p in part_dir(model_dir, "token_selector").iterdir() if p.is_file()):
+        if f.name != "train_log.json":
+            digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()
 
 
 def save_shard(path: Path, seqs: list[Sequence]) -> None:
@@ -677,7 +689,7 @@ def pruning_pipeline(loaded):
     if sel.prunes_inside:
         raise LiteVLMError(
             f"--prune-prob needs a TokenSelector that prunes the prompt before the decoder (`litevlm train tokens "
-            f"--reads prompt`): the one in {folder} ranks from inside the decoder"
+            f"--reads prompt` or `--reads embeds`): the one in {folder} ranks from inside the decoder"
         )
     return Pipeline.from_loaded(loaded, token_selector=sel, keep_ratio=sel.cfg.keep_ratio)
 
