@@ -143,7 +143,7 @@ def token_selection(
     if select_layer and token_selector.prunes_inside:
         raise LiteVLMError(
             "this TokenSelector reads decoder layer 0's output and prunes after it: a pruning layer applies to a "
-            "selector that reads the prompt (`litevlm train tokens --reads prompt`)"
+            "selector that reads the prompt (`litevlm train tokens --reads embeds` or `--reads prompt`)"
         )
     if fastv:
         return FastV(*fastv)
