@@ -619,12 +619,12 @@ def variant_line(res: dict, finals: dict) -> str:
     """Each variant of the TokenSelector (its choice applied inside the decoder) against the best training-free
     method; empty where the run has none."""
     free = [m for m in finals if not trained(m)]
+    top = max(free, key=lambda f: finals[f]) if free else None
     out = ""
     for m in (m for m in finals if trained(m) and m != TRAINED):
         v = finals[m]
         out += f" {pruning_label(res, m)} scores {fmt(v)}"
-        if free:
-            top = max(free, key=lambda f: finals[f])
+        if top is not None:
             if v > finals[top]:
                 out += (
                     f", ahead of every training-free method (the best, {pruning_label(res, top)}: {fmt(finals[top])})"

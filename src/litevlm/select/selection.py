@@ -126,20 +126,18 @@ def token_selection(
             raise LiteVLMError(f"keep ratio r (fraction of visual tokens KEPT) must be in (0, 1]; got {r}")
     if min_select_tokens < 0:
         raise LiteVLMError(f"min_select_tokens must be >= 0; got {min_select_tokens}")
-    n_layers = len(model.language_model.layers)
-    layer = getattr(pruner, "decoder_layer", None)
-    if layer is not None and not 1 <= layer < n_layers:
-        raise LiteVLMError(
-            f"{pruner.method} prunes before decoder layer {layer}, but this decoder has {n_layers} "
-            f"layers: choose a pruning layer in 1..{n_layers - 1}"
-        )
     if select_layer and not token_selector:
         raise LiteVLMError("a TokenSelector pruning layer needs the TokenSelector")
-    if select_layer and not 1 <= select_layer < n_layers:
-        raise LiteVLMError(
-            f"the TokenSelector's choice is applied before decoder layer {select_layer}, but this decoder has "
-            f"{n_layers} layers: choose a pruning layer in 1..{n_layers - 1}"
-        )
+    n_layers = len(model.language_model.layers)
+    for what, layer in (
+        (f"{getattr(pruner, 'method', '')} prunes", getattr(pruner, "decoder_layer", None)),
+        ("the TokenSelector's choice is applied", select_layer or None),
+    ):
+        if layer is not None and not 1 <= layer < n_layers:
+            raise LiteVLMError(
+                f"{what} before decoder layer {layer}, but this decoder has {n_layers} "
+                f"layers: choose a pruning layer in 1..{n_layers - 1}"
+            )
     if select_layer and token_selector.prunes_inside:
         raise LiteVLMError(
             "this TokenSelector reads decoder layer 0's output and prunes after it: a pruning layer applies to a "

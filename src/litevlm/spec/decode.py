@@ -153,6 +153,7 @@ def stream_speculative(
             ask = lookup and L + n_tree <= cap and (a == 0 or (looked and a > 0))
             guess = repeat_guess(out, lookup, tree.depth) if ask else []
             looked = bool(guess)
+            guessed = torch.tensor(out[-1:] + guess, device=embeds.device) if guess else None  # root, then the guess
             if L + n_tree > cap:  # no room for a tree: finish with plain steps (the cache is exact)
                 logits, _ = backend.decode(root.view(1, 1), root_pos, L)
                 root = sampling.sample(logits)
@@ -162,7 +163,7 @@ def stream_speculative(
                 with timer("draft"):
                     if guess:  # the head takes in the new pairs all the same: its cache stays whole
                         draft.extend(feats, nxt, pair_pos, done, last_only=True)
-                        chain = torch.tensor(out[-1:] + guess, device=embeds.device)
+                        chain = guessed
                     else:
                         chain = draft.draft_cycle(
                             feats, nxt, pair_pos, done, root, root_pos, tree.depth, tree.min_value, eos_id
@@ -176,7 +177,7 @@ def stream_speculative(
                 with timer("draft"):
                     h_root = draft.extend(feats, nxt, pair_pos, done, last_only=True)  # (1, C): predicted f_L
                     if guess:
-                        tr = chain_tree(torch.tensor(out[-1:] + guess, device=embeds.device))
+                        tr = chain_tree(guessed)
                     else:
                         tr = draft_tree(draft, root, h_root, done + feats.shape[0], root_pos, tree, eos_id)  # scratch
                     done += feats.shape[0]
