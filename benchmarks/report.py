@@ -68,12 +68,11 @@ def pruning(model: str, name: str, n: int = 200, extra: tuple[str, ...] = ()) ->
 
 
 # drive-hd: r = 0.05 too, where the methods part, and its TokenSelector's choice applied inside the decoder as well
-HD_PRUNING = (
-    "--r",
-    "0.05,0.1,0.2,0.3,0.5,0.7",
-    "--methods",
-    "token-selector,token-selector-k2,fastv-k1,fastv-k2,dart,divprune,cdpruner,random,uniform",
-)
+HD_METHODS = ("--methods", "token-selector,token-selector-k2,fastv-k1,fastv-k2,dart,divprune,cdpruner,random,uniform")
+HD_PRUNING = ("--r", "0.05,0.1,0.2,0.3,0.5,0.7", *HD_METHODS)
+# drive-hd with every view in the prompt, as when the ViewSelector is off: most visual tokens are then of views the
+# question does not ask about. The ratios the goal names, and r = 0.05.
+HD_ALL_VIEWS = ("--views", "all", "--r", "0.05,0.1,0.2,0.3", *HD_METHODS)
 
 
 def benchmarks() -> list[Benchmark]:
@@ -96,6 +95,7 @@ def benchmarks() -> list[Benchmark]:
             needs=[HELDOUT],
         ),
         pruning(HD, "drive-hd", n=600, extra=HD_PRUNING),  # three times the questions: pruners differ by a few
+        pruning(HD, "drive-hd-all-views", n=600, extra=HD_ALL_VIEWS),
         pruning(MODEL, "drive-tiny"),
         Benchmark(
             "view_selection",
@@ -561,9 +561,10 @@ def section_tokens_earlier(run: dict) -> list[str]:
     return out
 
 
-PRUNING = {  # model -> (its pruning run, an earlier run of the old benchmark read where there is no new one)
-    "drive-hd": ("token_pruning_drive-hd", None),
-    "drive-tiny": ("token_pruning_drive-tiny", "token_pruning"),
+PRUNING = {  # page -> (its pruning run, an earlier run of the old benchmark read where there is no new one, heading)
+    "drive-hd": ("token_pruning_drive-hd", None, "drive-hd"),
+    "drive-hd-all-views": ("token_pruning_drive-hd-all-views", None, "drive-hd over all six views"),
+    "drive-tiny": ("token_pruning_drive-tiny", "token_pruning", "drive-tiny"),
 }
 TRAINED = "token-selector"  # it and its variants (the same choice applied inside the decoder) are trained; the rest
 # training-free
@@ -668,22 +669,28 @@ def selector_timing_note(selector: dict) -> list[str]:
     ]
 
 
-def section_pruning(runs: dict, model: str) -> list[str]:
-    """Every token-selection method against r on `model` (benchmarks/token_pruning.py): final score and closed
-    accuracy, prefill and the method's own select_tokens ms, one sentence per r <= 0.3, the plot."""
-    name, earlier_name = PRUNING[model]
+def section_pruning(runs: dict, page: str) -> list[str]:
+    """Every token-selection method against r on one of the PRUNING pages (benchmarks/token_pruning.py): final score
+    and closed accuracy, prefill and the method's own select_tokens ms, one sentence per r <= 0.3, the plot."""
+    name, earlier_name, heading = PRUNING[page]
     run = runs.get(name)
     if run is None and earlier_name in runs:
         return section_tokens_earlier(runs[earlier_name])
-    out = [f"## Token pruning on {model}: the TokenSelector against FastV and the training-free pruners", ""]
+    out = [f"## Token pruning on {heading}: the TokenSelector against FastV and the training-free pruners", ""]
     if run is None:
-        return out + not_measured_yet(f"token pruning on {model}", next(b for b in benchmarks() if b.name == name))
+        return out + not_measured_yet(f"token pruning on {heading}", next(b for b in benchmarks() if b.name == name))
     res = run["result"]
     ratios, methods, scores, un = res["ratios"], res["methods"], res["scores"], res["unpruned"]
     absent = res.get("absent") or {}
     where = "over the views each needs" if res.get("views") == "needed" else "over all six views"
     share = res.get("visual_share")
     share = f" ({100 * share:.0f}% of its tokens)" if share is not None else ""
+    if res.get("views") == "all":
+        out += [
+            "Every camera's view goes into each prompt, as when the ViewSelector is off: most of the visual tokens are"
+            " then of views the question does not ask about, and a budget spent on them is lost to the views it does.",
+            "",
+        ]
     out += [
         f"{res['n']} questions ({res.get('n_closed')} closed) {where}, greedy decoding; a prompt holds"
         f" {fmt(res.get('visual_tokens'))} visual tokens on average{share}. r is the fraction of visual tokens KEPT;"
@@ -750,7 +757,7 @@ def section_pruning(runs: dict, model: str) -> list[str]:
             "",
         ]
     if res.get("plot"):
-        out += [f"![token pruning on {model}]({res['plot']})", ""]
+        out += [f"![token pruning on {heading}]({res['plot']})", ""]
     return out
 
 
@@ -1168,6 +1175,7 @@ def render(runs: dict) -> str:
         *section_bench(runs, "drive-tiny", first=False),
         *section_sweep(runs.get("spec_sweep")),
         *section_pruning(runs, "drive-hd"),
+        *section_pruning(runs, "drive-hd-all-views"),
         *section_pruning(runs, "drive-tiny"),
         *section_views(runs.get("view_selection")),
         *section_scores(runs),

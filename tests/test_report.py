@@ -177,7 +177,7 @@ def report(benchmark_script):
 
 def write(tmp_path, report, runs: dict) -> str:
     results = tmp_path / "results"
-    results.mkdir()
+    results.mkdir(parents=True)
     for name, run in runs.items():
         (results / f"{name}.json").write_text(json.dumps(run))
     out = tmp_path / "RESULTS.md"
@@ -778,3 +778,30 @@ def test_the_bf16_rows_are_read_against_both_baselines(report):
     assert "4.00x the fp32 baseline" in line and "3.20x the bf16 baseline" in line
     assert "scores 0.512 (+0.0120 on the fp32 baseline)" in line
     assert report.bf16_line({"rows": rows[:2]}) is None  # a CPU without native bf16 runs no bf16 rows
+
+
+def test_drive_hd_over_all_six_views_has_its_own_pruning_page(tmp_path, report):
+    """A second drive-hd run with every view in the prompt: its own page after the needed-views one, saying what the
+    setting is; the run list measures it with `--views all`; before a run, its command and no figures."""
+    known = {b.name: b for b in report.benchmarks()}
+    command = known["token_pruning_drive-hd-all-views"].command(None)
+    assert command[command.index("--views") + 1] == "all" and command[command.index("--model") + 1] == "drive-hd"
+    assert "benchmarks/results/token_pruning_drive-hd-all-views.png" in command
+    heading = "## Token pruning on drive-hd over all six views"
+    page = write(tmp_path / "before", report, FIXTURES)
+    empty = page[page.index(heading) : page.index("## Token pruning on drive-tiny")]
+    assert "**Not measured yet:** no results file for token pruning on drive-hd over all six views." in empty
+    assert "--views all" in empty and "| TokenSelector |" not in empty
+    res = pruning_result("drive-hd", with_selector=True)
+    res["views"], res["plot"] = "all", "benchmarks/results/token_pruning_drive-hd-all-views.png"
+    name = "token_pruning_drive-hd-all-views"
+    runs = {**FIXTURES, "token_pruning_drive-hd": pruning_run("drive-hd"), name: run_file(name, res, "python x.py")}
+    page = write(tmp_path / "after", report, runs)
+    needed = page.index("## Token pruning on drive-hd: ")
+    assert needed < page.index(heading) < page.index("## Token pruning on drive-tiny")
+    sec = page[page.index(heading) : page.index("## Token pruning on drive-tiny")]
+    assert "Every camera's view goes into each prompt, as when the ViewSelector is off" in sec
+    assert "40 questions (22 closed) over all six views" in sec
+    assert "| TokenSelector | 0.5011 (0.8182) | 0.5301 (0.8282) | 0.5402 (0.8382) |" in sec
+    assert f"![token pruning on drive-hd over all six views]({res['plot']})" in sec
+    assert "Every camera's view goes into" not in page[needed : page.index(heading)]
