@@ -21,6 +21,7 @@ prefill, exactly as the pipeline reports them; `total_ms` (their sum) is the com
 
     python benchmarks/token_pruning.py --n 40 --plot pruning.png                  # drive-tiny, held-out frames
     python benchmarks/token_pruning.py --model drive-hd --data .bench-data/heldout --n 200 --per-view
+    python benchmarks/token_pruning.py --replot benchmarks/results/token_pruning_drive-hd.json   # its figure again
 
 Progress goes to stderr; the last line of stdout is one JSON object with every number.
 """
@@ -98,7 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timing-n", type=int, default=10, help="prompts timed (0: no timing)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per prompt and configuration (median kept)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--plot", default=None, help="save score against r and prefill ms against r as this PNG")
+    p.add_argument("--plot", default=None, help="save score and prefill ms against r, score against ms, as this PNG")
+    p.add_argument(
+        "--replot", default=None, metavar="JSON", help="only redraw the figure of a run from its JSON (no model loaded)"
+    )
     p.add_argument("--predictions", default=None, help="write every answer record to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return p.parse_args(argv)
@@ -366,39 +370,52 @@ STYLES = {  # colour, marker
 
 
 def plot(path, result: dict) -> None:
-    """Two panels over r: the DriveLM final score per method (unpruned dashed), and select_tokens + prefill ms per
-    method (unpruned prefill dashed); a per-view variant is dashed in its method's colour."""
+    """Score against r per method (unpruned dotted), select_tokens + prefill ms against r (unpruned prefill dotted),
+    and, where the run was timed, score against those ms: the trade-off each method offers, one point per r. A
+    per-view variant is dashed in its method's colour."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ratios, scores, timing = result["ratios"], result["scores"], result["timing_ms"]
-    fig, (acc, ms) = plt.subplots(1, 2, figsize=(12.5, 4.9), dpi=120)
+    panels = 3 if timing else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.9), dpi=120)
+    acc, ms = axes[0], axes[1]
     for m in result["methods"]:
         base = m.removesuffix(PER_VIEW_SUFFIX)
         colour, marker = STYLES.get(base, ("C5", "."))
         kw = dict(color=colour, marker=marker, ms=5, lw=2.4 if m == "token-selector" else 1.4)
         kw["ls"] = "--" if m != base else "-"
-        acc.plot(ratios, [scores[f"{m}@{r}"]["final"] for r in ratios], label=label(m), **kw)
+        finals = [scores[f"{m}@{r}"]["final"] for r in ratios]
+        acc.plot(ratios, finals, label=label(m), **kw)
         if timing:
-            ms.plot(ratios, [timing[f"{m}@{r}"]["total_ms"] for r in ratios], label=label(m), **kw)
+            totals = [timing[f"{m}@{r}"]["total_ms"] for r in ratios]
+            ms.plot(ratios, totals, label=label(m), **kw)
+            axes[2].plot(totals, finals, label=label(m), **kw)
     un = result["unpruned"]
     acc.axhline(un["final"], color="k", ls=":", lw=1.2, label="unpruned")
     acc.set_xlabel("keep ratio r (fraction of visual tokens kept)")
     acc.set_ylabel(f"DriveLM final score (no judge), {result['n']} questions")
     acc.set_title("Accuracy against kept visual tokens", fontsize=10)
-    acc.grid(alpha=0.3)
     if timing:
-        ms.axhline(timing["unpruned"]["prefill_ms"], color="k", ls=":", lw=1.2, label="unpruned")
+        unpruned_ms = timing["unpruned"]["prefill_ms"]
+        ms.axhline(unpruned_ms, color="k", ls=":", lw=1.2, label="unpruned")
         ms.set_ylabel(f"select_tokens + prefill ms (median of {result['timing']['prompts']} prompts)")
+        trade = axes[2]
+        trade.plot([unpruned_ms], [un["final"]], "k*", ms=11)
+        trade.annotate("unpruned", (unpruned_ms, un["final"]), textcoords="offset points", xytext=(-8, -14), ha="right")
+        trade.set_xlabel("select_tokens + prefill ms (one point per r; up and left is better)")
+        trade.set_ylabel("DriveLM final score (no judge)")
+        trade.set_title("Accuracy against selection + prefill time", fontsize=10)
+        trade.grid(alpha=0.3)
     else:
         ms.text(0.5, 0.5, "not timed (--timing-n 0)", ha="center", va="center", transform=ms.transAxes)
     ms.set_xlabel("keep ratio r (fraction of visual tokens kept)")
     ms.set_title("Prefill against kept visual tokens (selection included)", fontsize=10)
-    ms.grid(alpha=0.3)
     for ax in (acc, ms):
         ax.set_xticks(ratios)
+        ax.grid(alpha=0.3)
     handles, labels = acc.get_legend_handles_labels()
     fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False, bbox_to_anchor=(0.995, 0.5))
     mach = result["machine"]
@@ -408,9 +425,27 @@ def plot(path, result: dict) -> None:
         f" torch {mach['torch']}",
         fontsize=10,
     )
-    fig.tight_layout(rect=(0, 0, 0.87, 1))
+    fig.tight_layout(rect=(0, 0, 1 - 1.6 / (6.2 * panels), 1))
     fig.savefig(path)
     plt.close(fig)
+
+
+def replot(run_json: str, path: str | None) -> str:
+    """Redraw a run's figure from its JSON (the script's last line, or a results file that holds it under
+    "result"), to `path` or the run's own plot path; no model is loaded and nothing is measured."""
+    text = Path(run_json).read_text().strip()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = json.loads(text.splitlines()[-1])
+    result = data.get("result", data)
+    if result.get("benchmark") != "token_pruning":
+        raise SystemExit(f"{run_json}: not a run of the pruning benchmark")
+    path = path or result.get("plot")
+    if not path:
+        raise SystemExit(f"{run_json}: the run saved no plot; say where with --plot")
+    plot(path, result)
+    return path
 
 
 def fmt3(v, digits: int = 3) -> str:
@@ -451,6 +486,10 @@ def print_tables(result: dict) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.replot:
+        path = replot(args.replot, args.plot)
+        print(f"plot saved to {path}")
+        return {"plot": path}
     from litevlm.data.source import check_data_options
     from litevlm.models import resolve_model_dir
     from litevlm.options import format_options

@@ -55,6 +55,20 @@ def test_a_small_run_reports_every_method_at_every_r_and_answers_as_the_pipeline
     assert all(t["prefill_ms"] > 0 and t["select_tokens_ms"] >= 0 for t in timing.values())
     assert {"platform", "threads", "torch"} <= set(result["machine"]) and result["date"]
     assert "commit" in result and plot.stat().st_size > 10_000
+    # The figure redrawn from the run's JSON alone (as report.py keeps it: under "result"), with the trade-off panel.
+    from PIL import Image
+
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"benchmark": "token_pruning_x", "result": result}))
+    again = tmp_path / "again.png"
+    assert pruning.main(["--replot", str(run), "--plot", str(again)]) == {"plot": str(again)}
+    assert Image.open(again).size == Image.open(plot).size and Image.open(again).size[0] > 2 * 6.2 * 120
+    untimed = {**result, "timing_ms": {}}
+    run.write_text(json.dumps(untimed))  # the script's own line, no panel for ms without timings
+    assert Image.open(pruning.replot(str(run), str(again))).size[0] < Image.open(plot).size[0]
+    run.write_text(json.dumps({"benchmark": "bench"}))
+    with pytest.raises(SystemExit, match="not a run of the pruning benchmark"):
+        pruning.replot(str(run), str(again))
     # The benchmark's answer is the pipeline's: DART (pruning inside the decoder) on the first question.
     s = pruning.load_questions(None, None, 3, seed=1, frames=100)[0]
     pipe = Pipeline.from_pretrained("drive-tiny", prune="dart", keep=0.3)
