@@ -59,11 +59,14 @@ class Benchmark:
         return [*head, *self.argv, *([self.n_flag, str(n)] if n is not None else [])]
 
 
-def pruning(model: str, name: str, n: int = 200, extra: tuple[str, ...] = ()) -> Benchmark:
-    """The pruning benchmark on one model over n questions; its JSON is named by the model
-    (token_pruning_drive-hd.json)."""
-    argv = ["benchmarks/token_pruning.py", "--model", model, "--data", HELDOUT, "--threads", "1", "--timing-n", "10"]
-    argv += ["--per-view", "--plot", f"benchmarks/results/token_pruning_{name}.png", *extra]
+def pruning(
+    model: str, name: str, n: int = 200, extra: tuple[str, ...] = (), per_view: bool = True, timed: int = 10
+) -> Benchmark:
+    """The pruning benchmark on one model over n questions (the per-camera variants too, `timed` prompts timed); its
+    JSON is named by the model (token_pruning_drive-hd.json)."""
+    argv = ["benchmarks/token_pruning.py", "--model", model, "--data", HELDOUT, "--threads", "1"]
+    argv += ["--timing-n", str(timed), *(["--per-view"] if per_view else [])]
+    argv += ["--plot", f"benchmarks/results/token_pruning_{name}.png", *extra]
     return Benchmark(f"token_pruning_{name}", argv, n=n, needs=[HELDOUT])
 
 
@@ -73,6 +76,15 @@ HD_PRUNING = ("--r", "0.05,0.1,0.2,0.3,0.5,0.7", *HD_METHODS)
 # drive-hd with every view in the prompt, as when the ViewSelector is off: most visual tokens are then of views the
 # question does not ask about. The ratios the goal names, and r = 0.05.
 HD_ALL_VIEWS = ("--views", "all", "--r", "0.05,0.1,0.2,0.3", *HD_METHODS)
+# drive-hd on every question of the held-out split (1688), the strong methods at the ratios the goal names, untimed
+# (the timing is the 600-question page's): the leads there are a few questions, so more questions, fewer methods.
+HD_ALL_QUESTIONS = (
+    "--r",
+    "0.1,0.2,0.3",
+    "--methods",
+    "token-selector,token-selector-k2,fastv-k2,dart,divprune,cdpruner",
+)
+HELDOUT_QUESTIONS = 1688
 
 
 def benchmarks() -> list[Benchmark]:
@@ -96,6 +108,7 @@ def benchmarks() -> list[Benchmark]:
         ),
         pruning(HD, "drive-hd", n=600, extra=HD_PRUNING),  # three times the questions: pruners differ by a few
         pruning(HD, "drive-hd-all-views", n=600, extra=HD_ALL_VIEWS),
+        pruning(HD, "drive-hd-all-questions", n=HELDOUT_QUESTIONS, extra=HD_ALL_QUESTIONS, per_view=False, timed=0),
         pruning(MODEL, "drive-tiny"),
         Benchmark(
             "view_selection",
@@ -563,6 +576,7 @@ def section_tokens_earlier(run: dict) -> list[str]:
 
 PRUNING = {  # page -> (its pruning run, an earlier run of the old benchmark read where there is no new one, heading)
     "drive-hd": ("token_pruning_drive-hd", None, "drive-hd"),
+    "drive-hd-all-questions": ("token_pruning_drive-hd-all-questions", None, "drive-hd, every held-out question"),
     "drive-hd-all-views": ("token_pruning_drive-hd-all-views", None, "drive-hd over all six views"),
     "drive-tiny": ("token_pruning_drive-tiny", "token_pruning", "drive-tiny"),
 }
@@ -685,6 +699,12 @@ def section_pruning(runs: dict, page: str) -> list[str]:
     where = "over the views each needs" if res.get("views") == "needed" else "over all six views"
     share = res.get("visual_share")
     share = f" ({100 * share:.0f}% of its tokens)" if share is not None else ""
+    if page == "drive-hd-all-questions":
+        out += [
+            "The strong methods on every question of the held-out split, over the views each needs, at the ratios the"
+            " goal names: the table above answers 600 of them, where the methods part by a few questions.",
+            "",
+        ]
     if res.get("views") == "all":
         out += [
             "Every camera's view goes into each prompt, as when the ViewSelector is off: most of the visual tokens are"
@@ -1175,6 +1195,7 @@ def render(runs: dict) -> str:
         *section_bench(runs, "drive-tiny", first=False),
         *section_sweep(runs.get("spec_sweep")),
         *section_pruning(runs, "drive-hd"),
+        *section_pruning(runs, "drive-hd-all-questions"),
         *section_pruning(runs, "drive-hd-all-views"),
         *section_pruning(runs, "drive-tiny"),
         *section_views(runs.get("view_selection")),

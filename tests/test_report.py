@@ -805,3 +805,23 @@ def test_drive_hd_over_all_six_views_has_its_own_pruning_page(tmp_path, report):
     assert "| TokenSelector | 0.5011 (0.8182) | 0.5301 (0.8282) | 0.5402 (0.8382) |" in sec
     assert f"![token pruning on drive-hd over all six views]({res['plot']})" in sec
     assert "Every camera's view goes into" not in page[needed : page.index(heading)]
+
+
+def test_drive_hd_on_every_held_out_question_has_its_own_pruning_page(tmp_path, report):
+    """The strong methods on all 1688 held-out questions, untimed, without the per-camera variants: a page of its own
+    right after the 600-question one, saying what it is."""
+    command = {b.name: b for b in report.benchmarks()}["token_pruning_drive-hd-all-questions"].command(None)
+    assert command[command.index("--n") + 1] == "1688" and command[command.index("--timing-n") + 1] == "0"
+    assert "--per-view" not in command and "--views" not in command
+    assert command[command.index("--r") + 1] == "0.1,0.2,0.3"
+    res = pruning_result("drive-hd", with_selector=True)
+    res["n"], res["timing_ms"] = 1688, {}
+    name = "token_pruning_drive-hd-all-questions"
+    runs = {**FIXTURES, "token_pruning_drive-hd": pruning_run("drive-hd"), name: run_file(name, res, "python x.py")}
+    page = write(tmp_path, report, runs)
+    heading = "## Token pruning on drive-hd, every held-out question"
+    assert page.index("## Token pruning on drive-hd: ") < page.index(heading) < page.index("over all six views")
+    sec = page[page.index(heading) : page.index("## Token pruning on drive-hd over all six views")]
+    assert "The strong methods on every question of the held-out split" in sec
+    assert "1688 questions (22 closed) over the views each needs" in sec and "Timing, side by side" not in sec
+    assert "- At r=0.1 (12.8 visual tokens kept), DART scores best" in sec
