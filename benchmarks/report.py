@@ -74,9 +74,9 @@ def pruning(
 HD_METHODS = ("--methods", "token-selector,token-selector-k2,fastv-k1,fastv-k2,dart,divprune,cdpruner,random,uniform")
 HD_PRUNING = ("--r", "0.05,0.1,0.2,0.3,0.5,0.7", *HD_METHODS)
 # drive-hd with every view in the prompt, as when the ViewSelector is off: most visual tokens are then of views the
-# question does not ask about. The ratios the goal names, and r = 0.05.
+# question does not ask about. r up to 0.3, and 0.05.
 HD_ALL_VIEWS = ("--views", "all", "--r", "0.05,0.1,0.2,0.3", *HD_METHODS)
-# drive-hd on every question of the held-out split (1688), the strong methods at the ratios the goal names, untimed
+# drive-hd on every question of the held-out split (1688), the strong methods at r = 0.1-0.3, untimed
 # (the timing is the 600-question page's): the leads there are a few questions, so more questions, fewer methods.
 HD_ALL_QUESTIONS = (
     "--r",
@@ -701,8 +701,8 @@ def section_pruning(runs: dict, page: str) -> list[str]:
     share = f" ({100 * share:.0f}% of its tokens)" if share is not None else ""
     if page == "drive-hd-all-questions":
         out += [
-            "The strong methods on every question of the held-out split, over the views each needs, at the ratios the"
-            " goal names: the table above answers 600 of them, where the methods part by a few questions.",
+            "The strong methods on every question of the held-out split, over the views each needs, at r = 0.1-0.3: the"
+            " table above answers 600 of them, where the methods differ by a few questions.",
             "",
         ]
     if res.get("views") == "all":
