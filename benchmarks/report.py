@@ -574,11 +574,21 @@ def section_tokens_earlier(run: dict) -> list[str]:
     return out
 
 
-PRUNING = {  # page -> (its pruning run, an earlier run of the old benchmark read where there is no new one, heading)
-    "drive-hd": ("token_pruning_drive-hd", None, "drive-hd"),
-    "drive-hd-all-questions": ("token_pruning_drive-hd-all-questions", None, "drive-hd, every held-out question"),
-    "drive-hd-all-views": ("token_pruning_drive-hd-all-views", None, "drive-hd over all six views"),
-    "drive-tiny": ("token_pruning_drive-tiny", "token_pruning", "drive-tiny"),
+EVERY_QUESTION = (
+    "The strong methods on every question of the held-out split, over the views each needs, at r = 0.1-0.3: the"
+    " table above answers 600 of them, where the methods differ by a few questions."
+)
+PRUNING = {  # page -> (its pruning run, an earlier run of the old benchmark read where there is no new one, heading,
+    # the sentence that opens it)
+    "drive-hd": ("token_pruning_drive-hd", None, "drive-hd", None),
+    "drive-hd-all-questions": (
+        "token_pruning_drive-hd-all-questions",
+        None,
+        "drive-hd, every held-out question",
+        EVERY_QUESTION,
+    ),
+    "drive-hd-all-views": ("token_pruning_drive-hd-all-views", None, "drive-hd over all six views", None),
+    "drive-tiny": ("token_pruning_drive-tiny", "token_pruning", "drive-tiny", None),
 }
 TRAINED = "token-selector"  # it and its variants (the same choice applied inside the decoder) are trained; the rest
 # training-free
@@ -686,7 +696,7 @@ def selector_timing_note(selector: dict) -> list[str]:
 def section_pruning(runs: dict, page: str) -> list[str]:
     """Every token-selection method against r on one of the PRUNING pages (benchmarks/token_pruning.py): final score
     and closed accuracy, prefill and the method's own select_tokens ms, one sentence per r <= 0.3, the plot."""
-    name, earlier_name, heading = PRUNING[page]
+    name, earlier_name, heading, intro = PRUNING[page]
     run = runs.get(name)
     if run is None and earlier_name in runs:
         return section_tokens_earlier(runs[earlier_name])
@@ -699,12 +709,7 @@ def section_pruning(runs: dict, page: str) -> list[str]:
     where = "over the views each needs" if res.get("views") == "needed" else "over all six views"
     share = res.get("visual_share")
     share = f" ({100 * share:.0f}% of its tokens)" if share is not None else ""
-    if page == "drive-hd-all-questions":
-        out += [
-            "The strong methods on every question of the held-out split, over the views each needs, at r = 0.1-0.3: the"
-            " table above answers 600 of them, where the methods differ by a few questions.",
-            "",
-        ]
+    out += [intro, ""] if intro else []
     if res.get("views") == "all":
         out += [
             "Every camera's view goes into each prompt, as when the ViewSelector is off: most of the visual tokens are"
