@@ -5,7 +5,10 @@ selection hands the token stage) with greedy decoding, at each keep ratio r: the
 a token_selector/ folder), FastV at K=1 and K=2 (arXiv 2403.06764), DART, DivPrune, CDPruner, random and uniform
 (`litevlm.select.pruners`), and with `--per-view` the variants that split the budget over the cameras. Asked for by
 name, `token-selector-k2` is the TokenSelector's own choice (a selector that reads the prompt) applied before decoder
-layer 2, as FastV K=2 and DART prune, instead of before the decoder. Each method
+layer 2, as FastV K=2 and DART prune, instead of before the decoder; `fastv-k2-k0` is the other way round, FastV
+K=2's choice (made with layers 0 and 1 run on the whole prompt) applied before the decoder, as the TokenSelector
+prunes: a diagnostic that costs more than the unpruned prefill, and tells a worse choice from a worse place to
+prune. Each method
 is the pipeline's own token selection (`litevlm.select.selection.token_selection`) on one pipeline built from the
 checkpoint, with its prompt format and execution backend; the answers are scored as `litevlm eval` scores the
 synthetic benchmarks (DriveLM final without a judge, the other weights renormalised, no graph gate), with
@@ -45,6 +48,7 @@ import torch
 
 METHODS = ("token-selector", "fastv-k1", "fastv-k2", "dart", "divprune", "cdpruner", "random", "uniform")
 SELECTOR_INSIDE = ("token-selector-k1", "token-selector-k2")  # by name only: the TokenSelector's choice inside
+CHOICE_BEFORE = ("fastv-k2-k0",)  # by name only: FastV K=2's choice, applied before the decoder
 PER_VIEW_SUFFIX = "-per-view"
 LABELS = {
     "token-selector": "TokenSelector",
@@ -52,6 +56,7 @@ LABELS = {
     "token-selector-k2": "TokenSelector K=2",
     "fastv-k1": "FastV K=1",
     "fastv-k2": "FastV K=2",
+    "fastv-k2-k0": "FastV K=2's choice before the decoder",
     "dart": "DART",
     "divprune": "DivPrune",
     "cdpruner": "CDPruner",
@@ -85,7 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=200, help="questions, spread evenly over the data (every len/N-th)")
     p.add_argument("--r", default=RATIOS, help="keep ratios r (fraction of visual tokens KEPT), comma-separated")
     p.add_argument(
-        "--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join((*METHODS, *SELECTOR_INSIDE))
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated, of: " + ", ".join((*METHODS, *SELECTOR_INSIDE, *CHOICE_BEFORE)),
     )
     p.add_argument(
         "--per-view",
@@ -148,8 +155,8 @@ def method_list(methods: str, per_view: bool) -> list[str]:
         if not m:
             continue
         base = m.removesuffix(PER_VIEW_SUFFIX)
-        if base not in (*METHODS, *SELECTOR_INSIDE) or (m != base and base not in PER_VIEW):
-            known = ", ".join((*METHODS, *SELECTOR_INSIDE))
+        if base not in (*METHODS, *SELECTOR_INSIDE, *CHOICE_BEFORE) or (m != base and base not in PER_VIEW):
+            known = ", ".join((*METHODS, *SELECTOR_INSIDE, *CHOICE_BEFORE))
             raise SystemExit(f"unknown method {m!r}; known: {known} (and NAME{PER_VIEW_SUFFIX})")
         out.append(m)
         # uniform already splits its budget over the cameras: no variant
@@ -172,10 +179,35 @@ def selection(pipe, method: str | None, r: float, selector, seed: int):
     if method in SELECTOR_INSIDE:
         layer = int(method.removeprefix("token-selector-k"))
         return token_selection(model, selector, r, 0, None, None, tok, seed, select_layer=layer)
+    if method in CHOICE_BEFORE:
+        return FastVChoiceBefore(int(method.removeprefix("fastv-k").removesuffix("-k0")), r)
     if method.startswith("fastv-k"):
         return token_selection(model, None, None, 0, (int(method.removeprefix("fastv-k")), r), None, tok, seed)
     base = method.removesuffix(PER_VIEW_SUFFIX)
     return token_selection(model, None, None, 0, None, PruneConfig(base, r, per_view=base != method), tok, seed)
+
+
+@dataclasses.dataclass
+class FastVChoiceBefore:
+    """FastV's choice at layer k (layers [0, k) run on the whole prompt to make it), applied to the prompt before the
+    decoder, where the TokenSelector prunes: the same tokens FastV keeps, without layers [0, k) reading the rest."""
+
+    k: int
+    keep_ratio: float
+    plain_decoding = True
+
+    @property
+    def label(self) -> str:
+        return f"fastv K={self.k} r={self.keep_ratio}, applied before the decoder"
+
+    def select(self, model, p, question: str, tiling):
+        from litevlm.select.tokens import fastv_scores, prune_prompt, select_by_scores, view_sizes
+
+        x = model.language_model(p.embeds, p.positions, start_layer=0, end_layer=self.k)
+        scores = fastv_scores(model, x, p.positions, p.view_spans, self.k)
+        kept = select_by_scores(scores, view_sizes(p.view_spans), self.keep_ratio, 0)
+        embeds, positions, _ = prune_prompt(p.embeds, p.positions, p.view_spans, kept)
+        return embeds, positions, None
 
 
 class Prompts:

@@ -171,3 +171,25 @@ def test_methods_are_paired_with_the_selector_on_the_closed_questions(pruning):
     sel = [rec("Yes.", "Yes."), rec("No.", "Yes."), rec("B", "B"), rec("left", "right", closed=False), rec("A", "A")]
     other = [rec("No.", "Yes."), rec("yes", "Yes."), rec("C", "B"), rec("right", "right", closed=False), rec("A", "A")]
     assert pruning.paired_closed(sel, other) == {"selector_only": 2, "method_only": 1, "p": 1.0}
+
+
+def test_fastvs_choice_before_the_decoder_keeps_fastvs_tokens_and_prunes_the_prompt(pruning):
+    """fastv-k2-k0: the tokens FastV K=2 keeps (its hook's own choice at layer 2), cut from the prompt before the
+    decoder, so no layer reads the others; by name only."""
+    import torch
+
+    from litevlm.pipeline import Pipeline
+    from litevlm.select.tokens import fastv_pruning
+
+    assert pruning.method_list("fastv-k2-k0,fastv-k2", per_view=True) == ["fastv-k2-k0", "fastv-k2"]
+    pipe = Pipeline.from_pretrained("drive-tiny")
+    s = pruning.load_questions(None, None, 1, seed=1, frames=20)[0]
+    p = pruning.Prompts(pipe, "all")(s)
+    sel = pruning.selection(pipe, "fastv-k2-k0", 0.25, None, 0)
+    assert sel.plain_decoding and "before the decoder" in sel.label
+    with torch.no_grad():
+        embeds, positions, hook = sel.select(pipe.model, p, s.question, pipe.format.tiling)
+        x = pipe.model.language_model(p.embeds, p.positions, start_layer=0, end_layer=2)
+        kept = fastv_pruning(pipe.model, p.positions, p.view_spans, 2, 0.25).keep(x)
+    assert hook is None and embeds.shape[1] < p.embeds.shape[1]
+    assert torch.equal(embeds, p.embeds[:, kept]) and torch.equal(positions, p.positions[:, kept])

@@ -805,3 +805,75 @@ def test_unshuffle_folds_the_projector_exactly():
     assert all(torch.equal(model.state_dict()[k], hd.state_dict()[k]) for k in same)
     with pytest.raises(ValueError, match="pixel shuffle 0.5"):
         unshuffle_projector(hd)
+
+
+def _tiny_model(cfg):
+    from litevlm.train.vlm import init_vision, init_weights
+
+    torch.manual_seed(0)
+    model = VLM(cfg)
+    init_weights(model, 0)
+    init_vision(model, 0)
+    return model.float().eval()
+
+
+def test_a_selector_thinned_frame_carries_one_question_and_exactly_the_tokens_chosen_for_it(tiny_bank):
+    tok, cfg, _, bank = tiny_bank
+    recipe = VLMRecipe(frames=6, batch_frames=4, view_subset_prob=0.5, token_drop_prob=1.0, token_drop_ratios=(0.25,))
+    calls = []
+
+    def thin(frame, views, question_ids, r):  # every other visual token, first one kept
+        calls.append((frame, list(views), list(question_ids), r))
+        return torch.arange(len(views) * cfg.tokens_per_tile * cfg.tiles_per_view) % 2 == 0
+
+    b = make_batch(bank, tok, cfg, recipe, random.Random(0), thin)
+    assert len(calls) == recipe.batch_frames and all(r == 0.25 for *_, r in calls)
+    assert int(b.keep.sum()) == int((b.ids == tok.image_id).sum()) == int(b.keep.numel() // 2)
+    for i, (frame, views, question_ids, _) in enumerate(calls):
+        row = b.ids[i][b.ids[i] != tok.pad_id].tolist()
+        assert row.count(tok.im_start_id) == 2  # one user turn, one answer
+        assert [row[j : j + len(question_ids)] == question_ids for j in range(len(row))].count(True) == 1
+        image = [j for j, t in enumerate(row) if t == tok.image_id]
+        gaps = b.pos[i][image].diff().tolist()  # every other placeholder, at its own position
+        assert gaps.count(2) == len(image) - len(views) and min(gaps) >= 2
+        assert any(question_ids == list(qa[0]) for qa in bank.qas[frame])
+
+
+def test_selector_thinning_keeps_the_selectors_top_r_of_the_question_prompt(tiny_bank, tmp_path):
+    from litevlm.model.prompt import build_prompt
+    from litevlm.select.tokens import SelectorConfig, TokenSelector, keep_count, visual_index
+    from litevlm.train.vlm import SelectorThinning
+
+    tok, cfg, _, bank = tiny_bank
+    model = _tiny_model(cfg)
+    TokenSelector.from_model(model, SelectorConfig(reads="embeds", shared_layer=False)).save(tmp_path)
+    thin = SelectorThinning(tmp_path, model, bank, tok)
+    views = ["CAM_FRONT", "CAM_BACK", "CAM_BACK_LEFT"]
+    question = bank.qas[2][0][0]
+    n = len(views) * cfg.tokens_per_tile * cfg.tiles_per_view
+    small, large = thin(2, views, question, 0.2), thin(2, views, question, 0.5)
+    assert small.shape == (n,) and int(small.sum()) == keep_count(n, 0.2) and int(large.sum()) == keep_count(n, 0.5)
+    # The same scores rank both budgets: the smaller kept set lies inside the larger.
+    assert bool((large | ~small).all())
+    # What the selector's own inference path keeps on the same prompt, scored independently here.
+    with torch.no_grad():
+        visual = model.encode_tiles(bank.pixels(2, views))
+        layout = build_prompt(tok, tok.decode(question), views, cfg.tokens_per_tile * cfg.tiles_per_view)
+        embeds = model.embed(torch.tensor([layout.ids]), visual.reshape(-1, visual.shape[-1]))
+        scores = thin.selector.scores(embeds, torch.arange(embeds.shape[1])[None], layout.view_spans)[0]
+    assert scores.shape == (n,) and visual_index(layout.view_spans).numel() == n
+    top = scores.topk(keep_count(n, 0.5)).indices
+    assert bool(large[top].float().mean() > 0.8)  # the per-view quota may swap a few
+
+
+def test_selector_thinning_refuses_a_selector_that_prunes_inside_the_decoder(tiny_bank, tmp_path):
+    from litevlm.select.tokens import SelectorConfig, TokenSelector
+    from litevlm.train.vlm import SelectorThinning
+
+    tok, cfg, _, bank = tiny_bank
+    model = _tiny_model(cfg)
+    TokenSelector.from_model(model, SelectorConfig(reads="layer0")).save(tmp_path)
+    with pytest.raises(ValueError, match="prunes inside the decoder"):
+        SelectorThinning(tmp_path, model, bank, tok)
+    with pytest.raises(ValueError, match="token_drop_ratios"):
+        train_vlm("/nonexistent", VLMRecipe(frames=2, token_drop_ratios=(0.0,)), progress=False)

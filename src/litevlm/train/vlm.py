@@ -29,6 +29,12 @@ contents of every cell; at 3e-4 it reads them), and a stage where every frame sh
 its questions need (`view_subset_prob=1`): with 16 tokens per needed view instead of 96 the answer's
 evidence is not drowned among the other cameras' tokens, and the gap between images and empty roads
 opens there first.
+
+Token selection hands the decoder a thinned prompt, so a share `token_drop_prob` of the frames is thinned too: at
+random (a share of the visual tokens drawn from [token_drop_min_keep, 0.95]), or with `token_drop_selector` as a
+trained TokenSelector that prunes before the decoder thins it at inference (one question a frame, at an r drawn from
+`token_drop_ratios`, `SelectorThinning`). A selector's choice is concentrated where random thinning is spread out;
+pruned before the decoder, no layer reads what it drops, so the model is taught to answer from what it keeps.
 """
 
 from __future__ import annotations
@@ -118,6 +124,16 @@ class VLMRecipe:
     view_subset_prob: float = flag(0.5, "share of frames shown only some questions' views")
     token_drop_prob: float = flag(0.35, "share of frames whose visual tokens are thinned (keep MIN-95%)")
     token_drop_min_keep: float = flag(0.3, "MIN: the smallest share of a thinned frame's visual tokens kept")
+    token_drop_selector: str | None = flag(
+        None,
+        "thin a frame's visual tokens as this TokenSelector prunes them (a folder holding token_selector/, or the "
+        "folder itself) instead of at random: one question a thinned frame, its prompt pruned before the decoder "
+        "at an r drawn from --token-drop-ratios, so the decoder learns to answer from the tokens the selector keeps",
+        metavar="DIR",
+    )
+    token_drop_ratios: tuple[float, ...] = flag(
+        (0.1, 0.2, 0.3), "with --token-drop-selector: the keep ratios r a thinned frame draws from"
+    )
     render_size: tuple[int, int] = (400, 225)
     vocab_size: int = 1024
     tokenizer_frames: int = 2000  # frames whose questions and answers train the tokenizer
@@ -430,7 +446,16 @@ def block_mask(block: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return m[:, None]
 
 
-def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rng: random.Random):
+def make_batch(
+    bank: FrameBank,
+    tokenizer,
+    cfg: VLMConfig,
+    recipe: VLMRecipe,
+    rng: random.Random,
+    thin: SelectorThinning | None = None,
+):
+    """One step's frames packed with their questions; `thin` (with --token-drop-selector) chooses a thinned frame's
+    visual tokens in place of the random thinning."""
     frames = rng.sample(range(len(bank.qas)), recipe.batch_frames)
     tpv_tokens = cfg.tokens_per_tile * cfg.tiles_per_view
     seqs, pixels, keeps, aux, front, steer, looks, options, letters, patch_aux, token_aux = (
@@ -457,9 +482,15 @@ def make_batch(bank: FrameBank, tokenizer, cfg: VLMConfig, recipe: VLMRecipe, rn
             pool = [qa for qa in qas if set(qa[2]) <= keep]
         weights = [(recipe.closed_weight if qa[3] else 1.0) * recipe.family_weights.get(qa[4], 1.0) for qa in pool]
         chosen = _weighted_sample(pool, weights, min(recipe.questions_per_frame, len(pool)), rng)
+        thinned = rng.random() < recipe.token_drop_prob
+        if thinned and thin is not None:  # the selector's choice depends on the question: one a frame
+            chosen = chosen[:1]
         seq = pack_frame(tokenizer, views, tpv_tokens, [(qa[0], qa[1]) for qa in chosen])
         keep = torch.ones(len(views) * tpv_tokens, dtype=torch.bool)
-        if rng.random() < recipe.token_drop_prob:
+        if thinned and thin is not None:
+            keep = thin(f, views, chosen[0][0], rng.choice(recipe.token_drop_ratios))
+            seq = keep_visual_tokens(seq, tokenizer.image_id, keep)
+        elif thinned:
             seq, keep = drop_visual_tokens(
                 seq, tokenizer.image_id, len(views), tpv_tokens, rng, recipe.token_drop_min_keep
             )
@@ -731,6 +762,12 @@ def drop_visual_tokens(
     keep = torch.rand(n_views * per_view, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) < ratio
     for v in range(n_views):
         keep[v * per_view + rng.randrange(per_view)] = True
+    return keep_visual_tokens(seq, image_id, keep), keep
+
+
+def keep_visual_tokens(seq, image_id: int, keep: torch.Tensor) -> tuple:
+    """A packed frame (ids, labels, positions, blocks) with only the visual tokens `keep` marks (one flag per visual
+    token, in prompt order); every other token and every position stays as it was."""
     ids, labels, pos, block = seq
     out, k = ([], [], [], []), 0
     for i, tok in enumerate(ids):
@@ -740,7 +777,43 @@ def drop_visual_tokens(
                 continue
         for lst, src in zip(out, (ids, labels, pos, block)):
             lst.append(src[i])
-    return out, keep
+    return out
+
+
+class SelectorThinning:
+    """A frame's visual tokens as a TokenSelector keeps them for one question: the frame's views through the model
+    being trained (no gradient), the question's prompt in the inference layout (`litevlm.model.prompt.build_prompt`,
+    fixed tiles), the selector's top-r choice before the decoder. Only a selector that prunes before the decoder
+    (`--reads embeds` or `prompt`) can: one reading layer 0's output prunes inside it."""
+
+    def __init__(self, folder: str | Path, model: VLM, bank: FrameBank, tokenizer):
+        from litevlm.select.tokens import TokenSelector
+
+        self.selector = TokenSelector.load(folder, model)
+        if self.selector.prunes_inside:
+            raise ValueError(
+                f"the TokenSelector in {folder} reads decoder layer 0's output and prunes inside the decoder; "
+                "thinning the training prompts needs one that prunes before it (--reads embeds or prompt)"
+            )
+        self.model, self.bank, self.tokenizer = model, bank, tokenizer
+
+    @torch.no_grad()
+    def __call__(self, frame: int, views: list[str], question_ids: list[int], keep_ratio: float) -> torch.Tensor:
+        from litevlm.model.prompt import Tiling, build_prompt
+        from litevlm.select.tokens import visual_index
+
+        model, cfg = self.model, self.model.cfg
+        question = self.tokenizer.decode(question_ids)
+        visual = model.encode_tiles(self.bank.pixels(frame, views).to(model.device))
+        layout = build_prompt(self.tokenizer, question, views, cfg.tokens_per_tile * cfg.tiles_per_view)
+        ids = torch.tensor([layout.ids], device=model.device)
+        embeds = model.embed(ids, visual.reshape(-1, visual.shape[-1]))
+        positions = torch.arange(ids.shape[1], device=model.device)[None]
+        tiling = Tiling(tiles=cfg.tiles_per_view)
+        _, _, kept = self.selector.select(
+            model, embeds, positions, layout.view_spans, keep_ratio=keep_ratio, question=question, tiling=tiling
+        )
+        return torch.isin(visual_index(layout.view_spans, model.device), kept).cpu()
 
 
 def lr_at(step: int, total: int, recipe: VLMRecipe) -> float:
@@ -958,6 +1031,8 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {recipe.store_dtype!r}")
     if not 0.0 < recipe.token_drop_min_keep <= 0.95:
         raise ValueError(f"token_drop_min_keep must lie in (0, 0.95], got {recipe.token_drop_min_keep}")
+    if not recipe.token_drop_ratios or not all(0.0 < r <= 1.0 for r in recipe.token_drop_ratios):
+        raise ValueError(f"token_drop_ratios must be keep ratios in (0, 1], got {recipe.token_drop_ratios}")
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
     out = Path(out_dir)
@@ -1006,6 +1081,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
                 f"(0-{cfg.text.num_layers - 1}), got {getattr(recipe, f'{name}_layer')}"
             )
     bank = FrameBank(recipe, cfg, tokenizer, progress)
+    thin = SelectorThinning(recipe.token_drop_selector, model, bank, tokenizer) if recipe.token_drop_selector else None
     if recipe.visual_norm > 0:
         rescale_visual(model, bank, recipe.visual_norm)
     probe = LooksProbe(recipe, cfg, tokenizer) if recipe.probe_frames else None
@@ -1051,7 +1127,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     step, t_loop, last_save = 0, time.time(), time.time()
     model.train()
     while step < total and time.time() < deadline:
-        batch = make_batch(bank, tokenizer, cfg, recipe, rng)
+        batch = make_batch(bank, tokenizer, cfg, recipe, rng, thin)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, recipe)
         visual, patches = model.encode_tiles_and_patches(batch.pixels)
