@@ -133,6 +133,8 @@ FLAGS = (
     "view_subset_prob",
     "token_drop_prob",
     "token_drop_min_keep",
+    "token_drop_selector",
+    "token_drop_ratios",
     "visual_norm",
     "probe_frames",
     "grow_after",
@@ -165,9 +167,8 @@ def train_command(recipe: dict) -> str:
         if value == unset or (name.endswith("_layer") and not recipe.get(name.replace("layer", "weight"))):
             continue
         flag = "--" + name.replace("_", "-")
-        parts.append(
-            flag if value is True else f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
-        )
+        words = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+        parts.append(flag if value is True else f"{flag} {words}")
     parts += [f"--family-weight {k}={v:g}" for k, v in (recipe.get("family_weights") or {}).items()]
     return " ".join(parts)
 
@@ -219,7 +220,13 @@ def stages(meta: dict) -> list[str]:
         other = [f"decoder grown after layers {', '.join(map(str, r['grow_after']))}"] if r.get("grow_after") else []
         if r.get("unshuffle"):
             other.append(f"no pixel shuffle (one token a patch, projector folded), {r.get('tiles') or 1} tiles a view")
-        if r.get("token_drop_prob"):
+        if r.get("token_drop_prob") and r.get("token_drop_selector"):
+            ratios = "/".join(f"{x:g}" for x in r.get("token_drop_ratios") or (0.1, 0.2, 0.3))
+            other.append(
+                f"visual tokens thinned in {r['token_drop_prob']:.0%} of frames by the TokenSelector (r = {ratios}, "
+                "one question a frame)"
+            )
+        elif r.get("token_drop_prob"):
             keep = r.get("token_drop_min_keep", 0.3)
             other.append(f"visual tokens thinned in {r['token_drop_prob']:.0%} of frames (keep {keep:.0%}-95%)")
         other += [f"{k} x{v:g}" for k, v in (r.get("family_weights") or {}).items()]

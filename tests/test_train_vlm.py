@@ -778,6 +778,11 @@ def test_the_model_cards_command_line_covers_every_recipe_flag(benchmark_script)
     assert options - set(card.FLAGS) - {"steps"} == set()
     line = card.train_command({"light_contrast": True, "token_probe_weight": 1.0, "family_weights": {"light_is": 6.0}})
     assert "--light-contrast" in line and "--token-probe-weight 1.0" in line and "--family-weight light_is=6" in line
+    # A tuple field as JSON holds it (a list) comes back as the flag's own words, parsed by the command again.
+    line = card.train_command({"token_drop_selector": "hd", "token_drop_ratios": [0.1, 0.2], "grow_after": [1, 3]})
+    assert "--token-drop-selector hd --token-drop-ratios 0.1 0.2" in line and "--grow-after 1 3" in line
+    args = parser.parse_args(line.split()[1:] + ["--out", "x"])
+    assert args.token_drop_ratios == [0.1, 0.2] and args.grow_after == [1, 3]
 
 
 def test_unshuffle_folds_the_projector_exactly():
