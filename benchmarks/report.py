@@ -82,7 +82,7 @@ HD_ALL_QUESTIONS = (
     "--r",
     "0.1,0.2,0.3",
     "--methods",
-    "token-selector,token-selector-k2,fastv-k2,dart,divprune,cdpruner",
+    "token-selector,token-selector-k2,fastv-k2,fastv-k2-k0,dart,divprune,cdpruner",
 )
 HELDOUT_QUESTIONS = 1688
 
@@ -576,7 +576,10 @@ def section_tokens_earlier(run: dict) -> list[str]:
 
 EVERY_QUESTION = (
     "The strong methods on every question of the held-out split, over the views each needs, at r = 0.1-0.3: the"
-    " table above answers 600 of them, where the methods differ by a few questions."
+    " table above answers 600 of them, where the methods differ by a few questions. \"FastV K=2's choice before the"
+    " decoder\" is a diagnostic, not a pruner to run: the tokens FastV K=2 keeps (layers 0 and 1 run on the whole"
+    " prompt to choose them), cut from the prompt before the decoder as the TokenSelector prunes, so that a worse"
+    " choice can be told from a worse place to prune."
 )
 PRUNING = {  # page -> (its pruning run, an earlier run of the old benchmark read where there is no new one, heading,
     # the sentence that opens it)
@@ -594,8 +597,17 @@ TRAINED = "token-selector"  # it and its variants (the same choice applied insid
 # training-free
 
 
+DIAGNOSTIC = {"fastv-k2-k0": "fastv-k2"}  # FastV K=2's choice applied before the decoder -> FastV K=2 itself
+
+
 def trained(method: str) -> bool:
     return method.startswith(TRAINED)
+
+
+def training_free(method: str) -> bool:
+    """A pruner a user could run instead of the TokenSelector: neither it nor a diagnostic that costs more than the
+    unpruned prefill."""
+    return not trained(method) and method not in DIAGNOSTIC
 
 
 def pruning_label(res: dict, method: str) -> str:
@@ -612,12 +624,12 @@ def pruning_verdict(res: dict, r: float) -> str | None:
     beats the TokenSelector (by the final score)."""
     finals = {m: (res["scores"].get(f"{m}@{r}") or {}).get("final") for m in res["methods"]}
     finals = {m: v for m, v in finals.items() if v is not None}
-    if not finals:
+    if not any(m not in DIAGNOSTIC for m in finals):
         return None
     kept = next((res["scores"][f"{m}@{r}"].get("visual_tokens") for m in finals), None)
     head = f"- At r={r}" + (f" ({fmt(kept)} visual tokens kept)" if kept is not None else "")
-    top = max(finals.values())
-    best = [m for m, v in finals.items() if v == top]
+    top = max(v for m, v in finals.items() if m not in DIAGNOSTIC)
+    best = [m for m, v in finals.items() if v == top and m not in DIAGNOSTIC]
     closed = res["scores"][f"{best[0]}@{r}"].get("closed_accuracy")
     labels = [("the " if m == TRAINED else "") + pruning_label(res, m) for m in best]
     who = f"{labels[0]} scores best" if len(best) == 1 else f"{names(labels)} tie for best"
@@ -626,8 +638,8 @@ def pruning_verdict(res: dict, r: float) -> str | None:
         why = (res.get("absent") or {}).get(TRAINED)
         return out + (f" No TokenSelector was measured ({why})." if why else "")
     ts = finals[TRAINED]
-    beat = sorted((m for m in finals if not trained(m) and finals[m] > ts), key=lambda m: -finals[m])
-    tied = [m for m in finals if not trained(m) and finals[m] == ts]
+    beat = sorted((m for m in finals if training_free(m) and finals[m] > ts), key=lambda m: -finals[m])
+    tied = [m for m in finals if training_free(m) and finals[m] == ts]
     if beat:
         listed = names([f"{pruning_label(res, m)} ({fmt(finals[m])}, +{finals[m] - ts:.4f})" for m in beat])
         out += f" A training-free method beats the TokenSelector ({fmt(ts)}) here: {listed}."
@@ -637,13 +649,27 @@ def pruning_verdict(res: dict, r: float) -> str | None:
         )
     else:
         out += " No training-free method beats the TokenSelector here."
-    return out + paired_line(res, r, finals) + variant_line(res, finals)
+    return out + paired_line(res, r, finals) + variant_line(res, finals) + diagnostic_line(res, finals)
+
+
+def diagnostic_line(res: dict, finals: dict) -> str:
+    """Each diagnostic (FastV K=2's choice applied before the decoder, where the TokenSelector prunes) beside the
+    method it moves and the TokenSelector: whether the choice or the place to prune makes the difference."""
+    out = ""
+    for m, origin in DIAGNOSTIC.items():
+        if m not in finals:
+            continue
+        out += f" {pruning_label(res, m)} scores {fmt(finals[m])}"
+        if origin in finals:
+            out += f" ({pruning_label(res, origin)}, pruning before layer 2: {fmt(finals[origin])})"
+        out += "."
+    return out
 
 
 def variant_line(res: dict, finals: dict) -> str:
     """Each variant of the TokenSelector (its choice applied inside the decoder) against the best training-free
     method; empty where the run has none."""
-    free = [m for m in finals if not trained(m)]
+    free = [m for m in finals if training_free(m)]
     top = max(free, key=lambda f: finals[f]) if free else None
     out = ""
     for m in (m for m in finals if trained(m) and m != TRAINED):
@@ -663,7 +689,7 @@ def variant_line(res: dict, finals: dict) -> str:
 def paired_line(res: dict, r: float, finals: dict) -> str:
     """The strongest training-free method at r against the TokenSelector on the closed questions where the two
     differ (the run's `vs_selector`), with the sign test's p; empty where the run has no pairing."""
-    free = [m for m in finals if not trained(m)]
+    free = [m for m in finals if training_free(m)]
     if not free:
         return ""
     m = max(free, key=lambda m: finals[m])

@@ -825,3 +825,29 @@ def test_drive_hd_on_every_held_out_question_has_its_own_pruning_page(tmp_path, 
     assert "The strong methods on every question of the held-out split" in sec
     assert "1688 questions (22 closed) over the views each needs" in sec and "Timing, side by side" not in sec
     assert "- At r=0.1 (12.8 visual tokens kept), DART scores best" in sec
+
+
+def test_fastvs_choice_before_the_decoder_is_a_diagnostic_not_a_pruner_that_beats_the_selector(tmp_path, report):
+    """fastv-k2-k0 scores above the TokenSelector here, yet it is no training-free pruner a user would run instead:
+    the page names it beside FastV K=2 itself and never says it beats the selector."""
+    command = {b.name: b for b in report.benchmarks()}["token_pruning_drive-hd-all-questions"].command(None)
+    assert "fastv-k2-k0" in command[command.index("--methods") + 1].split(",")
+    res = pruning_result("drive-hd", with_selector=True)
+    res["n"], res["timing_ms"] = 1688, {}
+    res["methods"].append("fastv-k2-k0")
+    res["labels"]["fastv-k2-k0"] = "FastV K=2's choice before the decoder"
+    for r, v in zip(res["ratios"], (0.5999, 0.5998, 0.5997)):
+        res["scores"][f"fastv-k2-k0@{r}"] = scores(v, 0.9, 1.0)
+    name = "token_pruning_drive-hd-all-questions"
+    runs = {**FIXTURES, "token_pruning_drive-hd": pruning_run("drive-hd"), name: run_file(name, res, "python x.py")}
+    page = write(tmp_path, report, runs)
+    heading = "## Token pruning on drive-hd, every held-out question"
+    sec = page[page.index(heading) : page.index("## Token pruning on drive-hd over all six views")]
+    assert "is a diagnostic, not a pruner to run" in sec
+    assert "| FastV K=2's choice before the decoder | 0.5999" in sec
+    line = next(x for x in sec.splitlines() if x.startswith("- At r=0.2"))
+    assert "A training-free method beats the TokenSelector (0.5301) here: DART (0.5201" not in line  # DART is below
+    assert "No training-free method beats the TokenSelector here." in line and "0.5998" not in line.split("here.")[0]
+    assert line.endswith(
+        "FastV K=2's choice before the decoder scores 0.5998 (FastV K=2, pruning before layer 2: 0.5105)."
+    )
