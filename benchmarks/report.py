@@ -577,7 +577,7 @@ def section_tokens_earlier(run: dict) -> list[str]:
 EVERY_QUESTION = (
     "The strong methods on every question of the held-out split, over the views each needs, at r = 0.1-0.3: the"
     " table above answers 600 of them, where the methods differ by a few questions. \"FastV K=2's choice before the"
-    " decoder\" is a diagnostic, not a pruner to run: the tokens FastV K=2 keeps (layers 0 and 1 run on the whole"
+    ' decoder" is a diagnostic, not a pruner to run: the tokens FastV K=2 keeps (layers 0 and 1 run on the whole'
     " prompt to choose them), cut from the prompt before the decoder as the TokenSelector prunes, so that a worse"
     " choice can be told from a worse place to prune."
 )
