@@ -827,20 +827,22 @@ def test_a_selector_thinned_frame_carries_one_question_and_exactly_the_tokens_ch
     recipe = VLMRecipe(frames=6, batch_frames=4, view_subset_prob=0.5, token_drop_prob=1.0, token_drop_ratios=(0.25,))
     calls = []
 
-    def thin(frame, views, question_ids, r):  # every other visual token, first one kept
-        calls.append((frame, list(views), list(question_ids), r))
+    def thin(pixels, views, question_ids, r):  # every other visual token, first one kept
+        assert pixels.shape[0] == len(views) * cfg.tiles_per_view
+        calls.append((pixels, list(views), list(question_ids), r))
         return torch.arange(len(views) * cfg.tokens_per_tile * cfg.tiles_per_view) % 2 == 0
 
     b = make_batch(bank, tok, cfg, recipe, random.Random(0), thin)
     assert len(calls) == recipe.batch_frames and all(r == 0.25 for *_, r in calls)
     assert int(b.keep.sum()) == int((b.ids == tok.image_id).sum()) == int(b.keep.numel() // 2)
-    for i, (frame, views, question_ids, _) in enumerate(calls):
+    for i, (pixels, views, question_ids, _) in enumerate(calls):
         row = b.ids[i][b.ids[i] != tok.pad_id].tolist()
         assert row.count(tok.im_start_id) == 2  # one user turn, one answer
         assert [row[j : j + len(question_ids)] == question_ids for j in range(len(row))].count(True) == 1
         image = [j for j, t in enumerate(row) if t == tok.image_id]
         gaps = b.pos[i][image].diff().tolist()  # every other placeholder, at its own position
         assert gaps.count(2) == len(image) - len(views) and min(gaps) >= 2
+        frame = next(f for f in range(len(bank.qas)) if torch.equal(bank.pixels(f, views), pixels))
         assert any(question_ids == list(qa[0]) for qa in bank.qas[frame])
 
 
@@ -852,11 +854,11 @@ def test_selector_thinning_keeps_the_selectors_top_r_of_the_question_prompt(tiny
     tok, cfg, _, bank = tiny_bank
     model = _tiny_model(cfg)
     TokenSelector.from_model(model, SelectorConfig(reads="embeds", shared_layer=False)).save(tmp_path)
-    thin = SelectorThinning(tmp_path, model, bank, tok)
+    thin = SelectorThinning(tmp_path, model, tok)
     views = ["CAM_FRONT", "CAM_BACK", "CAM_BACK_LEFT"]
     question = bank.qas[2][0][0]
     n = len(views) * cfg.tokens_per_tile * cfg.tiles_per_view
-    small, large = thin(2, views, question, 0.2), thin(2, views, question, 0.5)
+    small, large = thin(bank.pixels(2, views), views, question, 0.2), thin(bank.pixels(2, views), views, question, 0.5)
     assert small.shape == (n,) and int(small.sum()) == keep_count(n, 0.2) and int(large.sum()) == keep_count(n, 0.5)
     # The same scores rank both budgets: the smaller kept set lies inside the larger.
     assert bool((large | ~small).all())
@@ -879,6 +881,6 @@ def test_selector_thinning_refuses_a_selector_that_prunes_inside_the_decoder(tin
     model = _tiny_model(cfg)
     TokenSelector.from_model(model, SelectorConfig(reads="layer0")).save(tmp_path)
     with pytest.raises(ValueError, match="prunes inside the decoder"):
-        SelectorThinning(tmp_path, model, bank, tok)
+        SelectorThinning(tmp_path, model, tok)
     with pytest.raises(ValueError, match="token_drop_ratios"):
         train_vlm("/nonexistent", VLMRecipe(frames=2, token_drop_ratios=(0.0,)), progress=False)

@@ -488,7 +488,7 @@ def make_batch(
         seq = pack_frame(tokenizer, views, tpv_tokens, [(qa[0], qa[1]) for qa in chosen])
         keep = torch.ones(len(views) * tpv_tokens, dtype=torch.bool)
         if thinned and thin is not None:
-            keep = thin(f, views, chosen[0][0], rng.choice(recipe.token_drop_ratios))
+            keep = thin(bank.pixels(f, views), views, chosen[0][0], rng.choice(recipe.token_drop_ratios))
             seq = keep_visual_tokens(seq, tokenizer.image_id, keep)
         elif thinned:
             seq, keep = drop_visual_tokens(
@@ -781,30 +781,33 @@ def keep_visual_tokens(seq, image_id: int, keep: torch.Tensor) -> tuple:
 
 
 class SelectorThinning:
-    """A frame's visual tokens as a TokenSelector keeps them for one question: the frame's views through the model
+    """A frame's visual tokens as a TokenSelector keeps them for one question: the frame's view tiles through the model
     being trained (no gradient), the question's prompt in the inference layout (`litevlm.model.prompt.build_prompt`,
     fixed tiles), the selector's top-r choice before the decoder. Only a selector that prunes before the decoder
     (`--reads embeds` or `prompt`) can: one reading layer 0's output prunes inside it."""
 
-    def __init__(self, folder: str | Path, model: VLM, bank: FrameBank, tokenizer):
+    def __init__(self, folder: str | Path, model: VLM, tokenizer):
         from litevlm.select.tokens import TokenSelector
 
         self.selector = TokenSelector.load(folder, model)
         if self.selector.prunes_inside:
-            raise ValueError(
+            raise LiteVLMError(
                 f"the TokenSelector in {folder} reads decoder layer 0's output and prunes inside the decoder; "
                 "thinning the training prompts needs one that prunes before it (--reads embeds or prompt)"
             )
-        self.model, self.bank, self.tokenizer = model, bank, tokenizer
+        self.model, self.tokenizer = model, tokenizer
 
     @torch.no_grad()
-    def __call__(self, frame: int, views: list[str], question_ids: list[int], keep_ratio: float) -> torch.Tensor:
+    def __call__(
+        self, pixels: torch.Tensor, views: list[str], question_ids: list[int], keep_ratio: float
+    ) -> torch.Tensor:
+        """(N,) bool over the views' visual tokens in prompt order, from their normalised tiles (tiles, 3, S, S)."""
         from litevlm.model.prompt import Tiling, build_prompt
         from litevlm.select.tokens import visual_index
 
         model, cfg = self.model, self.model.cfg
         question = self.tokenizer.decode(question_ids)
-        visual = model.encode_tiles(self.bank.pixels(frame, views).to(model.device))
+        visual = model.encode_tiles(pixels.to(model.device))
         layout = build_prompt(self.tokenizer, question, views, cfg.tokens_per_tile * cfg.tiles_per_view)
         ids = torch.tensor([layout.ids], device=model.device)
         embeds = model.embed(ids, visual.reshape(-1, visual.shape[-1]))
@@ -860,7 +863,7 @@ def grow_decoder(model: VLM, after: tuple[int, ...]) -> VLM:
     n = model.cfg.text.num_layers
     bad = sorted({i for i in after if not 0 <= i < n})
     if bad or len(set(after)) != len(after):
-        raise ValueError(f"grow_after must name distinct decoder layers 0-{n - 1}, got {list(after)}")
+        raise LiteVLMError(f"grow_after must name distinct decoder layers 0-{n - 1}, got {list(after)}")
     cfg = dataclasses.replace(model.cfg, text=dataclasses.replace(model.cfg.text, num_layers=n + len(after)))
     grown = VLM(cfg).to(next(model.parameters()).dtype)
     old = model.language_model.layers
@@ -889,7 +892,7 @@ def unshuffle_projector(model: VLM, tiles_per_view: int = 0, name: str = "") -> 
     variance), so linear_1 becomes sum_k W_k diag(g_k) over the four column blocks, its bias b + sum_k W_k b_k,
     and a plain LayerNorm(C): each new token starts as the token its block would make were it uniform."""
     if model.cfg.shuffle != 2:
-        raise ValueError(
+        raise LiteVLMError(
             f"unshuffle needs a model with pixel shuffle 0.5, got downsample ratio {model.cfg.downsample_ratio}"
         )
     cfg = dataclasses.replace(
@@ -1024,15 +1027,15 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
 
     unknown = sorted(set(recipe.family_weights) - set(FAMILIES))
     if unknown:
-        raise ValueError(
+        raise LiteVLMError(
             f"unknown QA family {', '.join(map(repr, unknown))} in family weights (known: {', '.join(FAMILIES)})"
         )
     if recipe.store_dtype not in STORE_DTYPES:  # checked here, not at the first save minutes into training
-        raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {recipe.store_dtype!r}")
+        raise LiteVLMError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {recipe.store_dtype!r}")
     if not 0.0 < recipe.token_drop_min_keep <= 0.95:
-        raise ValueError(f"token_drop_min_keep must lie in (0, 0.95], got {recipe.token_drop_min_keep}")
+        raise LiteVLMError(f"token_drop_min_keep must lie in (0, 0.95], got {recipe.token_drop_min_keep}")
     if not recipe.token_drop_ratios or not all(0.0 < r <= 1.0 for r in recipe.token_drop_ratios):
-        raise ValueError(f"token_drop_ratios must be keep ratios in (0, 1], got {recipe.token_drop_ratios}")
+        raise LiteVLMError(f"token_drop_ratios must be keep ratios in (0, 1], got {recipe.token_drop_ratios}")
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
     out = Path(out_dir)
@@ -1062,7 +1065,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
                 )
             cfg = model.cfg
     elif recipe.grow_after or recipe.unshuffle or recipe.tiles or recipe.name:
-        raise ValueError(
+        raise LiteVLMError(
             "grow_after, unshuffle, tiles and name change a model: each needs a checkpoint to change (init)"
         )
     else:
@@ -1076,12 +1079,12 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     model.float()
     for name in HEAD_OBJECTIVES:
         if getattr(recipe, f"{name}_weight") > 0 and not 0 <= getattr(recipe, f"{name}_layer") < cfg.text.num_layers:
-            raise ValueError(
+            raise LiteVLMError(
                 f"{name}_layer must name one of the {cfg.text.num_layers} decoder layers "
                 f"(0-{cfg.text.num_layers - 1}), got {getattr(recipe, f'{name}_layer')}"
             )
+    thin = SelectorThinning(recipe.token_drop_selector, model, tokenizer) if recipe.token_drop_selector else None
     bank = FrameBank(recipe, cfg, tokenizer, progress)
-    thin = SelectorThinning(recipe.token_drop_selector, model, bank, tokenizer) if recipe.token_drop_selector else None
     if recipe.visual_norm > 0:
         rescale_visual(model, bank, recipe.visual_norm)
     probe = LooksProbe(recipe, cfg, tokenizer) if recipe.probe_frames else None
