@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from litevlm.select.selection import FastV
+
 METHODS = ("token-selector", "fastv-k1", "fastv-k2", "dart", "divprune", "cdpruner", "random", "uniform")
 SELECTOR_INSIDE = ("token-selector-k1", "token-selector-k2")  # by name only: the TokenSelector's choice inside
 CHOICE_BEFORE = ("fastv-k2-k0",)  # by name only: FastV K=2's choice, applied before the decoder
@@ -187,18 +189,13 @@ def selection(pipe, method: str | None, r: float, selector, seed: int):
     return token_selection(model, None, None, 0, None, PruneConfig(base, r, per_view=base != method), tok, seed)
 
 
-@dataclasses.dataclass
-class FastVChoiceBefore:
+class FastVChoiceBefore(FastV):
     """FastV's choice at layer k (layers [0, k) run on the whole prompt to make it), applied to the prompt before the
     decoder, where the TokenSelector prunes: the same tokens FastV keeps, without layers [0, k) reading the rest."""
 
-    k: int
-    keep_ratio: float
-    plain_decoding = True
-
     @property
     def label(self) -> str:
-        return f"fastv K={self.k} r={self.keep_ratio}, applied before the decoder"
+        return f"{super().label}, applied before the decoder"
 
     def select(self, model, p, question: str, tiling):
         from litevlm.select.tokens import fastv_scores, prune_prompt, select_by_scores, view_sizes
