@@ -624,12 +624,13 @@ def pruning_verdict(res: dict, r: float) -> str | None:
     beats the TokenSelector (by the final score)."""
     finals = {m: (res["scores"].get(f"{m}@{r}") or {}).get("final") for m in res["methods"]}
     finals = {m: v for m, v in finals.items() if v is not None}
-    if not any(m not in DIAGNOSTIC for m in finals):
+    runnable = {m: v for m, v in finals.items() if m not in DIAGNOSTIC}  # the best is one a user can run
+    if not runnable:
         return None
     kept = next((res["scores"][f"{m}@{r}"].get("visual_tokens") for m in finals), None)
     head = f"- At r={r}" + (f" ({fmt(kept)} visual tokens kept)" if kept is not None else "")
-    top = max(v for m, v in finals.items() if m not in DIAGNOSTIC)
-    best = [m for m, v in finals.items() if v == top and m not in DIAGNOSTIC]
+    top = max(runnable.values())
+    best = [m for m, v in runnable.items() if v == top]
     closed = res["scores"][f"{best[0]}@{r}"].get("closed_accuracy")
     labels = [("the " if m == TRAINED else "") + pruning_label(res, m) for m in best]
     who = f"{labels[0]} scores best" if len(best) == 1 else f"{names(labels)} tie for best"
@@ -654,7 +655,7 @@ def pruning_verdict(res: dict, r: float) -> str | None:
 
 def diagnostic_line(res: dict, finals: dict) -> str:
     """Each diagnostic (FastV K=2's choice applied before the decoder, where the TokenSelector prunes) beside the
-    method it moves and the TokenSelector: whether the choice or the place to prune makes the difference."""
+    method whose choice it borrows: whether the choice or the place to prune makes the difference."""
     out = ""
     for m, origin in DIAGNOSTIC.items():
         if m not in finals:
