@@ -483,11 +483,12 @@ def make_batch(
         weights = [(recipe.closed_weight if qa[3] else 1.0) * recipe.family_weights.get(qa[4], 1.0) for qa in pool]
         chosen = _weighted_sample(pool, weights, min(recipe.questions_per_frame, len(pool)), rng)
         thinned = rng.random() < recipe.token_drop_prob
-        if thinned and thin is not None:  # the selector's choice depends on the question: one a frame
+        by_selector = thinned and thin is not None
+        if by_selector:  # the selector's choice depends on the question: one a frame
             chosen = chosen[:1]
         seq = pack_frame(tokenizer, views, tpv_tokens, [(qa[0], qa[1]) for qa in chosen])
         keep = torch.ones(len(views) * tpv_tokens, dtype=torch.bool)
-        if thinned and thin is not None:
+        if by_selector:
             keep = thin(bank.pixels(f, views), views, chosen[0][0], rng.choice(recipe.token_drop_ratios))
             seq = keep_visual_tokens(seq, tokenizer.image_id, keep)
         elif thinned:
@@ -782,7 +783,7 @@ def keep_visual_tokens(seq, image_id: int, keep: torch.Tensor) -> tuple:
 
 class SelectorThinning:
     """A frame's visual tokens as a TokenSelector keeps them for one question: the frame's view tiles through the model
-    being trained (no gradient), the question's prompt in the inference layout (`litevlm.model.prompt.build_prompt`,
+    being trained (no gradient), the question's prompt in the inference layout (`litevlm.train.tokens.prompt_embeds`:
     fixed tiles), the selector's top-r choice before the decoder. Only a selector that prunes before the decoder
     (`--reads embeds` or `prompt`) can: one reading layer 0's output prunes inside it."""
 
@@ -802,21 +803,19 @@ class SelectorThinning:
         self, pixels: torch.Tensor, views: list[str], question_ids: list[int], keep_ratio: float
     ) -> torch.Tensor:
         """(N,) bool over the views' visual tokens in prompt order, from their normalised tiles (tiles, 3, S, S)."""
-        from litevlm.model.prompt import Tiling, build_prompt
+        from litevlm.model.prompt import Tiling
         from litevlm.select.tokens import visual_index
+        from litevlm.train.tokens import prompt_embeds
 
         model, cfg = self.model, self.model.cfg
         question = self.tokenizer.decode(question_ids)
-        visual = model.encode_tiles(pixels.to(model.device))
-        layout = build_prompt(self.tokenizer, question, views, cfg.tokens_per_tile * cfg.tiles_per_view)
-        ids = torch.tensor([layout.ids], device=model.device)
-        embeds = model.embed(ids, visual.reshape(-1, visual.shape[-1]))
-        positions = torch.arange(ids.shape[1], device=model.device)[None]
+        visual = model.encode_tiles(pixels.to(model.device)).split(cfg.tiles_per_view)  # one (tiles, n, C) a view
+        _, embeds, positions, spans = prompt_embeds(model, self.tokenizer, dict(zip(views, visual)), question, views)
         tiling = Tiling(tiles=cfg.tiles_per_view)
         _, _, kept = self.selector.select(
-            model, embeds, positions, layout.view_spans, keep_ratio=keep_ratio, question=question, tiling=tiling
+            model, embeds, positions, spans, keep_ratio=keep_ratio, question=question, tiling=tiling
         )
-        return torch.isin(visual_index(layout.view_spans, model.device), kept).cpu()
+        return torch.isin(visual_index(spans, model.device), kept).cpu()
 
 
 def lr_at(step: int, total: int, recipe: VLMRecipe) -> float:
