@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from litevlm.dist import Dist, ShardStore, all_reduce_mean, close, ddp, gather, init_dist, shard
+from litevlm.dist import Dist, ShardStore, all_reduce_mean, close, ddp, end_rank, gather, init_dist, joined, shard
 from litevlm.errors import LiteVLMError
 
 
@@ -50,6 +50,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     else:
         assert squares is None and merged is None
     close(d)
+    assert joined()
+    end_rank(0)  # as `litevlm` ends a torchrun rank
 
 
 def test_two_gloo_ranks_shard_gather_ddp_and_store(tmp_path):
@@ -81,6 +83,25 @@ def test_world_of_one_without_torchrun(monkeypatch):
     assert ddp(module, d) is module
     assert all_reduce_mean(2.5, d) == 2.5
     close(d)
+    assert not joined()  # a world of one ends as any process does
+
+
+def test_a_rank_of_the_cli_ends_at_once_with_its_exit_code(monkeypatch, capsys):
+    """Under torchrun `litevlm` leaves by `end_rank` once its work is done, with the code it would have returned."""
+    import litevlm.dist
+    from litevlm.cli import main
+
+    ended = []
+
+    def fake_exit(code):
+        ended.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(litevlm.dist, "_joined", True)
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    with pytest.raises(SystemExit):
+        main(["ask", "--model", "no-such-model", "--images", "/nonexistent", "--question", "Is it safe?"])
+    assert ended == [2] and "no-such-model" in capsys.readouterr().err
 
 
 def test_shard_covers_every_item_once():

@@ -868,10 +868,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
+        code = 0
     except LiteVLMError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        code = 2
+    from litevlm.dist import end_rank, joined
+
+    if joined():  # a torchrun rank whose work is done: leave before the interpreter tears gloo down
+        end_rank(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from litevlm.errors import LiteVLMError
+
+_joined = False  # this process joined a process group of several ranks (it ends by `end_rank`)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,9 @@ def init_dist(device: str = "cpu") -> Dist:
     d = Dist(rank=rank, world_size=world, local_rank=local_rank, device=device)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if cuda else "gloo")
+    if world > 1:
+        global _joined
+        _joined = True
     if world > 1 and (dist.get_rank(), dist.get_world_size()) != (rank, world):
         raise LiteVLMError(
             f"a process group of rank {dist.get_rank()} / {dist.get_world_size()} already exists, "
@@ -151,6 +157,24 @@ def close(d: Dist, *, synced: bool = True) -> None:
         if synced:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def joined() -> bool:
+    """Whether this process took part in a job of several ranks (its group may be closed by now)."""
+    return _joined
+
+
+def end_rank(code: int = 0) -> None:
+    """End a rank's process now, its output flushed, skipping the interpreter's teardown: gloo's threads outlive
+    `destroy_process_group`, and a few exits in a hundred tore them down in the wrong order and aborted the finished
+    process (SIGABRT, "terminate called without an active exception"), which torchrun reports as a failed job.
+    Call it last, after `close`: nothing after it runs, atexit handlers included."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
+            pass
+    os._exit(code)
 
 
 class ShardStore:
