@@ -639,11 +639,14 @@ def pruning_verdict(res: dict, r: float) -> str | None:
         why = (res.get("absent") or {}).get(TRAINED)
         return out + (f" No TokenSelector was measured ({why})." if why else "")
     ts = finals[TRAINED]
-    beat = sorted((m for m in finals if training_free(m) and finals[m] > ts), key=lambda m: -finals[m])
-    tied = [m for m in finals if training_free(m) and finals[m] == ts]
+    # compared at the four decimals the page shows: a difference below that is a fraction of one answer, a tie
+    shown = {m: round(v, 4) for m, v in finals.items()}
+    beat = sorted((m for m in finals if training_free(m) and shown[m] > shown[TRAINED]), key=lambda m: -finals[m])
+    tied = [m for m in finals if training_free(m) and shown[m] == shown[TRAINED]]
     if beat:
-        listed = names([f"{pruning_label(res, m)} ({fmt(finals[m])}, +{finals[m] - ts:.4f})" for m in beat])
-        out += f" A training-free method beats the TokenSelector ({fmt(ts)}) here: {listed}."
+        listed = names([f"{pruning_label(res, m)} ({fmt(finals[m])}, +{shown[m] - shown[TRAINED]:.4f})" for m in beat])
+        out += f" A training-free method beats the TokenSelector ({fmt(ts)}) here: {listed}"
+        out += f"; {names([pruning_label(res, m) for m in tied])} ties it." if tied else "."
     elif tied:
         out += (
             f" No training-free method beats the TokenSelector; {names([pruning_label(res, m) for m in tied])} ties it."

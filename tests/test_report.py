@@ -714,6 +714,21 @@ def test_a_tie_for_best_is_said_as_one(report):
     assert "No training-free method beats the TokenSelector; DART ties it." in line
 
 
+def test_a_method_within_the_shown_decimals_ties_the_selector_and_does_not_beat_it(report):
+    """Finals are compared as the page prints them (four decimals): 0.00003 above the selector is a tie, not a win
+    of "+0.0000"; a method above it at that precision still beats it, and the tie is named beside it."""
+    res = pruning_result("drive-tiny", with_selector=True)
+    ts = res["scores"]["token-selector@0.2"]["final"]
+    res["scores"]["dart@0.2"]["final"] = ts + 0.00003
+    res["scores"]["divprune@0.2"]["final"] = ts + 0.0003
+    line = report.pruning_verdict(res, 0.2)
+    assert "+0.0000" not in line
+    assert f"beats the TokenSelector ({ts:.4f}) here: DivPrune ({ts + 0.0003:.4f}, +0.0003); DART ties it." in line
+    res["scores"]["divprune@0.2"]["final"] = ts - 0.01
+    line = report.pruning_verdict(res, 0.2)
+    assert "No training-free method beats the TokenSelector; DART ties it." in line
+
+
 def test_the_selectors_variant_inside_the_decoder_is_weighed_against_the_training_free_methods(tmp_path, report):
     """TokenSelector K=2 is the TokenSelector's own (trained) choice: never counted among the training-free methods
     that beat it; its own sentence says whether it is ahead of the best of them, and the page says what it is."""
