@@ -623,7 +623,8 @@ def pruning_verdict(res: dict, r: float) -> str | None:
     """One plain sentence (a list item) on keep ratio r: which method scores best, and whether a training-free method
     beats the TokenSelector (by the final score)."""
     finals = {m: (res["scores"].get(f"{m}@{r}") or {}).get("final") for m in res["methods"]}
-    finals = {m: v for m, v in finals.items() if v is not None}
+    # compared as the page prints them (four decimals): a difference below that is a fraction of one answer, a tie
+    finals = {m: round(v, 4) for m, v in finals.items() if v is not None}
     runnable = {m: v for m, v in finals.items() if m not in DIAGNOSTIC}  # the best is one a user can run
     if not runnable:
         return None
@@ -639,18 +640,15 @@ def pruning_verdict(res: dict, r: float) -> str | None:
         why = (res.get("absent") or {}).get(TRAINED)
         return out + (f" No TokenSelector was measured ({why})." if why else "")
     ts = finals[TRAINED]
-    # compared at the four decimals the page shows: a difference below that is a fraction of one answer, a tie
-    shown = {m: round(v, 4) for m, v in finals.items()}
-    beat = sorted((m for m in finals if training_free(m) and shown[m] > shown[TRAINED]), key=lambda m: -finals[m])
-    tied = [m for m in finals if training_free(m) and shown[m] == shown[TRAINED]]
+    beat = sorted((m for m in finals if training_free(m) and finals[m] > ts), key=lambda m: -finals[m])
+    tied = [m for m in finals if training_free(m) and finals[m] == ts]
+    ties = f"{names([pruning_label(res, m) for m in tied])} ties it." if tied else ""
     if beat:
-        listed = names([f"{pruning_label(res, m)} ({fmt(finals[m])}, +{shown[m] - shown[TRAINED]:.4f})" for m in beat])
-        out += f" A training-free method beats the TokenSelector ({fmt(ts)}) here: {listed}"
-        out += f"; {names([pruning_label(res, m) for m in tied])} ties it." if tied else "."
+        listed = names([f"{pruning_label(res, m)} ({fmt(finals[m])}, +{finals[m] - ts:.4f})" for m in beat])
+        end = f"; {ties}" if tied else "."
+        out += f" A training-free method beats the TokenSelector ({fmt(ts)}) here: {listed}{end}"
     elif tied:
-        out += (
-            f" No training-free method beats the TokenSelector; {names([pruning_label(res, m) for m in tied])} ties it."
-        )
+        out += f" No training-free method beats the TokenSelector; {ties}"
     else:
         out += " No training-free method beats the TokenSelector here."
     return out + paired_line(res, r, finals) + variant_line(res, finals) + diagnostic_line(res, finals)
