@@ -38,6 +38,8 @@ SUBSET = ["CAM_FRONT_LEFT", "CAM_BACK"]
 # numpy's float arithmetic. Values reach |x| ~ 2.7: a few fp32 roundings apart, ~1e-6; 1e-5 leaves room, while a
 # one-level difference in a single pixel byte would already be 1/255/0.225 ~ 0.017.
 PIXEL_ATOL = 1e-5
+# The pipeline's default resize (torch's antialiased bicubic on uint8) is PIL's filter within one level of a byte.
+FAST_ATOL = 1 / 255 / min(IMAGENET_STD) + PIXEL_ATOL
 
 
 class NoThumbnail(GotOcr2ImageProcessorPil):
@@ -155,7 +157,8 @@ def transformers_inputs(checkpoint, tiling: str, question: str, images: dict, vi
 
 @pytest.mark.parametrize("tiling", list(TILINGS))
 def test_prompt_ids_and_tiles_equal_transformers(checkpoint, samples, tiling):
-    pipe = Pipeline.from_pretrained(checkpoint, **TILINGS[tiling][0])
+    pipe = Pipeline.from_pretrained(checkpoint, resample="pil", **TILINGS[tiling][0])
+    fast = Pipeline.from_pretrained(checkpoint, warmup=False, **TILINGS[tiling][0])
     for s in samples:
         images = load_images(s)
         for views in (list(CAMERAS), SUBSET):
@@ -165,6 +168,7 @@ def test_prompt_ids_and_tiles_equal_transformers(checkpoint, samples, tiling):
             assert prompt.ids.tolist() == ids.tolist()
             assert tiles.shape == pixels.shape
             assert torch.allclose(tiles, pixels.float(), rtol=0, atol=PIXEL_ATOL)
+            assert torch.allclose(fast.tiles(images, views)[0], pixels.float(), rtol=0, atol=FAST_ATOL)
             # each view's span covers exactly its <IMG_CONTEXT> run between <img> and </img>
             assert counts == [TOKENS_PER_VIEW[tiling]] * len(views)
             for (cam, a, b), n in zip(prompt.view_spans, counts):
@@ -175,7 +179,7 @@ def test_prompt_ids_and_tiles_equal_transformers(checkpoint, samples, tiling):
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 def test_greedy_answer_equals_transformers_generate(checkpoint, hf_model, samples, tiling, speculative):
     pipe = Pipeline.from_pretrained(
-        checkpoint, max_new_tokens=NEW_TOKENS, speculative=speculative, **TILINGS[tiling][0]
+        checkpoint, max_new_tokens=NEW_TOKENS, speculative=speculative, resample="pil", **TILINGS[tiling][0]
     )
     accepted = []
     for s in samples:

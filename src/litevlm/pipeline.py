@@ -7,8 +7,12 @@ A question walks the stages once, one call each (`Pipeline.stream`): views, visi
 speculative), the tokens streamed as they are made.
 Each stage is switchable, so the paper's ablation rows (arXiv 2506.07416, Table 1) are
 configurations of one `Pipeline`. Stage times are wall milliseconds with the device synchronised
-at stage boundaries; `total` = select_views + vit + select_tokens + prefill + decode (image
-decoding and resizing are reported apart as `preprocess`).
+at stage boundaries; `total` = select_views + vit + select_tokens + prefill + decode, the paper's measure (image
+decoding and resizing are reported apart as `preprocess`); `e2e` is what a user lives with, from the images as given
+to the last token: preprocessing, the stages and what lies between them.
+
+A question is asked of a `litevlm.frame.Frame` (`Pipeline.frame(images)`), which reads, cuts and encodes each view
+the first time a question needs it; `answer(question, images)` is a frame of one question.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
+from litevlm.frame import Frame, ViewCache
 from litevlm.model.backend import CACHE_MULTIPLE, Sampling, choose_backend, round_up
 from litevlm.model.generate import (
     Prefilled,
@@ -56,6 +61,12 @@ class Answer:
     input_tokens: int = 0
     precision: str = "fp32"
     opened_tokens: int = 0  # answer tokens accepted from an opening inside the prefill (speculative decoding)
+    # The visual tokens the prefill kept, per view: indices into that view's tokens (tile by tile, row-major within a
+    # tile), None where every token was kept; and their selector scores where the selector gives them.
+    kept_tokens: dict[str, list[int]] | None = None
+    kept_scores: dict[str, list[float]] | None = None
+    tokens_per_view: dict[str, int] = field(default_factory=dict)  # each view's visual tokens before selection
+    cache: dict[str, int] = field(default_factory=dict)  # views made for this answer: encoded, cache hits, misses
 
     def to_dict(self) -> dict:
         return {
@@ -68,6 +79,9 @@ class Answer:
             "accept_lengths": self.accept_lengths,
             "opened_tokens": self.opened_tokens,
             "precision": self.precision,
+            "tokens_per_view": self.tokens_per_view,
+            "kept_tokens": self.kept_tokens,
+            "cache": self.cache,
         }
 
 
@@ -140,6 +154,10 @@ class Pipeline:
         modules), "modules", "native", "cuda" or "cuda-twin" (the CUDA backend's mechanisms on the CPU). Making it
         (the native build, packing, graph capture, compilation) and `warmup` are setup, reported as `setup_ms`,
         never inside a stage. cuda_graphs=True is backend="cuda".
+    resample: how images become tiles (`litevlm.model.images`): "fast" (reduced-size JPEG decoding, torch's
+        antialiased bicubic on uint8) or "pil" (PIL's full decode and bicubic resize, transformers' bytes).
+    view_cache: a `litevlm.frame.ViewCache` (or its bound in bytes) that keeps encoded views across questions,
+        keyed by content (`litevlm serve`, `litevlm eval`); None: each `answer` reads its views afresh.
     """
 
     def __init__(
@@ -167,6 +185,8 @@ class Pipeline:
         prompt_format: PromptFormat | None = None,
         backend: str = "auto",
         warmup: bool = True,
+        resample: str = "fast",
+        view_cache: ViewCache | int | None = None,
     ):
         self.selection = token_selection(
             model, token_selector, keep_ratio, min_select_tokens, fastv, pruner, tokenizer, seed, select_layer
@@ -197,6 +217,11 @@ class Pipeline:
                 f"the cuda backend (cuda_graphs) needs the model on a CUDA device; it is on {model.device}"
             )
         self.backend_kind = backend
+        from litevlm.model.images import check_resample
+
+        self.resample = check_resample(resample)
+        self.view_cache = ViewCache(view_cache) if isinstance(view_cache, int) else view_cache
+        self.weights_version = 0  # what the content cache's keys hold of the weights: `rebuild` moves it on
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.format = prompt_format or PromptFormat(tiling=Tiling(tiles=self.cfg.tiles_per_view))
         self.tokens_per_view = self.cfg.tokens_per_tile * self.format.tiling.most()  # the most one view can take
@@ -216,6 +241,9 @@ class Pipeline:
         graphs it holds; then, with `warmup`, one answer to a blank scene (`warmup`). Its cost is setup (`setup_ms`),
         never part of an answer; a setup that takes seconds says so on stderr."""
         t0 = time.perf_counter()
+        self.weights_version += 1
+        if self.view_cache is not None:  # encoded by the weights before: never served again
+            self.view_cache.clear()
         lm = self.model.language_model
         nodes = self.tree.total_tokens if self.drafting else 0
         scratch = max(1, nodes) if self.backend_kind in GRAPH_BACKENDS else 0
@@ -245,7 +273,7 @@ class Pipeline:
         self.max_new_tokens = min(self.max_new_tokens, 8)  # every stage and a few decode steps or cycles
         t0 = time.perf_counter()
         try:
-            for _ in self._stream(WARMUP_QUESTION, blank):
+            for _ in Frame(self, blank).stream(WARMUP_QUESTION):
                 pass
         finally:
             self.generator, self.max_new_tokens = saved
@@ -410,14 +438,15 @@ class Pipeline:
 
     @staticmethod
     def check_images(images: Mapping) -> None:
+        """The images' camera names: known ones only. A missing camera fails only the questions that need its view
+        (`litevlm.frame.Frame.check_views`)."""
         if not isinstance(images, Mapping):
             raise LiteVLMError("images must map camera names to images, e.g. {'CAM_FRONT': 'front.png', ...}")
         unknown = [c for c in images if c not in CAMERAS]
         if unknown:
             raise LiteVLMError(f"unknown camera name(s) {unknown}; expected {', '.join(CAMERAS)}")
-        missing = [c for c in CAMERAS if c not in images]
-        if missing:
-            raise LiteVLMError(f"{len(images)} camera views given, missing {', '.join(missing)}: all six are required")
+        if not images:
+            raise LiteVLMError(f"no camera images given; expected {', '.join(CAMERAS)}")
 
     # -- the stages ---------------------------------------------------------------------------
     def select_views(self, question: str) -> list[str]:
@@ -429,18 +458,21 @@ class Pipeline:
         """The chosen views' images cut into normalised tiles (the prompt format's tiling): (tiles, 3, S, S) and the
         number of visual tokens each view gives. The views are read and resized side by side (`cut_images`)."""
         size = self.cfg.vision.image_size
-        cut = [torch.from_numpy(a) for a in cut_images([images[c] for c in views], self.format.tiling, size)]
+        cut = [
+            torch.from_numpy(a) for a in cut_images([images[c] for c in views], self.format.tiling, size, self.resample)
+        ]
         return normalize_tiles(torch.cat(cut)), [t.shape[0] * self.cfg.tokens_per_tile for t in cut]
+
+    def frame(self, images: Mapping) -> Frame:
+        """The cameras of one moment, to ask several questions of: each view read, cut and encoded once for all of
+        them (`litevlm.frame.Frame`; the pipeline's content cache, where it has one, across frames too)."""
+        return Frame(self, images, self.view_cache)
 
     @torch.no_grad()
     def vision(self, images: Mapping, views: list[str], timer: StageTimer) -> tuple[torch.Tensor, list[int]]:
         """The chosen views' visual tokens (tiles, tokens_per_tile, C) and each view's token count: images to tiles
-        ("preprocess"), then the vision tower and projector ("vit")."""
-        with timer("preprocess"):
-            pixels, counts = self.tiles(images, views)
-            pixels = pixels.to(self.model.device)
-        with timer("vit"):
-            return self.model.encode_tiles(pixels), counts  # (tiles, tokens_per_tile, C)
+        ("preprocess"), then the vision tower and projector ("vit"), view by view (`litevlm.frame.Frame`)."""
+        return Frame(self, images).visual(views, timer)
 
     @torch.no_grad()
     def embed_prompt(self, question: str, views: list[str], visual: torch.Tensor, counts: list[int]) -> Prompt:
@@ -461,13 +493,15 @@ class Pipeline:
         return self.embed_prompt(question, views, *self.vision(images, views, timer))
 
     @torch.no_grad()
-    def select_tokens(self, p: Prompt, question: str, timer: StageTimer) -> tuple[Prompt, Pruning | None]:
+    def select_tokens(
+        self, p: Prompt, question: str, timer: StageTimer, record: dict | None = None
+    ) -> tuple[Prompt, Pruning | None]:
         """Token selection, timed as "select_tokens": a TokenSelector with its own copy of layer 0 prunes the prompt
         here; one sharing the decoder's layer 0 (or FastV at layer K) gives the hook that prunes inside the prefill.
         A pruner (`litevlm.select.pruners`) prunes the projector's output here or, DART, gives the hook; either way
         its choice is timed here (a hook's inside the prefill, under this stage's name)."""
         with timer("select_tokens"):
-            embeds, positions, hook = self.selection.select(self.model, p, question, self.format.tiling)
+            embeds, positions, hook = self.selection.select(self.model, p, question, self.format.tiling, record)
             return replace(p, embeds=embeds, positions=positions), hook
 
     def prefill(self, p: Prompt, pruning: Pruning | None, question: str, timer: StageTimer) -> Prefilled:
@@ -502,21 +536,38 @@ class Pipeline:
     def stream(self, question: str, images: Mapping) -> Iterator[Delta | Answer]:
         """The answer as it is made: a `Delta` (new text, new token ids) as tokens come, then the finished `Answer`.
 
-        The inputs are checked at once (a `LiteVLMError` here, before any stage runs). The Delta texts join to exactly
-        `Answer.text` and their tokens to `Answer.tokens`. Closing the stream (`close()`) stops the work before the
-        next decode step or speculative cycle; the pipeline is then ready for the next question.
-        """
-        self.check_question(question)
-        self.check_images(images)
-        return self._stream(question, images)
+        The inputs are checked at once (a `LiteVLMError` here, before any token is made), the views the question
+        needs included: their images are read and encoded here. The Delta texts join to exactly `Answer.text` and
+        their tokens to `Answer.tokens`. Closing the stream (`close()`) stops the work before the next decode step or
+        speculative cycle; the pipeline is then ready for the next question."""
+        return self.stream_frame(question, self.frame(images))
 
-    @torch.no_grad()
-    def _stream(self, question: str, images: Mapping) -> Iterator[Delta | Answer]:
+    def stream_frame(self, question: str, frame: Frame) -> Iterator[Delta | Answer]:
+        """`stream` of a question about `frame` (`Frame.stream`): e2e starts here."""
+        t0 = time.perf_counter()
+        self.check_question(question)
         timer = StageTimer(self.model.device)
+        before = (frame.encoded, frame.hits, frame.misses)
         with timer("select_views"):
             views = self.select_views(question)
-        full = self.embed_prompt(question, views, *self.vision(images, views, timer))
-        p, pruning = self.select_tokens(full, question, timer)
+        with torch.no_grad():
+            visual, counts = frame.visual(views, timer)
+        made = {
+            "encoded": frame.encoded - before[0],
+            "hits": frame.hits - before[1],
+            "misses": frame.misses - before[2],
+        }
+        return self._stream(question, views, visual, counts, timer, t0, made)
+
+    @torch.no_grad()
+    def _stream(
+        self, question: str, views: list[str], visual: torch.Tensor, counts: list[int], timer: StageTimer, t0, made
+    ) -> Iterator[Delta | Answer]:
+        full = self.embed_prompt(question, views, visual, counts)
+        record: dict = {}
+        p, pruning = self.select_tokens(full, question, timer, record)
+        if pruning is not None:  # the hook's choice, kept for the Answer
+            pruning = pruning._replace(keep=_recording(pruning.keep, record))
         prefilled = self.prefill(p, pruning, question, timer)
         text = TextStream(self.tokenizer, self.tokenizer.eos_id)
         with closing(self.decode(prefilled, timer)) as steps:
@@ -530,10 +581,14 @@ class Pipeline:
         rest = text.finish()
         if rest:
             yield Delta(rest, [])
+        answer_text = self.tokenizer.decode([t for t in gen.tokens if t != self.tokenizer.eos_id]).strip()
+        kept = record.get("kept", p.positions[0] if p.positions.shape[1] < full.positions.shape[1] else None)
+        kept_tokens, kept_scores = _kept_by_view(full.view_spans, kept, record.get("scores"))
         ms = dict(timer.ms)
         ms["total"] = sum(ms.get(s, 0.0) for s in STAGES)
+        ms["e2e"] = (time.perf_counter() - t0) * 1e3
         yield Answer(
-            text=self.tokenizer.decode([t for t in gen.tokens if t != self.tokenizer.eos_id]).strip(),
+            text=answer_text,
             views=views,
             num_visual_tokens=full.num_visual_tokens - (full.ids.shape[1] - gen.prompt_len),
             timings_ms=ms,
@@ -542,6 +597,10 @@ class Pipeline:
             input_tokens=gen.prompt_len,
             opened_tokens=gen.opened,
             precision=self.precision,
+            kept_tokens=kept_tokens,
+            kept_scores=kept_scores,
+            tokens_per_view={cam: e - s for cam, s, e in full.view_spans},
+            cache=made,
         )
 
     def _opening(self, question: str):
@@ -565,3 +624,31 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in table:
         raise LiteVLMError(f"unknown dtype {name!r}; use one of {', '.join(table)}")
     return table[name]
+
+
+def _recording(keep, record: dict):
+    """A pruning hook's `keep` that also puts the prompt indices it keeps in record["kept"]."""
+
+    def recorded(x: torch.Tensor) -> torch.Tensor:
+        kept = keep(x)
+        record["kept"] = kept
+        return kept
+
+    return recorded
+
+
+def _kept_by_view(view_spans, kept: torch.Tensor | None, scores: torch.Tensor | None):
+    """The kept prompt indices (None: all) as each view's kept token indices, and the selector's scores of those
+    tokens (scores: (N,) over every visual token, view after view, or None)."""
+    if kept is None:
+        return None, None
+    kept = kept.tolist()
+    by_view, by_score, off = {}, ({} if scores is not None else None), 0
+    flat = scores.float().tolist() if scores is not None else None
+    for cam, s, e in view_spans:
+        idx = [i - s for i in kept if s <= i < e]
+        by_view[cam] = idx
+        if flat is not None:
+            by_score[cam] = [round(flat[off + i], 4) for i in idx]
+        off += e - s
+    return by_view, by_score

@@ -8,15 +8,25 @@ and are not counted.
 A row reports means over the questions, as the paper's table does: each stage's mean (the pipeline's own times,
 device synchronised at stage boundaries); `other_ms`, what an answer's end-to-end time holds outside the five stages
 (input checks, building and embedding the prompt, detokenising, the steps between stages), so that the stages and
-other add up to `total_ms`, the mean end-to-end time; its p50 and p90 beside it. As in the pipeline's own total, the
+other add up to `total_ms`, the paper's measure; its p50 and p90 beside it. As in the pipeline's own total, the
 images' decoding and resizing into tiles is not in it: it is reported apart as `preprocess_ms`. `speedup` is the
-baseline's mean total over the row's; extend-one = decode time / tokens the decode stage made. A precision this
+baseline's mean total over the row's; extend-one = decode time / tokens the decode stage made. What a user lives
+with is `e2e_ms`: from the images as the caller hands them over (here the frames as a camera stack delivers them,
+HxWx3 uint8 arrays) to the last token, preprocessing included, with `p50_e2e_ms`, `p90_e2e_ms` and `e2e_speedup`
+(the baseline's mean e2e over the row's).
+
+Frame mode (`questions_per_frame` K > 1, `litevlm bench --questions-per-frame K`) asks K questions of each frame (the
+frame's first K, in the data's order: DriveLM's perception, prediction, planning, behaviour), each row twice on the
+same questions, side by side: as strangers (`answer(question, images)`, one question a frame: Table 1's way) and
+through one `Pipeline.frame` per frame (each view read and encoded once for its questions). The frame rows give the
+mean e2e per question of both, their ratio, the views encoded and whether every answer was the same. A precision this
 device only emulates (FP8 without FP8 kernels, as on a CPU) makes an accuracy row: its times are no speed figure
 (`speed_figure` false, `speedup` null). The DriveLM score of each row comes from the answers of this same run.
 
 The `transformers` rows run transformers' `generate` on the same weights, exported through `litevlm convert`, with
 the dynamic ("eager") and the static cache, on the baseline's own prompt ids and tiles (the checkpoint's chat
-template and tiling): both sides answer from identical inputs.
+template and tiling): both sides answer from identical inputs. Their e2e includes their own image processing, timed:
+the same frames cut by PIL's bicubic resize, the bytes transformers' PIL image processor makes.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from tqdm import tqdm
 
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
-from litevlm.eval.timing import emulated_precision, mean_latency
+from litevlm.eval.timing import emulated_precision, mean_latency, percentile
 from litevlm.model import cpu_steps
 from litevlm.pipeline import STAGES
 from litevlm.presets import BF16_CONFIGS, CONFIGS, GRAPH_BACKENDS, HF_ROWS
@@ -74,6 +84,7 @@ class RowLog:
     input_tokens: list[int] = field(default_factory=list)
     stages: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
     total: list[float] = field(default_factory=list)  # end-to-end ms of each answer, preprocessing apart
+    e2e: list[float] = field(default_factory=list)  # from the images as given to the last token (None: not timed)
     preprocess: list[float | None] = field(default_factory=list)  # images into tiles (None: not timed)
     new_tokens: list[int] = field(default_factory=list)
     opened: list[int] = field(default_factory=list)  # answer tokens accepted with the prompt (answer openings)
@@ -93,9 +104,11 @@ class RowLog:
         opened: int = 0,
         total: float | None = None,
         preprocess: float | None = None,
+        e2e: float | None = None,
     ) -> None:
         """One answer: its stage times in ms (a stage it did not run counts 0), its end-to-end time `total` less the
-        images' preprocessing (default: the stages' sum, nothing outside them) and that preprocessing's ms."""
+        images' preprocessing (default: the stages' sum, nothing outside them), that preprocessing's ms, and `e2e`,
+        from the images as given to the last token (default: total + preprocess)."""
         unknown = set(stages) - set(STAGES)
         if unknown:
             raise ValueError(f"stages: {sorted(unknown)} are not among {STAGES}")
@@ -103,6 +116,7 @@ class RowLog:
             self.stages[s].append(float(stages.get(s, 0.0)))
         self.total.append(sum(self.stages[s][-1] for s in STAGES) if total is None else float(total))
         self.preprocess.append(preprocess)
+        self.e2e.append(self.total[-1] + (preprocess or 0.0) if e2e is None else float(e2e))
         self.views.append(views)
         self.visual_tokens.append(visual_tokens)
         self.input_tokens.append(input_tokens)
@@ -113,10 +127,16 @@ class RowLog:
         """The mean end-to-end ms, as `row` reports it (`total_ms`): what the speed-ups divide."""
         return mean_latency(self.stages, self.total)["total_ms"]
 
-    def row(self, name: str, baseline_total: float | None, score) -> dict:
+    def mean_e2e(self) -> float:
+        """The mean e2e ms (`e2e_ms`): what `e2e_speedup` divides."""
+        return round(statistics.fmean(self.e2e), 3)
+
+    def row(self, name: str, baseline_total: float | None, score, baseline_e2e: float | None = None) -> dict:
         """The table's row: means over the questions (`mean_latency`); `speedup` = baseline_total (the baseline's
-        `total_ms`) / this row's `total_ms`, None without a baseline or for an emulated precision."""
+        `total_ms`) / this row's `total_ms`, `e2e_speedup` = baseline_e2e / this row's `e2e_ms`; None without a
+        baseline or for an emulated precision."""
         lat = mean_latency(self.stages, self.total)
+        e2e = self.mean_e2e()
         steps = sum(max(0, n - 1 - o) for n, o in zip(self.new_tokens, self.opened))  # the tokens the decode stage made
         speed = not self.emulated
         timed = speed and baseline_total and lat["total_ms"]
@@ -137,6 +157,13 @@ class RowLog:
             "decode_tokens": round(steps / len(self.total), 3),
             "extend_one_ms": round(sum(self.stages["decode"]) / steps, 3) if steps else None,
             "speedup": round(baseline_total / lat["total_ms"], 2) if timed else None,
+            "e2e_ms": e2e,
+            "p50_e2e_ms": round(percentile(self.e2e, 50), 3),
+            "p90_e2e_ms": round(percentile(self.e2e, 90), 3),
+            "e2e_speedup": round(baseline_e2e / e2e, 2) if speed and baseline_e2e and e2e else None,
+            "preprocess_share": round(statistics.fmean(self.preprocess) / e2e, 4)
+            if e2e and all(p is not None for p in self.preprocess)
+            else None,
             "speed_figure": speed,
             "emulated": self.emulated,
             "score": score,
@@ -162,9 +189,16 @@ class RowLog:
         return {name: round(t / total, 4) if total else 0.0 for name, t in parts.items()}
 
 
+def raw_frames(images: Mapping) -> dict:
+    """A frame's images as a camera stack hands them over: HxWx3 uint8 arrays (decoded once, outside any timing)."""
+    import numpy as np
+
+    return {cam: np.asarray(im.convert("RGB") if im.mode != "RGB" else im) for cam, im in images.items()}
+
+
 def _samples(data, n: int, seed: int, images_root=None):
-    """Questions with their images: the first of a DriveLM folder/file (every image file checked up front), or
-    held-out synthetic frames made in memory."""
+    """Questions with their images as raw frames (`raw_frames`): the first of a DriveLM folder/file (every image
+    file checked up front), or held-out synthetic frames made in memory."""
     from litevlm.data.drivelm import load_images, samples_from_frame
     from litevlm.data.source import load_data
     from litevlm.data.synthetic import make_frame, render_views
@@ -174,13 +208,13 @@ def _samples(data, n: int, seed: int, images_root=None):
         cache = {}
         for s in out:
             if s.frame_id not in cache:
-                cache[s.frame_id] = load_images(s)
+                cache[s.frame_id] = raw_frames(load_images(s))
             s.images = cache[s.frame_id]
         return out
     out, i = [], 0
     while len(out) < n:
         frame = make_frame(seed, i)
-        out += samples_from_frame(frame, render_views(frame, size=(800, 450)))
+        out += samples_from_frame(frame, raw_frames(render_views(frame, size=(800, 450))))
         i += 1
     return out[:n]
 
@@ -317,9 +351,14 @@ def random_pipeline(
 
 def hf_inputs(pipe, s) -> tuple[torch.Tensor, torch.Tensor]:
     """What the transformers rows give `generate` for sample `s`: the pipeline's own prompt over all six views (its
-    chat template, camera labels and tiling) as ids (1, T), and its tiles (tiles, 3, S, S), so that transformers and
-    the pipeline's baseline answer from identical inputs."""
-    pixels, counts = pipe.tiles(s.images, list(CAMERAS))
+    chat template, camera labels and tiling) as ids (1, T), and the views cut as transformers' PIL image processor
+    cuts them (PIL's bicubic resize, `resample="pil"`) into tiles (tiles, 3, S, S): the baseline's inputs, its
+    pixels within one level."""
+    from litevlm.model.vlm import cut_images, normalize_tiles
+
+    cut = cut_images([s.images[c] for c in CAMERAS], pipe.format.tiling, pipe.cfg.vision.image_size, "pil")
+    pixels = normalize_tiles(torch.cat([torch.from_numpy(a) for a in cut]))
+    counts = [a.shape[0] * pipe.cfg.tokens_per_tile for a in cut]
     layout = pipe.format.build(pipe.tokenizer, s.question, list(CAMERAS), counts)
     dev = pipe.model.device
     return torch.tensor([layout.ids], device=dev), pixels.to(dev, pipe.model.dtype)
@@ -349,8 +388,12 @@ def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int, share: bool =
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
 
     def run(s, counted: bool) -> None:
-        ids, pix = hf_inputs(pipe, s)
         for name, cache_impl in zip(HF_ROWS, (None, "static")):
+            sync()
+            t_pre = time.perf_counter()
+            ids, pix = hf_inputs(pipe, s)  # their own image processing, in their e2e
+            sync()
+            pre = (time.perf_counter() - t_pre) * 1e3
             with torch.inference_mode():
                 sync()
                 t0 = time.perf_counter()
@@ -391,6 +434,7 @@ def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int, share: bool =
                 input_tokens=ids.shape[1],
                 stages={"vit": vit, "prefill": prefill, "decode": max(0.0, gen - vit - prefill)},
                 new_tokens=len(new),
+                preprocess=pre,
             )
             text = tok.decode([t for t in new if t != tok.eos_id]).strip()
             logs[name].records.append(_record(s, text, len(CAMERAS)))
@@ -462,6 +506,7 @@ def run_bench(
     load: dict | None = None,
     jsonl=None,
     scored: bool = True,
+    questions_per_frame: int = 1,
 ) -> dict:
     """Every row of `configs` (default: the paper's table) on the first `n` questions of `data` after `warmup`
     (default: held-out synthetic frames of `seed`), plus transformers' generate rows with `hf`. A real model's rows
@@ -469,6 +514,7 @@ def run_bench(
     accuracy only); random weights at a preset's shapes are never scored.
 
     jsonl: a file the figures are appended to as they come, one JSON line each (`JsonLines`).
+    questions_per_frame: K > 1 is frame mode (module docstring): n questions in frames of K, `warmup` frames first.
 
     images_root: where a DriveLM JSON's images live. load: `Pipeline.from_pretrained` options shared by every row
     (device, dtype, and the prompt format of a checkpoint without prompt.json: system, camera_label, tiles,
@@ -488,7 +534,15 @@ def run_bench(
         raise LiteVLMError("--cuda-graphs measures a CUDA device: it needs --shape and a GPU")
     if shape is not None and any(v is not None for v in (load or {}).values()):
         raise LiteVLMError("--shape measures random weights at a preset's shapes: it takes no model or format options")
+    if questions_per_frame < 1:
+        raise LiteVLMError(f"--questions-per-frame must be >= 1; got {questions_per_frame}")
+    if questions_per_frame > 1 and shape is not None:
+        raise LiteVLMError("frame mode asks a real model's questions: it takes no --shape")
     lines = JsonLines(jsonl)
+    if questions_per_frame > 1:
+        frames = _frames(data, n, warmup, questions_per_frame, seed, images_root)
+        pipes = _pipelines(model, configs, max_new_tokens, shape, backend, load)
+        return _run_frames(pipes, frames, warmup, progress, lines, seed, model, scored), None
     samples = _samples(data, n + warmup, seed, images_root)
     pipes = _pipelines(model, configs, max_new_tokens, shape, backend, load)
     lines.write(
@@ -524,7 +578,7 @@ def run_bench(
             t0 = time.perf_counter()
             ans = pipe.answer(s.question, s.images)
             sync(pipe.model.device)
-            wall = (time.perf_counter() - t0) * 1e3  # the whole answer: the five stages, what lies between them
+            wall = (time.perf_counter() - t0) * 1e3  # the whole answer, from the images as given: e2e
             if i < warmup:
                 continue
             log = logs[name]
@@ -537,6 +591,7 @@ def run_bench(
                 opened=ans.opened_tokens,
                 total=wall - ans.timings_ms.get("preprocess", 0.0),  # preprocessing apart, as in the pipeline's total
                 preprocess=ans.timings_ms.get("preprocess", 0.0),
+                e2e=wall,
             )
             log.accept += ans.accept_lengths
             log.records.append(_record(s, ans.text, len(ans.views)))
@@ -547,13 +602,14 @@ def run_bench(
     # Speed-ups divide the baseline's mean total; an emulated baseline gives none.
     base = logs.get("baseline")
     base_total = base.mean_total() if base is not None and base.total and not base.emulated else None
+    base_e2e = base.mean_e2e() if base_total else None
     rows = []
     for name, log in logs.items():
         sc = None
         if shape is None and scored:
             res = score(log.records)
             sc = round(res["final"], 4) if res["final"] is not None else None
-        row = log.row(name, base_total, sc)
+        row = log.row(name, base_total, sc, base_e2e)
         if shape is None:
             row["closed_accuracy"] = closed_accuracy(log.records)
         rows.append(row)
@@ -578,6 +634,125 @@ def run_bench(
         "graph_replays": {name: dict(p.backend.stats) for name, p in pipes.items()},
         "peak_memory_mb": peak_memory_mb(dev),
     }, per_question
+
+
+FAMILIES = ("perception", "prediction", "planning", "behavior")  # DriveLM's order of a frame's questions
+
+
+def frame_questions(questions: list, k: int) -> list:
+    """k of a frame's questions across DriveLM's families: one of each in turn (perception, prediction, planning,
+    behaviour, then again), each family's in the data's order, the chosen ones in the data's order."""
+    queues = [[s for s in questions if s.category == f] for f in FAMILIES]
+    queues.append([s for s in questions if s.category not in FAMILIES])
+    chosen: list = []
+    while len(chosen) < k and any(queues):
+        for q in queues:
+            if q and len(chosen) < k:
+                chosen.append(q.pop(0))
+    return sorted(chosen, key=questions.index)
+
+
+def _frames(data, n: int, warmup: int, k: int, seed: int, images_root=None) -> list[list]:
+    """warmup + ceil(n / k) frames, each k of its questions (`frame_questions`; frames with fewer are skipped), with
+    their images as raw frames, in the data's order."""
+    from litevlm.data.drivelm import load_images
+    from litevlm.data.source import load_data
+
+    need = warmup + -(-n // k)
+    if data:
+        grouped: dict[str, list] = {}
+        for s in load_data(data, images_root):
+            grouped.setdefault(s.frame_id, []).append(s)
+        frames = [frame_questions(qs, k) for qs in grouped.values() if len(qs) >= k][:need]
+        for qs in frames:  # images decoded for the frames asked only
+            images = raw_frames(load_images(qs[0]))
+            for s in qs:
+                s.images = images
+    else:
+        grouped = {}
+        for s in _samples(None, need * 40, seed):
+            grouped.setdefault(s.frame_id, []).append(s)
+        frames = [frame_questions(qs, k) for qs in grouped.values() if len(qs) >= k][:need]
+    if len(frames) < need:
+        raise LiteVLMError(f"frame mode needs {need} frames of {k} questions or more; the data has {len(frames)}")
+    return frames
+
+
+def _run_frames(pipes: dict, frames: list[list], warmup: int, progress: bool, lines, seed: int, model, scored) -> dict:
+    """Frame mode (module docstring): each row answers each frame's questions as strangers and through one frame,
+    side by side in a shuffled order; e2e per question of both, the views each encoded, the cache's counts."""
+    from litevlm.eval.metrics import closed_accuracy, score
+    from litevlm.model.generate import sync
+
+    k = len(frames[0])
+    logs = {name: {"strangers": RowLog(), "frame": RowLog()} for name in pipes}
+    encoded = {name: {"strangers": 0, "frame": 0} for name in pipes}
+    equal = {name: True for name in pipes}
+    order = [(name, mode) for name in pipes for mode in ("strangers", "frame")]
+    shuffler = random.Random(seed)
+    for i, questions in enumerate(tqdm(frames, desc="bench frames", disable=not progress)):
+        shuffler.shuffle(order)
+        answers: dict = {}
+        for name, mode in order:
+            pipe = pipes[name]
+            frame = pipe.frame(questions[0].images) if mode == "frame" else None
+            for s in questions:
+                sync(pipe.model.device)
+                t0 = time.perf_counter()
+                ans = frame.answer(s.question) if frame is not None else pipe.answer(s.question, s.images)
+                sync(pipe.model.device)
+                wall = (time.perf_counter() - t0) * 1e3
+                answers.setdefault((name, s.id), {})[mode] = ans.tokens
+                if i < warmup:
+                    continue
+                log = logs[name][mode]
+                pre = ans.timings_ms.get("preprocess", 0.0)
+                log.add(
+                    views=len(ans.views),
+                    visual_tokens=ans.num_visual_tokens,
+                    input_tokens=ans.input_tokens,
+                    stages={st: ans.timings_ms.get(st, 0.0) for st in STAGES},
+                    new_tokens=len(ans.tokens),
+                    opened=ans.opened_tokens,
+                    total=wall - pre,
+                    preprocess=pre,
+                    e2e=wall,
+                )
+                log.accept += ans.accept_lengths
+                log.records.append(_record(s, pipe.tokenizer.decode(ans.tokens).strip(), len(ans.views)))
+                encoded[name][mode] += ans.cache.get("encoded", 0)
+                lines.answer(f"{name} ({mode})", log, len(log.total) - 1)
+        for (name, _), got in answers.items():
+            equal[name] &= got["strangers"] == got["frame"]
+    rows = []
+    for name, modes in logs.items():
+        for mode, log in modes.items():
+            row = log.row(name, None, None)
+            n_q = len(log.total)
+            row.update(
+                mode=mode,
+                questions_per_frame=1 if mode == "strangers" else k,
+                views_encoded_per_question=round(encoded[name][mode] / n_q, 3),
+                e2e_vs_strangers=round(row["e2e_ms"] / modes["strangers"].mean_e2e(), 3),
+                answers_equal=equal[name],
+            )
+            if scored:
+                row["score"] = round(score(log.records)["final"] or 0.0, 4)
+            row["closed_accuracy"] = closed_accuracy(log.records)
+            rows.append(row)
+            lines.write("row", **row)
+    return {
+        "model": model,
+        "device": next(iter(pipes.values())).model.device.type,
+        "threads": torch.get_num_threads(),
+        "cpu_steps": cpu_steps.backend(),
+        "questions": len(logs[next(iter(logs))]["frame"].total),
+        "questions_per_frame": k,
+        "frames": len(frames) - warmup,
+        "frame_rows": rows,
+        "rows": [],
+        "backends": {name: p.backend.name for name, p in pipes.items()},
+    }
 
 
 def peak_memory_mb(device: str) -> float:

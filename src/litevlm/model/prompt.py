@@ -27,6 +27,7 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from litevlm.errors import LiteVLMError
 
@@ -84,10 +85,36 @@ class Tiling:
         n = self.max_tiles or self.tiles
         return n + (1 if self.thumbnail and n > 1 else 0)
 
-    def cut(self, image, size: int) -> np.ndarray:
-        """A PIL image -> (tiles, 3, S, S) uint8, in the order the tokens are written."""
+    def target(self, width: int, height: int, size: int) -> tuple[int, int]:
+        """(width, height) of the largest resize an image of this size makes (its grid; the thumbnail is smaller)."""
+        cols, rows = self.grid(width, height, size)
+        return size * cols, size * rows
+
+    def cut(self, image, size: int, resample: str = "fast") -> np.ndarray:
+        """An image (a PIL image, an HxWx3 uint8 array, or (3, H, W) uint8 pixels) -> (tiles, 3, S, S) uint8, in the
+        order the tokens are written. resample: "fast", torch's antialiased bicubic resize on uint8
+        (`litevlm.model.images`); "pil", PIL's bicubic resize (the reference, transformers' PIL processor's bytes)."""
+        if resample == "pil":
+            return self._cut_pil(image, size)
+        from litevlm.model.images import as_pixels, check_resample, resize
+
+        check_resample(resample)
+        pixels = as_pixels(image)  # (3, H, W)
+        cols, rows = self.grid(pixels.shape[2], pixels.shape[1], size)
+        a = resize(pixels, size * rows, size * cols)  # (3, rows*S, cols*S)
+        # (3, rows, S, cols, S) -> (rows, cols, 3, S, S): row by row, left to right
+        tiles = a.reshape(3, rows, size, cols, size).permute(1, 3, 0, 2, 4).reshape(rows * cols, 3, size, size)
+        if self.thumbnail and rows * cols > 1:  # (rows*cols, 3, S, S) + the whole image
+            tiles = torch.cat([tiles, resize(pixels, size, size)[None]])
+        return np.ascontiguousarray(tiles.numpy())
+
+    def _cut_pil(self, image, size: int) -> np.ndarray:
         from PIL import Image
 
+        if not isinstance(image, Image.Image):
+            from litevlm.model.images import read_image
+
+            image = read_image(image, resample="pil")
         rgb = image if image.mode == "RGB" else image.convert("RGB")
         cols, rows = self.grid(*rgb.size, size)
         a = np.asarray(rgb.resize((size * cols, size * rows), Image.BICUBIC))

@@ -7,9 +7,6 @@ masked_scatter does); the decoder then runs over text and visual tokens alike.
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -153,47 +150,27 @@ def image_to_tiles(image, image_size: int, tiles_per_view: int) -> torch.Tensor:
     return normalize_tiles(torch.from_numpy(image_to_uint8_tiles(image, image_size, tiles_per_view)))
 
 
-_CUT_POOLS: dict[int, ThreadPoolExecutor] = {}  # worker count -> the threads that cut images side by side
-_CUT_POOLS_LOCK = threading.Lock()
+def cut_view(source, tiling: Tiling, size: int, resample: str = "fast") -> np.ndarray:
+    """One image (a path, encoded bytes, PIL image, uint8 array or tensor) read at the scale its tiles need and cut
+    into (tiles, 3, S, S) uint8 tiles (`Tiling.cut`; `litevlm.model.images`)."""
+    from litevlm.model.images import read_image
+
+    image = read_image(source, lambda w, h: tiling.target(w, h, size), resample)
+    return tiling.cut(image, size, resample)
 
 
-def cut_images(sources, tiling: Tiling, size: int) -> list[np.ndarray]:
-    """Each image (a path, PIL image or array) read and cut into (tiles, 3, S, S) uint8 tiles (`Tiling.cut`), in order.
+def cut_images(sources, tiling: Tiling, size: int, resample: str = "fast") -> list[np.ndarray]:
+    """Each image read and cut (`cut_view`), in order, side by side where torch has several threads; each is still
+    its own whole resize, so the bytes are those of cutting them one by one. A bad image raises its `LiteVLMError`
+    (the first such in order)."""
+    from litevlm.model.images import side_by_side
 
-    PIL decodes and resamples without holding the GIL, so with several images and more than one of torch's threads
-    (the threads the user runs with: one pinned thread cuts them one after another) the images are cut side by side,
-    one a thread. Each is still its own whole resize, so the bytes are those of cutting them one by one. A bad image
-    raises its `LiteVLMError` (the first such in order)."""
-
-    def one(source) -> np.ndarray:
-        return tiling.cut(load_image(source), size)
-
-    workers = min(len(sources), torch.get_num_threads())
-    if workers < 2:
-        return [one(s) for s in sources]
-    with _CUT_POOLS_LOCK:
-        pool = _CUT_POOLS.get(workers)
-        if pool is None:
-            pool = _CUT_POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="litevlm-cut")
-    return list(pool.map(one, sources))
+    return side_by_side(lambda s: cut_view(s, tiling, size, resample), list(sources))
 
 
 def load_image(source) -> Image.Image:
-    """A path, PIL image or HxWx3 uint8 array -> RGB PIL image, or a LiteVLMError naming the problem."""
-    from PIL import Image, UnidentifiedImageError
+    """A path, encoded bytes, PIL image, uint8 array or tensor -> RGB PIL image, or a LiteVLMError naming the
+    problem."""
+    from litevlm.model.images import read_image
 
-    if isinstance(source, Image.Image):
-        return source if source.mode == "RGB" else source.convert("RGB")  # never modified: no copy needed
-    if isinstance(source, np.ndarray):
-        if source.ndim != 3 or source.shape[2] not in (3, 4):
-            raise LiteVLMError(f"an image array must be HxWx3 (or 4); got shape {source.shape}")
-        return Image.fromarray(source.astype(np.uint8)).convert("RGB")
-    path = Path(source)
-    if not path.is_file():
-        raise LiteVLMError(f"image file not found: {path}")
-    try:
-        with Image.open(path) as im:
-            im.load()
-            return im.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise LiteVLMError(f"cannot read image {path}: {e}") from None
+    return read_image(source, resample="pil")

@@ -1,6 +1,7 @@
 """Token selection as one object, chosen when a pipeline is built: which visual tokens the prefill keeps.
 
-Each kind answers one call per question, `select(model, prompt, question, tiling)` -> (embeds, positions, hook):
+Each kind answers one call per question, `select(model, prompt, question, tiling, record)` -> (embeds, positions,
+hook), a selector that scores the tokens putting its scores in `record` (a dict, or None):
 the prompt pruned before the decoder, or left whole with the `Pruning` hook that prunes inside it
 (`litevlm.model.generate.pruned_prefill`). The pipeline times the call as "select_tokens".
 
@@ -28,7 +29,7 @@ class KeepAll:
     label = ""
     plain_decoding = False  # FastV's answers decode without the draft head or openings
 
-    def select(self, model, p, question: str, tiling):
+    def select(self, model, p, question: str, tiling, record: dict | None = None):
         return p.embeds, p.positions, None
 
 
@@ -44,7 +45,7 @@ class FastV(KeepAll):
     def label(self) -> str:
         return f"fastv K={self.k} r={self.keep_ratio}"
 
-    def select(self, model, p, question: str, tiling):
+    def select(self, model, p, question: str, tiling, record: dict | None = None):
         return p.embeds, p.positions, fastv_pruning(model, p.positions, p.view_spans, self.k, self.keep_ratio)
 
 
@@ -69,7 +70,7 @@ class TokenSelector(KeepAll):
             + (f" from {self.min_tokens}" if self.min_tokens else "")
         )
 
-    def select(self, model, p, question: str, tiling):
+    def select(self, model, p, question: str, tiling, record: dict | None = None):
         sel = self.selector
         if p.num_visual_tokens < self.min_tokens:
             return p.embeds, p.positions, None
@@ -77,7 +78,14 @@ class TokenSelector(KeepAll):
             hook = sel.pruning(model, p.positions, p.view_spans, self.keep_ratio, question=question, tiling=tiling)
             return p.embeds, p.positions, hook
         embeds, positions, kept = sel.select(
-            model, p.embeds, p.positions, p.view_spans, keep_ratio=self.keep_ratio, question=question, tiling=tiling
+            model,
+            p.embeds,
+            p.positions,
+            p.view_spans,
+            keep_ratio=self.keep_ratio,
+            question=question,
+            tiling=tiling,
+            record=record,
         )
         if self.layer:  # the same choice, applied inside the decoder
             return p.embeds, p.positions, Pruning(self.layer, lambda x: kept, "select_tokens")
@@ -96,7 +104,7 @@ class Pruner(KeepAll):
     def label(self) -> str:
         return self.cfg.name
 
-    def select(self, model, p, question: str, tiling):
+    def select(self, model, p, question: str, tiling, record: dict | None = None):
         from litevlm.select.pruners import apply_pruner
 
         ids = None

@@ -870,6 +870,7 @@ class TokenSelector(nn.Module):
         min_per_view: int | None = None,
         question: str | None = None,
         tiling: Tiling | None = None,
+        record: dict | None = None,
     ):
         """Keep a fraction r of the visual tokens (batch 1): (embeds_kept, positions_kept, kept_index).
 
@@ -878,7 +879,8 @@ class TokenSelector(nn.Module):
 
         positions_kept are the ORIGINAL positions of the kept tokens; every text token is kept;
         kept_index (T',) are the prompt indices kept, ascending. keep_ratio=1 returns the prompt as
-        it is (bit for bit the unpruned output). Defaults come from the checkpoint's config.
+        it is (bit for bit the unpruned output). Defaults come from the checkpoint's config. record: a dict that
+        receives the visual tokens' log-scores (N,) under "scores" (what the explain figure shades by).
         """
         r = self.cfg.keep_ratio if keep_ratio is None else keep_ratio
         quota = self.cfg.min_per_view if min_per_view is None else min_per_view
@@ -889,6 +891,8 @@ class TokenSelector(nn.Module):
         if r >= 1.0:
             return embeds, positions, torch.arange(embeds.shape[1], device=embeds.device)
         s = self.scores(embeds, positions, view_spans, self.tag_features(model, question, view_spans, tiling))[0]
+        if record is not None:
+            record["scores"] = s
         kept = self._keep(s, embeds[0], view_spans, r, quota)
         return prune_prompt(embeds, positions, view_spans, kept)
 

@@ -670,13 +670,14 @@ def train_token_selector(
     samples = load_data(data, images_root) if data is not None else None  # checked before anything runs
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
-    t_start = time.time()
-    deadline = t_start + recipe.minutes * 60
     loaded = model_dir if isinstance(model_dir, Loaded) else load_model(model_dir)
     model = loaded.model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     pipe = Pipeline.from_loaded(loaded, max_new_tokens=recipe.answer_tokens)
+    # The budget starts after setup (loading the target, making its backend: a native build can take a minute).
+    t_start = time.time()
+    deadline = t_start + recipe.minutes * 60
     tiling = pipe.format.tiling
     rng = random.Random(recipe.seed)
     shown = progress and d.is_main

@@ -1,0 +1,136 @@
+"""Camera images to tiles: reading at the scale the tiles need, and one antialiased resize in uint8.
+
+A view reaches the vision tower as `Tiling.cut` tiles of S x S pixels. Reading and cutting costs more than the
+encoder on a CPU when done naively (a full-size decode, then a bicubic resize from full size in PIL), so:
+
+- raw frames (HxWx3 uint8 arrays; uint8 tensors, HWC or CHW) go to the resize as they are, with no PIL round trip;
+- a JPEG is decoded at the smallest of its DCT scales (1/2, 1/4, 1/8) that still covers the tiles' size (libjpeg's
+  reduced-size decoding, `PIL.Image.draft`): nothing the resize keeps is lost, most of the decode is skipped;
+- the resize is torch's separable antialiased bicubic on uint8, the same filter as PIL's bicubic resize (within one
+  level of every byte of it) at a fraction of its time.
+
+`resample="pil"` keeps the reference path (PIL decodes in full, PIL's bicubic resize), byte for byte what
+transformers' PIL image processor makes: the equivalence tests use it, and the preprocessing benchmark compares the
+two.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from litevlm.errors import LiteVLMError
+
+RESAMPLE = ("fast", "pil")
+# Pixels are only ever read here (the resize makes new ones), so a read-only array (a PIL image's, a caller's frame)
+# is taken as it is instead of copied to quiet torch's warning about it.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def check_resample(resample: str) -> str:
+    if resample not in RESAMPLE:
+        raise LiteVLMError(f"resample={resample!r}: use one of {', '.join(RESAMPLE)}")
+    return resample
+
+
+def open_image(source, target=None, draft: bool = True):
+    """A path or encoded bytes -> an RGB PIL image, decoded at the smallest JPEG scale that still covers `target`
+    (a function (width, height) -> the (width, height) the tiles need; None or draft=False: full size)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        where, opener = "the image bytes", io.BytesIO(bytes(source))
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise LiteVLMError(f"image file not found: {path}")
+        where, opener = f"image {path}", path
+    try:
+        with Image.open(opener) as im:
+            if draft and target is not None and im.format == "JPEG":
+                im.draft("RGB", target(*im.size))  # a DCT scale whose size is at least the target's, or none
+            im.load()
+            return im if im.mode == "RGB" else im.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise LiteVLMError(f"cannot read {where}: {e}") from None
+
+
+def as_pixels(image) -> torch.Tensor:
+    """A PIL image, HxWx3 (or 4) uint8 array, or uint8 tensor (HWC or CHW) -> (3, H, W) uint8 tensor on the CPU, a
+    view of the caller's pixels where it can be (an array's or tensor's; a PIL image is copied once)."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        return torch.from_numpy(np.asarray(rgb)).permute(2, 0, 1)  # (3, H, W), channels last in memory
+    if isinstance(image, np.ndarray):
+        if image.ndim != 3 or image.shape[2] not in (3, 4):
+            raise LiteVLMError(f"an image array must be HxWx3 (or 4); got shape {image.shape}")
+        if image.dtype != np.uint8:
+            raise LiteVLMError(f"an image array must be uint8 (0-255); got {image.dtype}")
+        if any(st < 0 for st in image.strides):  # a flipped view: torch takes positive strides only
+            image = image.copy()
+        return torch.from_numpy(image)[..., :3].permute(2, 0, 1)
+    if isinstance(image, torch.Tensor):
+        if image.dtype != torch.uint8 or image.ndim != 3:
+            raise LiteVLMError(
+                f"an image tensor must be uint8 HxWx3 or 3xHxW; got {str(image.dtype).removeprefix('torch.')} "
+                f"{tuple(image.shape)}"
+            )
+        image = image.detach().cpu()
+        if image.shape[0] in (3, 4) and image.shape[2] not in (3, 4):  # CHW
+            return image[:3]
+        if image.shape[2] in (3, 4):  # HWC
+            return image[..., :3].permute(2, 0, 1)
+        raise LiteVLMError(f"an image tensor must be uint8 HxWx3 or 3xHxW; got shape {tuple(image.shape)}")
+    raise LiteVLMError(
+        f"an image must be a path, encoded bytes, a PIL image, a uint8 array or tensor; got {type(image).__name__}"
+    )
+
+
+def resize(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """(3, H, W) uint8 -> (3, height, width) uint8, antialiased bicubic (PIL's filter, within one level)."""
+    if pixels.shape[1:] == (height, width):
+        return pixels
+    return F.interpolate(pixels[None], size=(height, width), mode="bicubic", antialias=True)[0]
+
+
+def read_image(source, target=None, resample: str = "fast"):
+    """Any image source -> what `Tiling.cut` takes: (3, H, W) uint8 pixels (fast), or an RGB PIL image (pil).
+
+    target: (width, height) -> the size the tiles need, for a JPEG's reduced-size decoding (fast path only)."""
+    from PIL import Image
+
+    if isinstance(source, (str, Path, bytes, bytearray, memoryview)):
+        im = open_image(source, target, draft=resample == "fast")
+        return as_pixels(im) if resample == "fast" else im
+    if resample == "fast":
+        return as_pixels(source)
+    if isinstance(source, Image.Image):
+        return source if source.mode == "RGB" else source.convert("RGB")
+    return Image.fromarray(as_pixels(source).permute(1, 2, 0).contiguous().numpy())
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}  # worker count -> the threads that cut images side by side
+_POOLS_LOCK = threading.Lock()
+
+
+def side_by_side(fn, items: list) -> list:
+    """[fn(x) for x in items], one item a thread where torch runs on more than one (the threads the user runs with:
+    one pinned thread does them one after another). PIL's decoding and torch's resize release the GIL. The first
+    exception in order is raised; every item is still tried."""
+    workers = min(len(items), torch.get_num_threads())
+    if workers < 2:
+        return [fn(x) for x in items]
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="litevlm-cut")
+    return list(pool.map(fn, items))
