@@ -788,6 +788,29 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+FRAME_COLUMNS = (
+    "config",
+    "mode",
+    "questions_per_frame",
+    "views",
+    "views_encoded_per_question",
+    "preprocess_ms",
+    "vit_ms",
+    "total_ms",
+    "e2e_ms",
+    "p50_e2e_ms",
+    "p90_e2e_ms",
+    "e2e_vs_strangers",
+    "answers_equal",
+    "score",
+)
+
+
+def format_frames(result: dict) -> str:
+    """Frame mode's table: each row as strangers and through one frame, mean e2e per question side by side."""
+    return "\n".join(_markdown(FRAME_COLUMNS, result["frame_rows"]))
+
+
 SHARES = (("vit", "vision"), ("select", "selection"), ("prefill", "prefill"), ("decode", "decode"), ("other", "other"))
 
 

@@ -1,5 +1,8 @@
 """Run a pipeline over a DriveLM-format dataset and score its answers with DriveLM's evaluation.
 
+The questions are answered frame by frame (`Pipeline.frame`): each camera view is read and encoded once for all its
+frame's questions, and a pipeline with a content cache (`litevlm.frame.ViewCache`) serves views seen before.
+
 Under `torchrun` each rank answers its share of the questions (`litevlm.dist.shard`) and rank 0 gathers
 the records back in the file's order and scores them, so the scores equal a single process's; with a
 `ShardStore` every finished answer is kept on disk and a rerun answers only what is left.
@@ -56,12 +59,15 @@ def evaluate(
     d = d or Dist()
     done = store.done() if store is not None else {}
     mine = []
+    frame, frame_of = None, None  # DriveLM's questions come frame by frame: each view read and encoded once a frame
     for i in tqdm(shard(list(range(len(samples))), d), desc="evaluating", disable=not (progress and d.is_main)):
         if str(i) in done:
             mine.append(done[str(i)])
             continue
         s = samples[i]
-        ans = pipe.answer(s.question, empty if blank else s.images)
+        if frame is None or frame_of != s.frame_id:
+            frame, frame_of = pipe.frame(empty if blank else s.images), s.frame_id
+        ans = frame.answer(s.question)
         rec = {
             **record(s, ans.text),
             "category": s.category,
@@ -69,6 +75,7 @@ def evaluate(
             "needed_views": list(s.views),
             "visual_tokens": ans.num_visual_tokens,
             "timings_ms": ans.timings_ms,
+            "cache": ans.cache,
         }
         if store is not None:
             store.put(str(i), rec)
@@ -96,6 +103,9 @@ def evaluate(
     result["views_per_question"] = statistics.fmean(views) if views else 0.0
     result["visual_tokens"] = statistics.fmean(vtok) if vtok else 0.0
     result["total_ms_median"] = statistics.median(totals) if totals else 0.0
+    e2e = [r["timings_ms"].get("e2e", 0.0) for r in records]
+    result["e2e_ms_median"] = statistics.median(e2e) if e2e else 0.0
+    result["views_encoded"] = sum(r.get("cache", {}).get("encoded", 0) for r in records)
     result["blank_images"] = blank
     result["records"] = records
     return result

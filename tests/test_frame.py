@@ -1,0 +1,148 @@
+"""One frame, several questions: each view read and encoded once, the content cache, cameras that fail, raw frames,
+and e2e."""
+
+import numpy as np
+import pytest
+import torch
+
+from litevlm import LiteVLMError, Pipeline
+from litevlm.cameras import CAMERAS
+from litevlm.frame import ViewCache
+from litevlm.model.prompt import Tiling
+from litevlm.model.vlm import cut_view
+from litevlm.pipeline import STAGES
+
+BACK = "Is there a car behind the ego car?"  # CAM_BACK only (the lexical ViewSelector)
+FRONT_LEFT = "Is there a pedestrian to the front left of the ego car?"  # CAM_FRONT_LEFT only
+SCENE = "What are the important objects in the current scene?"  # every view
+QUESTIONS = (BACK, FRONT_LEFT, SCENE, "Is there a barrier to the back left of the ego car?")
+
+
+@pytest.fixture(scope="module")
+def pipe(full_model_dir):
+    return Pipeline.from_pretrained(full_model_dir, max_new_tokens=8, select_views=True, select_tokens=0.5)
+
+
+@pytest.fixture(scope="module")
+def images():
+    from litevlm.data.synthetic import make_frame, render_views
+
+    return render_views(make_frame(1, 0), size=(160, 90))
+
+
+def test_a_frames_answers_equal_answer_with_each_view_encoded_once(pipe, images):
+    frame = pipe.frame(images)
+    encoded = []
+    for q in (*QUESTIONS, BACK):
+        alone = pipe.answer(q, images)
+        got = frame.answer(q)
+        assert got.tokens == alone.tokens and got.views == alone.views
+        assert got.kept_tokens == alone.kept_tokens
+        encoded.append(got.cache["encoded"])
+    assert encoded == [1, 1, 4, 0, 0]  # CAM_BACK, CAM_FRONT_LEFT, the four others, then nothing new
+    assert frame.encoded == len(CAMERAS)
+
+
+def test_a_tiles_tokens_do_not_depend_on_the_tiles_beside_it(pipe, images):
+    tiles, _ = pipe.tiles(images, list(CAMERAS))
+    with torch.no_grad():
+        together = pipe.model.encode_tiles(tiles)
+        one_by_one = torch.cat([pipe.model.encode_tiles(tiles[i : i + 1]) for i in range(tiles.shape[0])])
+    assert torch.equal(together, one_by_one)
+
+
+def test_e2e_holds_preprocessing_and_every_stage(pipe, images):
+    for q in QUESTIONS:
+        ms = pipe.answer(q, images).timings_ms
+        assert ms["total"] == pytest.approx(sum(ms[s] for s in STAGES))
+        assert ms["e2e"] >= ms["preprocess"] + ms["total"]
+
+
+def test_the_cache_misses_on_one_changed_pixel_evicts_past_its_bound_and_clears_with_the_weights(pipe, images):
+    arrays = {c: np.asarray(im).copy() for c, im in images.items()}
+    pipe.view_cache = ViewCache()
+    try:
+        first = pipe.answer(BACK, arrays)
+        assert first.cache == {"encoded": 1, "hits": 0, "misses": 1}
+        again = pipe.answer(BACK, {c: a.copy() for c, a in arrays.items()})  # same content, other arrays
+        assert again.cache == {"encoded": 0, "hits": 1, "misses": 0} and again.tokens == first.tokens
+        changed = {c: a.copy() for c, a in arrays.items()}
+        changed["CAM_BACK"][5, 7, 1] ^= 1
+        assert pipe.answer(BACK, changed).cache == {"encoded": 1, "hits": 0, "misses": 1}
+        pipe.rebuild(warmup=False)  # weights may have changed: nothing encoded before is served
+        assert pipe.view_cache.stats()["entries"] == 0
+        assert pipe.answer(BACK, arrays).cache["misses"] == 1
+        one_view = pipe.view_cache.bytes
+        pipe.view_cache = ViewCache(max_bytes=2 * one_view)  # room for two views
+        pipe.answer(SCENE, arrays)
+        stats = pipe.view_cache.stats()
+        assert stats["entries"] == 2 and stats["evictions"] == 4 and stats["bytes"] <= 2 * one_view
+        # the least recently used go first: the last two views the scene-wide question encoded stay
+        assert pipe.answer(SCENE, arrays).cache["hits"] == 2
+    finally:
+        pipe.view_cache = None
+
+
+def test_a_missing_or_corrupt_camera_fails_only_the_questions_that_need_it(pipe, images, tmp_path):
+    corrupt = tmp_path / "CAM_BACK.png"
+    corrupt.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    broken = {**images, "CAM_BACK": corrupt}
+    frame = pipe.frame(broken)
+    with pytest.raises(LiteVLMError, match="CAM_BACK.*cannot be read"):
+        frame.answer(BACK)
+    assert frame.answer(FRONT_LEFT).tokens == pipe.answer(FRONT_LEFT, images).tokens
+    with pytest.raises(LiteVLMError, match="CAM_BACK"):
+        frame.answer(SCENE)  # scene-wide: never answered blind to a camera
+
+    five = {c: im for c, im in images.items() if c != "CAM_BACK"}
+    with pytest.raises(LiteVLMError, match="needs CAM_BACK.*CAM_BACK is missing"):
+        pipe.answer(BACK, five)
+    with pytest.raises(LiteVLMError, match="needs every camera.*CAM_BACK is missing"):
+        pipe.answer(SCENE, five)
+    assert pipe.answer(FRONT_LEFT, five).tokens == pipe.answer(FRONT_LEFT, images).tokens
+    with pytest.raises(LiteVLMError, match="unknown camera"):
+        pipe.answer(BACK, {**images, "CAM_ROOF": images["CAM_BACK"]})
+
+
+def test_without_view_selection_every_question_needs_all_six(full_model_dir, images):
+    base = Pipeline.from_pretrained(full_model_dir, max_new_tokens=4, warmup=False)
+    with pytest.raises(LiteVLMError, match="missing CAM_BACK: without view selection every question needs all six"):
+        base.answer(FRONT_LEFT, {c: im for c, im in images.items() if c != "CAM_BACK"})
+
+
+def test_arrays_tensors_and_files_give_the_answer_of_the_png(pipe, images, tmp_path):
+    paths = {}
+    for c, im in images.items():
+        im.save(tmp_path / f"{c}.png")
+        paths[c] = tmp_path / f"{c}.png"
+    hwc = {c: np.asarray(im) for c, im in images.items()}
+    forms = {
+        "png": paths,
+        "bytes": {c: p.read_bytes() for c, p in paths.items()},
+        "array": hwc,
+        "tensor hwc": {c: torch.from_numpy(a.copy()) for c, a in hwc.items()},
+        "tensor chw": {c: torch.from_numpy(a.copy()).permute(2, 0, 1).contiguous() for c, a in hwc.items()},
+        "rgba array": {c: np.concatenate([a, np.full(a.shape[:2] + (1,), 255, np.uint8)], 2) for c, a in hwc.items()},
+    }
+    want = pipe.answer(SCENE, images).tokens
+    for name, imgs in forms.items():
+        assert pipe.answer(SCENE, imgs).tokens == want, name
+    with pytest.raises(LiteVLMError, match="uint8"):
+        pipe.answer(BACK, {**hwc, "CAM_BACK": hwc["CAM_BACK"].astype(np.float32)})
+
+
+def test_the_fast_resize_is_pils_within_one_level_and_a_jpeg_decodes_at_the_scale_its_tiles_need(tmp_path):
+    from PIL import Image
+
+    from litevlm.data.synthetic import make_frame, render_views
+
+    im = render_views(make_frame(1, 0), size=(800, 450))["CAM_FRONT"]
+    for tiling, size in ((Tiling(tiles=2), 56), (Tiling(max_tiles=4, thumbnail=True), 64)):
+        fast, ref = cut_view(im, tiling, size), cut_view(im, tiling, size, "pil")
+        assert fast.shape == ref.shape and np.abs(fast.astype(int) - ref).max() <= 1
+    im.save(tmp_path / "view.jpg", quality=95)
+    from litevlm.model.images import open_image
+
+    assert open_image(tmp_path / "view.jpg", lambda w, h: (112, 56)).size == (200, 113)  # 1/4: still covers 112x56
+    assert open_image(tmp_path / "view.jpg", lambda w, h: (500, 250)).size == (800, 450)  # no smaller scale covers it
+    assert Image.open(tmp_path / "view.jpg").size == (800, 450)
