@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from litevlm.eval.bench import ACCURACY_COLUMNS, COLUMNS, speed_figure
+from litevlm.eval.bench import ACCURACY_COLUMNS, speed_figure
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -85,6 +85,8 @@ HD_ALL_QUESTIONS = (
     "token-selector,token-selector-k2,fastv-k2,fastv-k2-k0,dart,divprune,cdpruner",
 )
 HELDOUT_QUESTIONS = 1688
+FRAMES_ARGV = ["litevlm", "bench", "--model", HD, "--data", HELDOUT, "--json", "--questions-per-frame", "6"]
+FRAMES_ARGV += ["--configs", "baseline,litevlm", "--no-transformers"]
 
 
 def benchmarks() -> list[Benchmark]:
@@ -98,6 +100,14 @@ def benchmarks() -> list[Benchmark]:
             needs=[HELDOUT],
         ),
         Benchmark("bench_hd_default_threads", bench_hd, n=100, pinned=False, needs=[HELDOUT]),
+        # each frame's six questions through one Pipeline.frame beside the same questions one a frame (Table 1's way)
+        Benchmark("bench_hd_frames", FRAMES_ARGV, n=96, needs=[HELDOUT]),
+        Benchmark("bench_hd_frames_default_threads", FRAMES_ARGV, n=96, pinned=False, needs=[HELDOUT]),
+        Benchmark(
+            "preprocess",
+            ["benchmarks/preprocess.py", "--threads", "1", "--score-n", "400", "--data", HELDOUT],
+            needs=[HELDOUT],
+        ),
         Benchmark("bench_1thread", [*bench, "--plot", "benchmarks/results/bench_1thread.png"], n=100, needs=[HELDOUT]),
         Benchmark("bench_default_threads", bench, n=100, pinned=False, needs=[HELDOUT]),
         Benchmark(
@@ -109,7 +119,6 @@ def benchmarks() -> list[Benchmark]:
         pruning(HD, "drive-hd", n=600, extra=HD_PRUNING),  # three times the questions: pruners differ by a few
         pruning(HD, "drive-hd-all-views", n=600, extra=HD_ALL_VIEWS),
         pruning(HD, "drive-hd-all-questions", n=HELDOUT_QUESTIONS, extra=HD_ALL_QUESTIONS, per_view=False, timed=0),
-        pruning(MODEL, "drive-tiny"),
         Benchmark(
             "view_selection",
             ["benchmarks/view_selection.py", "--model", MODEL, "--data", HELDOUT_VIEWS, "--threads", "1"],
@@ -154,18 +163,6 @@ def benchmarks() -> list[Benchmark]:
             ["litevlm", "bench", "--shape", "2b", "--max-new-tokens", "8", "--warmup", "0", "--json"],
             n=1,
             pinned=False,
-        )
-    )
-    if (ROOT / "benchmarks" / "compile_vs_native.py").exists():
-        out.append(Benchmark("compile_vs_native", ["benchmarks/compile_vs_native.py"], pinned=False))
-    # not pinned as a whole: the script pins its own one-thread runs and leaves the default-thread ones free
-    out.append(
-        Benchmark(
-            "before_after",
-            ["benchmarks/before_after.py", "--before", BACKEND_BASELINE, "--data", HELDOUT],
-            n=100,
-            pinned=False,
-            needs=[HELDOUT],
         )
     )
     return out
@@ -286,6 +283,11 @@ def fmt(v) -> str:
     return str(v)
 
 
+def times(v) -> str:
+    """A ratio in bold with its x; n/a (no x) where the run did not measure it."""
+    return "n/a" if v is None else f"**{fmt(v)}x**"
+
+
 def table(header: list[str], rows: list[list]) -> list[str]:
     return [
         "| " + " | ".join(header) + " |",
@@ -295,21 +297,29 @@ def table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def provenance(run: dict) -> list[str]:
+    """Under each table: its command (and the data it read), commit, date and machine."""
     m = run["machine"]
-    lines = [f"Command: `{run['command']}`"]
-    lines += [f"(data: `{s}`)" for s in run.get("setup", [])]
-    lines.append(f"Commit {run['commit']}, {run['date']}, {m['threads']} thread(s), {run['seconds']} s.")
+    data = "".join(f"; data: `{s}`" for s in run.get("setup", []))
+    line = f"Command: `{run['command']}`{data}. Commit {run['commit']}, {run['date']}, {m['cpu']}, {m['threads']}"
+    line += f" thread(s), {run['seconds']} s."
     if run.get("exit_code"):
-        lines.append(f"The command exited with code {run['exit_code']}.")
-    return ["", *lines, ""]
+        line += f" The command exited with code {run['exit_code']}."
+    return ["", line, ""]
 
 
 def missing(what: str, command: str) -> list[str]:
     return [f"**Not measured:** no results file for {what}. `{command}` makes it.", ""]
 
 
-# Table 1's columns, then the speculative decoding's, then the images' preprocessing (apart from the total)
-BENCH_COLUMNS = [*COLUMNS, "tau", "opened_tokens", "preprocess_ms"]
+# Table 1's columns: the paper's measure (the stages and what lies between, `total_ms`), then the images' preprocessing
+# and e2e (from the images as handed over to the last token), then accuracy and the speculative decoding's
+BENCH_COLUMNS = [
+    *("config", "views", "visual_tokens", "input_tokens", "vit_ms", "prefill_ms", "extend_one_ms", "decode_ms"),
+    *("select_ms", "other_ms", "total_ms", "p50_total_ms", "p90_total_ms", "speedup", "preprocess_ms", "e2e_ms"),
+    *("p50_e2e_ms", "p90_e2e_ms", "e2e_speedup", "score", "tau", "opened_tokens"),
+]
+HEADERS = {"total_ms": "total_ms (stages, the paper's measure)", "e2e_ms": "e2e_ms (images to answer)"}
+E2E = ("e2e_ms", "p50_e2e_ms", "p90_e2e_ms", "e2e_speedup", "preprocess_share")
 STAGE_SHARES = {"vit_ms": "vit", "prefill_ms": "prefill", "decode_ms": "decode", "select_ms": "select"}
 
 
@@ -320,12 +330,13 @@ def earlier_row(r: dict, base: dict | None) -> dict:
     over tokens made: a ratio of means already), score, tau. Derived: `total_ms` = the stored mean; `p50_total_ms` =
     the stored median; each stage's mean = its stored share of the summed time (4 decimals) x the mean total, to 2
     decimals (within about 0.01 ms); `speedup` = the baseline's mean total / the row's. Missing (None): `other_ms`,
-    `p90_total_ms`, `visual_tokens`, `preprocess_ms`, and the split of `select_ms` into view and token selection."""
+    `p90_total_ms`, `visual_tokens`, `preprocess_ms`, e2e, and the split of `select_ms` into view and token
+    selection."""
     total, shares = r.get("mean_total_ms"), r.get("shares") or {}
     out = {k: r.get(k) for k in ("config", "views", "input_tokens", "extend_one_ms", "score", "tau", "opened_tokens")}
     out |= {"precision": r.get("precision"), "speed_figure": speed_figure(r), "total_ms": total}
     out |= {"p50_total_ms": r.get("total_ms"), "p90_total_ms": None, "other_ms": None, "visual_tokens": None}
-    out["preprocess_ms"] = None
+    out |= dict.fromkeys(("preprocess_ms", *E2E))
     for key, share in STAGE_SHARES.items():
         out[key] = round(shares[share] * total, 2) if total is not None and share in shares else None
     base_total = base.get("mean_total_ms") if base is not None and speed_figure(base) else None
@@ -349,35 +360,36 @@ def bench_rows(result: dict) -> list[dict]:
 
 
 BENCH_MEASURE = [
-    "Each row answers the same questions in one run, in an order shuffled per question, and reports means over",
-    "the questions, as the paper's Table 1 does: each stage's mean (`select_ms` is view and token selection",
-    "together), `other_ms` what an answer's end-to-end time holds outside the five stages, so that vit + prefill +",
-    "decode + select + other = `total_ms`, the mean end-to-end time, with its p50 and p90 beside it; the images'",
-    "decoding and cutting into tiles is apart from it (`preprocess_ms`, as in the pipeline's own total; the views",
-    "are cut side by side, one a thread, since 2fbb1dd). `speedup` is",
-    "the baseline's mean total over the row's; `extend_one_ms` decode ms per token the decode stage made; `views`,",
-    "`visual_tokens` and `input_tokens` are means; `score` is the DriveLM final score without a judge from the row's",
-    "own answers, `tau` tokens per target pass, `opened_tokens` the answer tokens accepted with the prompt. A",
-    "precision the machine only emulates (FP8 without FP8 kernels, as on a CPU) is an accuracy row, shown without",
-    "times: they are no speed figure.",
+    "Two measures side by side. **Stages, the paper's measure** (`total_ms`, `speedup`): vit + prefill + decode +"
+    " select + other (what lies between the stages), the images' preprocessing excluded. **Images to answer**"
+    " (`e2e_ms`, `e2e_speedup`): from the frames as a caller hands them over (HxWx3 uint8 arrays) to the last token,"
+    " `preprocess_ms` (reading and cutting the views into tiles) included. Means over the questions, p50 and p90"
+    " beside them; every row answers the same questions in one run, in an order shuffled per question; speed-ups are"
+    " the baseline's mean over the row's. `select_ms` is view and token selection; `extend_one_ms` decode ms per"
+    " token; `score` the DriveLM final score without a judge from the row's own answers; `tau` tokens per target"
+    " pass; `opened_tokens` answer tokens accepted with the prompt. n/a: not measured by that run (e2e came later).",
 ]
 EARLIER = (
-    "This run is from before the rows were means: its `total_ms` is the mean of the five stages' sum (what lay outside"
-    " them was not measured, so `other_ms` is n/a), `p50_total_ms` that sum's median (the run's former headline"
-    " measure), each stage's mean its stored share of the summed time times the mean total (to about 0.01 ms), and the"
-    " speed-ups the ratios of the stored mean totals; `visual_tokens`, `p90_total_ms` and `preprocess_ms` were not"
-    " stored."
+    "This run is from before the rows were means: its `total_ms` is the mean of the five stages' sum (`other_ms` n/a),"
+    " `p50_total_ms` that sum's median, each stage its stored share times the mean total (to about 0.01 ms);"
+    " `visual_tokens`, `p90_total_ms`, `preprocess_ms` and e2e were not stored."
 )
 
 
+def accuracy_line(r: dict) -> str:
+    """An accuracy row (a precision the machine only emulates) in one line: its times are no speed figure."""
+    figures = ", ".join(f"{c} {fmt(r.get(c))}" for c in ACCURACY_COLUMNS[2:])
+    return (
+        f"Accuracy only ({r.get('precision')}, emulated here: its times are no speed figure): {r['config']}: {figures}."
+    )
+
+
 def bench_tables(result: dict) -> list[str]:
-    """Table 1 of one run: the timed rows, then the accuracy rows of an emulated precision (no times)."""
+    """Table 1 of one run: the timed rows, then a line per accuracy row of an emulated precision (no times)."""
     rows = bench_rows(result)
-    out = table(BENCH_COLUMNS, [[r.get(c) for c in BENCH_COLUMNS] for r in rows if speed_figure(r)])
-    accuracy = [r for r in rows if not speed_figure(r)]
-    if accuracy:
-        out += ["", "Accuracy rows: a precision this machine only emulates, so their times are no speed figure.", ""]
-        out += table(list(ACCURACY_COLUMNS), [[r.get(c) for c in ACCURACY_COLUMNS] for r in accuracy])
+    header = [HEADERS.get(c, c) for c in BENCH_COLUMNS]
+    out = table(header, [[r.get(c) for c in BENCH_COLUMNS] for r in rows if speed_figure(r)])
+    out += [line for r in rows if not speed_figure(r) for line in ("", accuracy_line(r))]
     if earlier(result):
         out += ["", EARLIER]
     return out
@@ -390,9 +402,23 @@ def plot_of(run: dict) -> str | None:
     return run["command"].split("--plot ", 1)[1].split()[0]
 
 
-def litevlm_speedup(result: dict) -> float | None:
-    rows = {r["config"]: r for r in bench_rows(result)}
-    return rows.get("litevlm", {}).get("speedup")
+def litevlm_row(result: dict) -> dict:
+    return next((r for r in bench_rows(result) if r["config"] == "litevlm"), {})
+
+
+def measures_line(result: dict) -> str:
+    """LiteVLM's two speed-ups, the paper's measure and images to answer, and preprocessing's share of its e2e."""
+    lite = litevlm_row(result)
+    line = (
+        f"LiteVLM: {times(lite.get('speedup'))} by the paper's measure, {times(lite.get('e2e_speedup'))} from images"
+        " to answer"
+    )
+    if lite.get("preprocess_share") is not None:
+        line += f"; preprocessing {100 * lite['preprocess_share']:.0f}% of its e2e"
+    return (
+        line
+        + f" ({result['questions']} questions, {result['threads']} thread(s), CPU steps: {result.get('cpu_steps')})."
+    )
 
 
 TABLE1 = {  # model -> its two Table 1 runs (benchmark name, thread setting), drive-hd first on the page
@@ -400,18 +426,17 @@ TABLE1 = {  # model -> its two Table 1 runs (benchmark name, thread setting), dr
     "drive-tiny": (("bench_1thread", "one pinned thread"), ("bench_default_threads", "the default threads")),
 }
 ABOUT = {
-    "drive-hd": [
-        "drive-hd is the embedded model shaped like the paper's workload: two tiles a camera and one visual token a",
-        "ViT patch, so that most of an all-views prompt is visual (the paper's prompts are 96% visual).",
-    ],
-    "drive-tiny": ["drive-tiny is the small embedded default (tests, demo): its prompts are about half text."],
+    "drive-hd": "drive-hd is the embedded model shaped like the paper's workload: two tiles a camera and one visual"
+    " token a ViT patch, so that most of an all-views prompt is visual (the paper's prompts are 96% visual).",
+    "drive-tiny": "drive-tiny is the small embedded default (tests, demo): its prompts are about half text. The"
+    " rows are measured as in drive-hd's tables.",
 }
 
 
 def not_measured_yet(what: str, b: Benchmark) -> list[str]:
     return [
-        f"**Not measured yet:** no results file for {what}. `python benchmarks/report.py --run --only {b.name}` runs",
-        f"`{shown_command(b)}`.",
+        f"**Not measured yet:** no results file for {what}. `python benchmarks/report.py --run --only {b.name}` runs"
+        f" `{shown_command(b)}`.",
         "",
     ]
 
@@ -464,9 +489,9 @@ def bf16_line(result: dict) -> str | None:
 
 
 def section_bench(runs: dict, model: str, first: bool) -> list[str]:
-    """Table 1 on `model`, at one pinned thread and at the default threads; the measure explained in the `first`."""
-    out = [f"## Table 1: every configuration on {model}, side by side", "", *ABOUT[model], ""]
-    out += BENCH_MEASURE if first else ["The rows are measured as in the table above."]
+    """Table 1 on `model`, at one pinned thread and at the default threads; the measures explained in the `first`."""
+    out = [f"## Table 1: every configuration on {model}, side by side", "", ABOUT[model]]
+    out += ["", *BENCH_MEASURE] if first else []
     known = {b.name: b for b in benchmarks()}
     for name, label in TABLE1[model]:
         run = runs.get(name)
@@ -480,17 +505,9 @@ def section_bench(runs: dict, model: str, first: bool) -> list[str]:
             )
             continue
         res = run["result"]
-        out.append(
-            f"LiteVLM: **{fmt(litevlm_speedup(res))}x** the baseline, the ratio of mean totals ({res['questions']}"
-            f" questions, {res['threads']} thread(s), CPU steps: {res.get('cpu_steps')})."
-        )
-        share = visual_share(res)
-        out += ["", share] if share else []
-        selection = selection_line(res)
-        out += ["", selection] if selection else []
-        low = bf16_line(res)
-        out += ["", low] if low else []
-        out += ["", *bench_tables(res)]
+        # the two measures first, then the reading of the table: prompts, token selection, bf16
+        notes = [x for x in (visual_share(res), selection_line(res), bf16_line(res)) if x]
+        out += [" ".join([measures_line(res), *notes]), "", *bench_tables(res)]
         out += provenance(run)
         plot = plot_of(run)
         if plot:
@@ -500,6 +517,82 @@ def section_bench(runs: dict, model: str, first: bool) -> list[str]:
             out += [f"Its plot, drawn from medians, is not shown: `python benchmarks/report.py --run --only {name}`"]
             out += ["draws it again by this measure.", ""]
     return out
+
+
+FRAMES = (("bench_hd_frames", "one pinned thread"), ("bench_hd_frames_default_threads", "the default threads"))
+FRAME_COLUMNS = [
+    *("config", "mode", "questions_per_frame", "views_encoded_per_question", "preprocess_ms", "vit_ms", "total_ms"),
+    *("e2e_ms", "p50_e2e_ms", "p90_e2e_ms", "e2e_vs_strangers", "answers_equal", "score", "closed_accuracy"),
+]
+
+
+def frame_line(res: dict) -> str | None:
+    """LiteVLM's mean e2e per question through one frame against one question a frame, and whether the answers are
+    the same."""
+    lite = next((r for r in res["frame_rows"] if r["config"] == "litevlm" and r["mode"] == "frame"), None)
+    if lite is None:
+        return None
+    return (
+        f"LiteVLM's mean e2e per question through a frame of {lite['questions_per_frame']} is"
+        f" **{fmt(lite['e2e_vs_strangers'])}** of its one-question-a-frame figure; answers equal:"
+        f" {fmt(lite['answers_equal'])} ({res['questions']} questions in {res['frames']} frames,"
+        f" {res['threads']} thread(s))."
+    )
+
+
+def section_frames(runs: dict) -> list[str]:
+    """drive-hd's frame mode (`litevlm bench --questions-per-frame 6`) at both thread settings."""
+    out = [
+        "## One frame, several questions (drive-hd)",
+        "",
+        "Each row twice on the same questions: `strangers`, one question a frame (Table 1's way), and `frame`, a"
+        " frame's questions through one `Pipeline.frame` (each view read and encoded once). Means per question;"
+        " `e2e_vs_strangers` is the row's mean e2e over its configuration's strangers row; `answers_equal`: every"
+        " frame answer equal to the stranger one token for token.",
+    ]
+    known = {b.name: b for b in benchmarks()}
+    for name, label in FRAMES:
+        run = runs.get(name)
+        out += ["", f"### drive-hd's frames at {label}", ""]
+        if run is None:
+            out += not_measured_yet(f"frame mode on drive-hd at {label}", known[name])
+            continue
+        res = run["result"]
+        line = frame_line(res)
+        out += [line, ""] if line else []
+        out += table(FRAME_COLUMNS, [[r.get(c) for c in FRAME_COLUMNS] for r in res["frame_rows"]])
+        out += provenance(run)
+    return out
+
+
+PREPROCESS_COLUMNS = ["name", "source", "tiles", "today_ms", "new_ms", "speedup", "max_pixel_diff", "mean_pixel_diff"]
+
+
+def section_preprocess(run: dict | None) -> list[str]:
+    """benchmarks/preprocess.py: one view from its source to its tiles, the former path against the new one."""
+    out = ["## Reading and cutting a view", ""]
+    if run is None:
+        return out + not_measured_yet("preprocessing", next(b for b in benchmarks() if b.name == "preprocess"))
+    res = run["result"]
+    out += [
+        "One 1600x900 camera view from its source (a JPEG or PNG file, or a raw HxWx3 uint8 frame) to its tiles, ms"
+        " (medians, the two paths alternating): `today_ms` PIL's full decode and bicubic resize (the path before this"
+        ' change, `resample="pil"`), `new_ms` the default (a JPEG decoded at the DCT scale its tiles need, torch\'s'
+        " antialiased bicubic on uint8, raw frames with no PIL round trip); the pixel differences are between their"
+        " tiles, in levels of a byte.",
+        "",
+        *table(PREPROCESS_COLUMNS, [[c.get(k) for k in PREPROCESS_COLUMNS] for c in res.get("cases", [])]),
+    ]
+    sc = res.get("score")
+    if sc:
+        both = "; ".join(
+            f"{cfg} {fmt(sc.get(f'{cfg}_fast'))} with the new path, {fmt(sc.get(f'{cfg}_pil'))} with PIL's"
+            f" (difference {fmt(sc.get(f'{cfg}_diff'))})"
+            for cfg in ("litevlm", "baseline")
+            if f"{cfg}_fast" in sc
+        )
+        out += ["", f"DriveLM score on {sc.get('model')}, {sc.get('questions')} held-out questions: {both}."]
+    return out + provenance(run)
 
 
 def section_sweep(run: dict | None) -> list[str]:
@@ -519,61 +612,6 @@ def section_sweep(run: dict | None) -> list[str]:
     return out + provenance(run)
 
 
-METHODS = {"selector": "TokenSelector", "fastv_k1": "FastV K=1", "fastv_k2": "FastV K=2"}
-
-
-def section_tokens_earlier(run: dict) -> list[str]:
-    """A run of the earlier pruning benchmark (token_pruning.json: drive-tiny; TokenSelector, FastV, random and
-    uniform only), shown as it stored it."""
-    out = ["## Token pruning on drive-tiny: the TokenSelector against FastV", ""]
-    out += [
-        "An earlier run, from before DART, DivPrune and CDPruner were measured beside them:",
-        "`python benchmarks/report.py --run --only token_pruning_drive-tiny` measures every method.",
-        "",
-    ]
-    res = run["result"]
-    ratios, scores = res["ratios"], res["scores"]
-    methods = list(dict.fromkeys(k.split("@")[0] for k in scores))
-    un = res["unpruned"]
-    out += [
-        f"DriveLM final score (closed-question accuracy) against r, the fraction of visual tokens kept, on"
-        f" {res['n']} questions over the views each needs; unpruned {fmt(un['final'])} ({fmt(un['closed_accuracy'])}).",
-        "",
-    ]
-    rows = []
-    for m in methods:
-        cells = []
-        for r in ratios:
-            s = scores.get(f"{m}@{r}")
-            cells.append("-" if s is None else f"{fmt(s['final'])} ({fmt(s['closed_accuracy'])})")
-        rows.append([METHODS.get(m, m), *cells])
-    out += table(["method", *(f"r={r}" for r in ratios)], rows)
-    t = res.get("timing_ms") or {}
-    if t:
-        out += [
-            "",
-            f"Prefill, medians in ms: unpruned {fmt(t.get('prefill_unpruned'))}.",
-            "",
-            *table(
-                ["r", "selector", "pruned prefill", "FastV K=1", "FastV K=2"],
-                [
-                    [
-                        r,
-                        t.get(f"selector@{r}"),
-                        t.get(f"prefill_pruned@{r}"),
-                        t.get(f"fastv_k1@{r}"),
-                        t.get(f"fastv_k2@{r}"),
-                    ]
-                    for r in ratios
-                ],
-            ),
-        ]
-    out += provenance(run)
-    if res.get("plot"):
-        out += [f"![token pruning]({res['plot']})", ""]
-    return out
-
-
 EVERY_QUESTION = (
     "The strong methods on every question of the held-out split, over the views each needs, at r = 0.1-0.3: the"
     " table above answers 600 of them, where the methods differ by a few questions. \"FastV K=2's choice before the"
@@ -581,17 +619,14 @@ EVERY_QUESTION = (
     " prompt to choose them), cut from the prompt before the decoder as the TokenSelector prunes, so that a worse"
     " choice can be told from a worse place to prune."
 )
-PRUNING = {  # page -> (its pruning run, an earlier run of the old benchmark read where there is no new one, heading,
-    # the sentence that opens it)
-    "drive-hd": ("token_pruning_drive-hd", None, "drive-hd", None),
+PRUNING = {  # page -> (its pruning run, heading, the sentence that opens it)
+    "drive-hd": ("token_pruning_drive-hd", "drive-hd", None),
     "drive-hd-all-questions": (
         "token_pruning_drive-hd-all-questions",
-        None,
         "drive-hd, every held-out question",
         EVERY_QUESTION,
     ),
-    "drive-hd-all-views": ("token_pruning_drive-hd-all-views", None, "drive-hd over all six views", None),
-    "drive-tiny": ("token_pruning_drive-tiny", "token_pruning", "drive-tiny", None),
+    "drive-hd-all-views": ("token_pruning_drive-hd-all-views", "drive-hd over all six views", None),
 }
 TRAINED = "token-selector"  # it and its variants (the same choice applied inside the decoder) are trained; the rest
 # training-free
@@ -704,30 +739,28 @@ def paired_line(res: dict, r: float, finals: dict) -> str:
     )
 
 
-def selector_timing_note(selector: dict) -> list[str]:
+def selector_timing_note(selector: dict) -> str:
     """Where each method's choice is timed: FastV inside the prefill, the rest in select_tokens; the TokenSelector
     inside the decoder only when its head reads the model's own layer 0 there."""
     inside = selector.get("shared_layer", True) and selector.get("reads", "layer0") == "layer0"
     if inside:
-        return [
-            "FastV chooses inside the prefill pass and is timed there; DART and the TokenSelector choose inside it",
-            "too, but their choice is timed as select_tokens, as the pipeline reports it; the methods that prune",
-            "before the decoder choose in select_tokens.",
-        ]
-    return [
-        "FastV chooses inside the prefill pass and is timed there; DART chooses inside it too, but its choice is",
-        "timed as select_tokens, as the pipeline reports it; the TokenSelector (its head reads the prompt, so it",
-        "prunes before the decoder) and the other methods that prune before the decoder choose in select_tokens.",
-    ]
+        return (
+            "FastV chooses inside the prefill pass and is timed there; DART and the TokenSelector choose inside it too,"
+            " but their choice is timed as select_tokens, as the pipeline reports it; the methods that prune before"
+            " the decoder choose in select_tokens."
+        )
+    return (
+        "FastV chooses inside the prefill pass and is timed there; DART chooses inside it too, but its choice is timed"
+        " as select_tokens, as the pipeline reports it; the TokenSelector (its head reads the prompt, so it prunes"
+        " before the decoder) and the other methods that prune before the decoder choose in select_tokens."
+    )
 
 
 def section_pruning(runs: dict, page: str) -> list[str]:
     """Every token-selection method against r on one of the PRUNING pages (benchmarks/token_pruning.py): final score
     and closed accuracy, prefill and the method's own select_tokens ms, one sentence per r <= 0.3, the plot."""
-    name, earlier_name, heading, intro = PRUNING[page]
+    name, heading, intro = PRUNING[page]
     run = runs.get(name)
-    if run is None and earlier_name in runs:
-        return section_tokens_earlier(runs[earlier_name])
     out = [f"## Token pruning on {heading}: the TokenSelector against FastV and the training-free pruners", ""]
     if run is None:
         return out + not_measured_yet(f"token pruning on {heading}", next(b for b in benchmarks() if b.name == name))
@@ -737,28 +770,42 @@ def section_pruning(runs: dict, page: str) -> list[str]:
     where = "over the views each needs" if res.get("views") == "needed" else "over all six views"
     share = res.get("visual_share")
     share = f" ({100 * share:.0f}% of its tokens)" if share is not None else ""
-    out += [intro, ""] if intro else []
+    about = [intro] if intro else []
     if res.get("views") == "all":
-        out += [
+        about.append(
             "Every camera's view goes into each prompt, as when the ViewSelector is off: most of the visual tokens are"
-            " then of views the question does not ask about, and a budget spent on them is lost to the views it does.",
-            "",
-        ]
-    out += [
+            " then of views the question does not ask about, and a budget spent on them is lost to the views it does."
+        )
+    about.append(
         f"{res['n']} questions ({res.get('n_closed')} closed) {where}, greedy decoding; a prompt holds"
         f" {fmt(res.get('visual_tokens'))} visual tokens on average{share}. r is the fraction of visual tokens KEPT;"
         f" every method keeps the same number at each r. Each cell is the {res.get('scoring', 'DriveLM final score')},"
         f" closed-question accuracy in brackets. Unpruned: final **{fmt(un['final'])}**"
-        f" ({fmt(un['closed_accuracy'])}).",
-        "",
-    ]
+        f" ({fmt(un['closed_accuracy'])})."
+    )
+    for m in (m for m in methods if trained(m) and m != TRAINED):
+        k = m.rsplit("-k", 1)[-1]
+        about.append(
+            f"{pruning_label(res, m)}: the TokenSelector's own choice, made from the prompt before the decoder,"
+            f" applied before decoder layer {k} (`--prune token-selector --keep R --prune-layer {k}`): the layers"
+            " before it read the whole prompt, as FastV's and DART's do, and cost what they cost there."
+        )
+    n_closed, p = res.get("n_closed"), un.get("closed_accuracy")
+    if n_closed and p is not None:
+        about.append(
+            f"With {n_closed} closed questions, a closed accuracy near {fmt(p)} has a standard error of about"
+            f" {(p * (1 - p) / n_closed) ** 0.5:.3f}: smaller differences are not evidence either way."
+        )
+    out += [" ".join(about), ""]
     header = ["method", *(f"r={r}" for r in ratios)]
 
-    def cell(m, r, key=None):
-        sc = (res["timing_ms"] if key else scores).get(f"{m}@{r}")
-        if sc is None:
-            return None if key else "-"
-        return sc.get(key) if key else f"{fmt(sc['final'])} ({fmt(sc.get('closed_accuracy'))})"
+    def cell(m, r):
+        sc = scores.get(f"{m}@{r}")
+        return "-" if sc is None else f"{fmt(sc['final'])} ({fmt(sc.get('closed_accuracy'))})"
+
+    def timed(m, r):  # one table for both times: the method's prefill + its own choice
+        t = res["timing_ms"].get(f"{m}@{r}")
+        return "-" if t is None else f"{fmt(t.get('prefill_ms'))} + {fmt(t.get('select_tokens_ms'))}"
 
     kept = [
         next((scores[f"{m}@{r}"].get("visual_tokens") for m in methods if f"{m}@{r}" in scores), None) for r in ratios
@@ -768,47 +815,21 @@ def section_pruning(runs: dict, page: str) -> list[str]:
     out += table(header, rows)
     for m, why in absent.items():
         out += ["", f"{pruning_label(res, m)}: absent, {why} (`litevlm train tokens` trains one)."]
-    for m in (m for m in methods if trained(m) and m != TRAINED):
-        k = m.rsplit("-k", 1)[-1]
-        out += [
-            "",
-            f"{pruning_label(res, m)}: the TokenSelector's own choice, made from the prompt before the decoder,"
-            f" applied before decoder layer {k} (`--prune token-selector --keep R --prune-layer {k}`): the layers"
-            " before it read the whole prompt, as FastV's and DART's do, and cost what they cost there.",
-        ]
     verdicts = [v for v in (pruning_verdict(res, r) for r in ratios if r <= 0.3) if v]
     out += ["", *verdicts] if verdicts else []
-    n_closed, p = res.get("n_closed"), un.get("closed_accuracy")
-    if n_closed and p is not None:
-        out += [
-            "",
-            f"With {n_closed} closed questions, a closed accuracy near {fmt(p)} has a standard error of about"
-            f" {(p * (1 - p) / n_closed) ** 0.5:.3f}: smaller differences are not evidence either way.",
-        ]
     t, mach = res.get("timing") or {}, res.get("machine") or {}
     if res.get("timing_ms"):
         out += [
             "",
             f"Timing, side by side in this run on the first {t.get('prompts')} prompts ({t.get('repeats')} repeats"
             f" each, interleaved over the configurations; medians), {mach.get('device')}, {mach.get('threads')}"
-            f" thread(s), {t.get('backend')} backend. Unpruned prefill:"
-            f" **{fmt(res['timing_ms']['unpruned']['prefill_ms'])} ms**.",
-            *selector_timing_note(res.get("selector") or {}),
-        ]
-        for key, caption in (("prefill_ms", "Prefill ms:"), ("select_tokens_ms", "The method's own select_tokens ms:")):
-            out += [
-                "",
-                caption,
-                "",
-                *table(header, [[pruning_label(res, m), *(cell(m, r, key) for r in ratios)] for m in methods]),
-            ]
-    out += provenance(run)
-    if mach:
-        out += [
-            f"Machine (the benchmark's own record): {mach.get('platform')}, {mach.get('threads')} thread(s), torch"
-            f" {mach.get('torch')}; commit {res.get('commit')}, {res.get('date')}.",
+            f" thread(s), {t.get('backend')} backend: each cell is the prefill ms + the method's own select_tokens ms."
+            f" Unpruned prefill: **{fmt(res['timing_ms']['unpruned']['prefill_ms'])} ms**."
+            f" {selector_timing_note(res.get('selector') or {})}",
             "",
+            *table(header, [[pruning_label(res, m), *(timed(m, r) for r in ratios)] for m in methods]),
         ]
+    out += provenance(run)
     if res.get("plot"):
         out += [f"![token pruning on {heading}]({res['plot']})", ""]
     return out
@@ -820,8 +841,16 @@ def section_views(run: dict | None) -> list[str]:
         return out + missing("view selection", "python benchmarks/report.py --run --only view_selection")
     res = run["result"]
     cols = ["recall", "views_per_question", "needed_per_question", "ratio_to_needed", "exact"]
+    v = res.get("vision") or {}
+    vision = (
+        f" Vision stage on {v['questions']} of these questions: all six views {fmt(v['vit_ms_all_median'])} ms,"
+        f" the selected views {fmt(v['vit_ms_selected_median'])} ms ({fmt(v['tiles_selected_mean'])} tiles),"
+        f" medians; {fmt(v['speedup'])}x by sums."
+        if "vit_ms_all_median" in v
+        else ""
+    )
     out += [
-        f"{res['questions']} held-out questions; recall = needed views kept / needed views.",
+        f"{res['questions']} held-out questions; recall = needed views kept / needed views.{vision}",
         "",
         *table(
             ["selector", *cols],
@@ -831,14 +860,6 @@ def section_views(run: dict | None) -> list[str]:
             ],
         ),
     ]
-    v = res.get("vision") or {}
-    if "vit_ms_all_median" in v:
-        out += [
-            "",
-            f"Vision stage on {v['questions']} of these questions: all six views {fmt(v['vit_ms_all_median'])} ms,"
-            f" the selected views {fmt(v['vit_ms_selected_median'])} ms ({fmt(v['tiles_selected_mean'])} tiles),"
-            f" medians; {fmt(v['speedup'])}x by sums.",
-        ]
     return out + provenance(run)
 
 
@@ -846,8 +867,8 @@ def section_scores(runs: dict) -> list[str]:
     out = [
         "## drive-tiny's scores, with the images and with every camera an empty road",
         "",
-        "DriveLM scoring without a judge (the other weights renormalised). A model that reads its images loses",
-        "accuracy when every camera shows an empty road.",
+        "DriveLM scoring without a judge (the other weights renormalised). A model that reads its images loses"
+        " accuracy when every camera shows an empty road.",
         "",
     ]
     rows, shown = [], []
@@ -914,9 +935,9 @@ def section_serve(run: dict | None) -> list[str]:
         if k in res
     ]
     out += [
-        "Loopback only, one server process, streamed answers; at each level that many clients send requests",
-        f"back to back ({', '.join(settings)}). Latency is the whole request; time to first token is the first",
-        "content chunk's arrival. Milliseconds.",
+        "Loopback only, one server process, streamed answers; at each level that many clients send requests"
+        f" back to back ({', '.join(settings)}). Latency is the whole request; time to first token is the first"
+        " content chunk's arrival. Milliseconds.",
         "",
     ]
     cols = [
@@ -961,9 +982,8 @@ def section_scale(run: dict | None) -> list[str]:
         f" replica; {res.get('rounds')} rounds of {res.get('requests_per_round')} streamed requests from"
         f" {res.get('clients')} clients, one replica and two alternating, the same requests for both. The load"
         f" average was {fmt(load.get('before'))} before the run and {fmt(load.get('after'))} after (other work"
-        " shares the cores). Milliseconds.",
-        "",
-        f"Two replicas: **{fmt(res.get('throughput_ratio'))}x** the answers/s of one.",
+        f" shares the cores). Milliseconds. Two replicas: **{fmt(res.get('throughput_ratio'))}x** the answers/s of"
+        " one.",
         "",
     ]
     cols = ["replicas", "answered", "5xx", "mismatches", "answers/s", "p50", "p99", "first token p50"]
@@ -989,9 +1009,8 @@ def section_dist(run: dict | None) -> list[str]:
         f"One machine ({res.get('host')}), {res.get('threads_per_rank')} torch thread per rank, the {res.get('config')}"
         f" configuration on {res.get('questions')} questions; one process and two ranks alternating for"
         f" {res.get('rounds')} rounds, each timed from outside (start and model load included). The load average was"
-        f" {fmt(load.get('before'))} before the run and {fmt(load.get('after'))} after.",
-        "",
-        f"Two ranks: **{fmt(res.get('speedup_best'))}x** the questions/s of one; the same final score:"
+        f" {fmt(load.get('before'))} before the run and {fmt(load.get('after'))} after."
+        f" Two ranks: **{fmt(res.get('speedup_best'))}x** the questions/s of one; the same final score:"
         f" {'yes' if res.get('same_final') else 'NO'}.",
         "",
     ]
@@ -1005,66 +1024,6 @@ def section_dist(run: dict | None) -> list[str]:
     return out + provenance(run)
 
 
-def section_compile(run: dict | None) -> list[str]:
-    out = ["## torch.compile against the native CPU steps", ""]
-    if run is None:
-        return out + missing("compile against native", "python benchmarks/compile_vs_native.py")
-    res = run["result"]
-    out += [
-        "One step of drive-tiny's decoder, medians in ms: the modules run eagerly (the reference), the native C++ (the",
-        "fast path), and the modules compiled by torch.compile (inductor) and AOTInductor; n/a where a build failed.",
-        "",
-    ]
-    keys = ["step", "threads", "eager_ms", "native_ms", "inductor_ms", "aoti_ms", "compile_s"]
-    cols = ["step", "threads", "modules (eager)", "native", "inductor", "AOTInductor", "compile s"]
-
-    def compile_cell(v):  # seconds per library path, or one number
-        if isinstance(v, dict):
-            return ", ".join(f"{k} {'failed' if s is None else fmt(s)}" for k, s in v.items())
-        return v
-
-    out += table(
-        cols, [[compile_cell(r.get(c)) if c == "compile_s" else r.get(c) for c in keys] for r in res.get("rows", [])]
-    )
-    notes = [f"- {where} failed: {why}" for where, why in (res.get("errors") or {}).items()]
-    notes += [
-        f"- {where}: AOTInductor with the slot and position fixed (one build per cache slot, so no generation can"
-        f" use it): {fmt(ms)} ms"
-        for where, ms in (res.get("aoti_static_ms") or {}).items()
-    ]
-    out += ["", *notes] if notes else []
-    kept = res.get("kept") or {}
-    if kept:
-        out += ["", "Kept: " + ", ".join(f"{step}: {backend}" for step, backend in kept.items()) + "."]
-    if res.get("rule"):
-        out += ["", f"Rule: {res['rule']}, at every thread count measured (the worst ratio decides)."]
-    return out + provenance(run)
-
-
-BACKEND_BASELINE = "781ab23"  # the last commit before the execution backends (litevlm.model.backend)
-
-
-def section_before_after(run: dict | None) -> list[str]:
-    out = ["## Before and after the execution backends: drive-tiny's CPU figures", ""]
-    if run is None:
-        return out + missing("the comparison", f"python benchmarks/before_after.py --before {BACKEND_BASELINE}")
-    res = run["result"]
-    out += [
-        f"`litevlm bench` on commit {res['before']} (before one backend per model) and on {res['after']}, back to back",
-        f"on the same {res['questions']} questions: each row's mean sum of the five stages, in ms, and after / before",
-        f"({res['rounds']} before/after pair(s) at each thread count; 1 is unchanged;",
-        "transformers' rows and the emulated FP8 row left out, as they do not run on the backends).",
-        "",
-    ]
-    rows = [
-        [r["config"], "1, pinned" if r["pinned"] else f"default ({r['threads']})", r["before_ms"], r["after_ms"]]
-        + [r["after_over_before"]]
-        for r in res["rows"]
-    ]
-    out += table(["row", "threads", "before ms", "after ms", "after / before"], rows)
-    return out + provenance(run)
-
-
 def section_2b_cpu(run: dict | None) -> list[str]:
     out = ["## The 2B shapes on this CPU", ""]
     b = next(b for b in benchmarks() if b.name == "bench_2b_cpu")
@@ -1073,11 +1032,10 @@ def section_2b_cpu(run: dict | None) -> list[str]:
     res = run["result"]
     setup_s = sum(res.get("setup_ms", {}).values()) / 1e3
     out += [
-        "Random weights at InternVL2.5-2B's shapes (2 tiles a camera, 256 tokens a tile), fp32, every row of the",
-        "table on one question of eight new tokens, on the CPU: that the real sizes run here, and in what memory",
-        "(every row holds the same weights, and transformers' rows a view of them). CPU figures, not the GPU's.",
-        f"Peak resident memory {fmt(res.get('peak_memory_mb'))} MiB; building the rows, each with its warm-up",
-        f"answer, took {setup_s:.0f} s, apart from the times below.",
+        "Random weights at InternVL2.5-2B's shapes (2 tiles a camera, 256 tokens a tile), fp32, every row on one"
+        " question of eight new tokens: that the real sizes run on this CPU, and in what memory. CPU figures, not the"
+        f" GPU's. Peak resident memory {fmt(res.get('peak_memory_mb'))} MiB; building the rows, each with its warm-up"
+        f" answer, took {setup_s:.0f} s, apart from the times below.",
         "",
     ]
     out += bench_tables(res)
@@ -1089,15 +1047,11 @@ def section_gpu(runs: dict) -> list[str]:
     gpu = {k: v for k, v in runs.items() if k.startswith("gpu")}
     if not gpu:
         return out + [
-            "**None measured yet.** This project's CUDA paths have not run on a device. `bash",
-            "benchmarks/gpu_session.sh` is the command for a machine with one (its outputs saved here as",
-            "`benchmarks/results/gpu_*.json`). It installs on a bare image (torch and transformers, no network), runs",
-            "the `gpu`-marked tests (CUDA graphs per KV bucket against the modules in fp32 and bf16, compiled or not,",
-            "FP8 inside graphs and the compiled prefill, one decoder layer at the 2B shapes in bf16, sampling with a",
-            "CUDA generator), then `litevlm bench --shape 2b` (random weights at the 2B shapes, bf16: baseline, EAGLE,",
-            "LiteVLM, LiteVLM FP8) on the modules and on CUDA graphs side by side, then FP8 against bf16 per stage",
-            "(`benchmarks/fp8_gpu.py`). `bash benchmarks/gpu_session.sh --dry-run` runs every step on the CPU through",
-            "the CUDA backend's twin, and a test runs it.",
+            "**None measured yet.** This project's CUDA paths have not run on a device."
+            " `bash benchmarks/gpu_session.sh` on a machine with one runs the `gpu`-marked tests, `litevlm bench"
+            " --shape 2b` (bf16, on the modules and on CUDA graphs) and FP8 against bf16 per stage, saving"
+            " `benchmarks/results/gpu_*.json`; its `--dry-run` runs every step on the CPU through the CUDA backend's"
+            " twin.",
             "",
         ]
     for name, run in sorted(gpu.items()):
@@ -1111,16 +1065,35 @@ def section_gpu(runs: dict) -> list[str]:
     return out
 
 
+# Comparisons of past changes and runs no longer made: the page points to their JSON and commit, without their figures
+PAST = {
+    "compile_vs_native": "torch.compile against the native steps",
+    "before_after": "before and after the execution backends",
+    "token_pruning_drive-tiny": "token pruning on drive-tiny",
+    "token_pruning": "the first token pruning benchmark (drive-tiny)",
+}
+
+
+def past_line(runs: dict) -> list[str]:
+    items = [
+        f"{what} (benchmarks/results/{name}.json, commit {runs[name]['commit']})"
+        for name, what in PAST.items()
+        if name in runs
+    ]
+    return [f"Past comparisons, in git's history: {'; '.join(items)}.", ""] if items else []
+
+
 def header(runs: dict) -> list[str]:
+    runs = {k: v for k, v in runs.items() if k not in PAST}  # the figures shown: the past ones are only pointed to
     commits = sorted({r["commit"] for r in runs.values()})
     machines = sorted({(r["machine"]["cpu"], r["machine"]["cores"], r["machine"]["torch"]) for r in runs.values()})
     dates = sorted(r["date"] for r in runs.values())
     out = [
         "# Results",
         "",
-        "Written by `python benchmarks/report.py` from `benchmarks/results/*.json` (one file per run); do not edit by",
-        "hand. `python benchmarks/report.py --run` re-runs every benchmark first. Speed-ups are ratios of two",
-        "configurations measured side by side in one run on the same inputs.",
+        "Written by `python benchmarks/report.py` from `benchmarks/results/*.json` (one file per run); do not edit by"
+        " hand. `python benchmarks/report.py --run` re-runs every benchmark first. Speed-ups are ratios of two"
+        " configurations measured side by side in one run on the same inputs.",
         "",
     ]
     if not runs:
@@ -1135,8 +1108,8 @@ def header(runs: dict) -> list[str]:
 
 
 def glance(runs: dict) -> list[str]:
-    """The figures the README quotes: LiteVLM's speed-up at each thread setting (drive-hd's first, where measured), and
-    drive-tiny's accuracy through the ViewSelector."""
+    """The figures the README quotes: LiteVLM's speed-ups at each thread setting, from images to answer and by the
+    paper's measure (drive-hd's first, where measured), and drive-tiny's accuracy through the ViewSelector."""
     lines = []
     hd = any(name in runs for name, _ in TABLE1["drive-hd"])
     for model, entries in TABLE1.items():
@@ -1145,9 +1118,15 @@ def glance(runs: dict) -> list[str]:
                 res = runs[name]["result"]
                 on = f" on {model}" if hd else ""  # named once drive-hd's figures stand beside drive-tiny's
                 cpu = runs[name].get("machine", {}).get("cpu")  # CPU ratios move with the CPU
+                lite = litevlm_row(res)
+                where = f"at {label} ({res['threads']} thread(s){f', {cpu}' if cpu else ''})"
+                paper, e2e = times(lite.get("speedup")), lite.get("e2e_speedup")
                 lines.append(
-                    f"- LiteVLM **{fmt(litevlm_speedup(res))}x** the baseline{on} at {label} ({res['threads']}"
-                    f" thread(s){f', {cpu}' if cpu else ''}; the ratio of mean totals, as in the paper's Table 1)"
+                    f"- LiteVLM {times(e2e)} the baseline{on} from images to answer (e2e), {paper} by the paper's"
+                    f" measure (stages only), {where}"
+                    if e2e is not None
+                    else f"- LiteVLM {paper} the baseline{on} by the paper's measure (stages only), {where}; from"
+                    " images to answer (e2e): not in this run"
                 )
     if "drive_tiny_views" in runs:
         f = runs["drive_tiny_views"]["result"]["full"]
@@ -1225,22 +1204,24 @@ def render(runs: dict) -> str:
     lines = [
         *header(runs),
         *section_bench(runs, "drive-hd", first=True),
+        *section_frames(runs),
+        *section_preprocess(runs.get("preprocess")),
         *section_bench(runs, "drive-tiny", first=False),
         *section_sweep(runs.get("spec_sweep")),
         *section_pruning(runs, "drive-hd"),
         *section_pruning(runs, "drive-hd-all-questions"),
         *section_pruning(runs, "drive-hd-all-views"),
-        *section_pruning(runs, "drive-tiny"),
         *section_views(runs.get("view_selection")),
         *section_scores(runs),
         *section_serve(runs.get("serve_load")),
         *section_scale(runs.get("serve_replicas")),
         *section_dist(runs.get("dist_eval")),
-        *section_compile(runs.get("compile_vs_native")),
-        *section_before_after(runs.get("before_after")),
         *section_2b_cpu(runs.get("bench_2b_cpu")),
         *section_gpu(runs),
+        *past_line(runs),
     ]
+    # one blank line between blocks: a section ending in a blank line meets the next one's
+    lines = [x for i, x in enumerate(lines) if x or (i and lines[i - 1])]
     return "\n".join(lines).rstrip() + "\n"
 
 

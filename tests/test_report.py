@@ -49,11 +49,17 @@ def bench_row(config: str, total: float, speedup: float | None, score: float, ta
         "opened_tokens": 2.44,
         "precision": "float32",
         "mean_total_ms": total,
+        "e2e_ms": round(total + 3.1, 3),
+        "p50_e2e_ms": round(total * 0.8 + 3.1, 3),
+        "p90_e2e_ms": round(total * 1.9 + 3.1, 3),
+        "e2e_speedup": None,
+        "preprocess_share": round(3.1 / (total + 3.1), 4),
         **extra,
     }
 
 
-def bench(threads: int, lite_speedup: float) -> dict:
+def bench(threads: int, lite_speedup: float, lite_e2e: float | None = None) -> dict:
+    lite_e2e = round(lite_speedup * 0.8, 2) if lite_e2e is None else lite_e2e
     return {
         "model": "drive-tiny",
         "device": "cpu",
@@ -61,8 +67,8 @@ def bench(threads: int, lite_speedup: float) -> dict:
         "cpu_steps": "native",
         "questions": 100,
         "rows": [
-            bench_row("baseline", 32.77, 1.0, 0.5297),
-            bench_row("litevlm", 12.833, lite_speedup, 0.5355, 5.704),
+            bench_row("baseline", 32.77, 1.0, 0.5297, e2e_speedup=1.0),
+            bench_row("litevlm", 12.833, lite_speedup, 0.5355, 5.704, e2e_speedup=lite_e2e),
             bench_row(
                 "litevlm fp8",
                 61.417,
@@ -198,26 +204,35 @@ def test_the_page_shows_every_figure_of_the_runs(tmp_path, report):
             assert row(report, [r[c] for c in report.BENCH_COLUMNS]) in page
         # An emulated precision is an accuracy row: no time of it is on the page, and no speed-up.
         fp8 = run["result"]["rows"][2]
-        assert row(report, [fp8[c] for c in ACCURACY_COLUMNS]) in page
+        figures = ", ".join(f"{c} {report.fmt(fp8[c])}" for c in ACCURACY_COLUMNS[2:])
+        assert f"emulated here: its times are no speed figure): litevlm fp8: {figures}." in page
         assert "| litevlm fp8 | 2.46 |" not in page and "61.417" not in page
         assert f"Command: `{run['command']}`" in page
-    glance = "LiteVLM **2.72x** the baseline at one pinned thread (1 thread(s), Test CPU 9000; the ratio of mean totals"
-    assert glance in page  # the CPU beside the ratio: CPU ratios move with the CPU
-    assert "LiteVLM **2.21x** the baseline at the default threads" in page
-    assert "LiteVLM: **2.72x** the baseline, the ratio of mean totals (100 questions" in page
-    assert "reports means over" in page and "before the rows were means" not in page
+    # both measures, images to answer first; the CPU beside the ratios: CPU ratios move with the CPU
+    glance = (
+        "LiteVLM **2.18x** the baseline from images to answer (e2e), **2.72x** by the paper's measure (stages only),"
+    )
+    assert f"{glance} at one pinned thread (1 thread(s), Test CPU 9000)" in page
+    assert "**2.21x** by the paper's measure (stages only), at the default threads" in page
+    assert (
+        "LiteVLM: **2.72x** by the paper's measure, **2.18x** from images to answer; preprocessing 19% of its e2e"
+        in page
+    )
+    assert "(100 questions, 1 thread(s), CPU steps: native)" in page
+    assert "Means over the questions" in page and "before the rows were means" not in page
     assert "![Table 1 stages](benchmarks/results/bench_1thread.png)" in page
-    assert "- commit: abc1234" in page and "Test CPU 9000, 2 cores, torch 2.0.0+cpu" in page
+    assert "- commit: abc1234\n" in page and "Test CPU 9000, 2 cores, torch 2.0.0+cpu" in page
     assert "2030-01-02 03:04 UTC" in page
     # The sweep, its fastest tree, and losslessness.
     for r in FIXTURES["spec_sweep"]["result"]["rows"]:
         cols = ("config", "tau", "draft_ms", "verify_ms", "tokens_per_s", "speedup", "mismatches")
         assert row(report, [r[c] for c in cols]) in page
     assert "`chain d16 v0.1`, **2.02x**" in page
-    # Token pruning: a method's row across r, and a missing cell shown as missing rather than invented.
-    assert "| TokenSelector | 0.5312 (0.851) | 0.5349 (0.8598) |" in page
-    assert "unpruned 0.5351 (0.8601)" in page
-    assert "| 0.3 | 1.21 | 4.07 | n/a | n/a |" in page
+    # The first pruning benchmark's run is past: one line points to its JSON and commit, none of its figures.
+    assert (
+        "the first token pruning benchmark (drive-tiny) (benchmarks/results/token_pruning.json, commit abc1234)" in page
+    )
+    assert "0.5312" not in page and "## Token pruning on drive-tiny" not in page
     # ViewSelector recall, rounded to four decimals only.
     assert "| ViewSelector | 0.999 | 2.4844 | 2.4844 | 1.0 | 0.98 |" in page
     assert "| lexical map alone | 1.0 | 2.5625 | 2.4844 | 1.0314 | 0.91 |" in page
@@ -266,19 +281,22 @@ def test_an_earlier_median_run_is_shown_by_its_means_and_what_it_did_not_store_a
     readme.write_text(f"{report.GLANCE[0]}\nold\n{report.GLANCE[1]}\n")
     page = write(tmp_path, report, runs)
     # The speed-up is the ratio of the stored means, 54.447 / 28.845, not the stored ratio of medians (2.3).
-    assert "LiteVLM: **1.89x** the baseline, the ratio of mean totals" in page
-    assert "LiteVLM **1.89x** the baseline at one pinned thread" in readme.read_text()
+    assert "LiteVLM: **1.89x** by the paper's measure, n/a from images to answer (100 questions" in page
+    glance = "LiteVLM **1.89x** the baseline by the paper's measure (stages only), at one pinned thread"
+    assert glance in readme.read_text() and "from images to answer (e2e): not in this run" in readme.read_text()
     # total = the stored mean, p50 = the stored median, stage means = share x mean total; the rest missing.
-    cells = ["baseline", 6.0, None, 187.2, 17.96, 17.58, 1.231, 18.9, 0.01, None, 54.447, 41.857, None, 1.0, 0.5402]
-    assert row(report, [*cells, None, 0.0, None]) in page
-    lite = ["litevlm", 6.0, None, 187.2, 9.21, 11.38, 1.231, 6.97, 1.29, None, 28.845, 18.192, None, 1.89, 0.5402]
-    assert row(report, [*lite, None, 0.0, None]) in page
-    assert (
-        "before the rows were means" in page
-        and "`visual_tokens`, `p90_total_ms` and `preprocess_ms` were not stored" in page
-    )
+    # preprocessing and e2e (images to answer) were not measured then: n/a
+    cells = ["baseline", 6.0, None, 187.2, 17.96, 17.58, 1.231, 18.9, 0.01, None, 54.447, 41.857, None, 1.0]
+    assert row(report, [*cells, *[None] * 5, 0.5402, None, 0.0]) in page
+    lite = ["litevlm", 6.0, None, 187.2, 9.21, 11.38, 1.231, 6.97, 1.29, None, 28.845, 18.192, None, 1.89]
+    assert row(report, [*lite, *[None] * 5, 0.5402, None, 0.0]) in page
+    assert "before the rows were means" in page
+    assert "`visual_tokens`, `p90_total_ms`, `preprocess_ms` and e2e were not stored" in page
     # Its FP8 row, from a CPU run that did not say, is an accuracy row; its 0.62 is on the page nowhere.
-    assert "| litevlm fp8 | fp8-dynamic-per-row+float32 | 6.0 | n/a | 187.2 | 0.5402 | n/a |" in page
+    assert (
+        "Accuracy only (fp8-dynamic-per-row+float32, emulated here: its times are no speed figure): litevlm fp8:"
+        " views 6.0, visual_tokens n/a, input_tokens 187.2, score 0.5402, tau n/a." in page
+    )
     assert "0.62" not in page and "120.927" not in page
     # Its plot stacked medians: neither the page nor the README shows it.
     assert "bench_1thread.png)" not in page and "bench_1thread.png" not in readme.read_text()
@@ -291,12 +309,12 @@ def test_a_benchmark_not_run_is_said_plainly(tmp_path, report):
     page = write(tmp_path, report, runs)
     assert "**Not measured:** no results file for the EAGLE-2 sweep." in page
     assert "**Not measured:** no results file for `litevlm bench` at the default threads." in page
-    assert "**Not measured:** no results file for compile against native." in page
+    assert "torch.compile" not in page and "compile_vs_native" not in page  # no past run: no pointer to one
     assert "**None measured yet.**" in page  # no GPU results
     assert "at the default threads (" not in page  # nor a glance figure for it
 
 
-def test_compile_and_gpu_results_are_shown_when_present(tmp_path, report):
+def test_past_comparisons_are_one_line_and_gpu_results_are_shown(tmp_path, report):
     compile_run = run_file(
         "compile_vs_native",
         {
@@ -311,12 +329,19 @@ def test_compile_and_gpu_results_are_shown_when_present(tmp_path, report):
         "python benchmarks/compile_vs_native.py",
     )
     gpu_run = run_file("gpu_bench_2b", bench(1, 3.03), "litevlm bench --shape 2b --json")
-    page = write(tmp_path, report, {**FIXTURES, "compile_vs_native": compile_run, "gpu_bench_2b": gpu_run})
-    assert "| decode | 1 | 2.378 | 0.819 | 1.234 | n/a | 41.5 |" in page
-    assert "Kept: decode: native." in page and "Rule: keep the fastest backend per step, at every thread count" in page
+    compile_run["commit"] = "d6d5325"
+    before_after = run_file("before_after", {"rows": []}, "python benchmarks/before_after.py") | {"commit": "99614ac"}
+    runs = {**FIXTURES, "compile_vs_native": compile_run, "before_after": before_after, "gpu_bench_2b": gpu_run}
+    page = write(tmp_path, report, runs)
+    # past changes: no section, no figure, one line naming each JSON file and the commit that made it
+    assert "## torch.compile" not in page and "2.378" not in page and "## Before and after" not in page
+    past = next(line for line in page.splitlines() if line.startswith("Past comparisons"))
+    assert "torch.compile against the native steps (benchmarks/results/compile_vs_native.json, commit d6d5325)" in past
+    assert "before and after the execution backends (benchmarks/results/before_after.json, commit 99614ac)" in past
+    assert "d6d5325" not in page.split("- commit:")[1].split("\n")[0]  # the header counts the figures shown only
     assert "None measured yet" not in page and "### gpu_bench_2b" in page
     assert row(report, [gpu_run["result"]["rows"][1][c] for c in report.BENCH_COLUMNS]) in page
-    assert "Accuracy rows: a precision this machine only emulates" in page.split("### gpu_bench_2b")[1]
+    assert "Accuracy only (fp8-dynamic-per-row+float32" in page.split("### gpu_bench_2b")[1]
 
 
 def test_a_run_keeps_the_last_json_line_with_its_command(report):
@@ -405,17 +430,6 @@ def test_the_server_levels_are_one_row_each_with_their_first_token_times(tmp_pat
     assert "| 16 | 200 | 0 | 0 | 6.6 | 2404.8 | 2619.5 | 2380.5 | 2612.5 |" in page
     assert page.index("| 1 | 200 |") < page.index("| 16 | 200 |")  # levels in client order, not key order
     assert "requests per level 200" in page
-
-
-def test_the_compile_table_names_each_failed_build_and_its_error(tmp_path, report):
-    rows = [
-        {"step": "decode step", "threads": 1, "eager_ms": 3.2, "native_ms": 0.88, "inductor_ms": 1.6}
-        | {"aoti_ms": None, "compile_s": {"inductor": 2.57, "aoti": None}}
-    ]
-    result = {"rows": rows, "kept": {"decode step": "native"}, "errors": {"decode step, aoti": "TypeError: x"}}
-    page = write(tmp_path, report, {**FIXTURES, "compile_vs_native": run_file("compile_vs_native", result, "c")})
-    assert "| decode step | 1 | 3.2 | 0.88 | 1.6 | n/a | inductor 2.57, aoti failed |" in page
-    assert "- decode step, aoti failed: TypeError: x" in page
 
 
 def test_the_scale_out_table_shows_one_and_two_replicas_side_by_side(tmp_path, report):
@@ -621,18 +635,25 @@ def test_drive_hd_table1_comes_first_and_the_glance_names_both_models(tmp_path, 
     hd, tiny = (page.index(f"## Table 1: every configuration on {m}, side by side") for m in ("drive-hd", "drive-tiny"))
     assert hd < tiny < page.index("## EAGLE-2")
     assert page.index("## Table 1") == hd  # drive-hd's tables are the first on the page
-    hd_part = page[hd:tiny]
+    frames, preprocess = page.index("## One frame, several questions"), page.index("## Reading and cutting a view")
+    assert hd < frames < preprocess < tiny  # the frame rows and preprocessing next to drive-hd's Table 1
+    hd_part = page[hd:frames]
     for name in ("bench_hd_1thread", "bench_hd_default_threads"):
         run = hd_runs()[name]
         for r in run["result"]["rows"][:2]:
             assert row(report, [r[c] for c in report.BENCH_COLUMNS]) in hd_part
         assert f"Command: `{run['command']}`" in hd_part
-    assert "LiteVLM: **3.41x** the baseline" in hd_part and "LiteVLM: **3.05x** the baseline" in hd_part
+    assert "LiteVLM: **3.41x** by the paper's measure, **2.73x** from images to answer" in hd_part
+    assert "LiteVLM: **3.05x** by the paper's measure, **2.44x** from images to answer" in hd_part
     assert "![Table 1 stages on drive-hd](benchmarks/results/bench_hd_1thread.png)" in hd_part
     assert "Its baseline prompts hold 96.0 visual tokens of 83.7" in hd_part  # from the run's own baseline row
     assert "Not measured" not in hd_part
-    assert "LiteVLM **3.41x** the baseline on drive-hd at one pinned thread" in page
-    assert "LiteVLM **2.72x** the baseline on drive-tiny at one pinned thread" in page
+    hd_glance = (
+        "LiteVLM **2.73x** the baseline on drive-hd from images to answer (e2e), **3.41x** by the paper's measure"
+    )
+    assert f"{hd_glance} (stages only), at one pinned thread" in page
+    assert "**2.72x** by the paper's measure (stages only), at one pinned thread" in page
+    assert "LiteVLM **2.18x** the baseline on drive-tiny from images to answer (e2e)" in page
     figures = [line for line in readme.read_text().splitlines() if line.startswith("- ")]
     assert (
         len(figures) == 5 and "drive-hd" in figures[0] and "drive-hd" in figures[1] and all(f in page for f in figures)
@@ -658,10 +679,9 @@ def test_drive_hd_not_measured_yet_shows_its_commands_and_no_figures(tmp_path, r
 
 
 def test_the_pruning_section_shows_every_method_and_says_which_is_best(tmp_path, report):
-    runs = {**FIXTURES, "token_pruning_drive-tiny": pruning_run("drive-tiny")}
+    runs = {**FIXTURES, "token_pruning_drive-hd": pruning_run("drive-hd")}
     page = write(tmp_path, report, runs)
-    assert "| TokenSelector | 0.5312 (0.851) |" not in page  # the new run replaces the earlier token_pruning.json
-    sec = page[page.index("## Token pruning on drive-tiny") : page.index("## ViewSelector")]
+    sec = page[page.index("## Token pruning on drive-hd: ") : page.index("## Token pruning on drive-hd, every")]
     assert "40 questions (22 closed) over the views each needs" in sec and "(89% of its tokens)" in sec
     assert "Unpruned: final **0.5433** (0.8636)." in sec
     assert "| method | r=0.1 | r=0.2 | r=0.5 |" in sec
@@ -679,21 +699,20 @@ def test_the_pruning_section_shows_every_method_and_says_which_is_best(tmp_path,
     )
     assert "At r=0.5" not in sec
     assert "With 22 closed questions, a closed accuracy near 0.8636 has a standard error of about 0.073" in sec
-    # Timing: the unpruned prefill, then prefill and the method's own select_tokens ms at each r.
+    # Timing: the unpruned prefill, then one table of prefill + the method's own select_tokens ms at each r.
     assert "Unpruned prefill: **41.25 ms**" in sec and "first 10 prompts (3 repeats" in sec
-    prefill, select = sec.split("Prefill ms:")[1].split("The method's own select_tokens ms:")
-    assert "| TokenSelector | 10.0 | 20.0 | 30.0 |" in prefill and "| DART | 12.0 | 22.0 | 32.0 |" in prefill
-    assert "| TokenSelector | 0.5 | 0.5 | 0.5 |" in select and "| DART | 2.5 | 2.5 | 2.5 |" in select
-    assert "![token pruning on drive-tiny](benchmarks/results/token_pruning_drive-tiny.png)" in sec
-    assert "Command: `OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/token_pruning.py --model drive-tiny" in sec
-    assert "Machine (the benchmark's own record): Linux-test-x86_64, 1 thread(s), torch 2.0.0+cpu" in sec
-    assert "commit 0123456789abcdef0123456789abcdef01234567, 2030-01-02 03:04 UTC" in sec
+    assert "each cell is the prefill ms + the method's own select_tokens ms" in sec
+    assert "| TokenSelector | 10.0 + 0.5 | 20.0 + 0.5 | 30.0 + 0.5 |" in sec
+    assert "| DART | 12.0 + 2.5 | 22.0 + 2.5 | 32.0 + 2.5 |" in sec
+    assert "![token pruning on drive-hd](benchmarks/results/token_pruning_drive-hd.png)" in sec
+    assert "Command: `OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/token_pruning.py --model drive-hd" in sec
+    assert "Commit abc1234, 2030-01-02 03:04 UTC, Test CPU 9000, 1 thread(s), 12.5 s." in sec
 
 
 def test_the_pruning_section_on_a_model_without_a_token_selector(tmp_path, report):
     runs = {**FIXTURES, "token_pruning_drive-hd": pruning_run("drive-hd", with_selector=False)}
     page = write(tmp_path, report, runs)
-    hd = page[page.index("## Token pruning on drive-hd") : page.index("## Token pruning on drive-tiny")]
+    hd = page[page.index("## Token pruning on drive-hd") : page.index("## Token pruning on drive-hd, every")]
     assert "| TokenSelector | absent | absent | absent |" in hd
     assert "TokenSelector: absent, drive-hd has no token_selector/ folder" in hd
     assert (
@@ -701,9 +720,6 @@ def test_the_pruning_section_on_a_model_without_a_token_selector(tmp_path, repor
         " was measured (drive-hd has no token_selector/ folder)." in hd
     )
     assert "beats the TokenSelector" not in hd
-    # drive-tiny still shows its earlier run (the old schema), said to be one
-    tiny = page[page.index("## Token pruning on drive-tiny") : page.index("## ViewSelector")]
-    assert "An earlier run" in tiny and "| TokenSelector | 0.5312 (0.851) | 0.5349 (0.8598) |" in tiny
 
 
 def test_a_tie_for_best_is_said_as_one(report):
@@ -750,7 +766,7 @@ def test_the_selectors_variant_inside_the_decoder_is_weighed_against_the_trainin
     assert report.pruning_verdict(res, 0.2).endswith(" TokenSelector K=2 scores 0.5102, not ahead of DART (0.5201).")
     runs = {**FIXTURES, "token_pruning_drive-hd": run_file("token_pruning_drive-hd", res, "python x.py")}
     page = write(tmp_path, report, runs)
-    hd = page[page.index("## Token pruning on drive-hd") : page.index("## Token pruning on drive-tiny")]
+    hd = page[page.index("## Token pruning on drive-hd") : page.index("## Token pruning on drive-hd, every")]
     assert "| TokenSelector K=2 | 0.5201 (0.82) | 0.5102 (0.82) | 0.5 (0.82) |" in hd
     assert "TokenSelector K=2: the TokenSelector's own choice, made from the prompt before the decoder, applied" in hd
     assert "`--prune token-selector --keep R --prune-layer 2`" in hd
@@ -758,8 +774,10 @@ def test_the_selectors_variant_inside_the_decoder_is_weighed_against_the_trainin
 
 def test_the_run_list_measures_drive_hd(report):
     known = {b.name: b for b in report.benchmarks()}
-    for name in ("bench_hd_1thread", "bench_hd_default_threads", "token_pruning_drive-hd", "token_pruning_drive-tiny"):
+    for name in ("bench_hd_1thread", "bench_hd_default_threads", "token_pruning_drive-hd"):
         assert name in known
+    for past in ("token_pruning_drive-tiny", "compile_vs_native", "before_after"):  # pointed to, no longer run
+        assert past not in known
     assert known["bench_hd_1thread"].pinned and not known["bench_hd_default_threads"].pinned
     for name in ("bench_hd_1thread", "bench_hd_default_threads"):
         hd, tiny = known[name].command(None), known[name.replace("_hd", "")].command(None)
@@ -806,7 +824,7 @@ def test_drive_hd_over_all_six_views_has_its_own_pruning_page(tmp_path, report):
     assert "benchmarks/results/token_pruning_drive-hd-all-views.png" in command
     heading = "## Token pruning on drive-hd over all six views"
     page = write(tmp_path / "before", report, FIXTURES)
-    empty = page[page.index(heading) : page.index("## Token pruning on drive-tiny")]
+    empty = page[page.index(heading) : page.index("## ViewSelector")]
     assert "**Not measured yet:** no results file for token pruning on drive-hd over all six views." in empty
     assert "--views all" in empty and "| TokenSelector |" not in empty
     res = pruning_result("drive-hd", with_selector=True)
@@ -815,8 +833,8 @@ def test_drive_hd_over_all_six_views_has_its_own_pruning_page(tmp_path, report):
     runs = {**FIXTURES, "token_pruning_drive-hd": pruning_run("drive-hd"), name: run_file(name, res, "python x.py")}
     page = write(tmp_path / "after", report, runs)
     needed = page.index("## Token pruning on drive-hd: ")
-    assert needed < page.index(heading) < page.index("## Token pruning on drive-tiny")
-    sec = page[page.index(heading) : page.index("## Token pruning on drive-tiny")]
+    assert needed < page.index(heading) < page.index("## ViewSelector")
+    sec = page[page.index(heading) : page.index("## ViewSelector")]
     assert "Every camera's view goes into each prompt, as when the ViewSelector is off" in sec
     assert "40 questions (22 closed) over all six views" in sec
     assert "| TokenSelector | 0.5011 (0.8182) | 0.5301 (0.8282) | 0.5402 (0.8382) |" in sec
@@ -868,3 +886,143 @@ def test_fastvs_choice_before_the_decoder_is_a_diagnostic_not_a_pruner_that_beat
     assert line.endswith(
         "FastV K=2's choice before the decoder scores 0.5998 (FastV K=2, pruning before layer 2: 0.5105)."
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# Both measures, frame rows, preprocessing, and the page's length
+# ------------------------------------------------------------------------------------------------
+FRAMES_COMMAND = (
+    "litevlm bench --model drive-hd --data .bench-data/heldout --json --questions-per-frame 6 --configs"
+    " baseline,litevlm --no-transformers --n 96"
+)
+
+
+def frame_row(config: str, mode: str, e2e: float, ratio: float, equal: bool = True) -> dict:
+    k = 1 if mode == "strangers" else 6
+    return (
+        {"config": config, "mode": mode, "questions_per_frame": k, "e2e_ms": e2e, "p50_e2e_ms": e2e - 1.0}
+        | {"p90_e2e_ms": e2e + 9.0, "preprocess_ms": 20.5 / k, "vit_ms": 11.25 / k, "total_ms": e2e - 20.5 / k}
+        | {"views_encoded_per_question": 2.5 / k, "e2e_vs_strangers": ratio, "answers_equal": equal}
+        | {"score": 0.5426, "closed_accuracy": 0.8742}
+    )
+
+
+def frames_result(threads: int = 1, equal: bool = True) -> dict:
+    rows = [
+        frame_row("baseline", "strangers", 180.5, 1.0),
+        frame_row("baseline", "frame", 120.25, 0.666),
+        frame_row("litevlm", "strangers", 52.0, 1.0),
+        frame_row("litevlm", "frame", 30.5, 0.587, equal),
+    ]
+    head = {"model": "drive-hd", "threads": threads, "questions": 96, "questions_per_frame": 6, "frames": 16}
+    return head | {"frame_rows": rows, "rows": []}
+
+
+def preprocess_result(score: bool = True) -> dict:
+    cases = [
+        {"name": "front camera", "source": "JPEG 1600x900", "tiles": "2 x 448", "today_ms": 14.25, "new_ms": 4.5}
+        | {"speedup": 3.17, "max_pixel_diff": 3, "mean_pixel_diff": 0.41},
+        {"name": "raw frame", "source": "array 1600x900", "tiles": "2 x 448", "today_ms": 9.75, "new_ms": 1.25}
+        | {"speedup": 7.8, "max_pixel_diff": 2, "mean_pixel_diff": 0.37},
+    ]
+    sc = {"litevlm_fast": 0.5426, "litevlm_pil": 0.5431, "litevlm_diff": -0.0005, "questions": 600, "model": "drive-hd"}
+    sc |= {"baseline_fast": 0.5179, "baseline_pil": 0.5179, "baseline_diff": 0.0}
+    return {"cases": cases, **({"score": sc} if score else {})}
+
+
+def test_table1_shows_both_measures_and_an_old_run_without_e2e_as_na(tmp_path, report):
+    """A row carries the paper's measure (the stages) and images to answer (e2e) side by side; a run from before e2e
+    shows n/a there, in the table, the statement and the glance, and invents nothing."""
+    header = next(line for line in table_lines(report, FIXTURES) if line.startswith("| config | views"))
+    for col in ("total_ms (stages, the paper's measure)", "speedup", "preprocess_ms", "e2e_ms (images to answer)"):
+        assert f"| {col} |" in header
+    for col in ("p50_e2e_ms", "p90_e2e_ms", "e2e_speedup"):
+        assert f"| {col} |" in header
+    old = bench(1, 2.72)
+    for r in old["rows"]:
+        for key in ("e2e_ms", "p50_e2e_ms", "p90_e2e_ms", "e2e_speedup", "preprocess_share"):
+            del r[key]
+    runs = {**FIXTURES, "bench_1thread": {**FIXTURES["bench_1thread"], "result": old}}
+    page = write(tmp_path, report, runs)
+    lite = old["rows"][1]
+    assert row(report, [lite.get(c) for c in report.BENCH_COLUMNS]) in page
+    assert "| 2.72 | 3.1 | n/a | n/a | n/a | n/a | 0.5355 |" in page  # speedup, preprocess, then e2e's four n/a
+    assert "LiteVLM: **2.72x** by the paper's measure, n/a from images to answer (100 questions" in page
+    assert "**2.72x** the baseline by the paper's measure (stages only), at one pinned thread" in page
+    assert "from images to answer (e2e): not in this run" in page
+
+
+def table_lines(report, runs) -> list[str]:
+    return report.render(runs).splitlines()
+
+
+def test_the_frame_rows_are_a_table_with_litevlms_ratio_and_whether_the_answers_are_equal(tmp_path, report):
+    known = {b.name: b for b in report.benchmarks()}
+    one, free = known["bench_hd_frames"], known["bench_hd_frames_default_threads"]
+    assert " ".join(one.command(None)) == " ".join(free.command(None)) == FRAMES_COMMAND
+    assert one.pinned and not free.pinned
+    page = write(tmp_path / "none", report, FIXTURES)  # not run: the commands, no figures
+    sec = page[page.index("## One frame, several questions") : page.index("## Reading and cutting a view")]
+    assert "**Not measured yet:** no results file for frame mode on drive-hd at one pinned thread." in sec
+    assert f"`{FRAMES_COMMAND}`" in sec and "--only bench_hd_frames_default_threads" in sec and "| litevlm |" not in sec
+    runs = {
+        **FIXTURES,
+        "bench_hd_frames": run_file("bench_hd_frames", frames_result(), f"OMP_NUM_THREADS=1 {FRAMES_COMMAND}"),
+        "bench_hd_frames_default_threads": run_file(
+            "bench_hd_frames_default_threads", frames_result(2, equal=False), FRAMES_COMMAND, threads=2
+        ),
+    }
+    page = write(tmp_path / "both", report, runs)
+    sec = page[page.index("## One frame, several questions") : page.index("## Reading and cutting a view")]
+    for r in frames_result()["frame_rows"]:
+        assert row(report, [r[c] for c in report.FRAME_COLUMNS]) in sec
+    assert (
+        "LiteVLM's mean e2e per question through a frame of 6 is **0.587** of its one-question-a-frame figure;"
+        " answers equal: yes (96 questions in 16 frames, 1 thread(s))." in sec
+    )
+    assert "answers equal: no (96 questions in 16 frames, 2 thread(s))." in sec
+    assert f"Command: `OMP_NUM_THREADS=1 {FRAMES_COMMAND}`" in sec and f"Command: `{FRAMES_COMMAND}`" in sec
+    assert "Not measured" not in sec
+
+
+def test_reading_and_cutting_a_view_has_its_table_and_the_score_with_both_resizes(tmp_path, report):
+    b = {b.name: b for b in report.benchmarks()}["preprocess"]
+    assert b.command(None)[:4] == ["python", "benchmarks/preprocess.py", "--threads", "1"] and b.pinned
+    assert "--score-n" in b.command(None)
+    page = write(tmp_path / "none", report, FIXTURES)
+    sec = page[page.index("## Reading and cutting a view") : page.index("## Table 1: every configuration on drive-t")]
+    assert "**Not measured yet:** no results file for preprocessing." in sec and "benchmarks/preprocess.py" in sec
+    command = "OMP_NUM_THREADS=1 python benchmarks/preprocess.py --threads 1"
+    page = write(
+        tmp_path / "run", report, {**FIXTURES, "preprocess": run_file("preprocess", preprocess_result(), command)}
+    )
+    sec = page[page.index("## Reading and cutting a view") : page.index("## Table 1: every configuration on drive-t")]
+    assert "| name | source | tiles | today_ms | new_ms | speedup | max_pixel_diff | mean_pixel_diff |" in sec
+    assert "| front camera | JPEG 1600x900 | 2 x 448 | 14.25 | 4.5 | 3.17 | 3 | 0.41 |" in sec
+    assert "| raw frame | array 1600x900 | 2 x 448 | 9.75 | 1.25 | 7.8 | 2 | 0.37 |" in sec
+    assert (
+        "DriveLM score on drive-hd, 600 held-out questions: litevlm 0.5426 with the new path, 0.5431 with PIL's" in sec
+    )
+    assert "(difference -0.0005); baseline 0.5179 with the new path" in sec and f"Command: `{command}`" in sec
+    run = run_file("preprocess", preprocess_result(score=False), command)
+    page = write(tmp_path / "unscored", report, {**FIXTURES, "preprocess": run})
+    assert "| raw frame |" in page and "DriveLM score on" not in page
+
+
+def test_the_page_from_the_stored_results_fits_in_400_lines(report):
+    """The stored JSON (benchmarks/results), with the new benchmarks' runs as they will come: a page read in
+    minutes. The past comparisons are a line each at most, drive-tiny's pruning table gone."""
+    runs = report.load(report.RESULTS)
+    frames = frames_result()
+    runs |= {
+        "bench_hd_frames": run_file("bench_hd_frames", frames, FRAMES_COMMAND),
+        "bench_hd_frames_default_threads": run_file("bench_hd_frames_default_threads", frames, FRAMES_COMMAND),
+        "preprocess": run_file("preprocess", preprocess_result(), "python benchmarks/preprocess.py --threads 1"),
+    }
+    page = report.render(runs)
+    assert len(page.splitlines()) <= 400
+    for gone in ("## torch.compile", "## Before and after", "## Token pruning on drive-tiny"):
+        assert gone not in page
+    assert "Not measured" not in page.split("## GPU")[0]  # every benchmark the page shows has its figures
+    if "compile_vs_native" in runs:
+        assert f"(benchmarks/results/compile_vs_native.json, commit {runs['compile_vs_native']['commit']})" in page
