@@ -194,11 +194,22 @@ def test_parse_refuses_with_named_problems(images):
     ok = {"model": "m", "messages": [user_message(QUESTION, images)]}
     req = parse_chat_request(json.dumps(ok).encode(), model_name="m", limits=limits)
     assert req.question == QUESTION and list(req.images) == list(CAMERAS)
-    bad = {"model": "m", "messages": [user_message(QUESTION, {c: images[c] for c in CAMERAS[:4]})]}
+    # Fewer than six: the pipeline decides per question. Unnamed images still take the cameras in nuScenes order.
+    four = {"model": "m", "messages": [user_message(QUESTION, {c: images[c] for c in CAMERAS[:4]})]}
+    assert list(parse_chat_request(json.dumps(four).encode(), model_name="m", limits=limits).images) == list(
+        CAMERAS[:4]
+    )
+    unnamed = {"model": "m", "messages": [user_message(QUESTION, {})]}
+    unnamed["messages"][0]["content"] += [
+        {"type": "image_url", "image_url": {"url": image_data_url(images[c])}} for c in CAMERAS[:2]
+    ]
+    assert list(parse_chat_request(json.dumps(unnamed).encode(), model_name="m", limits=limits).images) == list(
+        CAMERAS[:2]
+    )
+    none = {"model": "m", "messages": [{"role": "user", "content": QUESTION}]}
     with pytest.raises(APIError) as e:
-        parse_chat_request(json.dumps(bad).encode(), model_name="m", limits=limits)
+        parse_chat_request(json.dumps(none).encode(), model_name="m", limits=limits)
     assert e.value.status == 400 and e.value.code == "missing_cameras"
-    assert "CAM_BACK_LEFT" in e.value.message and "CAM_BACK_RIGHT" in e.value.message
     with pytest.raises(ValueError, match="max_images"):
         Limits(max_images=7)
 

@@ -58,8 +58,10 @@ def open_image(source, target=None, draft: bool = True):
                 im.draft("RGB", target(*im.size))  # a DCT scale whose size is at least the target's, or none
             im.load()
             return im if im.mode == "RGB" else im.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError) as e:
         raise LiteVLMError(f"cannot read {where}: {e}") from None
+    except Exception as e:  # a decoder's other failures on untrusted bytes: still the image's fault, named
+        raise LiteVLMError(f"cannot read {where}: {type(e).__name__}: {e}") from None
 
 
 def as_pixels(image) -> torch.Tensor:

@@ -3,8 +3,11 @@
 `POST /v1/chat/completions` takes a user message of text and `image_url` parts. Images must be
 base64 data URLs: the server never fetches a URL and never opens a file named in a request. Each
 image's camera is named by a text part just before it ("CAM_BACK"); unnamed images take the
-cameras not named, in nuScenes order. The answer carries OpenAI `usage` plus a `litevlm` extension
-field: the views used, visual and prompt token counts, and per-stage milliseconds. `GET /v1/models`,
+cameras not named, in nuScenes order. A camera may be left out, or its image be unreadable: only the
+questions that need its view are refused (400 naming the camera). The pipeline keeps encoded views in a
+content-keyed cache (`--view-cache-mb`), so a frame sent again is neither decoded nor encoded again.
+The answer carries OpenAI `usage` plus a `litevlm` extension field: the views used, visual and prompt
+token counts, per-stage milliseconds and the view cache's hits. `GET /v1/models`,
 `GET /health` and `GET /metrics` (Prometheus) complete the set.
 
 One model instance answers one request at a time on a single worker thread. Admitted requests wait

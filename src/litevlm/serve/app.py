@@ -57,11 +57,14 @@ def build_app(
     header_timeout_s: float = 10.0,
     body_timeout_s: float = 30.0,
     max_connections: int = 256,
+    view_cache_bytes: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `pipe` (a litevlm Pipeline) under the model id `model_name` (default: pipe.name).
 
     The connection limits (`header_timeout_s`, `max_connections`) are kept on `app.state.limits` for
-    the HTTP server that runs the app (`ServerThread`, `run_server`)."""
+    the HTTP server that runs the app (`ServerThread`, `run_server`). `view_cache_bytes` gives the pipeline a view
+    cache of that bound (`litevlm.frame.ViewCache`: a frame sent again is not decoded nor encoded again; 0: none);
+    None leaves the pipeline's own as it is."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -80,8 +83,13 @@ def build_app(
         max_connections=max_connections,
     )
     model_name = model_name or getattr(pipe, "name", None) or "litevlm"
-    worker = Worker(pipe, limits, Metrics(lambda: worker.pending, limits.max_queue))
-    metrics = worker.metrics
+    if view_cache_bytes is not None:
+        from litevlm.frame import ViewCache
+
+        pipe.view_cache = ViewCache(view_cache_bytes) if view_cache_bytes > 0 else None
+    # The cache is read from the pipeline at each /metrics: `rebuild` clears it, a caller may replace it.
+    metrics = Metrics(lambda: worker.pending, limits.max_queue, lambda: getattr(pipe, "view_cache", None))
+    worker = Worker(pipe, limits, metrics)
     created = int(time.time())
 
     @asynccontextmanager

@@ -65,6 +65,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=d.max_prompt_chars,
         help="longest question in characters (default: %(default)s)",
     )
+    g.add_argument(
+        "--view-cache-mb",
+        type=int,
+        default=256,
+        help="MiB of encoded camera views kept across requests, keyed by content: a frame sent again skips "
+        "decoding and the vision encoder; 0 turns it off (default: %(default)s)",
+    )
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     r = p.add_argument_group("replicas (Ray Serve; pip install 'litevlm[ray]')")
     r.add_argument(
@@ -108,7 +115,9 @@ def app_options(args) -> dict:
         Limits(**options)
     except ValueError as e:
         raise LiteVLMError(f"serve: {e}") from None
-    return dict(model_name=args.model_name, **options)
+    if args.view_cache_mb < 0:
+        raise LiteVLMError(f"serve: --view-cache-mb must be >= 0 (0 turns the cache off), got {args.view_cache_mb}")
+    return dict(model_name=args.model_name, view_cache_bytes=args.view_cache_mb << 20, **options)
 
 
 def _server():

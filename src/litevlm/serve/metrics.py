@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-# Stage histograms shown even before the first request; any other stage the pipeline reports is added.
-STAGE_METRICS = ("select_views", "vit", "select_tokens", "prefill", "decode", "total")
+# Stage histograms shown even before the first request; any other stage the pipeline reports is added. "total" is
+# the five stages' sum, "e2e" the answer's whole time from the images as given (decoding included) to the last token.
+STAGE_METRICS = ("select_views", "vit", "select_tokens", "prefill", "decode", "total", "e2e")
 # Seconds; a tiny model on a GPU answers in about a millisecond, a 2B model on a CPU in tens of seconds.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -18,7 +21,9 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, in_flight: Callable[[], float], queue_capacity: int):
+    def __init__(
+        self, in_flight: Callable[[], float], queue_capacity: int, view_cache: Callable[[], object] | None = None
+    ):
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "litevlm_requests",
@@ -62,6 +67,11 @@ class Metrics:
         )
         self.prompt_tokens = Counter("litevlm_prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.completion_tokens = Counter("litevlm_completion_tokens", "Tokens generated.", registry=r)
+        self.views_encoded = Counter(
+            "litevlm_views_encoded", "Camera views decoded and encoded (not served from the view cache).", registry=r
+        )
+        if view_cache is not None:
+            r.register(ViewCacheCollector(view_cache))
         Gauge("litevlm_in_flight_requests", "Admitted chat requests not yet finished.", registry=r).set_function(
             in_flight
         )
@@ -79,11 +89,41 @@ class Metrics:
         """reason: 'disconnected' or 'deadline'; where: 'queued' (never started) or 'running'."""
         self.cancelled.labels(reason, where).inc()
 
-    def observe_answer(self, timings_ms: dict[str, float], prompt_tokens: int, completion_tokens: int) -> None:
+    def observe_answer(
+        self, timings_ms: dict[str, float], prompt_tokens: int, completion_tokens: int, cache: dict | None = None
+    ) -> None:
+        """One answer's stage times and token counts; `cache` is its `Answer.cache` (views encoded, cache hits)."""
         for stage, ms in timings_ms.items():
             self.stages.labels(stage).observe(ms / 1000.0)
         self.prompt_tokens.inc(prompt_tokens)
         self.completion_tokens.inc(completion_tokens)
+        if cache:
+            self.views_encoded.inc(cache.get("encoded", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ViewCacheCollector(Collector):
+    """The pipeline's view cache (`litevlm.frame.ViewCache.stats()`), read when /metrics is rendered: whatever cache
+    the pipeline holds then (None, the cache turned off: zeros). Its counters restart with a new cache, which
+    Prometheus takes as a counter reset."""
+
+    def __init__(self, view_cache: Callable[[], object]):
+        self.view_cache = view_cache
+
+    def collect(self):
+        cache = self.view_cache()
+        stats = cache.stats() if cache is not None else {}
+        for name, doc in (
+            ("hits", "Camera views served from the view cache."),
+            ("misses", "Camera views looked up in the view cache and not found."),
+            ("evictions", "Encoded views dropped from the view cache, least recently used first, to stay in bounds."),
+        ):
+            yield CounterMetricFamily(f"litevlm_view_cache_{name}", doc, value=stats.get(name, 0))
+        for name, doc in (
+            ("bytes", "Bytes of encoded views the view cache holds."),
+            ("max_bytes", "The view cache's bound in bytes (0: no cache)."),
+            ("entries", "Encoded views the view cache holds."),
+        ):
+            yield GaugeMetricFamily(f"litevlm_view_cache_{name}", doc, value=stats.get(name, 0))

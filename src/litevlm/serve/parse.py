@@ -2,8 +2,9 @@
 
 Images must be base64 data URLs: the parser never fetches a URL and never opens a file named in a
 request. Each image's camera is named by a text part just before it ("CAM_BACK"); unnamed images take
-the cameras not named, in nuScenes order. Only image headers are read here (format, size); pixels are
-decoded by the model worker when the request's turn comes, so a queue holds bytes, not pixels.
+the cameras not named, in nuScenes order; cameras may be missing (the pipeline refuses only the questions that
+need them). Only image headers are read here (format, size, the pixel limit); the pipeline decodes the views a
+question needs when the request's turn comes, so a queue holds bytes, not pixels.
 """
 
 from __future__ import annotations
@@ -296,17 +297,17 @@ def _parse_messages(messages, limits: Limits) -> tuple[str, dict[str, tuple[str,
         )
     free = [c for c in CAMERAS if c not in named]
     named.update(zip(free, unnamed))  # unnamed images take the cameras left, in nuScenes order
-    missing = [c for c in CAMERAS if c not in named]
-    if missing:
+    if not named:
         raise APIError(
             400,
-            f"{len(named)} camera images given, missing {', '.join(missing)}: this model needs all "
-            f"{len(CAMERAS)} views. Name each image with a text part before it (e.g. 'CAM_BACK'); unnamed "
-            f"images are taken in nuScenes order ({', '.join(CAMERAS)})",
+            f"no camera images given: send up to {len(CAMERAS)} images, each named with a text part before it "
+            f"(e.g. 'CAM_BACK'); unnamed images are taken in nuScenes order ({', '.join(CAMERAS)})",
             code="missing_cameras",
             param="messages",
         )
-    return " ".join(texts), {c: named[c] for c in CAMERAS}
+    # Fewer than six is the pipeline's call, per question: it refuses (naming the camera) only the questions that
+    # need a view that is not here.
+    return " ".join(texts), {c: named[c] for c in CAMERAS if c in named}
 
 
 def _decode_data_url(url: str, where: str, max_pixels: int) -> bytes:

@@ -1,11 +1,13 @@
 """The model worker: one request at a time on one thread, bounded admission, deadlines, cancellation.
 
-A queued request holds its images as the encoded bytes the client sent; they are decoded when its
-turn comes, so the queue's memory is bounded by its length times the body limit. The model thread
-iterates the pipeline's stream (`Pipeline.stream`: Deltas as tokens are made, then the Answer) and
-between items checks whether the request is still wanted: a client that disconnected or a
+A queued request holds its images as the encoded bytes the client sent (headers checked by the parser), and
+the pipeline gets those bytes when its turn comes: it decodes only the views the question needs, and none
+that its view cache already holds. The queue's memory is bounded by its length times the body limit.
+The model thread iterates the pipeline's stream (`Pipeline.stream`: Deltas as tokens are made, then the
+Answer) and between items checks whether the request is still wanted: a client that disconnected or a
 deadline that passed stops the work at the next step, and a request dropped while queued is never
-decoded at all.
+decoded at all. A LiteVLMError from the pipeline (a missing or unreadable image the question needs) is the
+client's 400, naming the camera.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from litevlm.errors import LiteVLMError
 from litevlm.pipeline import Answer, TextStream
 from litevlm.serve.metrics import Metrics
-from litevlm.serve.parse import ChatRequest, Limits, decode_image
+from litevlm.serve.parse import ChatRequest, Limits
 from litevlm.serve.protocol import APIError
 
 
@@ -32,6 +35,15 @@ def stream_pieces(pipe, ans: Answer) -> list[str]:
     stream = TextStream(pipe.tokenizer, pipe.tokenizer.eos_id)
     pieces = [stream.push([t]) for t in ans.tokens]
     return [p for p in [*pieces, stream.finish()] if p]
+
+
+def refusal(err: LiteVLMError) -> APIError:
+    """The pipeline's refusal of a request's input as a 400. Its message names the camera; the code is read from
+    it (`litevlm.frame.Frame.check_views`'s wording): an image that cannot be read, or a view the question needs
+    that was not sent."""
+    msg = str(err)
+    code = "invalid_image" if "whose image" in msg else "missing_cameras" if "missing" in msg else "invalid_request"
+    return APIError(400, msg, code=code, param="messages")
 
 
 @dataclass(eq=False)
@@ -80,7 +92,7 @@ class Worker:
         self.pending = 0  # admitted and not finished; touched only on the event loop
         self.jobs: set[Job] = set()  # the admitted jobs themselves (event loop only)
         self.service_ema_s = 0.0
-        self.decoded = 0  # requests whose images were decoded (each one reached the model)
+        self.started = 0  # requests the model thread took (only these had any image decoded)
 
     # -- admission (event loop) ---------------------------------------------------------------------
     def retry_after_s(self) -> float:
@@ -129,17 +141,17 @@ class Worker:
             return  # never decoded
         start = time.monotonic()
         job.started, job.queue_s = True, start - job.arrived
-        self.decoded += 1
-        images = {
-            cam: decode_image(raw, f"image {cam}", self.limits.max_image_pixels) for cam, raw in job.req.images.items()
-        }
+        self.started += 1
         with self._settings(job.req):
-            ans = self._answer(job, images)
+            try:  # the encoded bytes: the pipeline decodes only the views the question needs, on a cache miss
+                ans = self._answer(job, job.req.images)
+            except LiteVLMError as e:
+                raise refusal(e) from None
         if ans is None:
             return
         job.service_s = time.monotonic() - start
         self.metrics.queue_wait.observe(job.queue_s)
-        self.metrics.observe_answer(ans.timings_ms, ans.input_tokens, len(ans.tokens))
+        self.metrics.observe_answer(ans.timings_ms, ans.input_tokens, len(ans.tokens), getattr(ans, "cache", None))
         job.put("done", ans)
 
     def _answer(self, job: Job, images: dict) -> Answer | None:
