@@ -115,14 +115,15 @@ def test_serve_checks_its_flags_before_loading_a_model():
 
 
 def test_ask_streams_the_answer_through_pipeline_stream(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    """`ask --stream` prints the pieces `Pipeline.stream` yields as they come, then the summary; the pieces join to
-    the answer `ask` prints without it, and the JSON line is the same answer."""
+    """`ask --stream` prints the pieces the frame's stream (`Pipeline.stream_frame`) yields as they come, then the
+    summary; the pieces join to the answer `ask` prints without it, and the JSON line is the same answer."""
     import json
 
     import numpy as np
     from PIL import Image
 
     from litevlm.cameras import CAMERAS
+    from litevlm.frame import Frame
     from litevlm.pipeline import Delta, Pipeline
 
     rng = np.random.default_rng(0)
@@ -134,16 +135,16 @@ def test_ask_streams_the_answer_through_pipeline_stream(tiny_model_dir, tmp_path
     plain = capsys.readouterr().out.splitlines()[0]
     assert plain  # a random tiny model still says something in 12 tokens
 
-    pieces, stream = [], Pipeline.stream
+    pieces, stream = [], Pipeline.stream_frame
 
-    def recorded(self, question, images):
-        for item in stream(self, question, images):
-            if isinstance(item, Delta):
+    def recorded(self, question, frame):
+        for item in stream(self, question, frame):
+            if isinstance(item, Delta) and question == "Anything ahead?":  # not the pipeline's warm-up answer
                 pieces.append(item.text)
             yield item
 
-    monkeypatch.setattr(Pipeline, "stream", recorded)
-    monkeypatch.setattr(Pipeline, "answer", lambda *a, **k: pytest.fail("--stream answers through Pipeline.stream"))
+    monkeypatch.setattr(Pipeline, "stream_frame", recorded)
+    monkeypatch.setattr(Frame, "answer", lambda *a, **k: pytest.fail("--stream answers through Frame.stream"))
     assert main([*argv, "--stream"]) == 0
     out = capsys.readouterr().out
     assert len(pieces) > 1 and out.startswith("".join(pieces) + "\n")

@@ -118,14 +118,18 @@ def test_images_from_dir(images, tmp_path):
         images[c].save(tmp_path / f"{c}.png")
     found = images_from_dir(tmp_path)
     assert sorted(found) == sorted(CAMERAS)
-    (tmp_path / "CAM_BACK_RIGHT.png").unlink()
-    with pytest.raises(LiteVLMError, match="5 camera views"):
-        images_from_dir(tmp_path)
+    (tmp_path / "CAM_BACK_RIGHT.png").unlink()  # a camera may fail on a car: the others still answer
+    assert sorted(images_from_dir(tmp_path)) == sorted(c for c in CAMERAS if c != "CAM_BACK_RIGHT")
     Image.new("RGB", (8, 8)).save(tmp_path / "CAM_SIDE.png")
     with pytest.raises(LiteVLMError, match="unknown camera name"):
         images_from_dir(tmp_path)
     with pytest.raises(LiteVLMError, match="not found"):
         images_from_dir(tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("no images here")
+    with pytest.raises(LiteVLMError, match="no camera image"):
+        images_from_dir(empty)
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

@@ -67,6 +67,12 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=2026, help="the synthetic scene's seed")
     p.add_argument("--questions", type=int, default=6)
     p.add_argument("--out", default="demo.png", help="where to save the 2x3 picture of the six views")
+    p.add_argument(
+        "--explain",
+        default=None,
+        metavar="FIG.png",
+        help="where to draw what LiteVLM kept for one answer (default: demo_explain.png beside --out)",
+    )
     only = p.add_mutually_exclusive_group()
     only.add_argument("--baseline-only", action="store_true", help="only the baseline (six views, plain decoding)")
     only.add_argument("--litevlm-only", action="store_true", help="only the LiteVLM configuration (--litevlm)")
@@ -77,22 +83,51 @@ def run_demo(args) -> None:
     from litevlm.demo import run_demo
 
     configs = ("baseline",) if args.baseline_only else ("litevlm",) if args.litevlm_only else ("litevlm", "baseline")
-    run_demo(args.model, out=args.out, seed=args.seed, n_questions=args.questions, as_json=args.json, configs=configs)
+    run_demo(
+        args.model,
+        out=args.out,
+        seed=args.seed,
+        n_questions=args.questions,
+        as_json=args.json,
+        configs=configs,
+        explain=args.explain,
+    )
 
 
 def ask_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--images", required=True, help="folder with one image per camera, named CAM_FRONT.png etc.")
-    p.add_argument("--question", required=True)
-    p.add_argument("--stream", action="store_true", help="print the answer as it is made, then the summary")
-    _json_flag(p)
+    p.add_argument(
+        "--images",
+        required=True,
+        help="folder with one image per camera, named CAM_FRONT.png etc.; a missing camera fails only the questions "
+        "that need it",
+    )
+    p.add_argument(
+        "--question",
+        required=True,
+        action="append",
+        help="the question; give it again to ask several about the same images (each view is read and encoded "
+        "once), answered in order",
+    )
+    p.add_argument("--stream", action="store_true", help="print each answer as it is made, then its summary")
+    p.add_argument(
+        "--explain",
+        metavar="FILE.png",
+        default=None,
+        help="save a figure of the answer: the six views, those encoded, the visual tokens kept on them, the times; "
+        "with several questions one figure per answered question, FILE-1.png, FILE-2.png, ... (by question number)",
+    )
+    _json_flag(
+        p,
+        "end with the answer as one JSON line (with several questions: a list, {'error': ...} for those not answered)",
+    )
     add_pipeline_options(p)
 
 
-def _streamed(pipe, question: str, images):
-    """The answer of `Pipeline.stream`, its text printed piece by piece as the pipeline makes it."""
+def _streamed(frame, question: str):
+    """The answer of `Frame.stream`, its text printed piece by piece as the pipeline makes it."""
     from litevlm.pipeline import Delta
 
-    for item in pipe.stream(question, images):
+    for item in frame.stream(question):
         if isinstance(item, Delta):
             print(item.text, end="", flush=True)
         else:
@@ -102,20 +137,60 @@ def _streamed(pipe, question: str, images):
 
 
 def run_ask(args) -> None:
+    """Every --question asked of one frame of the images, in order. With several, a question that fails (its
+    camera missing, say) is reported on stderr where it comes and the others still answer; the command then fails
+    (exit code 2) once all are printed. One question fails as every command does."""
+    from litevlm.explain import check_out, explain
     from litevlm.models import images_from_dir
 
-    pipe = pipeline_from_args(args)
+    questions = args.question
+    several = len(questions) > 1
+    figures = [None] * len(questions)
+    if args.explain:  # checked before the model loads
+        out = check_out(args.explain)
+        if out.parent.resolve() == Path(args.images).resolve():
+            raise LiteVLMError(
+                f"--explain {args.explain}: save the figure outside the images folder, where a .png reads as a camera "
+                "image the next time"
+            )
+        figures = [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(1, len(questions) + 1)]
+        figures = figures if several else [out]
     images = images_from_dir(args.images)
-    if args.stream:
-        ans = _streamed(pipe, args.question, images)
-    else:
-        ans = pipe.answer(args.question, images)
+    pipe = pipeline_from_args(args)
+    frame = pipe.frame(images)
+    results, failed = [], []
+    for i, question in enumerate(questions, 1):
+        if several and not args.json:
+            print(f"[{i}] {question}")
+        try:
+            ans = _streamed(frame, question) if args.stream else frame.answer(question)
+        except LiteVLMError as e:
+            if not several:
+                raise
+            failed.append(i)
+            results.append({"error": str(e)})
+            print(f"error: question {i}: {e}", file=sys.stderr, flush=True)  # as `main` reports an error
+            continue
+        results.append(ans.to_dict())
+        if figures[i - 1] is not None:
+            explain(pipe, images, ans, question, figures[i - 1])
+        if not args.json:
+            if not args.stream:
+                print(ans.text)
+            ms = ans.timings_ms
+            print(
+                f"views: {', '.join(ans.views)}   e2e {ms['e2e']:.1f} ms (images to answer)   "
+                f"total {ms['total']:.1f} ms (the paper's stages)"
+            )
+            if figures[i - 1] is not None:
+                print(f"explained: {figures[i - 1]}")
     if args.json:
-        _print_json(ans.to_dict())
-    else:
-        if not args.stream:
-            print(ans.text)
-        print(f"views: {', '.join(ans.views)}   total {ans.timings_ms['total']:.1f} ms")
+        _print_json(results if several else results[0])
+    if failed:
+        raise LiteVLMError(
+            f"{len(failed)} of {len(questions)} questions not answered (question {', '.join(map(str, failed))}); "
+            "the reasons are above"
+        )
 
 
 def views_arguments(p: argparse.ArgumentParser) -> None:
@@ -540,8 +615,12 @@ def run_eval(args) -> None:
             meta["pipeline"] = pipeline_options(args)
             meta["pipeline"].pop("device")
             store = ShardStore(args.resume_dir, "eval", d, meta=json.loads(json.dumps(meta)))
+        pipe = pipeline_from_args(args)
+        from litevlm.frame import ViewCache
+
+        pipe.view_cache = ViewCache()  # a frame seen before (every --blank frame is one) is not encoded again
         result = evaluate(
-            pipeline_from_args(args),
+            pipe,
             args.data,
             images_root=args.images,
             limit=args.n,
@@ -704,6 +783,14 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--plot", default=None, help="save the stage plots to this PNG")
     p.add_argument(
+        "--questions-per-frame",
+        type=int,
+        default=1,
+        metavar="K",
+        help="frame mode: K questions of each frame (across DriveLM's families), each row answering them as "
+        "strangers and through one frame side by side; --n questions, --warmup frames",
+    )
+    p.add_argument(
         "--jsonl",
         default=None,
         metavar="PATH",
@@ -741,7 +828,15 @@ def run_bench_command(args) -> None:
         backend=args.backend,
         jsonl=args.jsonl,
         scored=not args.no_score,
+        questions_per_frame=args.questions_per_frame,
     )
+    if args.questions_per_frame > 1:
+        from litevlm.eval.bench import format_frames
+
+        print(format_frames(result))
+        if args.json:
+            _print_json(result)
+        return
     if args.plot:
         plot(result, args.plot, per_question)
     print(format_table(result))
@@ -786,7 +881,7 @@ COMMANDS: dict[str, Command | Group] = {
         demo_arguments,
         run_demo,
     ),
-    "ask": Command("answer a question about your own six camera images", ask_arguments, run_ask),
+    "ask": Command("answer questions about one frame of your own camera images", ask_arguments, run_ask),
     "views": Command("which cameras a question needs, with per-camera scores", views_arguments, run_views),
     "label-views": Command(
         "label which cameras each question needs with any OpenAI-compatible chat model",

@@ -47,7 +47,10 @@ def draft_dir(model_dir: str | Path) -> Path:
 
 
 def images_from_dir(folder: str | Path) -> dict[str, Path]:
-    """A folder with one image per camera, named by camera (CAM_FRONT.png, CAM_BACK.jpg, ...)."""
+    """A folder with one image per camera, named by camera (CAM_FRONT.png, CAM_BACK.jpg, ...): camera -> path.
+
+    Some cameras may be missing (a camera can fail on a car): only the questions that need them fail
+    (`litevlm.frame.Frame`). A file named after no camera, or a folder with no camera image at all, is an error."""
     root = Path(folder)
     if not root.is_dir():
         raise LiteVLMError(f"image folder not found: {root}")
@@ -58,10 +61,11 @@ def images_from_dir(folder: str | Path) -> dict[str, Path]:
             raise LiteVLMError(
                 f"{f.name}: unknown camera name {f.stem!r}; name images {', '.join(c + '.png' for c in CAMERAS)}"
             )
+        if f.stem in images:
+            raise LiteVLMError(f"{root} has two images of {f.stem}: {images[f.stem].name} and {f.name}; keep one")
         images[f.stem] = f
-    missing = [c for c in CAMERAS if c not in images]
-    if missing:
-        raise LiteVLMError(f"{root} has {len(images)} camera views; missing {', '.join(missing)}: all six are required")
+    if not images:
+        raise LiteVLMError(f"{root} holds no camera image; name them {', '.join(c + '.png' for c in CAMERAS)}")
     return images
 
 

@@ -75,7 +75,9 @@ class TokenSelector(KeepAll):
         if p.num_visual_tokens < self.min_tokens:
             return p.embeds, p.positions, None
         if sel.prunes_inside:  # ranks from the decoder's own layer 0: a hook after it
-            hook = sel.pruning(model, p.positions, p.view_spans, self.keep_ratio, question=question, tiling=tiling)
+            hook = sel.pruning(
+                model, p.positions, p.view_spans, self.keep_ratio, question=question, tiling=tiling, record=record
+            )
             return p.embeds, p.positions, hook
         embeds, positions, kept = sel.select(
             model,

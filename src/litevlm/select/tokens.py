@@ -912,10 +912,12 @@ class TokenSelector(nn.Module):
         min_per_view: int | None = None,
         question: str | None = None,
         tiling: Tiling | None = None,
+        record: dict | None = None,
     ) -> Pruning:
         """Selection inside the decoder (shared_layer, batch 1), the hook generation calls after decoder layer 0: the
         head ranks from that layer's output and keeps what `select` keeps (timed as "select_tokens", the c-tags read
         included). Generation then runs layers 1.. on the kept tokens only (`litevlm.model.generate.pruned_prefill`).
+        record: a dict that receives the visual tokens' log-scores (N,) under "scores" when the hook runs.
         """
         if not self.prunes_inside:
             raise LiteVLMError("this TokenSelector prunes the prompt before the decoder: use select()")
@@ -927,6 +929,8 @@ class TokenSelector(nn.Module):
 
         def keep(x: torch.Tensor) -> torch.Tensor:
             s = self.head_scores(x, positions, view_spans, self.tag_features(model, question, view_spans, tiling))[0]
+            if record is not None:
+                record["scores"] = s
             return kept_prompt_index(x.shape[1], view_spans, self._keep(s, x[0], view_spans, r, quota))
 
         return Pruning(1, keep, "select_tokens")
