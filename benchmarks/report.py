@@ -104,6 +104,12 @@ def benchmarks() -> list[Benchmark]:
         Benchmark("bench_hd_frames", FRAMES_ARGV, n=96, needs=[HELDOUT]),
         Benchmark("bench_hd_frames_default_threads", FRAMES_ARGV, n=96, pinned=False, needs=[HELDOUT]),
         Benchmark(
+            "explain_hd",
+            ["litevlm", "demo", "--model", HD, "--litevlm-only", "--questions", "6", "--json"]
+            + ["--out", "benchmarks/results/demo_hd.png", "--explain", "benchmarks/results/explain_hd.png"],
+            pinned=False,
+        ),
+        Benchmark(
             "preprocess",
             ["benchmarks/preprocess.py", "--threads", "1", "--score-n", "400", "--data", HELDOUT],
             needs=[HELDOUT],
@@ -566,6 +572,23 @@ def section_frames(runs: dict) -> list[str]:
 
 
 PREPROCESS_COLUMNS = ["name", "source", "tiles", "today_ms", "new_ms", "speedup", "max_pixel_diff", "mean_pixel_diff"]
+
+
+def section_explain(run: dict | None) -> list[str]:
+    """The picture of what LiteVLM kept for one answer of the demo scene on drive-hd."""
+    out = ["## What LiteVLM kept", ""]
+    if run is None:
+        return out + not_measured_yet("the explain figure", next(b for b in benchmarks() if b.name == "explain_hd"))
+    res = run["result"]
+    shown = res.get("explained") or {}
+    out += [
+        f'The demo scene on drive-hd, LiteVLM\'s answer to "{shown.get("question", "?")}": the views the ViewSelector'
+        " left out greyed, the visual tokens the TokenSelector kept marked on their patches and shaded by its score"
+        " (`litevlm ask ... --explain FIG.png` draws the same for any answer).",
+        "",
+        f"![what LiteVLM kept]({res.get('explain', 'benchmarks/results/explain_hd.png')})",
+    ]
+    return out + provenance(run)
 
 
 def section_preprocess(run: dict | None) -> list[str]:
@@ -1206,6 +1229,7 @@ def render(runs: dict) -> str:
         *section_bench(runs, "drive-hd", first=True),
         *section_frames(runs),
         *section_preprocess(runs.get("preprocess")),
+        *section_explain(runs.get("explain_hd")),
         *section_bench(runs, "drive-tiny", first=False),
         *section_sweep(runs.get("spec_sweep")),
         *section_pruning(runs, "drive-hd"),
