@@ -287,7 +287,7 @@ def test_bench_on_a_transformers_checkpoint_gives_transformers_the_pipelines_inp
     assert rows["baseline"]["input_tokens"] == rows["transformers eager"]["input_tokens"]
     assert rows["transformers eager"]["score"] == rows["transformers static"]["score"] == rows["baseline"]["score"]
 
-    pipe = Pipeline.from_pretrained(hf_dir, **TILING)
+    pipe = Pipeline.from_pretrained(hf_dir, resample="pil", **TILING)  # the transformers rows' own image processing
     samples = load_data(data, images)[:3]  # the warm-up question and the two measured ones
     assert len(seen) == 2 * len(samples)  # eager and static cache, question by question
     for i, s in enumerate(samples):

@@ -101,7 +101,7 @@ def test_a_rank_of_the_cli_ends_at_once_with_its_exit_code(monkeypatch, capsys):
     monkeypatch.setattr(os, "_exit", fake_exit)
     with pytest.raises(SystemExit):
         main(["ask", "--model", "no-such-model", "--images", "/nonexistent", "--question", "Is it safe?"])
-    assert ended == [2] and "no-such-model" in capsys.readouterr().err
+    assert ended == [2] and "image folder not found: /nonexistent" in capsys.readouterr().err
 
 
 def test_shard_covers_every_item_once():

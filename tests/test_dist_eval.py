@@ -56,9 +56,8 @@ def test_two_ranks_give_the_single_process_result_and_resume(tiny_model_dir, syn
     two, lines = _torchrun([*base, "--records", str(tmp_path / "two.json"), "--resume-dir", str(resume)])
     assert len(lines) == 1  # rank 1 prints nothing; rank 0 prints the one JSON line
     assert one["n"] == two["n"] and one["scored"]
-    assert {k: v for k, v in one.items() if k != "total_ms_median"} == {
-        k: v for k, v in two.items() if k != "total_ms_median"
-    }
+    timed = ("total_ms_median", "e2e_ms_median", "views_encoded")  # work, not results: each rank reads its frames
+    assert {k: v for k, v in one.items() if k not in timed} == {k: v for k, v in two.items() if k not in timed}
     records_one = json.loads((tmp_path / "one.json").read_text())
     records_two = json.loads((tmp_path / "two.json").read_text())
     assert len(records_one) == 7

@@ -1009,6 +1009,19 @@ def test_reading_and_cutting_a_view_has_its_table_and_the_score_with_both_resize
     assert "| raw frame |" in page and "DriveLM score on" not in page
 
 
+EXPLAINED = {"explain": "benchmarks/results/explain_hd.png", "explained": {"config": "litevlm", "question": "Any car?"}}
+
+
+def test_the_explain_figure_is_on_the_page_with_its_question_and_command(tmp_path, report):
+    page = write(tmp_path / "none", report, FIXTURES)
+    assert "no results file for the explain figure" in page
+    run = run_file("explain_hd", EXPLAINED, "litevlm demo --model drive-hd --litevlm-only --json")
+    page = write(tmp_path / "run", report, {**FIXTURES, "explain_hd": run})
+    sec = page[page.index("## What LiteVLM kept") :]
+    assert 'LiteVLM\'s answer to "Any car?"' in sec and "![what LiteVLM kept](benchmarks/results/explain_hd.png)" in sec
+    assert "Command: `litevlm demo --model drive-hd --litevlm-only --json`" in sec
+
+
 def test_the_page_from_the_stored_results_fits_in_400_lines(report):
     """The stored JSON (benchmarks/results), with the new benchmarks' runs as they will come: a page read in
     minutes. The past comparisons are a line each at most, drive-tiny's pruning table gone."""
@@ -1018,6 +1031,7 @@ def test_the_page_from_the_stored_results_fits_in_400_lines(report):
         "bench_hd_frames": run_file("bench_hd_frames", frames, FRAMES_COMMAND),
         "bench_hd_frames_default_threads": run_file("bench_hd_frames_default_threads", frames, FRAMES_COMMAND),
         "preprocess": run_file("preprocess", preprocess_result(), "python benchmarks/preprocess.py --threads 1"),
+        "explain_hd": run_file("explain_hd", EXPLAINED, "litevlm demo --model drive-hd --litevlm-only --json"),
     }
     page = report.render(runs)
     assert len(page.splitlines()) <= 400
