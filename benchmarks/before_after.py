@@ -32,9 +32,10 @@ def git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
 
 
-def bench(src: Path, data: str, n: int, pinned: bool, configs: str | None) -> dict:
+def bench(src: Path, data: str, n: int, pinned: bool, configs: str | None, model: str = "drive-tiny") -> dict:
     """One `litevlm bench --json` run of the package under `src` -> its JSON."""
-    cmd = [sys.executable, "-m", "litevlm", "bench", "--data", data, "--n", str(n), "--json", "--no-transformers"]
+    cmd = [sys.executable, "-m", "litevlm", "bench", "--model", model, "--data", data, "--n", str(n), "--json"]
+    cmd.append("--no-transformers")
     if configs:
         cmd += ["--configs", configs]
     env = dict(os.environ, PYTHONPATH=str(src))
@@ -69,6 +70,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=1, help="before/after pairs at each thread count")
     ap.add_argument("--configs", default=None, help="bench rows to run (default: every row)")
+    ap.add_argument("--model", default="drive-tiny")
     args = ap.parse_args()
     before = git("rev-parse", "--short", args.before)
     after = git("rev-parse", "--short", "HEAD")
@@ -83,7 +85,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for code, src in (("before", tree / "src"), ("after", ROOT / "src")):
                         print(f"{code} ({'1 pinned thread' if pinned else 'default threads'}) ...", file=sys.stderr)
-                        result = bench(src, args.data, args.n, pinned, args.configs)
+                        result = bench(src, args.data, args.n, pinned, args.configs, args.model)
                         runs.append(
                             {"code": code, "pinned": pinned, "threads": result["threads"], "rows": mean_totals(result)}
                         )

@@ -104,6 +104,14 @@ def benchmarks() -> list[Benchmark]:
         Benchmark("bench_hd_frames", FRAMES_ARGV, n=96, needs=[HELDOUT]),
         Benchmark("bench_hd_frames_default_threads", FRAMES_ARGV, n=96, pinned=False, needs=[HELDOUT]),
         Benchmark(
+            "before_after_hd",  # the change that counted preprocessing: the paper's measure must not move
+            ["benchmarks/before_after.py", "--before", "453cfbe", "--model", HD, "--data", HELDOUT]
+            + ["--configs", "baseline,litevlm"],
+            n=100,
+            pinned=False,  # it pins its own one-thread runs
+            needs=[HELDOUT],
+        ),
+        Benchmark(
             "explain_hd",
             ["litevlm", "demo", "--model", HD, "--litevlm-only", "--questions", "6", "--json"]
             + ["--out", "benchmarks/results/demo_hd.png", "--explain", "benchmarks/results/explain_hd.png"],
@@ -544,6 +552,24 @@ def frame_line(res: dict) -> str | None:
         f" {fmt(lite['answers_equal'])} ({res['questions']} questions in {res['frames']} frames,"
         f" {res['threads']} thread(s))."
     )
+
+
+def before_after_line(run: dict | None) -> list[str]:
+    """One line: the paper's measure (the five stages' sum) on drive-hd before and after the preprocessing change."""
+    if run is None:
+        return []
+    res = run["result"]
+    parts = [
+        f"{r['config']} {fmt(r['before_ms'])} -> {fmt(r['after_ms'])} ms ({fmt(r['after_over_before'])}x)"
+        f" at {'one pinned thread' if r['pinned'] else 'the default threads'}"
+        for r in res["rows"]
+    ]
+    return [
+        f"The paper's measure (the five stages' mean sum) before and after frames, e2e and the new preprocessing"
+        f" (commit {res['before']} against {res['after']}, run back to back): {'; '.join(parts)}. Command:"
+        f" `{run['command']}`, {run['date']}, {run['machine']['cpu']}.",
+        "",
+    ]
 
 
 def section_frames(runs: dict) -> list[str]:
@@ -1227,6 +1253,7 @@ def render(runs: dict) -> str:
     lines = [
         *header(runs),
         *section_bench(runs, "drive-hd", first=True),
+        *before_after_line(runs.get("before_after_hd")),
         *section_frames(runs),
         *section_preprocess(runs.get("preprocess")),
         *section_explain(runs.get("explain_hd")),
