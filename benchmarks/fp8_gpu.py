@@ -14,8 +14,8 @@ line saying it was skipped and why, and exits 0. `--dry-run-cpu` runs the same c
 tiny config and the "eager" compile backend, to check the script itself (its timings mean nothing).
 The last line of stdout is JSON.
 
-Every variant (bf16, then each recipe) is timed eager first; then compiled, stage by stage, every variant of a stage
-in turn (each compile takes tens of seconds at these shapes). `--budget-s S` keeps the run inside about S seconds: a
+Every variant (bf16, then each recipe) is timed eager first; then compiled, stage by stage (decode first), every
+variant of a stage in turn (each compile takes tens of seconds at these shapes). `--budget-s S` keeps the run inside about S seconds: a
 stage not started when the budget is spent is left out and listed in the JSON (`left_out`). A compile started before
 the deadline runs to its end: leave the caller's timeout a minute above S. `--jsonl PATH` appends each stage to
 PATH as one JSON line the moment it is measured, so a run cut short keeps what it measured.
@@ -156,8 +156,9 @@ class Stages:
 
 
 def stage_order(fns: dict) -> list[str]:
-    """The stages in the order they run: the decode step reads the cache a prefill filled, the longest prefill first."""
-    return [k for k in fns if k.startswith("prefill")] + ["vision", "decode"]
+    """Decode first (the one stage where FP8 can pay at batch 1: a token's step reads every weight once), then the
+    prefills, the longest first, then vision. A decode step's time does not depend on what its cache holds."""
+    return ["decode"] + [k for k in fns if k.startswith("prefill")] + ["vision"]
 
 
 @torch.no_grad()

@@ -162,9 +162,11 @@ def test_token_selection_inside_the_decoder_is_lossless_under_speculation(full_m
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_gpu_fast_path_answers_as_the_eager_gpu_path(full_model_dir, images):
     """cuda_graphs=True (replayed decode and verification graphs, compiled prefill buckets) emits the eager GPU
-    pipeline's tokens, plain and speculative, and keeps its capture and compile time out of the stages."""
+    pipeline's tokens (the modules backend, whatever the default on a GPU is), plain and speculative, and keeps its
+    capture and compile time out of the stages."""
     for spec in ({}, {"speculative": True, "tree_top_k": 4, "tree_depth": 5, "tree_total": 16}):
-        eager = Pipeline.from_pretrained(full_model_dir, device="cuda", max_new_tokens=12, **spec)
+        eager = Pipeline.from_pretrained(full_model_dir, device="cuda", max_new_tokens=12, backend="modules", **spec)
+        assert eager.backend.name == "modules"
         fast = Pipeline.from_pretrained(full_model_dir, device="cuda", max_new_tokens=12, cuda_graphs=True, **spec)
         for q in (
             "Is there a red car to the front of the ego car?",
