@@ -15,10 +15,10 @@ tiny config and the "eager" compile backend, to check the script itself (its tim
 The last line of stdout is JSON.
 
 Every variant (bf16, then each recipe) is timed eager first; then compiled, stage by stage (decode first), every
-variant of a stage in turn (each compile takes tens of seconds at these shapes). `--budget-s S` keeps the run inside about S seconds: a
-stage not started when the budget is spent is left out and listed in the JSON (`left_out`). A compile started before
-the deadline runs to its end: leave the caller's timeout a minute above S. `--jsonl PATH` appends each stage to
-PATH as one JSON line the moment it is measured, so a run cut short keeps what it measured.
+variant of a stage in turn (each compile takes tens of seconds at these shapes). `--budget-s S` keeps the run inside
+about S seconds: a stage not started when the budget is spent is left out and listed in the JSON (`left_out`). A
+compile started before the deadline runs to its end: leave the caller's timeout a minute above S. `--jsonl PATH`
+appends each stage to PATH as one JSON line the moment it is measured, so a run cut short keeps what it measured.
 
     python benchmarks/fp8_gpu.py                       # everything (allow ~10 min for the compiles)
     python benchmarks/fp8_gpu.py --stages decode --recipes fp8-dynamic-per-row
