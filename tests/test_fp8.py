@@ -153,6 +153,27 @@ def test_sqnr_per_layer_on_activations_of_a_vlm_forward(recipe):
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("recipe", [STATIC, DYNAMIC], ids=lambda r: r.name)
+def test_projections_reading_one_input_quantise_it_once_with_the_same_outputs(recipe, monkeypatch):
+    """q/k/v and gate/up quantise their shared input once (4 quantisations a decoder layer, not 7); the logits are
+    the bytes of quantising it for each of them."""
+    model = tiny_vlm()
+    ids, px = tiny_inputs(seed=2)
+    amax = calibrate(model, lambda: model(*tiny_inputs(seed=1)), recipe) if recipe.static else None
+    quantize_model(model, recipe, amax)
+    calls = []
+    quantize_input = FP8Linear.quantize_input
+    monkeypatch.setattr(FP8Linear, "quantize_input", lambda self, x: calls.append(1) or quantize_input(self, x))
+    with torch.no_grad():
+        shared = model(ids, px)
+        assert len(calls) == 4 * len(model.language_model.layers)
+        monkeypatch.setattr(FP8Linear, "shared_input", lambda self, x, readers: x)  # each quantises on its own
+        calls.clear()
+        alone = model(ids, px)
+        assert len(calls) == 7 * len(model.language_model.layers)
+    assert torch.equal(shared, alone)
+
+
 def test_overflow_is_clamped_never_nan():
     lin = make_linear(64, 32)
     q = FP8Linear.from_linear(lin, STATIC, input_amax=1.0)

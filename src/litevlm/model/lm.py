@@ -42,9 +42,10 @@ class SelfAttention(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         b, t, _ = x.shape
         d = self.cfg.head_dim
-        q = self.q_proj(x).view(b, t, -1, d).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+        xs = shared_input(x, self.q_proj, self.k_proj, self.v_proj)
+        q = self.q_proj(xs).view(b, t, -1, d).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(xs).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(xs).view(b, t, -1, d).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, slots=None, mask=None, kv_len=None):
@@ -76,7 +77,15 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        xs = shared_input(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(self.gate_proj(xs)) * self.up_proj(xs))
+
+
+def shared_input(x: torch.Tensor, *linears: nn.Module):
+    """x as every projection in `linears` reads it: quantised once where they are FP8 layers that quantise it alike
+    (`litevlm.quant.fp8.FP8Linear.shared_input`: q/k/v, gate/up), else x itself."""
+    share = getattr(linears[0], "shared_input", None)
+    return x if share is None else share(x, linears)
 
 
 class FusedWeights(NamedTuple):

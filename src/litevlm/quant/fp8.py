@@ -43,6 +43,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -233,6 +234,15 @@ def fp8_kernel_available(device: torch.device) -> bool:
 _FIXED_DTYPE = ("weight", "weight_scale", "input_scale")  # follow device moves, never dtype casts
 
 
+class QuantizedInput(NamedTuple):
+    """An activation quantised once for every FP8Linear that reads it (q/k/v, gate/up: `FP8Linear.shared_input`)."""
+
+    xq: torch.Tensor  # (M, K) float8, row-major
+    scale: torch.Tensor  # () static, or (M, 1) one per row
+    lead: torch.Size  # the activation's leading dimensions
+    dtype: torch.dtype  # the activation's dtype: the outputs'
+
+
 class FP8Linear(nn.Module):
     """y = x W^T + b with W in float8_e4m3fn; x quantised per tensor (static scale) or per row (dynamic).
 
@@ -289,18 +299,34 @@ class FP8Linear(nn.Module):
             m.bias = linear.bias.detach().clone()  # kept in high precision
         return m
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
+    def quantize_input(self, x: torch.Tensor) -> QuantizedInput:
+        """x (..., K) quantised as this layer's GEMM reads it."""
         x2 = x.reshape(-1, self.in_features)  # (M, K): the FP8 GEMM takes 2-D operands only
         if self.input_scale is not None:
             scale_x = self.input_scale  # (): static, calibrated
         else:
             scale_x = scale_from_amax(x2.detach().abs().amax(dim=1, keepdim=True))  # (M, 1): one per token
-        scale_w = self.weight_scale.view(1, -1) if self.weight_scale.dim() else self.weight_scale  # () or (1, N)
         xq = quantize_fp8(x2, scale_x).contiguous()  # row-major A even if x was a strided view
-        args = (xq, self.weight.t(), scale_x, scale_w, self.bias, x.dtype, self.fast_accum)  # W^T: column-major B
+        return QuantizedInput(xq, scale_x, x.shape[:-1], x.dtype)
+
+    def shared_input(self, x: torch.Tensor, readers) -> torch.Tensor | QuantizedInput:
+        """x quantised once for every layer in `readers` (this one first) where they all quantise it alike: each
+        dynamic per row (the scale comes from x alone), or static with one calibrated scale (`share_static`, set
+        where the calibration gave them the same one). Otherwise x, for each to quantise on its own."""
+        dynamic = self.input_scale is None
+        for r in readers:
+            if not isinstance(r, FP8Linear) or r.in_features != self.in_features:
+                return x
+            if (r.input_scale is None) != dynamic or (not dynamic and not getattr(r, "share_static", False)):
+                return x
+        return self.quantize_input(x)
+
+    def forward(self, x: torch.Tensor | QuantizedInput) -> torch.Tensor:
+        q = x if isinstance(x, QuantizedInput) else self.quantize_input(x)
+        scale_w = self.weight_scale.view(1, -1) if self.weight_scale.dim() else self.weight_scale  # () or (1, N)
+        args = (q.xq, self.weight.t(), q.scale, scale_w, self.bias, q.dtype, self.fast_accum)  # W^T: column-major B
         y = fp8_mm(*args, capability=self.capability) if self.use_kernel else fp8_mm_reference(*args)
-        return y.reshape(*lead, self.out_features)  # (..., N)
+        return y.reshape(*q.lead, self.out_features)  # (..., N)
 
     def _apply(self, fn, recurse: bool = True):
         device = fn(torch.empty(0, device=self.weight.device)).device  # where `fn` sends tensors
@@ -507,7 +533,20 @@ def quantize_model(
         parent = model.get_submodule(parent_name)
         lin = getattr(parent, child)
         setattr(parent, child, FP8Linear.from_linear(lin, recipe, amax[name] if recipe.static else None))
+    if recipe.static:  # layers that read one input with one calibrated range quantise it once between them
+        for group in SHARED_INPUTS:
+            for name in report.quantized:
+                prefix, _, child = name.rpartition(".")
+                if child != group[0]:
+                    continue
+                names = [f"{prefix}.{c}" for c in group]
+                if all(n in report.quantized for n in names) and len({amax[n] for n in names}) == 1:
+                    for n in names:
+                        model.get_submodule(n).share_static = True
     return report
+
+
+SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # projections that read one activation
 
 
 def precision_of(model: nn.Module) -> str:
