@@ -535,7 +535,8 @@ def section_bench(runs: dict, model: str, first: bool) -> list[str]:
 
 FRAMES = (("bench_hd_frames", "one pinned thread"), ("bench_hd_frames_default_threads", "the default threads"))
 FRAME_COLUMNS = [
-    *("config", "mode", "questions_per_frame", "views_encoded_per_question", "preprocess_ms", "vit_ms", "total_ms"),
+    *("config", "mode", "questions_per_frame", "views_encoded_per_question", "views_reused_per_question"),
+    *("preprocess_ms", "vit_ms", "total_ms"),
     *("e2e_ms", "p50_e2e_ms", "p90_e2e_ms", "e2e_vs_strangers", "answers_equal", "score", "closed_accuracy"),
 ]
 

@@ -318,3 +318,35 @@ def test_bench_refuses_transformers_rows_on_fp8_weights_and_format_options_with_
     assert row["emulated"] and row["speedup"] is None  # an emulated baseline gives no speed-ups, not even its own
     with pytest.raises(LiteVLMError, match="no model or format options"):
         run_bench(str(full_model_dir), n=1, shape="2b", load={"max_tiles": 4}, progress=False)
+
+
+def test_frame_mode_answers_each_frame_as_strangers_and_through_one_frame_side_by_side(full_model_dir):
+    """--questions-per-frame K: every row twice on the same questions; the frame's answers equal the strangers', its
+    views are read once a frame (the rest reused), and its e2e per question is what the row reports."""
+    from litevlm.eval.bench import format_frames
+
+    configs = {"baseline": CONFIGS["baseline"], "litevlm": CONFIGS["litevlm"]}
+    result, _ = run_bench(
+        str(full_model_dir),
+        n=4,
+        warmup=1,
+        configs=configs,
+        hf=False,
+        max_new_tokens=6,
+        progress=False,
+        questions_per_frame=2,
+    )
+    assert result["questions_per_frame"] == 2 and result["frames"] == 2 and result["questions"] == 4
+    rows = {(r["config"], r["mode"]): r for r in result["frame_rows"]}
+    assert set(rows) == {(c, m) for c in configs for m in ("strangers", "frame")}
+    for config in configs:
+        alone, frame = rows[(config, "strangers")], rows[(config, "frame")]
+        assert alone["answers_equal"] and frame["answers_equal"] and alone["score"] == frame["score"]
+        assert alone["views_encoded_per_question"] == alone["views"] and alone["views_reused_per_question"] == 0
+        # each view of a frame is encoded once: what a question needs is encoded or reused
+        assert frame["views_encoded_per_question"] + frame["views_reused_per_question"] == pytest.approx(frame["views"])
+        assert frame["views_encoded_per_question"] < alone["views_encoded_per_question"]
+        assert frame["e2e_vs_strangers"] == round(frame["e2e_ms"] / alone["e2e_ms"], 3)
+        assert frame["e2e_ms"] == pytest.approx(frame["total_ms"] + frame["preprocess_ms"], abs=2e-3)
+    assert "| litevlm | frame | 2 |" in format_frames(result)
+    json.dumps(result)

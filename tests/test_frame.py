@@ -32,14 +32,16 @@ def images():
 
 def test_a_frames_answers_equal_answer_with_each_view_encoded_once(pipe, images):
     frame = pipe.frame(images)
-    encoded = []
+    encoded, reused = [], []
     for q in (*QUESTIONS, BACK):
         alone = pipe.answer(q, images)
         got = frame.answer(q)
         assert got.tokens == alone.tokens and got.views == alone.views
         assert got.kept_tokens == alone.kept_tokens
         encoded.append(got.cache["encoded"])
+        reused.append(got.cache["reused"])
     assert encoded == [1, 1, 4, 0, 0]  # CAM_BACK, CAM_FRONT_LEFT, the four others, then nothing new
+    assert reused == [0, 0, 2, 1, 1]  # the scene-wide question found two views made
     assert frame.encoded == len(CAMERAS)
 
 
@@ -63,12 +65,12 @@ def test_the_cache_misses_on_one_changed_pixel_evicts_past_its_bound_and_clears_
     pipe.view_cache = ViewCache()
     try:
         first = pipe.answer(BACK, arrays)
-        assert first.cache == {"encoded": 1, "hits": 0, "misses": 1}
+        assert first.cache == {"encoded": 1, "reused": 0, "hits": 0, "misses": 1}
         again = pipe.answer(BACK, {c: a.copy() for c, a in arrays.items()})  # same content, other arrays
-        assert again.cache == {"encoded": 0, "hits": 1, "misses": 0} and again.tokens == first.tokens
+        assert again.cache == {"encoded": 0, "reused": 0, "hits": 1, "misses": 0} and again.tokens == first.tokens
         changed = {c: a.copy() for c, a in arrays.items()}
         changed["CAM_BACK"][5, 7, 1] ^= 1
-        assert pipe.answer(BACK, changed).cache == {"encoded": 1, "hits": 0, "misses": 1}
+        assert pipe.answer(BACK, changed).cache == {"encoded": 1, "reused": 0, "hits": 0, "misses": 1}
         pipe.rebuild(warmup=False)  # weights may have changed: nothing encoded before is served
         assert pipe.view_cache.stats()["entries"] == 0
         assert pipe.answer(BACK, arrays).cache["misses"] == 1

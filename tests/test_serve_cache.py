@@ -73,14 +73,14 @@ def test_the_same_frame_again_is_served_from_the_cache(server, pipe):
     before = cache_metrics(server)
     first = ask(server, SCENE, urls)
     assert first.status_code == 200, first.text
-    assert first.json()["litevlm"]["cache"] == {"encoded": 6, "hits": 0, "misses": 6}
+    assert first.json()["litevlm"]["cache"] == {"encoded": 6, "reused": 0, "hits": 0, "misses": 6}
     mid = cache_metrics(server)
     assert mid["misses"] - before["misses"] == 6 and mid["encoded"] - before["encoded"] == 6
     assert mid["bytes"] > before["bytes"] and mid["max_bytes"] == 64 << 20
 
     second = ask(server, FRONT, urls)  # another question about the same frame: its view is a hit, not decoded
     assert second.status_code == 200, second.text
-    assert second.json()["litevlm"]["cache"] == {"encoded": 0, "hits": 1, "misses": 0}
+    assert second.json()["litevlm"]["cache"] == {"encoded": 0, "reused": 0, "hits": 1, "misses": 0}
     after = cache_metrics(server)
     assert after["hits"] - mid["hits"] == 1 and after["encoded"] == mid["encoded"] and after["misses"] == mid["misses"]
 
@@ -90,13 +90,13 @@ def test_one_changed_pixel_is_a_miss(server):
 
     urls = frame_urls(2)
     assert ask(server, FRONT, urls).status_code == 200
-    assert ask(server, FRONT, urls).json()["litevlm"]["cache"] == {"encoded": 0, "hits": 1, "misses": 0}
+    assert ask(server, FRONT, urls).json()["litevlm"]["cache"] == {"encoded": 0, "reused": 0, "hits": 1, "misses": 0}
     im = Image.open(io.BytesIO(image_data_url_bytes(urls["CAM_FRONT"]))).convert("RGB")
     im.putpixel((0, 0), tuple(255 - v for v in im.getpixel((0, 0))))
     changed = {**urls, "CAM_FRONT": image_data_url(im)}
     before = cache_metrics(server)
     r = ask(server, FRONT, changed)
-    assert r.status_code == 200 and r.json()["litevlm"]["cache"] == {"encoded": 1, "hits": 0, "misses": 1}
+    assert r.status_code == 200 and r.json()["litevlm"]["cache"] == {"encoded": 1, "reused": 0, "hits": 0, "misses": 1}
     assert cache_metrics(server)["misses"] - before["misses"] == 1
 
 

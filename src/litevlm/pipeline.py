@@ -66,7 +66,8 @@ class Answer:
     kept_tokens: dict[str, list[int]] | None = None
     kept_scores: dict[str, list[float]] | None = None
     tokens_per_view: dict[str, int] = field(default_factory=dict)  # each view's visual tokens before selection
-    cache: dict[str, int] = field(default_factory=dict)  # views made for this answer: encoded, cache hits, misses
+    # this answer's views: encoded for it, reused from its frame's earlier questions, content cache hits and misses
+    cache: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -550,10 +551,12 @@ class Pipeline:
         before = (frame.encoded, frame.hits, frame.misses)
         with timer("select_views"):
             views = self.select_views(question)
+        reused = sum(c in frame.views for c in views)  # made for an earlier question of this frame
         with torch.no_grad():
             visual, counts = frame.visual(views, timer)
         made = {
             "encoded": frame.encoded - before[0],
+            "reused": reused,
             "hits": frame.hits - before[1],
             "misses": frame.misses - before[2],
         }

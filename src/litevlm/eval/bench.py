@@ -687,6 +687,7 @@ def _run_frames(pipes: dict, frames: list[list], warmup: int, progress: bool, li
     k = len(frames[0])
     logs = {name: {"strangers": RowLog(), "frame": RowLog()} for name in pipes}
     encoded = {name: {"strangers": 0, "frame": 0} for name in pipes}
+    reused = {name: {"strangers": 0, "frame": 0} for name in pipes}  # views served by the frame, not encoded again
     equal = {name: True for name in pipes}
     order = [(name, mode) for name in pipes for mode in ("strangers", "frame")]
     shuffler = random.Random(seed)
@@ -721,6 +722,7 @@ def _run_frames(pipes: dict, frames: list[list], warmup: int, progress: bool, li
                 log.accept += ans.accept_lengths
                 log.records.append(_record(s, pipe.tokenizer.decode(ans.tokens).strip(), len(ans.views)))
                 encoded[name][mode] += ans.cache.get("encoded", 0)
+                reused[name][mode] += ans.cache.get("reused", 0)
                 lines.answer(f"{name} ({mode})", log, len(log.total) - 1)
         for (name, _), got in answers.items():
             equal[name] &= got["strangers"] == got["frame"]
@@ -733,6 +735,7 @@ def _run_frames(pipes: dict, frames: list[list], warmup: int, progress: bool, li
                 mode=mode,
                 questions_per_frame=1 if mode == "strangers" else k,
                 views_encoded_per_question=round(encoded[name][mode] / n_q, 3),
+                views_reused_per_question=round(reused[name][mode] / n_q, 3),  # the frame's hits
                 e2e_vs_strangers=round(row["e2e_ms"] / modes["strangers"].mean_e2e(), 3),
                 answers_equal=equal[name],
             )
@@ -794,6 +797,7 @@ FRAME_COLUMNS = (
     "questions_per_frame",
     "views",
     "views_encoded_per_question",
+    "views_reused_per_question",
     "preprocess_ms",
     "vit_ms",
     "total_ms",
