@@ -285,16 +285,58 @@ def test_draft_tree_invariants(k, depth, n, ties):
     assert tree.parents[1:].tolist() == [0 if pool[i][2] < 0 else idx[pool[i][2]] for i in keep]
 
 
-def test_a_chain_ends_at_a_drafted_eos():
+def test_a_chain_cut_by_its_value_ends_at_a_drafted_eos():
     stub = TableDraft(ties=False, seed=0)
     root = torch.tensor([0])
     h = torch.tensor([[0.0, 0.0]])
-    full = draft_tree(stub, root, h, start=9, position=40, cfg=TreeConfig.chain(5)).tokens.tolist()
+    cut_by_value = TreeConfig.chain(5, min_value=1e-30)  # a cut that never bites here: the host reads every step
+    full = draft_tree(stub, root, h, start=9, position=40, cfg=cut_by_value).tokens.tolist()
     eos = full[2]
     assert eos not in full[:2]  # this table drafts it second
-    cut = draft_tree(stub, root, h, start=9, position=40, cfg=TreeConfig.chain(5), eos_id=eos)
+    cut = draft_tree(stub, root, h, start=9, position=40, cfg=cut_by_value, eos_id=eos)
     assert cut.tokens.tolist() == full[:3] and cut.mask.shape == (3, 3)
-    assert draft_tree(stub, root, h, start=9, position=40, cfg=TreeConfig.chain(5), eos_id=-1).tokens.tolist() == full
+    assert draft_tree(stub, root, h, start=9, position=40, cfg=cut_by_value, eos_id=-1).tokens.tolist() == full
+    # a fixed-depth chain drafts past it: the answer's end is found on the committed tokens
+    fixed = draft_tree(stub, root, h, start=9, position=40, cfg=TreeConfig.chain(5), eos_id=eos)
+    assert fixed.tokens.tolist() == full
+
+
+class HostSyncs:
+    """Counts what reads a tensor's value on the host (int, float, bool, item, tolist) while it is entered."""
+
+    NAMES = ("__int__", "__float__", "__bool__", "__index__", "item", "tolist")
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch, self.count = monkeypatch, 0
+
+    def __enter__(self):
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _original=original, **k):
+                self.count += 1
+                return _original(t, *a, **k)
+
+            self.monkeypatch.setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        self.monkeypatch.undo()
+
+
+@pytest.mark.parametrize("k,depth,n", [(1, 6, 7), (4, 5, 16)], ids=["chain", "tree"])
+def test_a_fixed_depth_draft_makes_no_host_sync_between_its_steps(monkeypatch, k, depth, n):
+    """A device's draft cycle: a fixed-depth chain or a tree (min_value 0) with an EOS to watch for reads nothing back
+    to the host while it drafts; the cycle's one sync is the verification's."""
+    stub = TableDraft(seed=3)
+    root, h = torch.tensor([1]), torch.tensor([[1.0, 0.0]])
+    cfg = TreeConfig(k, depth, n, min_value=0.0)
+    with HostSyncs(monkeypatch) as syncs:
+        tree = draft_tree(stub, root, h, start=9, position=40, cfg=cfg, eos_id=5)
+    assert syncs.count == 0 and len(tree) == n
+    with HostSyncs(monkeypatch) as syncs:  # the CPU's value cut reads every step on the host: the counter sees it
+        draft_tree(stub, root, h, start=9, position=40, cfg=TreeConfig.chain(depth, min_value=1e-30), eos_id=5)
+    assert syncs.count >= depth - 1
 
 
 def test_ancestor_mask_of_a_chain():

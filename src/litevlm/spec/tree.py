@@ -226,7 +226,10 @@ def draft_tree(
     at the root pair, i.e. its prediction of the target feature after the root. The committed
     context fills draft slots 0..start-1; level-d nodes sit at draft position `position` + d - 1
     (the position of the feature they pair with). One batched forward per level, no host syncs.
-    A chain also ends at a drafted `eos_id`: nothing after the end of the answer is worth verifying.
+    A chain cut by its draft probability (`cfg.min_value` > 0) reads that value on the host at every step, and then
+    also ends at a drafted `eos_id` (nothing after the end of the answer is worth verifying); a fixed-depth chain
+    (min_value 0, as a device's replayed steps want it) drafts every level without a host sync, the end of the answer
+    found on the committed tokens.
     """
     k, levels = cfg.top_k, cfg.depth
     dev = root_hidden.device
@@ -238,10 +241,11 @@ def draft_tree(
         drafted = [tok[:, 0]]  # (1,)
         hidden = root_hidden
         for i in range(levels - 1):
-            if cfg.min_value > 0 and float(value) < math.log(cfg.min_value):
-                break  # the path's draft probability is too low to be worth a step (a host sync)
-            if int(drafted[-1]) == eos_id:  # (no eos_id: never equal)
-                break
+            if cfg.min_value > 0:  # host syncs: the CPU's early exits, where a sync costs nothing
+                if float(value) < math.log(cfg.min_value):
+                    break  # the path's draft probability is too low to be worth a step
+                if int(drafted[-1]) == eos_id:  # (no eos_id: never equal)
+                    break
             hidden = draft.step(drafted[-1], hidden, position + i, start + i, None)  # sees everything before it
             lp, tok = draft.topk(hidden, 1)
             value = value + lp
