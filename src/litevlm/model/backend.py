@@ -315,7 +315,7 @@ class NativeDraft:
     def draft_chain(self, root_hidden, position: int, start: int, depth: int, min_value: float, eos_id):
         cos, sin = self.head_module.rope
         return self.steps.chain(
-            root_hidden, position, start, depth, _log_min(min_value), _eos(eos_id), cos, sin, *self._tail()
+            root_hidden, position, start, depth, _log_min(min_value), _eos(eos_id, min_value), cos, sin, *self._tail()
         )
 
     def draft_cycle(self, features, next_embeds, positions, start, root, root_position, depth, min_value, eos_id):
@@ -324,7 +324,7 @@ class NativeDraft:
         cos, sin = self.head_module.rope
         return self.steps.draft_cycle(
             features, next_embeds, positions, start, root.reshape(1), root_position, depth, _log_min(min_value),
-            _eos(eos_id), cos, sin, *self._tail(),
+            _eos(eos_id, min_value), cos, sin, *self._tail(),
         )  # fmt: skip
 
 
@@ -334,8 +334,10 @@ def _log_min(min_value: float) -> float:
     return math.log(min_value) if min_value > 0 else -math.inf
 
 
-def _eos(eos_id: int | None) -> int:
-    return -1 if eos_id is None else eos_id
+def _eos(eos_id: int | None, min_value: float) -> int:
+    """The EOS a chain stops at, as `litevlm.spec.tree.draft_tree` stops: only a chain cut by its value (min_value >
+    0) watches for it; a fixed-depth chain drafts every level (-1: none)."""
+    return -1 if eos_id is None or min_value <= 0 else eos_id
 
 
 # ------------------------------------------------------------------------------------------------
