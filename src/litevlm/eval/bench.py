@@ -123,6 +123,25 @@ class RowLog:
         self.new_tokens.append(new_tokens)
         self.opened.append(opened)
 
+    def add_answer(self, ans, wall: float, record: dict) -> None:
+        """A pipeline's Answer that took `wall` ms from the images as given (its e2e): its stages, its total less
+        the images' preprocessing, as in the pipeline's own total, and its record for the score."""
+        pre = ans.timings_ms.get("preprocess", 0.0)
+        self.add(
+            views=len(ans.views),
+            visual_tokens=ans.num_visual_tokens,
+            input_tokens=ans.input_tokens,
+            stages={st: ans.timings_ms.get(st, 0.0) for st in STAGES},
+            new_tokens=len(ans.tokens),
+            opened=ans.opened_tokens,
+            total=wall - pre,
+            preprocess=pre,
+            e2e=wall,
+        )
+        self.accept += ans.accept_lengths
+        self.records.append(record)
+        self.precision = ans.precision
+
     def mean_total(self) -> float:
         """The mean end-to-end ms, as `row` reports it (`total_ms`): what the speed-ups divide."""
         return mean_latency(self.stages, self.total)["total_ms"]
@@ -582,20 +601,7 @@ def run_bench(
             if i < warmup:
                 continue
             log = logs[name]
-            log.add(
-                views=len(ans.views),
-                visual_tokens=ans.num_visual_tokens,
-                input_tokens=ans.input_tokens,
-                stages={st: ans.timings_ms.get(st, 0.0) for st in STAGES},
-                new_tokens=len(ans.tokens),
-                opened=ans.opened_tokens,
-                total=wall - ans.timings_ms.get("preprocess", 0.0),  # preprocessing apart, as in the pipeline's total
-                preprocess=ans.timings_ms.get("preprocess", 0.0),
-                e2e=wall,
-            )
-            log.accept += ans.accept_lengths
-            log.records.append(_record(s, ans.text, len(ans.views)))
-            log.precision = ans.precision
+            log.add_answer(ans, wall, _record(s, ans.text, len(ans.views)))
             lines.answer(name, log, i - warmup, accept_lengths=list(ans.accept_lengths))
     for name, pipe in pipes.items():  # FP8 without FP8 kernels here: an accuracy row
         logs[name].emulated = emulated_precision(pipe.model)
@@ -707,20 +713,7 @@ def _run_frames(pipes: dict, frames: list[list], warmup: int, progress: bool, li
                 if i < warmup:
                     continue
                 log = logs[name][mode]
-                pre = ans.timings_ms.get("preprocess", 0.0)
-                log.add(
-                    views=len(ans.views),
-                    visual_tokens=ans.num_visual_tokens,
-                    input_tokens=ans.input_tokens,
-                    stages={st: ans.timings_ms.get(st, 0.0) for st in STAGES},
-                    new_tokens=len(ans.tokens),
-                    opened=ans.opened_tokens,
-                    total=wall - pre,
-                    preprocess=pre,
-                    e2e=wall,
-                )
-                log.accept += ans.accept_lengths
-                log.records.append(_record(s, pipe.tokenizer.decode(ans.tokens).strip(), len(ans.views)))
+                log.add_answer(ans, wall, _record(s, ans.text, len(ans.views)))
                 encoded[name][mode] += ans.cache.get("encoded", 0)
                 reused[name][mode] += ans.cache.get("reused", 0)
                 lines.answer(f"{name} ({mode})", log, len(log.total) - 1)
