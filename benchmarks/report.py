@@ -806,12 +806,30 @@ def selector_timing_note(selector: dict) -> str:
     )
 
 
+# Above the pruning tables: what each method reads, so that a reader can judge the race (no figures here).
+WHAT_EACH_SEES = (
+    "**What each method sees.** The TokenSelector (learned) scores the visual tokens from decoder layer 0's norm and"
+    " query and key projections over the prompt's embeddings, plus the question's object-tag coordinates"
+    " (`<c1,CAM_BACK,x,y>`) placed on each view's token grid, and keeps at least one token a view; drive-hd's decoder"
+    " was itself taught the selector's prunings in its last training stage (src/litevlm/weights/drive-hd/MODEL.md),"
+    " so these tables race on a decoder taught the selector's prunings, not on a neutral one. FastV ranks inside the"
+    " decoder by the last prompt token's head-mean attention at layer K, computed with layer K's own queries and keys"
+    " on its input (the published FastV reads the attention of layer K - 1), its ranking timed in the prefill. DART"
+    " ranks inside the decoder before layer 2 by duplication against 8 pivots (layer 1's key norms, layer 2's"
+    " input). DivPrune (max-min cosine diversity) and CDPruner (a DPP over cosine similarity weighted by relevance to"
+    " the question's token embeddings) read the projector's output before the decoder; random and uniform read"
+    " nothing. No training-free pruner sees the tag coordinates."
+)
+
+
 def section_pruning(runs: dict, page: str) -> list[str]:
     """Every token-selection method against r on one of the PRUNING pages (benchmarks/token_pruning.py): final score
     and closed accuracy, prefill and the method's own select_tokens ms, one sentence per r <= 0.3, the plot."""
     name, heading, intro = PRUNING[page]
     run = runs.get(name)
     out = [f"## Token pruning on {heading}: the TokenSelector against FastV and the training-free pruners", ""]
+    if page == next(iter(PRUNING)):  # the first pruning table: what every method reads, once
+        out += [WHAT_EACH_SEES, ""]
     if run is None:
         return out + not_measured_yet(f"token pruning on {heading}", next(b for b in benchmarks() if b.name == name))
     res = run["result"]

@@ -1036,6 +1036,10 @@ def test_the_page_from_the_stored_results_fits_in_400_lines(report):
     }
     page = report.render(runs)
     assert len(page.splitlines()) <= 400
+    # what each pruning method reads, said once, under the first pruning table's heading and before its table
+    first = page.index("## Token pruning on drive-hd: ")
+    assert page.count("**What each method sees.**") == 1 and first < page.index("**What each method sees.**")
+    assert page.index("**What each method sees.**") < page.index("| method |", first)
     for gone in ("## torch.compile", "## Before and after", "## Token pruning on drive-tiny"):
         assert gone not in page
     assert "Not measured" not in page.split("## GPU")[0]  # every benchmark the page shows has its figures
