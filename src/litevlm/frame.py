@@ -172,7 +172,7 @@ class Frame:
 
     def visual(self, views: list[str], timer) -> tuple[torch.Tensor, list[int]]:
         """The views' visual tokens (tiles, tokens_per_tile, C), in order, and each view's token count: the views
-        not yet made are read and cut ("preprocess", side by side) and encoded one by one ("vit")."""
+        not yet made are read and cut ("preprocess", side by side) and encoded in one batch ("vit")."""
         self.check_views(views)
         todo = [c for c in views if c not in self.views]
         if todo:
@@ -204,16 +204,14 @@ class Frame:
                         self.views[c] = hit
                         sources.pop(c)
 
-            def cut(c):
+            def read(c):
                 try:
                     return cut_view(sources[c], pipe.format.tiling, size, pipe.resample)
                 except LiteVLMError as e:
                     return e
 
-            todo = list(sources)
-            cut = dict(zip(todo, side_by_side(cut, todo)))
             tiles = {}
-            for c, t in cut.items():
+            for c, t in zip(list(sources), side_by_side(read, list(sources))):
                 if isinstance(t, LiteVLMError):
                     self._fail(c, t)
                 else:
@@ -225,8 +223,8 @@ class Frame:
             for c, v in zip(tiles, visual.split([t.shape[0] for t in tiles.values()])):
                 self.views[c] = EncodedView(v)
                 self.encoded += 1
-                if c in keys:
-                    self.cache.put(keys[c], self.views[c])
+                if c in keys:  # a copy of its own: a cached view never holds the whole batch's memory
+                    self.cache.put(keys[c], EncodedView(v.clone()))
 
     def _fail(self, camera: str, err: LiteVLMError) -> None:
         why = str(err)
