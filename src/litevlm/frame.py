@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from litevlm.cameras import CAMERAS
-from litevlm.errors import LiteVLMError
+from litevlm.errors import CameraError, LiteVLMError
 
 DEFAULT_CACHE_MB = 256
 
@@ -156,19 +156,28 @@ class Frame:
         missing = [c for c in views if c not in self.images]
         if missing:
             if self.pipe.view_selector is None:
-                raise LiteVLMError(
+                raise CameraError(
                     f"{len(self.images)} camera views given, missing {', '.join(missing)}: without view selection "
-                    "every question needs all six"
+                    "every question needs all six",
+                    "missing_cameras",
+                    missing,
                 )
             if len(views) == len(CAMERAS):
-                raise LiteVLMError(
+                raise CameraError(
                     f"this question needs every camera (a scene-wide question) and {', '.join(missing)} "
-                    f"{'is' if len(missing) == 1 else 'are'} missing: it is not answered blind to a camera"
+                    f"{'is' if len(missing) == 1 else 'are'} missing: it is not answered blind to a camera",
+                    "missing_cameras",
+                    missing,
                 )
-            raise LiteVLMError(f"this question needs {', '.join(views)}; the image of {', '.join(missing)} is missing")
+            raise CameraError(
+                f"this question needs {', '.join(views)}; the image of {', '.join(missing)} is missing",
+                "missing_cameras",
+                missing,
+            )
         bad = [c for c in views if c in self.failed]
         if bad:
-            raise LiteVLMError("; ".join(f"this question needs {c}, whose image {self.failed[c]}" for c in bad))
+            message = "; ".join(f"this question needs {c}, whose image {self.failed[c]}" for c in bad)
+            raise CameraError(message, "invalid_image", bad)
 
     def visual(self, views: list[str], timer) -> tuple[torch.Tensor, list[int]]:
         """The views' visual tokens (tiles, tokens_per_tile, C), in order, and each view's token count: the views

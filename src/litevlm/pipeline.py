@@ -455,13 +455,12 @@ class Pipeline:
             return list(CAMERAS)
         return self.view_selector.select(question)[0]
 
-    def tiles(self, images: Mapping, views: list[str]) -> tuple[torch.Tensor, list[int]]:
+    def tiles(self, images: Mapping, views: list[str], resample: str | None = None) -> tuple[torch.Tensor, list[int]]:
         """The chosen views' images cut into normalised tiles (the prompt format's tiling): (tiles, 3, S, S) and the
-        number of visual tokens each view gives. The views are read and resized side by side (`cut_images`)."""
-        size = self.cfg.vision.image_size
-        cut = [
-            torch.from_numpy(a) for a in cut_images([images[c] for c in views], self.format.tiling, size, self.resample)
-        ]
+        number of visual tokens each view gives. The views are read and resized side by side (`cut_images`), by the
+        pipeline's own resample path unless `resample` names another."""
+        size, resample = self.cfg.vision.image_size, resample or self.resample
+        cut = [torch.from_numpy(a) for a in cut_images([images[c] for c in views], self.format.tiling, size, resample)]
         return normalize_tiles(torch.cat(cut)), [t.shape[0] * self.cfg.tokens_per_tile for t in cut]
 
     def frame(self, images: Mapping) -> Frame:
@@ -472,7 +471,7 @@ class Pipeline:
     @torch.no_grad()
     def vision(self, images: Mapping, views: list[str], timer: StageTimer) -> tuple[torch.Tensor, list[int]]:
         """The chosen views' visual tokens (tiles, tokens_per_tile, C) and each view's token count: images to tiles
-        ("preprocess"), then the vision tower and projector ("vit"), view by view (`litevlm.frame.Frame`)."""
+        ("preprocess"), then the vision tower and projector ("vit"), in one batch (`litevlm.frame.Frame`)."""
         return Frame(self, images).visual(views, timer)
 
     @torch.no_grad()

@@ -373,11 +373,7 @@ def hf_inputs(pipe, s) -> tuple[torch.Tensor, torch.Tensor]:
     chat template, camera labels and tiling) as ids (1, T), and the views cut as transformers' PIL image processor
     cuts them (PIL's bicubic resize, `resample="pil"`) into tiles (tiles, 3, S, S): the baseline's inputs, its
     pixels within one level."""
-    from litevlm.model.vlm import cut_images, normalize_tiles
-
-    cut = cut_images([s.images[c] for c in CAMERAS], pipe.format.tiling, pipe.cfg.vision.image_size, "pil")
-    pixels = normalize_tiles(torch.cat([torch.from_numpy(a) for a in cut]))
-    counts = [a.shape[0] * pipe.cfg.tokens_per_tile for a in cut]
+    pixels, counts = pipe.tiles(s.images, list(CAMERAS), resample="pil")
     layout = pipe.format.build(pipe.tokenizer, s.question, list(CAMERAS), counts)
     dev = pipe.model.device
     return torch.tensor([layout.ids], device=dev), pixels.to(dev, pipe.model.dtype)

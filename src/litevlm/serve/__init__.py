@@ -38,7 +38,6 @@ _LAZY = {
     "Limits": "limits",
     "ChatRequest": "parse",
     "parse_chat_request": "parse",
-    "decode_image": "parse",
     "Metrics": "metrics",
     "Worker": "worker",
     "stream_pieces": "worker",

@@ -386,20 +386,3 @@ def _open_image(raw: bytes, where: str, max_pixels: int):
             param=where,
         )
     return im
-
-
-def decode_image(raw: bytes, where: str, max_pixels: int):
-    """Encoded bytes -> RGB PIL image, or APIError (truncated or corrupt data)."""
-    im = _open_image(raw, where, max_pixels)
-    try:
-        im.load()
-        return im.convert("RGB")
-    except Exception as e:  # untrusted bytes, as above
-        raise APIError(
-            400,
-            f"`{where}`: the image data is corrupt or truncated ({short(str(e), 100)})",
-            code="invalid_image",
-            param=where,
-        ) from None
-    finally:
-        im.close()

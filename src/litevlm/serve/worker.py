@@ -38,12 +38,9 @@ def stream_pieces(pipe, ans: Answer) -> list[str]:
 
 
 def refusal(err: LiteVLMError) -> APIError:
-    """The pipeline's refusal of a request's input as a 400. Its message names the camera; the code is read from
-    it (`litevlm.frame.Frame.check_views`'s wording): an image that cannot be read, or a view the question needs
-    that was not sent."""
-    msg = str(err)
-    code = "invalid_image" if "whose image" in msg else "missing_cameras" if "missing" in msg else "invalid_request"
-    return APIError(400, msg, code=code, param="messages")
+    """The pipeline's refusal of a request's input as a 400, with its message (which names the camera) and, for a
+    camera the question needs (`litevlm.errors.CameraError`), its code: missing_cameras or invalid_image."""
+    return APIError(400, str(err), code=getattr(err, "code", "invalid_request"), param="messages")
 
 
 @dataclass(eq=False)
