@@ -190,8 +190,9 @@ def selection(pipe, method: str | None, r: float, selector, seed: int):
 
 
 class FastVChoiceBefore(FastV):
-    """FastV's choice at layer k (layers [0, k) run on the whole prompt to make it), applied to the prompt before the
-    decoder, where the TokenSelector prunes: the same tokens FastV keeps, without layers [0, k) reading the rest."""
+    """FastV's choice for a cut before layer k (layers [0, k - 1) run on the whole prompt to make it, layer k - 1's
+    attention ranks), applied to the prompt before the decoder, where the TokenSelector prunes: the same tokens
+    FastV keeps, without layers [0, k) reading the rest."""
 
     @property
     def label(self) -> str:
@@ -200,7 +201,7 @@ class FastVChoiceBefore(FastV):
     def select(self, model, p, question: str, tiling):
         from litevlm.select.tokens import fastv_scores, prune_prompt, select_by_scores, view_sizes
 
-        x = model.language_model(p.embeds, p.positions, start_layer=0, end_layer=self.k)
+        x = model.language_model(p.embeds, p.positions, start_layer=0, end_layer=self.k - 1) if self.k > 1 else p.embeds
         scores = fastv_scores(model, x, p.positions, p.view_spans, self.k)
         kept = select_by_scores(scores, view_sizes(p.view_spans), self.keep_ratio, 0)
         embeds, positions, _ = prune_prompt(p.embeds, p.positions, p.view_spans, kept)

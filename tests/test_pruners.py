@@ -348,21 +348,39 @@ def test_every_method_answers_within_its_budget_on_drive_tiny(method, per_view, 
 
 
 @pytest.mark.parametrize(
-    "method, rule", [("dart", "dart_select"), ("divprune", "divprune_select"), ("cdpruner", "cdpruner_select")]
+    "method, module, rule",
+    [
+        ("token-selector", "litevlm.select.tokens.TokenSelector", "head_scores"),
+        ("fastv", "litevlm.select.tokens", "fastv_scores"),
+        ("dart", "litevlm.select.pruners", "dart_select"),
+        ("divprune", "litevlm.select.pruners", "divprune_select"),
+        ("cdpruner", "litevlm.select.pruners", "cdpruner_select"),
+        ("random", "litevlm.select.pruners", "random_prune"),
+        ("uniform", "litevlm.select.pruners", "uniform_select"),
+    ],
 )
-def test_the_selection_is_timed_as_select_tokens_not_prefill(method, rule, images, monkeypatch):
+def test_every_methods_selection_is_timed_as_select_tokens_not_prefill(method, module, rule, images, monkeypatch):
+    """Each method's own ranking, made half a second slower, shows up in select_tokens and nowhere in the prefill:
+    FastV's attention row and DART's duplicates inside the decoder too."""
+    import importlib
+
+    owner_path, _, attr = module.rpartition(".") if module.endswith("TokenSelector") else (module, "", "")
+    owner = getattr(importlib.import_module(owner_path), attr) if attr else importlib.import_module(module)
     pipe = Pipeline.from_pretrained("drive-tiny", max_new_tokens=2, prune=method, keep=0.5)
     pipe.answer(QUESTION, images)  # warm
     plain = pipe.answer(QUESTION, images).timings_ms
-    real = getattr(pruners, rule)
+    real = getattr(owner, rule)
+    calls = []
 
     def slow(*args, **kwargs):
+        calls.append(rule)
         time.sleep(0.5)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pruners, rule, slow)
+    monkeypatch.setattr(owner, rule, slow)
     timed = pipe.answer(QUESTION, images).timings_ms
-    assert timed["select_tokens"] >= 500
+    assert calls, f"{method}'s ranking {rule} was not called"
+    assert timed["select_tokens"] >= 500 * len(calls)
     assert timed["prefill"] < 500 and plain["prefill"] < 500  # the 500 ms are not in the prefill
 
 

@@ -189,7 +189,7 @@ def test_fastvs_choice_before_the_decoder_keeps_fastvs_tokens_and_prunes_the_pro
     assert sel.plain_decoding and "before the decoder" in sel.label
     with torch.no_grad():
         embeds, positions, hook = sel.select(pipe.model, p, s.question, pipe.format.tiling)
-        x = pipe.model.language_model(p.embeds, p.positions, start_layer=0, end_layer=2)
+        x = pipe.model.language_model(p.embeds, p.positions, start_layer=0, end_layer=1)  # layer 1's input
         kept = fastv_pruning(pipe.model, p.positions, p.view_spans, 2, 0.25).keep(x)
     assert hook is None and embeds.shape[1] < p.embeds.shape[1]
     assert torch.equal(embeds, p.embeds[:, kept]) and torch.equal(positions, p.positions[:, kept])

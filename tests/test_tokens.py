@@ -119,9 +119,9 @@ def test_fastv_row_equals_row_of_full_attention(k):
     lm = model.language_model
     t = embeds.shape[1]
     with torch.no_grad():
-        x = lm(embeds, positions, start_layer=0, end_layer=k)  # no cache: plain causal SDPA
+        x = lm(embeds, positions, start_layer=0, end_layer=k - 1) if k > 1 else embeds  # layer k-1's input
         got = fastv_scores(model, x, positions, spans, k)
-        want = full_attention_rows(lm.layers[k], x, positions, torch.tensor([t - 1]))[0, 0, visual_index(spans)]
+        want = full_attention_rows(lm.layers[k - 1], x, positions, torch.tensor([t - 1]))[0, 0, visual_index(spans)]
     # attention probabilities (0..1) from two codes (the selected rows alone, the full T x T softmax): fp32 sums of
     # another length, ~T eps ~ 1e-5 relative; a wrong row, position or mask moves them by O(1/T).
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
@@ -283,15 +283,16 @@ def test_pruned_decode_is_exact_for_the_compacted_cache(method):
     assert [int(x) for x in got.argmax(-1)] == gen.tokens
 
 
-def test_untrained_selector_ranks_like_fastv_k1():
-    """At init (all pooling on the last token, MLP zero) the selector's score is FastV K=1's attention row."""
+def test_untrained_selector_ranks_like_fastv_k2():
+    """At init (all pooling on the last token, MLP zero) the selector's score is layer 1's attention row on layer 0's
+    output: FastV K=2's ranking."""
     model = tiny_vlm()
     embeds, positions, spans = tiny_prompt(model)
     sel = TokenSelector.from_model(model, SelectorConfig(last_bonus=1e4))
     with torch.no_grad():
         got = sel.scores(embeds, positions, spans)[0].exp()
         x = model.language_model(embeds, positions, start_layer=0, end_layer=1)
-        want = fastv_scores(model, x, positions, spans, 1)
+        want = fastv_scores(model, x, positions, spans, 2)
     # exp(log-softmax) against softmax rows: the log and exp round-trip costs ~1e-6 relative per value, the two codes
     # sum in another order; 1e-4 of probabilities of O(1/T).
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
@@ -468,6 +469,33 @@ def test_selector_save_load_roundtrip(tmp_path, shared_layer, reads):
         del meta["selector"]["shared_layer"]
         meta_path.write_text(json.dumps(meta))
         assert not TokenSelector.load(tmp_path, model).cfg.shared_layer
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_fastv_ranks_by_the_attention_of_the_layer_before_the_cut(k):
+    """FastV as published: a cut before layer k keeps the visual tokens the last prompt token attends to most at
+    layer k - 1. Layer k is made to attend elsewhere (its keys and queries reversed in sign on one head pair), so
+    the two layers' top tokens differ, and the prefill keeps layer k - 1's."""
+    model = tiny_vlm(seed=3)
+    lm = model.language_model
+    with torch.no_grad():
+        lm.layers[k].self_attn.k_proj.weight.neg_()
+        lm.layers[k].self_attn.k_proj.bias.neg_()
+    embeds, positions, spans = tiny_prompt(model, seed=3)
+    t, vis = embeds.shape[1], visual_index(spans)
+    n_keep = keep_count(vis.numel(), 0.25)
+    with torch.no_grad():
+        before = lm(embeds, positions, start_layer=0, end_layer=k - 1) if k > 1 else embeds
+        after = lm(embeds, positions, start_layer=0, end_layer=k)
+        last = torch.tensor([t - 1])
+        rank_before = full_attention_rows(lm.layers[k - 1], before, positions, last)[0, 0, vis]
+        rank_after = full_attention_rows(lm.layers[k], after, positions, last)[0, 0, vis]
+        want = set(vis[rank_before.topk(n_keep).indices].tolist())
+        other = set(vis[rank_after.topk(n_keep).indices].tolist())
+        assert want != other  # the hand-made case: layers k - 1 and k rank differently
+        pre = fastv_prefill(model, embeds, positions, spans, k, 0.25)
+    kept_visual = set(pre.kept_index.tolist()) & set(vis.tolist())
+    assert kept_visual == want
 
 
 def test_fastv_rejects_bad_k():

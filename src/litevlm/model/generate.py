@@ -220,8 +220,8 @@ def pruned_prefill(
     hook chooses from their output which prompt tokens to keep, layers [K, L) run on the kept tokens.
 
     pruning: the hook (`litevlm.select.tokens.Pruning`): `layer` K, `keep(x)` -> the kept prompt indices (T',)
-    ascending, from x (1, T, C), the input of layer K; its choice is timed as `stage`, the decoder layers as
-    "prefill". The cache of layers [0, K) is then COMPACTED to the kept tokens (`litevlm.select.tokens` explains
+    ascending, from x (1, T, C), the input of layer `reads` (K unless it says otherwise: FastV reads layer K - 1's);
+    its choice is timed as `stage`, the decoder layers as "prefill". The cache of layers [0, K) is then COMPACTED to the kept tokens (`litevlm.select.tokens` explains
     why), so decoding continues with `decode_step(model, tok, result.next_position + i, result.kept_count + i)`.
     opening: an answer-opening trie verified with the kept prompt, greedily, emitting at most `limit` tokens (until
     `eos_id`): its nodes run layers [0, K) over the kept tokens once the cache is compacted, then join the kept tokens
@@ -239,10 +239,16 @@ def pruned_prefill(
     timer = timer or StageTimer(embeds.device)
     dev = embeds.device
     next_position = int(positions[0, -1]) + 1
-    with timer("prefill"):
-        x = backend.prompt(embeds, positions, end_layer=k)  # causal from slot 0: the fused kernels' fast path
+    reads = k if pruning.reads is None else pruning.reads
+    if not 0 <= reads <= k:
+        raise LiteVLMError(f"a pruning before decoder layer {k} reads the input of a layer in 0..{k}; got {reads}")
+    with timer("prefill"):  # causal from slot 0: the fused kernels' fast path
+        x = backend.prompt(embeds, positions, end_layer=reads) if reads else embeds
     with timer(pruning.stage):
         kept = pruning.keep(x)
+    if reads < k:
+        with timer("prefill"):
+            x = backend.prompt(x, positions, start_layer=reads, end_layer=k)
     with timer("prefill"):
         n = kept.numel()
         for layer in lm.layers[:k]:  # compact layers < k to the kept tokens, slots 0..n-1
@@ -274,8 +280,8 @@ def pruned_prefill(
 def fastv_prefill(
     target, embeds, positions, view_spans, k: int, keep_ratio: float, min_per_view: int = 0, timer=None
 ) -> PrunedPrefill:
-    """FastV prefill (batch 1): rank at layer k by the last prompt token's attention (`fastv_pruning`). min_per_view=0
-    is FastV's own global top-k; keep_ratio=1 reproduces plain prefill."""
+    """FastV prefill (batch 1): cut before layer k, ranked by the last prompt token's attention at layer k - 1
+    (`fastv_pruning`). min_per_view=0 is FastV's own global top-k; keep_ratio=1 reproduces plain prefill."""
     backend = as_backend(target)
     pruning = fastv_pruning(backend.model, positions, view_spans, k, keep_ratio, min_per_view)
     return pruned_prefill(backend, embeds, positions, pruning, timer)

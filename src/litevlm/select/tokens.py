@@ -14,14 +14,13 @@ ranks from its output, and runs layers 1.. on the kept tokens (`TokenSelector.pr
 generation calls after layer 0: the same in-decoder path as FastV at K = 1 with a trained ranking).
 The selection then costs the head alone.
 
-FastV (arXiv 2403.06764) is the in-LLM baseline: layers [0, K) run on the whole prompt, the last
-prompt token's attention over the visual tokens at layer K ranks them (layer K's q/k on its input;
-the official code reuses layer K-1's returned probabilities instead, one layer less informed), and
-layers [K, L) run on the kept tokens only, which keep their original positions. Every
-attention-scored step here computes just the query rows it needs (q of a few tokens against all
-keys, fp32 softmax, head mean); the decoder itself stays on fused SDPA and no T x T attention
-matrix is formed. Selection here only chooses; the prefill that prunes lives in generation
-(`litevlm.model.generate.pruned_prefill`).
+FastV (arXiv 2403.06764) is the in-LLM baseline, as published: layers [0, K) run on the whole prompt, the last
+prompt token's head-mean attention over the visual tokens at layer K - 1 (the layer before the cut, what its
+reference code reads from that layer's returned probabilities) ranks them, and layers [K, L) run on the kept
+tokens only, which keep their original positions. Its ranking is timed as "select_tokens", like every other
+method's choice. Every attention-scored step here computes just the query rows it needs (q of a few tokens against
+all keys, fp32 softmax, head mean); the decoder itself stays on fused SDPA and no T x T attention matrix is formed.
+Selection here only chooses; the prefill that prunes lives in generation (`litevlm.model.generate.pruned_prefill`).
 
 FastV cache handling (our choice): after the ranking, the cache of layers [0, K) is COMPACTED to
 the kept tokens, so every layer holds the same T' entries at slots 0..T'-1 and decoding is the
@@ -428,35 +427,37 @@ def _head_ops(
 
 class Pruning(NamedTuple):
     """Selection inside the decoder, the hook generation calls where it prunes
-    (`litevlm.model.generate.pruned_prefill`): decoder layers [0, layer) run on the whole prompt, then `keep(x)`
-    chooses from their output x (1, T, C) the prompt indices (T',) that layers [layer, L) run on, timed as `stage`."""
+    (`litevlm.model.generate.pruned_prefill`): decoder layers [0, layer) run on the whole prompt, and `keep(x)`
+    chooses the prompt indices (T',) that layers [layer, L) run on, timed as `stage`. x (1, T, C) is the input of
+    decoder layer `reads` (None: of `layer`, the output of the layers before the cut; 0: the prompt's embeddings)."""
 
     layer: int
     keep: Callable[[torch.Tensor], torch.Tensor]
-    stage: str = "prefill"
+    stage: str = "select_tokens"
+    reads: int | None = None
 
 
 @torch.no_grad()
 def fastv_scores(model, x: torch.Tensor, positions: torch.Tensor, view_spans: Sequence[Span], k: int) -> torch.Tensor:
-    """FastV's ranking (N,): the last prompt token's head-mean attention over the visual tokens at layer k, given
-    its input x."""
+    """FastV's ranking for a cut before layer k (N,): the last prompt token's head-mean attention over the visual
+    tokens at layer k - 1, given x (1, T, C), that layer's input (the prompt's embeddings for k = 1)."""
     t = x.shape[1]
-    row = attention_rows(model.language_model.layers[k], x, positions, torch.tensor([t - 1], device=x.device))
+    row = attention_rows(model.language_model.layers[k - 1], x, positions, torch.tensor([t - 1], device=x.device))
     return row[0, 0, visual_index(view_spans, x.device)]
 
 
 def fastv_pruning(
     model, positions: torch.Tensor, view_spans: Sequence[Span], k: int, keep_ratio: float, min_per_view: int = 0
 ) -> Pruning:
-    """FastV's choice at layer k: the visual tokens the last prompt token attends to most, a fraction r of them
-    (min_per_view=0: FastV's own global top-k), and every text token."""
+    """FastV's choice before layer k: the visual tokens the last prompt token attends to most at layer k - 1, a
+    fraction r of them (min_per_view=0: FastV's own global top-k), and every text token; timed as "select_tokens"."""
 
     def keep(x: torch.Tensor) -> torch.Tensor:
         scores = fastv_scores(model, x, positions, view_spans, k)
         kept_visual = select_by_scores(scores, view_sizes(view_spans), keep_ratio, min_per_view)
         return kept_prompt_index(x.shape[1], view_spans, kept_visual)
 
-    return Pruning(k, keep)
+    return Pruning(k, keep, "select_tokens", reads=k - 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,7 +541,7 @@ class TokenSelector(nn.Module):
     with query tokens i = every text token after the last view (question and chat template), w a
     learned softmax over heads, beta a learned softmax pooling over the query tokens (plus a bonus
     for the last token), and q/k projections initialised from decoder layer 1: before training,
-    with all pooling on the last token, the first term is FastV K=1's ranking. The MLP (zero at
+    with all pooling on the last token, the first term is FastV K=2's ranking (layer 1's attention). The MLP (zero at
     init) adds query-conditioned content evidence (is an object in this cell?). With `use_tags`, the
     cells that the question's DriveLM c-tags <cK,CAM,x,y> point at (and their neighbours) get a
     learned bonus: the question gives object coordinates outright, and a one-layer scorer cannot

@@ -621,8 +621,7 @@ def agreement(model, selector: TokenSelector | None, bank, items: list[Item], ra
         embeds, positions = item_inputs(model, bank, it)
         with _autocast(model):
             if selector is None:
-                x = model.language_model(embeds, positions, end_layer=1)
-                s = fastv_scores(model, x, positions, it.spans, 1).float().clamp_min(1e-12).log()
+                s = fastv_scores(model, embeds, positions, it.spans, 1).float().clamp_min(1e-12).log()  # layer 0's
             else:
                 s = item_scores(selector, model, bank, it, tiling).float()
         kl.append(float(kl_loss(s, it.target.to(s.device))))
