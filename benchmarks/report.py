@@ -38,6 +38,8 @@ SPLITS = {
 }
 MODEL = "src/litevlm/weights/drive-tiny"
 HD = "drive-hd"  # the paper-shaped embedded model (src/litevlm/weights/drive-hd once it ships)
+NEUTRAL = f"{DATA}/drive-hd-neutral"  # drive-hd on its stage before the selector-taught one (neutral_decoder.py)
+MADE_BY = {NEUTRAL: ["python", "benchmarks/neutral_decoder.py", "--out", NEUTRAL]}  # what `needs` makes, not a split
 
 
 @dataclass
@@ -67,7 +69,7 @@ def pruning(
     argv = ["benchmarks/token_pruning.py", "--model", model, "--data", HELDOUT, "--threads", "1"]
     argv += ["--timing-n", str(timed), *(["--per-view"] if per_view else [])]
     argv += ["--plot", f"benchmarks/results/token_pruning_{name}.png", *extra]
-    return Benchmark(f"token_pruning_{name}", argv, n=n, needs=[HELDOUT])
+    return Benchmark(f"token_pruning_{name}", argv, n=n, needs=[HELDOUT, *([model] if model in MADE_BY else [])])
 
 
 # drive-hd: r = 0.05 too, where the methods part, and its TokenSelector's choice applied inside the decoder as well
@@ -76,6 +78,9 @@ HD_PRUNING = ("--r", "0.05,0.1,0.2,0.3,0.5,0.7", *HD_METHODS)
 # drive-hd with every view in the prompt, as when the ViewSelector is off: most visual tokens are then of views the
 # question does not ask about. r up to 0.3, and 0.05.
 HD_ALL_VIEWS = ("--views", "all", "--r", "0.05,0.1,0.2,0.3", *HD_METHODS)
+# the neutral decoder: the same races at the ratios where the verdicts are read (r <= 0.3), untimed (the timing is
+# the shipped decoder's: the two decoders have the same shapes)
+NEUTRAL_PRUNING = ("--r", "0.05,0.1,0.2,0.3", *HD_METHODS)
 # drive-hd on every question of the held-out split (1688), the strong methods at r = 0.1-0.3, untimed
 # (the timing is the 600-question page's): the leads there are a few questions, so more questions, fewer methods.
 HD_ALL_QUESTIONS = (
@@ -130,9 +135,22 @@ def benchmarks() -> list[Benchmark]:
             n=100,
             needs=[HELDOUT],
         ),
-        pruning(HD, "drive-hd", n=600, extra=HD_PRUNING),  # three times the questions: pruners differ by a few
-        pruning(HD, "drive-hd-all-views", n=600, extra=HD_ALL_VIEWS),
+        # three times the questions: pruners differ by a few; untimed (Table 1 times the stages), so that two runs of
+        # accuracy alone can share the machine, one a core
+        pruning(HD, "drive-hd", n=600, extra=HD_PRUNING, timed=0),
+        pruning(HD, "drive-hd-all-views", n=600, extra=HD_ALL_VIEWS, timed=0),
         pruning(HD, "drive-hd-all-questions", n=HELDOUT_QUESTIONS, extra=HD_ALL_QUESTIONS, per_view=False, timed=0),
+        # the same races on a decoder no method was trained for
+        pruning(NEUTRAL, "drive-hd-neutral", n=600, extra=NEUTRAL_PRUNING, timed=0),
+        pruning(NEUTRAL, "drive-hd-neutral-all-views", n=600, extra=HD_ALL_VIEWS, timed=0),
+        pruning(
+            NEUTRAL,
+            "drive-hd-neutral-all-questions",
+            n=HELDOUT_QUESTIONS,
+            extra=HD_ALL_QUESTIONS,
+            per_view=False,
+            timed=0,
+        ),
         Benchmark(
             "view_selection",
             ["benchmarks/view_selection.py", "--model", MODEL, "--data", HELDOUT_VIEWS, "--threads", "1"],
@@ -218,6 +236,13 @@ def commit() -> str:
 
 
 def make_split(path: str) -> str:
+    """Make what a run reads where it is not there yet (a synthetic split, or a model MADE_BY a script); its command."""
+    if path in MADE_BY:
+        cmd = MADE_BY[path]
+        if not (ROOT / path / "model.safetensors").is_file():
+            print(f"[report] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+            subprocess.run(executable(cmd), cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        return shlex.join(cmd)
     cmd = ["litevlm", "data", "synth", "--out", path, *SPLITS[path]]
     if not (ROOT / path).is_dir():  # written beside, then renamed: an interrupted split is never taken as whole
         print(f"[report] {shlex.join(cmd)}", file=sys.stderr, flush=True)
@@ -238,11 +263,15 @@ def executable(cmd: list[str]) -> list[str]:
     return [str(beside) if beside.exists() else cmd[0], *cmd[1:]]
 
 
+CORE = int(os.environ.get("LITEVLM_REPORT_CORE", "1"))  # the core a pinned run takes (`--core`)
+
+
 def pinning(b: Benchmark) -> list[str]:
-    """What pins a run to one thread, as the page shows it: OMP_NUM_THREADS=1, on core 1 where there is one."""
+    """What pins a run to one thread, as the page shows it: OMP_NUM_THREADS=1, on core CORE (1) where there is one."""
     if not b.pinned:
         return []
-    return ["OMP_NUM_THREADS=1", *(["taskset -c 1"] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else [])]
+    many = shutil.which("taskset") and (os.cpu_count() or 1) > 1
+    return ["OMP_NUM_THREADS=1", *([f"taskset -c {CORE}"] if many else [])]
 
 
 def shown_command(b: Benchmark, n: int | None = None) -> str:
@@ -261,7 +290,7 @@ def run_one(b: Benchmark, n: int | None) -> dict:
     shown = shown_command(b, n)
     argv = executable(cmd)
     if len(prefix) > 1:
-        argv = ["taskset", "-c", "1", *argv]
+        argv = ["taskset", "-c", str(CORE), *argv]
     print(f"[report] {shown}", file=sys.stderr, flush=True)
     code = commit()  # taken before the run, which may rewrite its own results
     t0 = time.time()
@@ -677,7 +706,29 @@ PRUNING = {  # page -> (its pruning run, heading, the sentence that opens it)
         EVERY_QUESTION,
     ),
     "drive-hd-all-views": ("token_pruning_drive-hd-all-views", "drive-hd over all six views", None),
+    "drive-hd-neutral": ("token_pruning_drive-hd-neutral", "drive-hd's neutral decoder", None),
+    "drive-hd-neutral-all-questions": (
+        "token_pruning_drive-hd-neutral-all-questions",
+        "drive-hd's neutral decoder, every held-out question",
+        None,
+    ),
+    "drive-hd-neutral-all-views": (
+        "token_pruning_drive-hd-neutral-all-views",
+        "drive-hd's neutral decoder over all six views",
+        None,
+    ),
 }
+# what each page's decoder was trained on: the shipped one was taught the selector's prunings, the neutral one not
+TAUGHT = (
+    "The decoder is the shipped drive-hd's, **taught the selector's prunings** in its last training stage: a race on"
+    " home ground for the TokenSelector."
+)
+NEUTRAL_DECODER = (
+    "The decoder is **neutral**: drive-hd's stage before the selector-taught one, trained with half its prompts'"
+    " visual tokens thinned at random (10%-95% kept), which serves every method alike; the TokenSelector is the"
+    " shipped one, distilled on these weights by `litevlm train tokens` (`python benchmarks/neutral_decoder.py` writes"
+    " the model folder from the repository's history)."
+)
 TRAINED = "token-selector"  # it and its variants (the same choice applied inside the decoder) are trained; the rest
 # training-free
 
@@ -789,10 +840,17 @@ def paired_line(res: dict, r: float, finals: dict) -> str:
     )
 
 
-def selector_timing_note(selector: dict) -> str:
-    """Where each method's choice is timed: FastV inside the prefill, the rest in select_tokens; the TokenSelector
-    inside the decoder only when its head reads the model's own layer 0 there."""
+def selector_timing_note(selector: dict, selection_timed_as: str | None = None) -> str:
+    """Where each method's choice is timed: FastV inside the prefill (runs before it was timed as select_tokens), the
+    rest in select_tokens; the TokenSelector inside the decoder only when its head reads the model's own layer 0."""
     inside = selector.get("shared_layer", True) and selector.get("reads", "layer0") == "layer0"
+    if selection_timed_as == "select_tokens":
+        return (
+            "Every method's choice is timed as select_tokens, as the pipeline reports it: FastV's and DART's inside the"
+            " prefill pass"
+            + (" and the TokenSelector's after its layer 0" if inside else "")
+            + ", the others' before the decoder."
+        )
     if inside:
         return (
             "FastV chooses inside the prefill pass and is timed there; DART and the TokenSelector choose inside it too,"
@@ -810,16 +868,78 @@ def selector_timing_note(selector: dict) -> str:
 WHAT_EACH_SEES = (
     "**What each method sees.** The TokenSelector (learned) scores the visual tokens from decoder layer 0's norm and"
     " query and key projections over the prompt's embeddings, plus the question's object-tag coordinates"
-    " (`<c1,CAM_BACK,x,y>`) placed on each view's token grid, and keeps at least one token a view; drive-hd's decoder"
-    " was itself taught the selector's prunings in its last training stage (src/litevlm/weights/drive-hd/MODEL.md),"
-    " so these tables race on a decoder taught the selector's prunings, not on a neutral one. FastV ranks inside the"
-    " decoder by the last prompt token's head-mean attention at layer K, computed with layer K's own queries and keys"
-    " on its input (the published FastV reads the attention of layer K - 1), its ranking timed in the prefill. DART"
-    " ranks inside the decoder before layer 2 by duplication against 8 pivots (layer 1's key norms, layer 2's"
-    " input). DivPrune (max-min cosine diversity) and CDPruner (a DPP over cosine similarity weighted by relevance to"
-    " the question's token embeddings) read the projector's output before the decoder; random and uniform read"
-    " nothing. No training-free pruner sees the tag coordinates."
+    " (`<c1,CAM_BACK,x,y>`) placed on each view's token grid, and keeps at least one token a view. FastV, as"
+    " published, cuts before layer K and ranks by the last prompt token's head-mean attention at layer K - 1; DART"
+    " cuts before layer 2 and ranks by duplication against 8 pivots (layer 1's key norms, layer 2's input); both"
+    " rank every visual token at once. DivPrune (max-min cosine diversity, all the tokens at once, as its authors"
+    " run it on a multi-crop image) and CDPruner (a DPP over cosine similarity weighted by relevance to the"
+    " question's token embeddings, on each tile apart, as its authors prune each crop) read the projector's output"
+    " before the decoder; random and uniform read nothing. No training-free pruner sees the tag coordinates. Every"
+    " method's choice is timed as select_tokens. Two decoders: the shipped drive-hd was taught the selector's"
+    " prunings in its last training stage (src/litevlm/weights/drive-hd/MODEL.md), a race on the selector's home"
+    " ground; the neutral one, the stage before, was taught random thinning only. A run measured before FastV read"
+    " layer K - 1 says so beside its table."
 )
+
+
+RACES = (  # (the questions, the taught decoder's page, the neutral decoder's page)
+    ("600 questions, the views each needs", "drive-hd", "drive-hd-neutral"),
+    ("every held-out question", "drive-hd-all-questions", "drive-hd-neutral-all-questions"),
+    ("600 questions, all six views", "drive-hd-all-views", "drive-hd-neutral-all-views"),
+)
+
+
+def race_cells(res: dict | None, r: float) -> tuple[str, str, bool | None]:
+    """On one run at r: the TokenSelector's final, the best training-free method and its final, and whether the
+    selector is strictly ahead of it (None: not measured)."""
+    if res is None or r not in res["ratios"]:
+        return "-", "-", None
+    finals = {m: round(v["final"], 4) for k, v in res["scores"].items() for m in [k.rsplit("@", 1)[0]]
+              if k.endswith(f"@{r}") and v.get("final") is not None}  # fmt: skip
+    free = {m: v for m, v in finals.items() if training_free(m)}
+    if TRAINED not in finals or not free:
+        return "-", "-", None
+    best = max(free, key=lambda m: free[m])
+    return fmt(finals[TRAINED]), f"{pruning_label(res, best)} {fmt(free[best])}", finals[TRAINED] > free[best]
+
+
+def section_race(runs: dict) -> list[str]:
+    """The pruning race on both decoders side by side, r <= 0.3: the TokenSelector's final against the best
+    training-free method's on each table, and a count of where the selector leads."""
+    pairs = [(what, runs.get(PRUNING[a][0]), runs.get(PRUNING[b][0])) for what, a, b in RACES]
+    if not any(n for _, _, n in pairs):
+        return []
+    rows, lead = [], {"taught": [0, 0], "neutral": [0, 0]}
+    for what, taught, neutral in pairs:
+        ratios = sorted({r for run in (taught, neutral) if run for r in run["result"]["ratios"] if r <= 0.3})
+        for r in ratios:
+            cells = []
+            for key, run in (("taught", taught), ("neutral", neutral)):
+                sel, best, ahead = race_cells(run["result"] if run else None, r)
+                cells += [sel, best]
+                if ahead is not None:
+                    lead[key][0] += ahead
+                    lead[key][1] += 1
+            rows.append([what, r, *cells])
+    header = ["questions", "r", "taught: TokenSelector", "taught: best training-free", "neutral: TokenSelector",
+              "neutral: best training-free"]  # fmt: skip
+    summary = "; ".join(
+        f"on the {'decoder taught its prunings' if k == 'taught' else 'neutral decoder'} the TokenSelector is ahead of"
+        f" every training-free method in {a} of {n} cells"
+        for k, (a, n) in lead.items()
+        if n
+    )
+    return [
+        "## The pruning race on both decoders",
+        "",
+        "The tables above side by side at r <= 0.3: the TokenSelector's DriveLM final and the best training-free"
+        " method's (its name and final), on the decoder taught the selector's prunings and on the neutral one."
+        f" Read from the runs' JSON: {summary}. A lead of a few thousandths is a question or two (the closed-accuracy"
+        " standard errors beside each table).",
+        "",
+        *table(header, rows),
+        "",
+    ]
 
 
 def section_pruning(runs: dict, page: str) -> list[str]:
@@ -839,6 +959,12 @@ def section_pruning(runs: dict, page: str) -> list[str]:
     share = res.get("visual_share")
     share = f" ({100 * share:.0f}% of its tokens)" if share is not None else ""
     about = [intro] if intro else []
+    about.append(NEUTRAL_DECODER if "neutral" in page else TAUGHT)
+    if res.get("fastv_ranks_by") != "layer K-1":
+        about.append(
+            "This run predates FastV as published: its FastV rows rank by layer K's own attention and are timed in the"
+            " prefill, and its CDPruner rows spend one budget over all the tokens."
+        )
     if res.get("views") == "all":
         about.append(
             "Every camera's view goes into each prompt, as when the ViewSelector is off: most of the visual tokens are"
@@ -893,7 +1019,7 @@ def section_pruning(runs: dict, page: str) -> list[str]:
             f" each, interleaved over the configurations; medians), {mach.get('device')}, {mach.get('threads')}"
             f" thread(s), {t.get('backend')} backend: each cell is the prefill ms + the method's own select_tokens ms."
             f" Unpruned prefill: **{fmt(res['timing_ms']['unpruned']['prefill_ms'])} ms**."
-            f" {selector_timing_note(res.get('selector') or {})}",
+            f" {selector_timing_note(res.get('selector') or {}, res.get('selection_timed_as'))}",
             "",
             *table(header, [[pruning_label(res, m), *(timed(m, r) for r in ratios)] for m in methods]),
         ]
@@ -1279,8 +1405,12 @@ def render(runs: dict) -> str:
         *section_bench(runs, "drive-tiny", first=False),
         *section_sweep(runs.get("spec_sweep")),
         *section_pruning(runs, "drive-hd"),
+        *section_pruning(runs, "drive-hd-neutral"),
         *section_pruning(runs, "drive-hd-all-questions"),
+        *section_pruning(runs, "drive-hd-neutral-all-questions"),
         *section_pruning(runs, "drive-hd-all-views"),
+        *section_pruning(runs, "drive-hd-neutral-all-views"),
+        *section_race(runs),
         *section_views(runs.get("view_selection")),
         *section_scores(runs),
         *section_serve(runs.get("serve_load")),
@@ -1302,9 +1432,18 @@ def main(argv=None) -> None:
     p.add_argument("--n", type=int, default=None, help="questions (requests for serve_load) in each run")
     p.add_argument("--list", action="store_true", help="list the benchmarks and their commands")
     p.add_argument("--results", default=str(RESULTS), help="folder of the runs' JSON")
+    p.add_argument(
+        "--core",
+        type=int,
+        default=None,
+        help="the core a pinned run takes (default 1): two untimed runs (accuracy only) can share a machine, one a core",
+    )
     p.add_argument("--out", default=str(ROOT / "RESULTS.md"))
     p.add_argument("--readme", default=str(ROOT / "README.md"), help="whose results-at-a-glance block to rewrite")
     args = p.parse_args(argv)
+    if args.core is not None:
+        global CORE
+        CORE = args.core
     known = benchmarks()
     if args.list:
         for b in known:

@@ -3,7 +3,9 @@
 Every method answers the same questions over the same views (by default the views each question needs: what view
 selection hands the token stage) with greedy decoding, at each keep ratio r: the TokenSelector (where the model has
 a token_selector/ folder), FastV at K=1 and K=2 (arXiv 2403.06764), DART, DivPrune, CDPruner, random and uniform
-(`litevlm.select.pruners`), and with `--per-view` the variants that split the budget over the cameras. Asked for by
+(`litevlm.select.pruners`), each spreading its budget as its authors do on multi-crop input (CDPruner over the tiles,
+the others over all the visual tokens at once), and with `--per-view` the variants that split the budget over the
+cameras (NAME-per-crop and NAME-global, asked for by name, are the other two splits). Asked for by
 name, `token-selector-k2` is the TokenSelector's own choice (a selector that reads the prompt) applied before decoder
 layer 2, as FastV K=2 and DART prune, instead of before the decoder; `fastv-k2-k0` is the other way round, FastV
 K=2's choice (made with layers 0 and 1 run on the whole prompt) applied before the decoder, as the TokenSelector
@@ -19,8 +21,8 @@ and the exact sign test's p on that split, since a difference of one or two ques
 Timing, side by side in the same process on the first --timing-n prompts: each configuration's select_tokens and
 prefill stages (the pipeline's StageTimer; repeats interleaved over the configurations, the median per prompt,
 then the median over prompts). A method that prunes inside the decoder (FastV, DART, the TokenSelector sharing
-layer 0) runs its choice inside the prefill pass: DART's and the TokenSelector's under select_tokens, FastV's under
-prefill, exactly as the pipeline reports them; `total_ms` (their sum) is the comparable figure.
+layer 0) runs its choice inside the prefill pass, timed under select_tokens as every method's choice is, exactly as
+the pipeline reports it; `total_ms` (their sum) is the comparable figure.
 
     python benchmarks/token_pruning.py --n 40 --plot pruning.png                  # drive-tiny, held-out frames
     python benchmarks/token_pruning.py --model drive-hd --data .bench-data/heldout --n 200 --per-view
@@ -52,6 +54,7 @@ METHODS = ("token-selector", "fastv-k1", "fastv-k2", "dart", "divprune", "cdprun
 SELECTOR_INSIDE = ("token-selector-k1", "token-selector-k2")  # by name only: the TokenSelector's choice inside
 CHOICE_BEFORE = ("fastv-k2-k0",)  # by name only: FastV K=2's choice, applied before the decoder
 PER_VIEW_SUFFIX = "-per-view"
+SPLIT_SUFFIXES = {PER_VIEW_SUFFIX: "view", "-per-crop": "crop", "-global": "all"}  # a pruner's other budget splits
 LABELS = {
     "token-selector": "TokenSelector",
     "token-selector-k1": "TokenSelector K=1",
@@ -69,10 +72,32 @@ RATIOS = "0.1,0.2,0.3,0.5,0.7"
 SCORING = "DriveLM final without a judge (other weights renormalised), no graph gate"
 
 
+def split_of(method: str) -> tuple[str, str | None]:
+    """A method name -> (the method, the budget split its suffix asks for; None: the method's own)."""
+    for suffix, split in SPLIT_SUFFIXES.items():
+        if method.endswith(suffix):
+            return method.removesuffix(suffix), split
+    return method, None
+
+
+def split_name(method: str) -> str | None:
+    """The budget split a method's row spends over ("all", "view", "crop"), None for a method without one."""
+    from litevlm.select.pruners import DEFAULT_SPLIT, PER_VIEW
+
+    base, split = split_of(method)
+    if base not in PER_VIEW:
+        return None
+    return split or DEFAULT_SPLIT.get(base, "all")
+
+
 def label(method: str) -> str:
-    if method.endswith(PER_VIEW_SUFFIX):
-        return f"{LABELS.get(method.removesuffix(PER_VIEW_SUFFIX), method)} per view"
-    return LABELS.get(method, method)
+    """A row's name: the method, and its budget split where it is not one ranking of all (its own or asked for)."""
+    base, split = split_of(method)
+    name = LABELS.get(base, base)
+    if split == "all":
+        return f"{name} global"
+    split = split_name(method) if base != "uniform" else None
+    return {"view": f"{name} per view", "crop": f"{name} per tile"}.get(split, name)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -156,13 +181,13 @@ def method_list(methods: str, per_view: bool) -> list[str]:
     for m in (s.strip() for s in methods.split(",")):
         if not m:
             continue
-        base = m.removesuffix(PER_VIEW_SUFFIX)
-        if base not in (*METHODS, *SELECTOR_INSIDE, *CHOICE_BEFORE) or (m != base and base not in PER_VIEW):
+        base, _ = split_of(m)
+        if base not in (*METHODS, *SELECTOR_INSIDE, *CHOICE_BEFORE) or (m != base and base not in PER_VIEW[:-1]):
             known = ", ".join((*METHODS, *SELECTOR_INSIDE, *CHOICE_BEFORE))
-            raise SystemExit(f"unknown method {m!r}; known: {known} (and NAME{PER_VIEW_SUFFIX})")
+            raise SystemExit(f"unknown method {m!r}; known: {known} (and NAME{'/NAME'.join(SPLIT_SUFFIXES)})")
         out.append(m)
         # uniform already splits its budget over the cameras: no variant
-        if per_view and m == base and base in PER_VIEW and base != "uniform":
+        if per_view and m == base and base in PER_VIEW[:-1]:
             out.append(base + PER_VIEW_SUFFIX)
     return list(dict.fromkeys(out))
 
@@ -185,8 +210,8 @@ def selection(pipe, method: str | None, r: float, selector, seed: int):
         return FastVChoiceBefore(int(method.removeprefix("fastv-k").removesuffix("-k0")), r)
     if method.startswith("fastv-k"):
         return token_selection(model, None, None, 0, (int(method.removeprefix("fastv-k")), r), None, tok, seed)
-    base = method.removesuffix(PER_VIEW_SUFFIX)
-    return token_selection(model, None, None, 0, None, PruneConfig(base, r, per_view=base != method), tok, seed)
+    base, split = split_of(method)
+    return token_selection(model, None, None, 0, None, PruneConfig(base, r, split=split), tok, seed)
 
 
 class FastVChoiceBefore(FastV):
@@ -413,7 +438,7 @@ def plot(path, result: dict) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.9), dpi=120)
     acc, ms = axes[0], axes[1]
     for m in result["methods"]:
-        base = m.removesuffix(PER_VIEW_SUFFIX)
+        base, _ = split_of(m)
         colour, marker = STYLES.get(base, ("C5", "."))
         kw = dict(color=colour, marker=marker, ms=5, lw=2.4 if m == "token-selector" else 1.4)
         kw["ls"] = "--" if m != base else "-"
@@ -591,6 +616,11 @@ def main(argv=None) -> dict:
         "absent": absent,
         "selector": None if selector is None else dataclasses.asdict(selector.cfg),
         "per_view": args.per_view,
+        # how this code runs the methods (runs before these keys ranked FastV by layer K, timed it in the prefill,
+        # and spread CDPruner's budget over all the tokens at once)
+        "fastv_ranks_by": "layer K-1",
+        "selection_timed_as": "select_tokens",
+        "splits": {m: split_name(m) for m in methods},
         "max_new_tokens": args.max_new_tokens,
         "scoring": SCORING,
         "visual_tokens": round(statistics.fmean(kept["unpruned"]), 3),

@@ -24,6 +24,7 @@ from litevlm.select.pruners import (
     METHODS,
     PruneConfig,
     apply_pruner,
+    block_sizes,
     cdpruner_prune,
     cdpruner_select,
     dart_pivots,
@@ -250,6 +251,49 @@ def test_per_view_budgets_keep_r_of_each_camera(method):
     assert all(n >= 4 for n in per_view)  # about r of each camera (0.3 * 16 = 4.8)
 
 
+def test_each_method_spreads_its_budget_as_its_authors_do_on_multi_crop_input():
+    """CDPruner's default is per crop (its reference prunes every crop of a multi-crop image alike); DivPrune, DART
+    and random rank all the visual tokens at once; uniform is per view; any of the pruners can be asked otherwise."""
+    assert PruneConfig("cdpruner", 0.3).budget_split == "crop" and PruneConfig("cdpruner", 0.3).name.endswith("per crop")
+    for m in ("divprune", "dart", "random"):
+        assert PruneConfig(m, 0.3).budget_split == "all" and "per" not in PruneConfig(m, 0.3).name
+    assert PruneConfig("uniform", 0.3).budget_split == "view"
+    assert PruneConfig("cdpruner", 0.3, split="all").budget_split == "all"
+    assert PruneConfig.from_options("divprune", 0.3, per_view=True).budget_split == "view"
+    assert PruneConfig.from_options("divprune", 0.3, split="crop").budget_split == "crop"
+    with pytest.raises(LiteVLMError, match="cannot go with --prune-split crop"):
+        PruneConfig.from_options("divprune", 0.3, per_view=True, split="crop")
+
+
+def test_block_sizes_cut_each_view_into_its_tiles():
+    spans = [("CAM_FRONT", 3, 35), ("CAM_BACK", 40, 56), ("CAM_LEFT", 60, 80)]  # 32, 16 and 20 tokens
+    assert block_sizes(spans, "all", 16) is None
+    assert block_sizes(spans, "view", 16) == [32, 16, 20]
+    assert block_sizes(spans, "crop", 16) == [16, 16, 16, 16, 4]  # a view's tokens are tile after tile
+
+
+@pytest.mark.parametrize("method", ["divprune", "cdpruner", "random"])
+def test_per_crop_budgets_keep_r_of_each_tile(method):
+    """Two 8-token tiles a view: with the tiles' sizes as blocks, each tile keeps its share of the budget."""
+    r = 0.3
+    kept = set(prune_all(method, r, per_view=[8] * 6)[2].tolist())
+    tiles = [(s + o, s + o + 8) for _, s, _ in SPANS for o in (0, 8)]
+    per_tile = [len(kept & set(range(a, b))) for a, b in tiles]
+    assert per_tile == view_budgets([8] * 6, r) and sum(per_tile) == keep_count(48, r)
+
+
+def test_cdpruner_prunes_each_tile_of_a_drive_tiny_prompt_by_default(images):
+    """Through the pipeline: CDPruner's default keeps about r of every tile; asked for "all", one DPP over them all."""
+    pipe = Pipeline.from_pretrained("drive-tiny", max_new_tokens=2, prune="cdpruner", keep=0.25)
+    tpt = pipe.model.cfg.tokens_per_tile
+    ans = pipe.answer(QUESTION, images)
+    for cam, kept in ans.kept_tokens.items():
+        tiles = ans.tokens_per_view[cam] // tpt
+        counts = torch.bincount(torch.tensor(kept) // tpt, minlength=tiles).tolist()
+        assert all(c >= int(0.25 * tpt) for c in counts), (cam, counts)
+    assert pipe.pruner.name == "cdpruner r=0.25 per crop"
+
+
 def test_selections_cover_every_budget_from_one_to_all():
     torch.manual_seed(0)
     feats = torch.randn(16, 6)
@@ -280,7 +324,9 @@ def test_r_one_returns_the_prompt_as_it_is():
         (dict(method="divprune", keep_ratio=1.5), r"in \(0, 1\]"),
         (dict(method="divprune", keep_ratio=0.5, layer=2), "prunes before the decoder"),
         (dict(method="dart", keep_ratio=0.5, layer=0), ">= 1"),
-        (dict(method="fastv", keep_ratio=0.5, per_view=True), "per-camera budgets"),
+        (dict(method="fastv", keep_ratio=0.5, split="view"), "per-camera budgets"),
+        (dict(method="uniform", keep_ratio=0.5, split="all"), "per-camera budgets"),
+        (dict(method="divprune", keep_ratio=0.5, split="camera"), "unknown budget split 'camera'"),
         (dict(method="random", keep_ratio=0.5, theta=0.5), "theta"),
     ],
 )
@@ -338,7 +384,7 @@ def test_every_method_answers_within_its_budget_on_drive_tiny(method, per_view, 
     elif method == "token-selector":
         assert pipe.token_selector is not None and pipe.keep_ratio == r and pipe.pruner is None
     else:
-        assert pipe.pruner == PruneConfig(method, r, per_view=per_view)
+        assert pipe.pruner == PruneConfig(method, r, split="view" if per_view else None)
     ans = pipe.answer(QUESTION, images)
     n = baseline.num_visual_tokens
     assert n == 96 and ans.text and 1 <= len(ans.tokens) <= 8
@@ -456,6 +502,9 @@ def test_cli_parses_prune_and_keep():
     opts = pipeline_options(_ask("--prune", "fastv", "--keep", "0.7", "--prune-layer", "1"))
     assert (opts["prune"], opts["keep"], opts["prune_layer"]) == ("fastv", 0.7, 1)
     assert pipeline_options(_ask("--prune", "cdpruner", "--keep", "0.5", "--per-view"))["prune_per_view"] is True
+    assert pipeline_options(_ask("--prune", "cdpruner", "--keep", "0.5", "--prune-split", "all"))["prune_split"] == "all"
+    with pytest.raises(LiteVLMError, match="go with --prune"):
+        pipeline_options(_ask("--prune-split", "crop"))
     # --litevlm's TokenSelector gives way to the pruning asked for; its other stages stay on
     full = pipeline_options(_ask("--litevlm", "--prune", "divprune", "--keep", "0.4"))
     assert (full["select_tokens"], full["prune"], full["select_views"], full["speculative"]) == (

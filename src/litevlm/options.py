@@ -127,7 +127,14 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--per-view",
         action="store_true",
-        help="with --prune dart, divprune, cdpruner or random: keep R of each camera's tokens, not R of all",
+        help="with --prune dart, divprune, cdpruner or random: keep R of each camera's tokens (= --prune-split view)",
+    )
+    g.add_argument(
+        "--prune-split",
+        choices=("all", "view", "crop"),
+        default=None,
+        help="with --prune: spread the budget over all visual tokens at once, each camera's, or each tile's "
+        "(default: the method's authors' own on multi-crop input: crop for cdpruner, view for uniform, else all)",
     )
     g.add_argument(
         "--speculative", action="store_true", help="EAGLE-2 speculative decoding with the model's draft head"
@@ -187,6 +194,7 @@ def pipeline_options(args: argparse.Namespace) -> dict:
         keep=args.keep,
         prune_layer=args.prune_layer,
         prune_per_view=args.per_view,
+        prune_split=args.prune_split,
         speculative=args.speculative,
         tree_top_k=args.tree_top_k,
         tree_depth=args.tree_depth,
@@ -199,11 +207,13 @@ def pipeline_options(args: argparse.Namespace) -> dict:
         openings=not args.no_openings,
         **format_options(args),
     )
-    if opts["prune"] is not None or opts["keep"] is not None or opts["prune_layer"] is not None or args.per_view:
+    if any(opts[k] is not None for k in ("prune", "keep", "prune_layer", "prune_split")) or args.per_view:
         # a bad value is a clear error before any model is loaded
         from litevlm.select.pruners import PruneConfig
 
-        PruneConfig.from_options(opts["prune"], opts["keep"], opts["prune_layer"], opts["prune_per_view"])
+        PruneConfig.from_options(
+            opts["prune"], opts["keep"], opts["prune_layer"], opts["prune_per_view"], opts["prune_split"]
+        )
     if args.litevlm:  # --prune is the token pruning asked for: the preset's TokenSelector gives way to it
         preset = {k: v for k, v in LITEVLM.items() if not (k == "select_tokens" and opts["prune"] is not None)}
         opts.update({k: v for k, v in preset.items() if opts[k] is None or opts[k] is False})

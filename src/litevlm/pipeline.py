@@ -306,6 +306,7 @@ class Pipeline:
         keep: float | None = None,
         prune_layer: int | None = None,
         prune_per_view: bool = False,
+        prune_split: str | None = None,
         speculative: bool = False,
         tree_top_k: int | None = None,
         tree_depth: int | None = None,
@@ -333,6 +334,8 @@ class Pipeline:
             is FastV at prune_layer (default 2, FastV's own), "dart" prunes before decoder layer prune_layer (default
             2), "divprune", "cdpruner", "random" and "uniform" the projector's output.
             prune_per_view: about r of each camera's tokens instead of r of all (dart, divprune, cdpruner, random).
+            prune_split: "all", "view" or "crop", the blocks the budget is spread over (None: the method's own,
+                `litevlm.select.pruners.DEFAULT_SPLIT`); prune_per_view is "view".
         speculative: EAGLE-2 with its draft head (model_dir/draft), tree_* override the default tree
             (tree_min_value: a chain ends where its draft probability falls below it).
         fp8: "fp8-dynamic-per-row" quantises the decoder linears at load; a checkpoint written by
@@ -344,7 +347,7 @@ class Pipeline:
         """
         from litevlm.select.pruners import PruneConfig
 
-        pruner = PruneConfig.from_options(prune, keep, prune_layer, prune_per_view)  # checked before loading
+        pruner = PruneConfig.from_options(prune, keep, prune_layer, prune_per_view, prune_split)  # checked before loading
         if pruner is not None:
             if select_tokens is not None or fastv_k is not None or fastv_r is not None:
                 raise LiteVLMError("--prune METHOD --keep R replaces --select-tokens and --fastv-k/--fastv-r: give one")

@@ -5,10 +5,15 @@ tokens' original position ids, so every method is compared at equal token counts
 function on tensors (`dart_select`, `divprune_select`, `cdpruner_select`); the adapters below feed it the features
 its paper names and hand the pipeline what it already takes: a `Pruning` hook for a method that prunes inside the
 decoder (FastV's path), or the pruned prompt for one that prunes the projector's output before the decoder (as
-`random_select` and `uniform_select`). `per_view` splits the budget over the cameras instead (`view_budgets`:
-about r of each camera's tokens): with six cameras in one prompt, one global ranking can spend the budget on a
-camera or two. `PruneConfig` names a method and its budget (`--prune METHOD --keep R`); `apply_pruner` is what the
-pipeline's select_tokens stage calls, so each method's own work is timed there, never in the prefill.
+`random_select` and `uniform_select`). The budget is spent over one of three `SPLITS`: "all", one ranking of
+every visual token (with six cameras in one prompt it can spend the budget on a camera or two); "view", about r of
+each camera's tokens (`view_budgets`); "crop", about r of each tile's. Each method's default is the split its
+authors use on a multi-crop input (`DEFAULT_SPLIT`): CDPruner's reference code runs its DPP on every crop of a
+LLaVA-NeXT image separately, the same number of tokens from each, with the relevance normalised over all of them,
+so CDPruner splits per crop (a tile here); DivPrune's ranks the whole image's tokens at once after the crops are
+merged, and DART and FastV rank the whole sequence inside the decoder, so they take "all". `PruneConfig` names a
+method and its budget (`--prune METHOD --keep R`, `--prune-split`); `apply_pruner` is what the pipeline's
+select_tokens stage calls, so each method's own work is timed there, never in the prefill.
 
 DART (Wen et al., "Stop Looking for Important Tokens in Multimodal Language Models: Duplication Matters More",
 arXiv 2502.11494) prunes inside the decoder before layer K = 2: layers 0 and 1 run on the whole prompt. Its
@@ -78,6 +83,8 @@ from litevlm.select.tokens import (
 METHODS = ("token-selector", "fastv", "dart", "divprune", "cdpruner", "random", "uniform")
 DECODER_LAYER = {"fastv": 2, "dart": 2}  # the layer K that each in-decoder method's paper prunes before
 PER_VIEW = ("dart", "divprune", "cdpruner", "random", "uniform")  # uniform is per view by construction
+SPLITS = ("all", "view", "crop")  # the blocks a budget is spread over: none, each camera, each tile
+DEFAULT_SPLIT = {"cdpruner": "crop", "uniform": "view"}  # the authors' own split on multi-crop input; else "all"
 
 
 @dataclass(frozen=True)
@@ -87,14 +94,15 @@ class PruneConfig:
     method: one of METHODS; keep_ratio: r, the fraction of visual tokens KEPT, in (0, 1]. layer: for the in-decoder
     methods (fastv, dart), the decoder layer K they prune before (default: their paper's, `DECODER_LAYER`); for the
     token-selector, the layer its choice is applied before (default: where it reads, before the decoder).
-    per_view: keep about r of each camera's tokens (`view_budgets`) instead of r of all of them.
+    split: the blocks the budget is spread over (`SPLITS`: "all", "view" about r of each camera's tokens, "crop"
+    about r of each tile's); None: the method's own (`DEFAULT_SPLIT`, the one its authors use on multi-crop input).
     theta: CDPruner's relevance weight in [0, 1) (None: plain relevance).
     """
 
     method: str
     keep_ratio: float
     layer: int | None = None
-    per_view: bool = False
+    split: str | None = None
     theta: float | None = None
 
     def __post_init__(self) -> None:
@@ -111,27 +119,42 @@ class PruneConfig:
                 )
             if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 1:
                 raise LiteVLMError(f"the pruning layer K must be an integer >= 1; got {self.layer!r}")
-        if self.per_view and self.method not in PER_VIEW:
+        if self.split is not None and self.split not in SPLITS:
+            raise LiteVLMError(f"unknown budget split {self.split!r}: choose one of {', '.join(SPLITS)}")
+        if self.split not in (None, self.default_split) and self.method not in PER_VIEW[:-1]:
             raise LiteVLMError(
-                f"per-camera budgets apply to {', '.join(PER_VIEW)}; {self.method} has its own per-view quota"
+                f"per-camera budgets (and per-tile ones) apply to {', '.join(PER_VIEW[:-1])}; "
+                f"{self.method} has its own ({self.default_split})"
+                if self.method != "token-selector"
+                else "per-camera budgets apply to the training-free pruners; the TokenSelector has its own per-view quota"
             )
         if self.theta is not None and (self.method != "cdpruner" or not 0.0 <= self.theta < 1.0):
             raise LiteVLMError(f"theta is CDPruner's relevance weight in [0, 1); got {self.theta!r} for {self.method}")
 
     @classmethod
     def from_options(
-        cls, method: str | None, keep: float | None, layer: int | None = None, per_view: bool = False
+        cls,
+        method: str | None,
+        keep: float | None,
+        layer: int | None = None,
+        per_view: bool = False,
+        split: str | None = None,
     ) -> PruneConfig | None:
-        """The config that `--prune`, `--keep`, `--prune-layer` and `--per-view` describe; None when none is given."""
+        """The config that `--prune`, `--keep`, `--prune-layer`, `--per-view` (= `--prune-split view`) and
+        `--prune-split` describe; None when none is given."""
         if method is None and keep is None:
-            if layer is not None or per_view:
-                raise LiteVLMError("--prune-layer and --per-view go with --prune METHOD --keep R")
+            if layer is not None or per_view or split is not None:
+                raise LiteVLMError("--prune-layer, --per-view and --prune-split go with --prune METHOD --keep R")
             return None
+        if per_view:
+            if split not in (None, "view"):
+                raise LiteVLMError(f"--per-view is --prune-split view; it cannot go with --prune-split {split}")
+            split = "view"
         if method is None:
             raise LiteVLMError(f"--keep R needs --prune METHOD (one of {', '.join(METHODS)})")
         if keep is None:
             raise LiteVLMError(f"--prune {method} needs --keep R, the fraction of visual tokens kept, in (0, 1]")
-        return cls(method, keep, layer, per_view)
+        return cls(method, keep, layer, split)
 
     @property
     def decoder_layer(self) -> int | None:
@@ -139,9 +162,19 @@ class PruneConfig:
         return self.layer if self.layer is not None else DECODER_LAYER.get(self.method)
 
     @property
+    def default_split(self) -> str:
+        return DEFAULT_SPLIT.get(self.method, "all")
+
+    @property
+    def budget_split(self) -> str:
+        """The split this config spends its budget over: its own, or the method's default."""
+        return self.split or self.default_split
+
+    @property
     def name(self) -> str:
         k = f" K={self.decoder_layer}" if self.decoder_layer is not None else ""
-        return f"{self.method}{k} r={self.keep_ratio}" + (" per view" if self.per_view else "")
+        split = {"all": "", "view": " per view", "crop": " per crop"}[self.budget_split]
+        return f"{self.method}{k} r={self.keep_ratio}{split}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,11 +262,29 @@ def cdpruner_select(
     return dpp_greedy_map(quality_kernel(features, q), k).sort().values
 
 
+def block_sizes(view_spans: Sequence[Span], split: str, tokens_per_tile: int) -> list[int] | None:
+    """The consecutive blocks of the visual tokens a budget is spread over: None for "all"; each view's size for
+    "view"; for "crop", each view cut into its tiles of `tokens_per_tile` (a view's tokens are tile after tile)."""
+    if split not in SPLITS:
+        raise LiteVLMError(f"unknown budget split {split!r}: choose one of {', '.join(SPLITS)}")
+    if split == "all":
+        return None
+    sizes = view_sizes(view_spans)
+    if split == "view":
+        return list(sizes)
+    if tokens_per_tile < 1:
+        raise LiteVLMError(f"a per-tile budget needs the tokens a tile makes; got {tokens_per_tile}")
+    out = []
+    for size in sizes:
+        out += [tokens_per_tile] * (size // tokens_per_tile) + ([size % tokens_per_tile] if size % tokens_per_tile else [])
+    return out
+
+
 def per_view_select(
     sizes: Sequence[int], keep_ratio: float, select: Callable[[int, int, int], torch.Tensor]
 ) -> torch.Tensor:
-    """Indices (ascending, into the visual tokens) from `select(start, size, k)` run on each view with its share k of
-    the budget (`view_budgets`); select returns indices within its view."""
+    """Indices (ascending, into the visual tokens) from `select(start, size, k)` run on each block (a view, or a tile)
+    with its share k of the budget (`view_budgets`); select returns indices within its block."""
     out, start = [], 0
     for size, k in zip(sizes, view_budgets(sizes, keep_ratio)):
         if k:
@@ -242,13 +293,22 @@ def per_view_select(
     return torch.cat(out)
 
 
+def _blocks(view_spans: Sequence[Span], per_view) -> list[int] | None:
+    """An adapter's `per_view`: False / None (one block), True (each view), or the block sizes themselves."""
+    if per_view is True:
+        return list(view_sizes(view_spans))
+    return list(per_view) if per_view else None
+
+
 def _select(
-    sizes: Sequence[int], keep_ratio: float, per_view: bool, select: Callable[[int, int, int], torch.Tensor]
+    sizes: Sequence[int], keep_ratio: float, blocks: Sequence[int] | None, select: Callable[[int, int, int], torch.Tensor]
 ) -> torch.Tensor:
-    """`select(start, size, k)` on all the visual tokens at once (budget keep_count(N, r)) or view by view."""
-    if per_view:
-        return per_view_select(sizes, keep_ratio, select)
+    """`select(start, size, k)` on all the visual tokens at once (budget keep_count(N, r)) or block by block."""
     n = int(sum(sizes))
+    if blocks:
+        if sum(blocks) != n:
+            raise LiteVLMError(f"the budget's blocks cover {sum(blocks)} visual tokens, the prompt holds {n}")
+        return per_view_select(blocks, keep_ratio, select)
     return select(0, n, keep_count(n, keep_ratio))
 
 
@@ -257,11 +317,15 @@ def _select(
 # ---------------------------------------------------------------------------------------------
 
 
-def divprune_prune(embeds, positions, view_spans: Sequence[Span], keep_ratio: float, per_view: bool = False):
+def divprune_prune(embeds, positions, view_spans: Sequence[Span], keep_ratio: float, per_view=False):
     """DivPrune on a prompt (1, T, C) before the decoder, over its visual tokens as embedded (the projector's
-    output): (embeds_kept, positions_kept, kept_index), like `random_select`."""
+    output): (embeds_kept, positions_kept, kept_index), like `random_select`. per_view, here and in the other
+    adapters: False, one ranking of them all (DivPrune's own); True, each view's share; or the blocks' sizes
+    (`block_sizes`)."""
     vis = embeds[0, visual_index(view_spans, embeds.device)]  # (N, C)
-    kept = _select(view_sizes(view_spans), keep_ratio, per_view, lambda s, n, k: divprune_select(vis[s : s + n], k))
+    kept = _select(
+        view_sizes(view_spans), keep_ratio, _blocks(view_spans, per_view), lambda s, n, k: divprune_select(vis[s : s + n], k)
+    )
     return prune_prompt(embeds, positions, view_spans, kept)
 
 
@@ -271,31 +335,32 @@ def cdpruner_prune(
     view_spans: Sequence[Span],
     keep_ratio: float,
     instruction: torch.Tensor,
-    per_view: bool = False,
+    per_view=False,
     theta: float | None = None,
 ):
     """CDPruner on a prompt (1, T, C) before the decoder: relevance of its visual tokens (the projector's output) to
-    the instruction's token embeddings (M, C), normalised over all of them, then the DPP's MAP subset (per view:
-    on each view's block of the kernel)."""
+    the instruction's token embeddings (M, C), normalised over all of them, then the DPP's MAP subset (per view or
+    per tile: on each block of the kernel, as its authors prune each crop). `apply_pruner` passes the tiles."""
     vis = embeds[0, visual_index(view_spans, embeds.device)]  # (N, C)
     rel = instruction_relevance(vis, instruction.to(vis.device))
     kept = _select(
         view_sizes(view_spans),
         keep_ratio,
-        per_view,
+        _blocks(view_spans, per_view),
         lambda s, n, k: cdpruner_select(vis[s : s + n], rel[s : s + n], k, theta),
     )
     return prune_prompt(embeds, positions, view_spans, kept)
 
 
 def random_prune(
-    embeds, positions, view_spans: Sequence[Span], keep_ratio: float, generator=None, per_view: bool = False
+    embeds, positions, view_spans: Sequence[Span], keep_ratio: float, generator=None, per_view=False
 ):
     """Baseline: a uniformly random subset of the visual tokens (per view: of each view's, at its share)."""
     sizes = view_sizes(view_spans)
     scores = torch.rand(int(sum(sizes)), generator=generator)
     if per_view:
-        kept = per_view_select(sizes, keep_ratio, lambda s, n, k: scores[s : s + n].topk(k).indices.sort().values)
+        blocks = _blocks(view_spans, per_view)
+        kept = per_view_select(blocks, keep_ratio, lambda s, n, k: scores[s : s + n].topk(k).indices.sort().values)
     else:
         kept = select_by_scores(scores, sizes, keep_ratio)
     return prune_prompt(embeds, positions, view_spans, kept)
@@ -315,20 +380,20 @@ def dart_pruning(
     view_spans: Sequence[Span],
     keep_ratio: float,
     layer: int = DECODER_LAYER["dart"],
-    per_view: bool = False,
+    per_view=False,
     image_pivots: int = 4,
     text_pivots: int = 4,
 ) -> Pruning:
     """DART's choice before decoder `layer` K (batch 1): pivots by the L1 norm of layer K-1's keys, duplicates
-    measured on the final-normed layer-K input (`dart_select`); timed as "select_tokens". Per view, each camera
-    picks its own visual pivots and the text pivots are shared."""
+    measured on the final-normed layer-K input (`dart_select`); timed as "select_tokens". Per view (or tile), each
+    block picks its own visual pivots and the text pivots are shared; DART's own is one ranking of them all."""
     lm = model.language_model
     if not 1 <= layer < len(lm.layers):
         raise LiteVLMError(
             f"DART prunes before decoder layer {layer}, but this decoder has {len(lm.layers)} layers: "
             f"choose --prune-layer in 1..{len(lm.layers) - 1}"
         )
-    sizes = view_sizes(view_spans)
+    sizes, blocks = view_sizes(view_spans), _blocks(view_spans, per_view)
     text_start = max(e for _, _, e in view_spans)  # the text after the last view
 
     def keep(x: torch.Tensor) -> torch.Tensor:
@@ -342,7 +407,7 @@ def dart_pruning(
         def select(s: int, n: int, k: int) -> torch.Tensor:
             return dart_select(hv[s : s + n], k, dart_pivots(nv[s : s + n], image_pivots), text)
 
-        return kept_prompt_index(t, view_spans, _select(sizes, keep_ratio, per_view, select))
+        return kept_prompt_index(t, view_spans, _select(sizes, keep_ratio, blocks, select))
 
     return Pruning(layer, keep, "select_tokens")
 
@@ -369,17 +434,18 @@ def apply_pruner(
     r = cfg.keep_ratio
     if r >= 1.0:
         return embeds, positions, None
+    blocks = block_sizes(view_spans, cfg.budget_split, model.cfg.tokens_per_tile)
     if cfg.method == "dart":
-        return embeds, positions, dart_pruning(model, view_spans, r, cfg.decoder_layer, cfg.per_view)
+        return embeds, positions, dart_pruning(model, view_spans, r, cfg.decoder_layer, blocks)
     if cfg.method == "divprune":
-        out = divprune_prune(embeds, positions, view_spans, r, cfg.per_view)
+        out = divprune_prune(embeds, positions, view_spans, r, blocks)
     elif cfg.method == "cdpruner":
         if instruction_ids is None:
             raise LiteVLMError("CDPruner scores tokens against the question: pass its token ids")
         instruction = model.language_model.embed_tokens(instruction_ids.to(embeds.device).view(-1))  # (M, C)
-        out = cdpruner_prune(embeds, positions, view_spans, r, instruction, cfg.per_view, cfg.theta)
+        out = cdpruner_prune(embeds, positions, view_spans, r, instruction, blocks, cfg.theta)
     elif cfg.method == "random":
-        out = random_prune(embeds, positions, view_spans, r, generator, cfg.per_view)
+        out = random_prune(embeds, positions, view_spans, r, generator, blocks)
     else:
         out = uniform_select(embeds, positions, view_spans, r)
     return out[0], out[1], None
