@@ -223,7 +223,7 @@ class FastVChoiceBefore(FastV):
     def label(self) -> str:
         return f"{super().label}, applied before the decoder"
 
-    def select(self, model, p, question: str, tiling):
+    def select(self, model, p, question: str, tiling, record: dict | None = None):
         from litevlm.select.tokens import fastv_scores, prune_prompt, select_by_scores, view_sizes
 
         x = model.language_model(p.embeds, p.positions, start_layer=0, end_layer=self.k - 1) if self.k > 1 else p.embeds
