@@ -6,7 +6,9 @@ the prompt pruned before the decoder, or left whole with the `Pruning` hook that
 (`litevlm.model.generate.pruned_prefill`). The pipeline times the call as "select_tokens".
 
 - `KeepAll`: every visual token (the baseline).
-- `FastV`: the in-LLM baseline at layer K (arXiv 2403.06764); its answers decode plainly (`plain_decoding`).
+- `FastV`: the in-LLM baseline cutting before layer K, ranked by layer K - 1's attention as published (arXiv
+  2403.06764), its ranking timed as select_tokens inside the prefill pass; its answers decode plainly
+  (`plain_decoding`).
 - `TokenSelector`: LiteVLM's trained selector, ranking from the decoder's own layer-0 output (a hook after it) or
   pruning the prompt before the decoder (its own copy of layer 0, or one that reads the prompt itself); prompts
   with fewer than `min_tokens` visual tokens are left whole.
@@ -35,7 +37,7 @@ class KeepAll:
 
 @dataclass
 class FastV(KeepAll):
-    """FastV at decoder layer `k`, keeping a fraction `keep_ratio`."""
+    """FastV cutting before decoder layer `k` (ranked by layer k - 1's attention), keeping a fraction `keep_ratio`."""
 
     k: int
     keep_ratio: float
