@@ -634,6 +634,8 @@ def run_bench(
         "setup_ms": {name: round(p.setup_ms, 1) for name, p in pipes.items()},
         "capture_ms": {name: round(p.setup_ms, 1) for name, p in pipes.items()},  # setup_ms's older name
         "graph_replays": {name: dict(p.backend.stats) for name, p in pipes.items()},
+        # the SDPA kernel each static step ran under, e.g. {"decode": "efficient", ...}; None off the CUDA backend
+        "attention_kernels": {name: p.backend.kernels for name, p in pipes.items()},
         "peak_memory_mb": peak_memory_mb(dev),
     }, per_question
 

@@ -11,9 +11,10 @@ route is fixed when the backend is made, never re-chosen per call:
   weights packed for it, when the backend is made: a decode step or a greedy chain cycle is one call.
 - `CudaBackend`: the module path as shape-static steps, one per KV-length bucket, captured as CUDA graphs before
   any prompt and replayed (decode, and verification of trees of the configured size), with the prefill compiled
-  per prompt-length bucket (gpt-fast's recipe). With `twin=True` it runs on the CPU: every mechanism of a capture
-  except the CUDA calls (the warm-up with its side effects, the static buffers, replay on those buffers), so CI
-  tests what a GPU runs.
+  per prompt-length bucket (gpt-fast's recipe), each step kind pinned to one fused attention kernel, never the math
+  path (`litevlm.model.attention`). With `twin=True` it runs on the CPU: every mechanism of a capture except the
+  CUDA calls (the warm-up with its side effects, the static buffers, replay on those buffers), so CI tests what a
+  GPU runs.
 
 `choose_backend` picks one. Whatever changes the weights afterwards (training, quantising, loading a module) makes
 a new backend (`Pipeline.rebuild`): a native backend's packed weights and a CUDA backend's graphs belong to the
@@ -28,9 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
+from litevlm.model.attention import FUSED_KERNELS, KERNEL_NAMES, additive_bias, choose_kernel
 from litevlm.model.layers import linear, row_major
 from litevlm.model.lm import RMSNorm
 from litevlm.presets import BACKENDS
@@ -94,6 +97,7 @@ class ModulesBackend:
 
     name = "modules"
     greedy_chain = False  # a greedy chain cycle as one call per side (`NativeBackend`)
+    kernels: dict[str, str] | None = None  # the SDPA kernel each step kind is pinned to (`CudaBackend`); None: per call
 
     def __init__(self, model, draft=None):
         self.model = model
@@ -391,24 +395,38 @@ def _distinct(fn, tag: str):
 
 def _decode_static(model, token, position, slot, width: int):
     """One decode step with fixed shapes: token (1, 1), position (1, 1), slot (1,) tensors; attention over cache
-    slots 0..width-1 where col <= slot -> (logits (1, V), hidden (1, 1, C))."""
+    slots 0..width-1 where col <= slot, as an additive bias (the fused kernels' form) -> (logits (1, V), hidden
+    (1, 1, C))."""
     lm = model.language_model
-    mask = (torch.arange(width, device=token.device) <= slot)[None, None, None]  # (1, 1, 1, width)
-    hidden = lm(lm.embed_tokens(token), position, slots=slot, mask=mask, kv_len=width)
+    x = lm.embed_tokens(token)  # (1, 1, C)
+    visible = (torch.arange(width, device=token.device) <= slot)[None, None, None]  # (1, 1, 1, width)
+    hidden = lm(x, position, slots=slot, mask=additive_bias(visible, x.dtype), kv_len=width, fused=True)
     return model.lm_head(hidden[:, -1]), hidden
 
 
 def _verify_static(model, tokens, positions, slots, mask, width: int):
     """A tree of fixed size with fixed shapes: tokens (N,), positions (1, N), slots (N,), mask (1, 1, N, width)
-    -> (logits (N, V), hidden (N, C))."""
+    bool, attended as an additive bias (the fused kernels' form) -> (logits (N, V), hidden (N, C))."""
     lm = model.language_model
-    hidden = lm(lm.embed_tokens(tokens)[None], positions, slots=slots, mask=mask, kv_len=width)[0]
+    x = lm.embed_tokens(tokens)[None]  # (1, N, C)
+    hidden = lm(x, positions, slots=slots, mask=additive_bias(mask, x.dtype), kv_len=width, fused=True)[0]
     return model.lm_head(hidden), hidden
 
 
 def _prefill_static(model, embeds, positions, slots, length: int):
-    """A padded prompt of `length` rows from slot 0, causal (the fused kernels' fast path) -> hidden (1, length, C)."""
-    return model.language_model(embeds, positions, slots=slots, mask=None, kv_len=length)
+    """A padded prompt of `length` rows from slot 0, causal without a mask (the fused kernels' fast path), K/V heads
+    expanded (the form every fused kernel accepts) -> hidden (1, length, C)."""
+    return model.language_model(embeds, positions, slots=slots, mask=None, kv_len=length, fused=True)
+
+
+def _pinned(fn, kernel: SDPBackend):
+    """fn() run with `kernel` the only SDPA kernel allowed."""
+
+    def run():
+        with sdpa_kernel([kernel]):
+            return fn()
+
+    return run
 
 
 class CudaBackend(ModulesBackend):
@@ -425,6 +443,16 @@ class CudaBackend(ModulesBackend):
     (`compile`; each bucket with its own code object); a bucket's first call is setup time, never prefill time.
     compile_steps: the decode and verification steps compiled too (inductor) before capture.
     twin: the same on the CPU, every CUDA call replaced by its eager equivalent (`StepGraph`).
+
+    Attention runs on a fused kernel, never the math path. Left to choose, torch 2.11 runs a decode or a
+    verification on the math path: flash attention refuses any mask and memory-efficient attention refuses
+    grouped-query heads (enable_gqa). So the static steps attend in the form the fused kernels accept
+    (`litevlm.model.attention`): the K/V heads expanded to the query heads, the mask of a decode or a verification
+    an additive bias, the prefill causal without a mask (flash's fast path). Each step kind (decode, verify,
+    prefill) runs, and is captured, with exactly one kernel allowed: the first of `FUSED_KERNELS[device]` that runs
+    it at setup, on its own shapes (CUDA: cuDNN, then flash, then memory-efficient; the CPU twin: torch's CPU flash
+    kernel); a step none of them runs raises LiteVLMError. `kernels` names them, e.g. {"decode": "efficient",
+    "verify": "efficient", "prefill": "flash"} (the prefill's once a prompt has been prefilled).
     """
 
     name = "cuda"
@@ -463,10 +491,15 @@ class CudaBackend(ModulesBackend):
         self.prefill_buckets = tuple(sorted(b for b in prefill_buckets if b < self.cache_len)) + (self.cache_len,)
         self.tree_nodes = tree_nodes
         dev = model.device
+        self.fused_kernels = FUSED_KERNELS.get(dev.type, ())
+        self.pinned: dict[str, SDPBackend] = {}  # step kind -> the one SDPA kernel its steps run under
         self.pool = None if twin else torch.cuda.graph_pool_handle()
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.position = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.slot = torch.full((1,), self.cache_len, dtype=torch.long, device=dev)  # a scratch slot while capturing
+        # Each step kind's kernel is chosen on its first bucket; the buckets differ only in their number of keys.
+        w = self.widths[0]
+        self._choose("decode", _decode_static, (model, self.token, self.position, self.slot, w), 1, w)
         self.decode_graphs = {w: self._capture_decode(w, compile_steps) for w in self.widths}
         self.verify_graphs = {}
         if tree_nodes > 0:
@@ -475,9 +508,29 @@ class CudaBackend(ModulesBackend):
             self.positions = torch.zeros(1, n, dtype=torch.long, device=dev)
             self.slots = torch.arange(self.cache_len, self.cache_len + n, device=dev)  # scratch while capturing
             self.masks = {w: torch.ones(1, 1, n, w, dtype=torch.bool, device=dev) for w in self.widths if w >= n}
+            if self.masks:
+                w = min(self.masks)
+                self._choose(
+                    "verify", _verify_static, (model, self.tokens, self.positions, self.slots, self.masks[w], w), n, w
+                )
             self.verify_graphs = {w: self._capture_verify(w, compile_steps) for w in self.masks}
         self._prefill_fns: dict[int, object] = {}
         self.setup_ms = (time.perf_counter() - t0) * 1e3
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        """The SDPA kernel each step kind runs under, by name: {"decode": "efficient", ...}."""
+        return {step: KERNEL_NAMES[kernel] for step, kernel in self.pinned.items()}
+
+    def _choose(self, step: str, fn, args: tuple, queries: int, keys: int) -> None:
+        """Pin the `step` kind to the first fused kernel under which fn(*args), one eager step on its own shapes,
+        runs (`choose_kernel`). The step attends with `queries` rows over `keys` slots; it must write only scratch
+        slots, or slots rewritten next."""
+        cfg = self.lm.cfg
+        dtype = self.lm.embed_tokens.weight.dtype
+        shapes = f"{queries} queries over {keys} keys, {cfg.num_heads} heads of {cfg.head_dim}, {dtype}"
+        with torch.no_grad():
+            self.pinned[step] = choose_kernel(step, lambda: fn(*args), self.fused_kernels, shapes)
 
     def _compiled(self, fn, tag: str, compile_it: bool):
         fn = _distinct(fn, tag)
@@ -486,19 +539,14 @@ class CudaBackend(ModulesBackend):
     def _capture_decode(self, width: int, compile_it: bool) -> StepGraph:
         step = self._compiled(_decode_static, f"decode_{width}", compile_it)
         model = self.model
-        return StepGraph(
-            lambda: step(model, self.token, self.position, self.slot, width), model.device, self.twin, pool=self.pool
-        )
+        run = _pinned(lambda: step(model, self.token, self.position, self.slot, width), self.pinned["decode"])
+        return StepGraph(run, model.device, self.twin, pool=self.pool)
 
     def _capture_verify(self, width: int, compile_it: bool) -> StepGraph:
         step = self._compiled(_verify_static, f"verify_{width}", compile_it)
         model, mask = self.model, self.masks[width]
-        return StepGraph(
-            lambda: step(model, self.tokens, self.positions, self.slots, mask, width),
-            model.device,
-            self.twin,
-            pool=self.pool,
-        )
+        run = _pinned(lambda: step(model, self.tokens, self.positions, self.slots, mask, width), self.pinned["verify"])
+        return StepGraph(run, model.device, self.twin, pool=self.pool)
 
     def _width(self, end: int) -> int | None:
         """The smallest bucket whose steps see slots 0..end-1, or None past the live cache."""
@@ -514,14 +562,19 @@ class CudaBackend(ModulesBackend):
         b = self._bucket(t)
         if b is None:
             raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {self.cache_len}")
+        args = self._padded(embeds, positions, b)
         fn = self._prefill_fns.get(b)
         if fn is None:  # a new bucket: compile it here, on this prompt, and count it as setup
             sync_start = time.perf_counter()
+            if "prefill" not in self.pinned:  # the first bucket pins the prefill's kernel: one eager run, rewritten
+                self._choose("prefill", _prefill_static, (self.model, *args), b, b)
             fn = self._prefill_fns[b] = self._compiled(_prefill_static, f"prefill_{b}", self.compile)
-            self._run_prefill(fn, embeds, positions, b)
+            with sdpa_kernel([self.pinned["prefill"]]):
+                fn(self.model, *args)
             _sync(embeds.device)
             self.setup_ms += (time.perf_counter() - sync_start) * 1e3
-        hidden = self._run_prefill(fn, embeds, positions, b)
+        with sdpa_kernel([self.pinned["prefill"]]):
+            hidden = fn(self.model, *args)[:, : embeds.shape[1]]
         return linear(hidden[:, -1], self.model.lm_head), hidden
 
     def ready_prefill(self, t: int) -> None:
@@ -533,15 +586,15 @@ class CudaBackend(ModulesBackend):
             embeds = torch.zeros(1, t, lm.cfg.hidden_size, dtype=lm.embed_tokens.weight.dtype, device=dev)
             self.prefill(embeds, torch.arange(t, device=dev)[None])
 
-    def _run_prefill(self, fn, embeds, positions, b: int):
-        t = embeds.shape[1]
-        pad = b - t
+    def _padded(self, embeds, positions, b: int) -> tuple:
+        """A prompt (1, T, C) at positions (1, T) as the prefill of bucket b takes it: (embeds (1, b, C), positions
+        (1, b), slots (b,), b), zero rows at the next positions after it."""
+        pad = b - embeds.shape[1]
         padded = torch.cat([embeds, embeds.new_zeros(1, pad, embeds.shape[2])], 1)
         padded_pos = torch.cat(
             [positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)[None]], 1
         )
-        slots = torch.arange(b, device=embeds.device)
-        return fn(self.model, padded, padded_pos, slots, b)[:, :t]
+        return padded, padded_pos, torch.arange(b, device=embeds.device), b
 
     def decode(self, token, position: int, slot: int):
         w = self._width(slot + 1)

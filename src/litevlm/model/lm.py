@@ -3,8 +3,10 @@
 RMSNorm, rotary position embeddings (non-interleaved halves, as transformers), grouped-query
 attention, a SwiGLU MLP, and an optional q/k/v bias. One `forward` serves training (no cache,
 causal), prefill and single-token decode (cache, causal), tree verification and pruned prompts
-(cache, explicit positions, slots and a boolean mask over the cache). Parameter names follow
-transformers' Qwen2/Llama so checkpoints map one to one.
+(cache, explicit positions, slots and a boolean mask over the cache). `fused=True` attends in the
+form the fused attention kernels accept (`litevlm.model.attention`: K/V heads expanded, the mask an
+additive bias), as the CUDA backend's static steps do. Parameter names follow transformers'
+Qwen2/Llama so checkpoints map one to one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 
 from litevlm.config import TextConfig
 from litevlm.errors import LiteVLMError
+from litevlm.model.attention import fused_attention
 from litevlm.model.kv_cache import KVCache
 from litevlm.model.layers import (
     RMSNorm,
@@ -48,22 +51,27 @@ class SelfAttention(nn.Module):
         v = self.v_proj(xs).view(b, t, -1, d).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, slots=None, mask=None, kv_len=None):
+    def forward(self, x, cos, sin, slots=None, mask=None, kv_len=None, fused: bool = False):
         b, t, _ = x.shape
-        y = self.attend(*self.qkv(x, cos, sin), slots, mask, kv_len)
+        y = self.attend(*self.qkv(x, cos, sin), slots, mask, kv_len, fused)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, H*D) -> (B, T, C)
 
-    def attend(self, q, k, v, slots=None, mask=None, kv_len=None) -> torch.Tensor:
-        """q (B, H, T, D), k / v (B, Hkv, T, D) -> attention output (B, H, T, D), through the cache if slots."""
+    def attend(self, q, k, v, slots=None, mask=None, kv_len=None, fused: bool = False) -> torch.Tensor:
+        """q (B, H, T, D), k / v (B, Hkv, T, D) -> attention output (B, H, T, D), through the cache if slots;
+        with fused, in the form the fused kernels accept (`litevlm.model.attention.fused_attention`)."""
         if slots is None:  # training / no cache: plain causal attention over the given tokens
             return F.scaled_dot_product_attention(q, k, v, is_causal=mask is None, attn_mask=mask, enable_gqa=True)
         t = q.shape[2]
         self.kv_cache.write(slots, k, v)
         if mask is None and kv_len == t:  # a prompt from slot 0 sees exactly its own keys (in its own dtype)
+            if fused:
+                return fused_attention(q, k, v)
             return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
         k, v = self.kv_cache.k, self.kv_cache.v
         if kv_len is not None:  # attend over the live prefix only (eager CPU path)
             k, v = k[:, :, :kv_len], v[:, :, :kv_len]
+        if fused:
+            return fused_attention(q, k, v, mask)
         # A prompt written from slot 0 with no mask is plain causal: the fused kernel's fast path.
         causal = mask is None and t > 1 and k.shape[2] == t
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
@@ -113,8 +121,8 @@ class DecoderLayer(nn.Module):
         # A native prompt of at least this many rows multiplies in bf16 (0: never; `VLM.set_bf16_matmul`).
         self.bf16_min_rows = 0
 
-    def forward(self, x, cos, sin, slots=None, mask=None, kv_len=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, kv_len)
+    def forward(self, x, cos, sin, slots=None, mask=None, kv_len=None, fused: bool = False):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, kv_len, fused)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     # -- the layer's weights packed for the native steps -------------------------------------------
@@ -219,11 +227,15 @@ class TextModel(nn.Module):
         start_layer: int = 0,
         end_layer: int | None = None,
         tree_tail: torch.Tensor | None = None,
+        fused: bool = False,
     ):
         """embeds (B, T, C), positions (B, T) -> hidden (B, T, C) after the final norm.
 
         slots (T,) are the cache slots to write; mask (B or 1, 1, T, S) is True where attention is
         allowed, S = kv_len or the cache length. Without slots, attention is causal over `embeds`.
+        fused (with slots): attention in the form the fused kernels accept, the K/V heads expanded to the
+        query heads and the mask an additive bias in the embeddings' dtype (0 where allowed, -inf where
+        not), or none for a prompt from slot 0 (causal): `litevlm.model.attention`, the CUDA backend's steps.
         tree_tail (m, T) bool, for a prompt from slot 0 without a mask: its last m rows are a tree after the prompt
         (answer openings), row i seeing the slots where tree_tail[i] is True; the other rows stay causal.
         """
@@ -238,7 +250,7 @@ class TextModel(nn.Module):
             mask[t - tree_tail.shape[0] :] = tree_tail.to(mask.device)
             mask = mask[None, None]
         for layer in layers:
-            x = layer(x, cos, sin, slots, mask, kv_len)
+            x = layer(x, cos, sin, slots, mask, kv_len, fused)
         return self.norm(x) if end_layer is None else x
 
     def rope_table(self, top: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
