@@ -25,6 +25,9 @@
 #                              .jsonl: each answer, then each row, as it is measured; .json: the result; .out/.err
 #   fp8_gpu.*                  benchmarks/fp8_gpu.py at the 2B shapes: FP8 against bf16 per stage, eager for every
 #                              variant first, then compiled while its budget lasts (.jsonl: a line per stage)
+#   walkthrough.*              benchmarks/your_model.sh on the device (bf16): every recipe, eval --litevlm, bench
+#                              and FP8 quantize on a tiny user checkpoint, unscored (no pycocoevalcap on the image);
+#                              walkthrough/ keeps its checkpoint and modules. The minimal dry run checks its syntax.
 # A .json whose command failed or timed out holds {"complete": false, ...} with the reason; the .jsonl keeps what
 # was measured before. The package installs without its dependencies: the image brings its own torch and transformers.
 set -uo pipefail
@@ -64,7 +67,7 @@ FAILED_STEPS=()
 
 # The plan: each step's limit in seconds. A step past its limit gets SIGTERM (the tests SIGINT), then SIGKILL
 # KILL_AFTER seconds later; the flag probe gets PROBE_S.
-declare -A PLAN=([install]=30 [env]=15 [gpu_tests]=85 [bench_2b_eager]=60 [bench_2b_graphs]=130 [fp8_gpu]=55)
+declare -A PLAN=([install]=20 [env]=10 [gpu_tests]=75 [bench_2b_eager]=45 [bench_2b_graphs]=105 [fp8_gpu]=40 [walkthrough]=75)
 KILL_AFTER=5
 PROBE_S=10
 PLANNED_S=$PROBE_S
@@ -239,6 +242,14 @@ last_json bench_2b_graphs
 # 5. FP8 against bf16, stage by stage
 step fp8_gpu "$PY" benchmarks/fp8_gpu.py "${FP8_ARGS[@]}" --jsonl "$OUT/fp8_gpu.jsonl"
 last_json fp8_gpu
+
+# 6. the user's walkthrough on the device: every recipe on a tiny checkpoint, eval and bench unscored
+WALK=(bash benchmarks/your_model.sh "$OUT/walkthrough")
+[[ $MINIMAL == 1 ]] && WALK=(bash -n benchmarks/your_model.sh)
+export WALKTHROUGH_EVAL_ARGS="--no-score" PYTHON="$PY"
+WALKTHROUGH_DEVICE_ARGS=$([[ $DRY_RUN == 1 ]] && echo "" || echo "--device cuda --dtype bfloat16")
+export WALKTHROUGH_DEVICE_ARGS
+step walkthrough "${WALK[@]}"
 
 finish
 if [[ ${#FAILED_STEPS[@]} -gt 0 ]]; then

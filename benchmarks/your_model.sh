@@ -10,10 +10,14 @@
 # them and pass --device cuda --dtype bfloat16. Every module is written beside the checkpoint's weights (its
 # view_selector/, token_selector/, draft/ folders and prompt.json), where `Pipeline.from_pretrained` finds them.
 # PYTHON (default: python) runs the package; LITEVLM (default: $PYTHON -m litevlm) is the command line.
+# WALKTHROUGH_DEVICE_ARGS (default: none, the CPU) go to every step that runs the model, e.g. "--device cuda --dtype
+# bfloat16"; WALKTHROUGH_EVAL_ARGS to both evaluations, e.g. "--no-score" on a machine without pycocoevalcap.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
 LITEVLM="${LITEVLM:-$PYTHON -m litevlm}"
+read -r -a DEV <<< "${WALKTHROUGH_DEVICE_ARGS:-}"
+read -r -a EV <<< "${WALKTHROUGH_EVAL_ARGS:-}"
 WORK="${1:-$(mktemp -d -t litevlm-walkthrough.XXXXXX)}"
 mkdir -p "$WORK"
 echo "walkthrough in $WORK" >&2
@@ -26,17 +30,17 @@ DATA="$WORK/drivelm/drivelm.json"
 # 1. ViewSelector: labels from the questions' c-tags and the lexical map, recall calibrated on a held-out split.
 $LITEVLM train views --model "$CK" --data "$DATA" --steps 40 --minutes 0.2 >&2
 # 2. TokenSelector: the target's own attention over the visual tokens, plus the c-tag prior.
-$LITEVLM train tokens --model "$CK" --data "$DATA" --epochs 1 --minutes 0.2 >&2
+$LITEVLM train tokens --model "$CK" --data "$DATA" --epochs 1 --minutes 0.2 "${DEV[@]}" >&2
 # 3. Draft head: self-distillation on the target's own greedy answers and hidden states.
-$LITEVLM train draft --model "$CK" --data "$DATA" --minutes 0.2 >&2
+$LITEVLM train draft --model "$CK" --data "$DATA" --minutes 0.2 "${DEV[@]}" >&2
 # 4. Answer openings, from the target's own answers to the training questions.
-$LITEVLM train openings --model "$CK" --data "$DATA" >&2
+$LITEVLM train openings --model "$CK" --data "$DATA" "${DEV[@]}" >&2
 
 # 5. The LiteVLM configuration on the data (view selection, token selection, speculative decoding), official score.
-$LITEVLM eval --model "$CK" --data "$DATA" --litevlm --n 8 --max-new-tokens 16 --json >&2
+$LITEVLM eval --model "$CK" --data "$DATA" --litevlm --n 8 --max-new-tokens 16 --json "${DEV[@]}" "${EV[@]}" >&2
 # 6. Table 1 on this model: every configuration on the same questions.
-$LITEVLM bench --model "$CK" --data "$DATA" --n 2 --warmup 1 --max-new-tokens 16 >&2
+$LITEVLM bench --model "$CK" --data "$DATA" --n 2 --warmup 1 --max-new-tokens 16 "${DEV[@]}" "${EV[@]}" >&2
 
 # 7. FP8 calibrated on the user's data into a new checkpoint (the modules travel with it), then evaluated.
-$LITEVLM quantize --model "$CK" --data "$DATA" --calib 8 --max-new-tokens 16 --out "$CK-fp8" >&2
-$LITEVLM eval --model "$CK-fp8" --data "$DATA" --litevlm --n 8 --max-new-tokens 16 --json
+$LITEVLM quantize --model "$CK" --data "$DATA" --calib 8 --max-new-tokens 16 --out "$CK-fp8" "${DEV[@]}" >&2
+$LITEVLM eval --model "$CK-fp8" --data "$DATA" --litevlm --n 8 --max-new-tokens 16 --json "${DEV[@]}" "${EV[@]}"

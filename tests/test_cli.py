@@ -152,3 +152,29 @@ def test_ask_streams_the_answer_through_pipeline_stream(tiny_model_dir, tmp_path
     assert main([*argv, "--stream", "--json"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == plain and json.loads(lines[-1])["text"] == plain
+
+
+def test_eval_no_score_answers_and_times_without_pycocoevalcap(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """On a machine without pycocoevalcap (the GPU image), `eval --no-score` still answers every question and reports
+    the closed questions' accuracy and the timings; without the flag the missing scorer is a clear error first."""
+    import builtins
+    import json
+
+    from litevlm.data.synthetic import write_dataset
+
+    data = write_dataset(tmp_path / "synth", frames=1, seed=3, size=(112, 63), progress=False).parent
+    real_import = builtins.__import__
+
+    def no_coco(name, *args, **kwargs):
+        if name.partition(".")[0] == "pycocoevalcap":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_coco)
+    base = ["eval", "--model", str(tiny_model_dir), "--data", str(data), "--n", "3", "--max-new-tokens", "4", "--json"]
+    assert main(base) == 2
+    assert "pycocoevalcap" in capsys.readouterr().err
+    assert main([*base, "--no-score"]) == 0
+    res = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert res["n"] == 3 and res["scored"] is False and res["final"] is None
+    assert "closed_accuracy" in res and res["total_ms_median"] > 0 and "--no-score" in res["final_note"]

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.once  # subprocesses: the same run in each of CI's thread passes
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 ROWS = ["baseline", "eagle", "litevlm", "litevlm fp8"]
-STEPS = ["install", "env", "gpu_tests", "bench_2b_eager", "bench_2b_graphs", "fp8_gpu"]
+STEPS = ["install", "env", "gpu_tests", "bench_2b_eager", "bench_2b_graphs", "fp8_gpu", "walkthrough"]
 PLAN_LIMIT_S = 7 * 60  # of the session's 15 minutes of device time: the machine's start and the copies take the rest
 
 
@@ -82,7 +82,7 @@ def test_the_dry_run_runs_every_step(dry_run):
     assert fallback == (steps[0]["rc"] != 0)  # a failed install: the source tree, and the run goes on
     assert all(s["rc"] == 0 and not s["timed_out"] for s in steps[fallback:]), steps
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["planned_s"] <= plan["limit_s"] == 420 and "planned: 6 steps" in proc.stderr
+    assert plan["planned_s"] <= plan["limit_s"] == 420 and "planned: 7 steps" in proc.stderr
 
 
 def test_the_dry_run_writes_every_promised_json(dry_run):

@@ -582,6 +582,12 @@ def eval_arguments(p: argparse.ArgumentParser) -> None:
         help="write the challenge's submission list [{id, question, answer}] for every question (not with --n)",
     )
     p.add_argument(
+        "--no-score",
+        action="store_true",
+        help="answer and time every question, closed-question accuracy included, without the DriveLM score "
+        "(which needs pycocoevalcap): for a machine without it",
+    )
+    p.add_argument(
         "--resume-dir",
         default=None,
         metavar="DIR",
@@ -602,7 +608,8 @@ def run_eval(args) -> None:
     from litevlm.eval.score import print_scores, scoring_from_args, write_submission
     from litevlm.options import pipeline_options
 
-    language_scorers()  # pycocoevalcap is checked before any model is loaded
+    if not args.no_score:
+        language_scorers()  # pycocoevalcap is checked before any model is loaded
     if args.predictions_out and args.n:
         raise LiteVLMError("--predictions-out writes a whole submission: drop --n (a partial file is never written)")
     scoring = scoring_from_args(args)
@@ -629,6 +636,7 @@ def run_eval(args) -> None:
             d=d,
             store=store,
             samples=samples,
+            score=not args.no_score,
             **scoring,
         )
     if result is None:  # not rank 0: rank 0 reports for every rank

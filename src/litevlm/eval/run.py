@@ -33,6 +33,7 @@ def evaluate(
     d: Dist | None = None,
     store: ShardStore | None = None,
     samples: list | None = None,
+    score: bool = True,
 ) -> dict | None:
     """Answer every question of `data` with `pipe`; return the DriveLM scores, per-question records included.
 
@@ -44,6 +45,8 @@ def evaluate(
     d: this process's rank (`litevlm.dist.init_dist`); it answers its share only, and only rank 0 returns
     the result (None elsewhere). store: skip the questions it holds, keep each new answer in it.
     samples: `data`'s questions when already loaded (`litevlm.data.source.load_data`, every image checked).
+    score=False: answers, timings and the closed questions' accuracy, without the DriveLM score (no pycocoevalcap
+    needed); `scored` is False.
     """
     from litevlm.data.source import load_data
 
@@ -88,10 +91,18 @@ def evaluate(
     views = [len(r["views"]) for r in records]
     vtok = [r["visual_tokens"] for r in records]
     totals = [r["timings_ms"]["total"] for r in records]
-    if has_answers(samples):
+    if has_answers(samples) and score:
         result = drivelm_score(records, judge=judge, gate=gate, renormalise=renormalise)
         result["scored"] = True
         result["closed_accuracy"] = closed_accuracy(records)
+    elif has_answers(samples):
+        result = {
+            "n": len(records),
+            "scored": False,
+            "final": None,
+            "closed_accuracy": closed_accuracy(records),
+            "final_note": "not scored (--no-score): answers, timings and closed-question accuracy only",
+        }
     else:
         result = {
             "n": len(records),
