@@ -204,6 +204,25 @@ def test_a_graphed_pipelines_first_and_later_answers_equal_the_modules(name, sce
         assert twin.backend.stats["eager_steps"] == 0
 
 
+@pytest.mark.parametrize("name", ["token selector", "fastv"])
+def test_a_pruned_prefill_runs_its_parts_as_bucketed_steps(name, scene):
+    """LiteVLM's and FastV's prefill reach the backend's prompt steps too: the layers before the cut on the whole
+    prompt and those after on the kept tokens, each a step of its length bucket and layer range, answering as the
+    modules do."""
+    from litevlm.pipeline import Pipeline
+
+    images, questions = scene
+    opts = dict(CONFIGS[name], max_new_tokens=12, openings=False)
+    ref = Pipeline.from_pretrained("drive-tiny", backend="modules", **opts)
+    twin = Pipeline.from_pretrained("drive-tiny", backend="cuda-twin", warmup=False, **opts)
+    assert [twin.answer(q, images).tokens for q in questions[:3]] == [ref.answer(q, images).tokens for q in questions[:3]]
+    ranges = {(start, end) for _, start, end in twin.backend._prefill_fns}
+    cut = 2 if name == "fastv" else 1
+    assert (cut, None) in ranges  # the kept tokens through the layers after the cut
+    assert name != "fastv" or (0, cut - 1) in ranges  # FastV: the layers before the one whose attention ranks
+    assert twin.backend.stats["eager_prompts"] == 0 and twin.backend.kernels["prefill"] == "flash"
+
+
 def test_setup_is_reported_apart_from_the_stages():
     from litevlm.pipeline import Pipeline
 

@@ -105,7 +105,7 @@ class ModulesBackend:
         self.draft = draft
         self.drafter = draft  # what drafts: the head itself here
         self.setup_ms = 0.0  # one-off cost of making the backend (native build, packing, capture, compilation)
-        self.stats = {"graph_replays": 0, "eager_steps": 0}
+        self.stats = {"graph_replays": 0, "eager_steps": 0, "eager_prompts": 0}
 
     # -- the prompt -----------------------------------------------------------------------------
     def prompt(self, embeds, positions, start_layer: int = 0, end_layer: int | None = None, tree_tail=None):
@@ -413,10 +413,21 @@ def _verify_static(model, tokens, positions, slots, mask, width: int):
     return model.lm_head(hidden), hidden
 
 
-def _prefill_static(model, embeds, positions, slots, length: int):
-    """A padded prompt of `length` rows from slot 0, causal without a mask (the fused kernels' fast path), K/V heads
-    expanded (the form every fused kernel accepts) -> hidden (1, length, C)."""
-    return model.language_model(embeds, positions, slots=slots, mask=None, kv_len=length, fused=True)
+def _prefill_static(model, embeds, positions, slots, length: int, start_layer: int = 0, end_layer: int | None = None):
+    """A padded prompt of `length` rows from slot 0 through layers [start_layer, end_layer), causal without a mask
+    (the fused kernels' fast path), K/V heads expanded (the form every fused kernel accepts) -> hidden (1, length,
+    C), post-norm when end_layer is None."""
+    lm = model.language_model
+    return lm(
+        embeds,
+        positions,
+        slots=slots,
+        mask=None,
+        kv_len=length,
+        start_layer=start_layer,
+        end_layer=end_layer,
+        fused=True,
+    )
 
 
 def _pinned(fn, kernel: SDPBackend):
@@ -514,7 +525,7 @@ class CudaBackend(ModulesBackend):
                     "verify", _verify_static, (model, self.tokens, self.positions, self.slots, self.masks[w], w), n, w
                 )
             self.verify_graphs = {w: self._capture_verify(w, compile_steps) for w in self.masks}
-        self._prefill_fns: dict[int, object] = {}
+        self._prefill_fns: dict[tuple, object] = {}  # (bucket, start layer, end layer) -> its step
         self.setup_ms = (time.perf_counter() - t0) * 1e3
 
     @property
@@ -558,31 +569,43 @@ class CudaBackend(ModulesBackend):
         return next((b for b in self.prefill_buckets if b >= t), None) if t <= self.cache_len else None
 
     def prefill(self, embeds, positions):
+        hidden = self.prompt(embeds, positions)
+        return linear(hidden[:, -1], self.model.lm_head), hidden
+
+    def prompt(self, embeds, positions, start_layer: int = 0, end_layer: int | None = None, tree_tail=None):
+        """The prompt through layers [start_layer, end_layer) as a compiled step of its length bucket, one per
+        (bucket, layers): the whole prefill, and the pruned prefill's two parts (the layers before its cut on the
+        whole prompt, those after on the kept tokens). A prompt with answer openings (tree_tail) goes through the
+        modules; `stats` counts it."""
         t = embeds.shape[1]
         b = self._bucket(t)
         if b is None:
             raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {self.cache_len}")
-        args = self._padded(embeds, positions, b)
-        fn = self._prefill_fns.get(b)
-        if fn is None:  # a new bucket: compile it here, on this prompt, and count it as setup
+        if tree_tail is not None or embeds.shape[0] != 1:
+            self.stats["eager_prompts"] += 1
+            return super().prompt(embeds, positions, start_layer, end_layer, tree_tail)
+        args = (*self._padded(embeds, positions, b), start_layer, end_layer)
+        key = (b, start_layer, end_layer)
+        fn = self._prefill_fns.get(key)
+        if fn is None:  # a new bucket or layer range: compile it here, on this prompt, and count it as setup
             sync_start = time.perf_counter()
             if "prefill" not in self.pinned:  # the first bucket pins the prefill's kernel: one eager run, rewritten
                 self._choose("prefill", _prefill_static, (self.model, *args), b, b)
-            fn = self._prefill_fns[b] = self._compiled(_prefill_static, f"prefill_{b}", self.compile)
+            tag = f"prefill_{b}" + (f"_{start_layer}_{end_layer}" if (start_layer, end_layer) != (0, None) else "")
+            fn = self._prefill_fns[key] = self._compiled(_prefill_static, tag, self.compile)
             with sdpa_kernel([self.pinned["prefill"]]):
                 fn(self.model, *args)
             _sync(embeds.device)
             self.setup_ms += (time.perf_counter() - sync_start) * 1e3
         with sdpa_kernel([self.pinned["prefill"]]):
-            hidden = fn(self.model, *args)[:, : embeds.shape[1]]
-        return linear(hidden[:, -1], self.model.lm_head), hidden
+            return fn(self.model, *args)[:, :t]
 
     def ready_prefill(self, t: int) -> None:
         """Compile the prefill bucket of a t-token prompt now, as setup, on a zero prompt (the real prefill that
         follows rewrites every slot it wrote)."""
         lm, dev = self.lm, self.model.device
         b = self._bucket(t)
-        if b is not None and b not in self._prefill_fns:
+        if b is not None and (b, 0, None) not in self._prefill_fns:
             embeds = torch.zeros(1, t, lm.cfg.hidden_size, dtype=lm.embed_tokens.weight.dtype, device=dev)
             self.prefill(embeds, torch.arange(t, device=dev)[None])
 
