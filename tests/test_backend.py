@@ -81,6 +81,43 @@ def test_the_first_answer_after_a_capture_equals_the_modules(draft):
     assert embeds.shape[1] < 32 < embeds.shape[1] + 40 <= 64
 
 
+def test_a_fixed_depth_draft_chain_is_one_replayed_step_a_cycle():
+    """A greedy chain of fixed depth (min_value 0) drafts as one replayed step per cycle (`GraphDraft`): the same
+    answer as the modules token for token (lossless, and the same drafts: the same acceptance lengths), the first
+    chain of each draft-cache bucket captured, every later one a replay."""
+    model = cached(tiny_vlm(vocab=24))
+    head = random_draft(model)
+    embeds, pos = prompt(model, seed=3)
+    tree = TreeConfig.chain(4, min_value=0.0, lookup=0)
+    with torch.no_grad():
+        want = speculative_generate(ModulesBackend(model, head), head, embeds, pos, 40, None, tree=tree)
+        plain = generate(ModulesBackend(model), embeds, pos, 40, None).tokens
+    twin = CudaBackend(model, head, tree_nodes=tree.total_tokens, twin=True, **BUCKETS)
+    with torch.no_grad():
+        got = speculative_generate(twin, head, embeds, pos, 40, None, tree=tree)
+    assert got.tokens == want.tokens == plain and got.accept_lengths == want.accept_lengths
+    graphs = twin.drafter.graphs
+    assert graphs and all(depth == 4 for depth, *_ in graphs)
+    cycles = len(got.accept_lengths)
+    # each cycle: one verification replay and one draft replay, except the first chain of each bucket (its capture)
+    assert twin.stats["graph_replays"] == 2 * cycles - len(graphs) and twin.stats["eager_steps"] == 0
+    assert twin.kernels["draft"] == "flash"
+
+
+def test_a_chain_cut_by_its_probability_drafts_through_the_head():
+    """min_value > 0 reads the chain's value on the host: no graph, the head's own steps, the same answer."""
+    model = cached(tiny_vlm(vocab=24))
+    head = random_draft(model)
+    embeds, pos = prompt(model, seed=5)
+    tree = TreeConfig.chain(4, min_value=0.2, lookup=0)
+    with torch.no_grad():
+        want = speculative_generate(ModulesBackend(model, head), head, embeds, pos, 30, None, tree=tree)
+    twin = CudaBackend(model, head, tree_nodes=tree.total_tokens, twin=True, **BUCKETS)
+    with torch.no_grad():
+        got = speculative_generate(twin, head, embeds, pos, 30, None, tree=tree)
+    assert got.tokens == want.tokens and got.accept_lengths == want.accept_lengths and not twin.drafter.graphs
+
+
 def test_the_static_steps_equal_the_modules_in_every_bucket():
     """Decode and verification as shape-static steps (attention over a bucket of slots under a mask) give the
     modules' logits, hidden states and K/V, in the first bucket, the next one and the whole cache: after a prompt of

@@ -401,11 +401,14 @@ class Pipeline:
 
             parts["draft"] = DraftHead.load(part_dir(path, "draft"), model).to(device=device)
             default = TreeConfig()
+            # on a GPU a chain drafts its whole depth with no host sync (its steps replayed on the device); on the
+            # CPU, where a sync costs nothing, it stops where its draft probability falls below the default
+            on_gpu = torch.device(device).type == "cuda"
             parts["tree"] = TreeConfig(
                 top_k=tree_top_k or default.top_k,
                 depth=tree_depth or default.depth,
                 total_tokens=tree_total or 0,  # 0: derived
-                min_value=default.min_value if tree_min_value is None else tree_min_value,
+                min_value=(0.0 if on_gpu else default.min_value) if tree_min_value is None else tree_min_value,
             )
         return cls(model, loaded.tokenizer, name=path.name, prompt_format=loaded.format, **parts, **options)
 

@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
-from litevlm.model.attention import FUSED_KERNELS, KERNEL_NAMES, additive_bias, choose_kernel
+from litevlm.model.attention import FUSED_KERNELS, KERNEL_NAMES, additive_bias, choose_kernel, fused_attention
 from litevlm.model.layers import linear, row_major
 from litevlm.model.lm import RMSNorm
 from litevlm.presets import BACKENDS
@@ -430,6 +430,111 @@ def _prefill_static(model, embeds, positions, slots, length: int, start_layer: i
     )
 
 
+def _draft_chain_static(draft, root_hidden, position, start, levels: int, width: int):
+    """A fixed-depth greedy draft chain with fixed shapes, no host sync: root_hidden (1, C), position and start (1,)
+    long tensors -> the drafted ids (levels,). Level i + 1 pairs the level-i token with its predicted feature at draft
+    position `position` + i, writes its K/V at draft slot `start` + i and attends over slots 0..width-1 where col <=
+    that slot, as an additive bias (the fused kernels' form)."""
+    cos_table, sin_table = draft.rope  # (P, 1, D)
+    cache = draft.layer.self_attn.kv_cache
+    cols = torch.arange(width, device=root_hidden.device)
+    _, tok = draft.topk(root_hidden, 1)  # (1, 1)
+    drafted, hidden = [tok[:, 0]], root_hidden
+    for i in range(levels - 1):
+        p, slot = position + i, start + i  # (1,)
+        x = draft.fuse(hidden, draft.embed(drafted[-1]))[None]  # (1, 1, C)
+        q, k, v = draft._qkv(x, cos_table[p], sin_table[p])
+        cache.write(slot, k, v)
+        bias = additive_bias((cols <= slot)[None, None, None], q.dtype)  # (1, 1, 1, width)
+        y = fused_attention(q, cache.k[:, :, :width], cache.v[:, :, :width], bias)
+        hidden = draft._out(x, y)[0]  # (1, C)
+        _, tok = draft.topk(hidden, 1)
+        drafted.append(tok[:, 0])
+    return (torch.cat(drafted),)
+
+
+class GraphDraft:
+    """A draft head whose fixed-depth greedy chain is one captured step per (depth, draft-cache width bucket),
+    replayed with the root's feature, position and slot as static inputs: the chain's argmaxes stay on the device
+    and a cycle's drafting is one replay (`litevlm.spec.tree.draft_tree` calls `draft_chain`). The rest (`extend`,
+    `step`, `topk`, trees with top_k > 1) is the head's own. A chain cut by its draft probability (min_value > 0)
+    reads it on the host at every step and runs through the head's modules. Graphs are made on the first chain of
+    their bucket (setup, counted in the backend's setup_ms) and made again if `prepare` gives the head a new cache."""
+
+    one_call_chain = True
+
+    def __init__(self, draft, backend: CudaBackend):
+        self.head_module, self.backend = draft, backend
+        self.cfg = draft.cfg
+        self.openings = getattr(draft, "openings", None)
+        self.graphs: dict[tuple, StepGraph] = {}
+        self.root = self.position = self.start = None
+
+    def prepare(self, cache_len: int, max_position: int) -> None:
+        self.head_module.prepare(cache_len, max_position)
+
+    def topk(self, hidden, k: int):
+        return self.head_module.topk(hidden, k)
+
+    def embed(self, tokens):
+        return self.head_module.embed(tokens)
+
+    def extend(self, features, next_embeds, positions, start: int, last_only: bool = False):
+        return self.head_module.extend(features, next_embeds, positions, start, last_only)
+
+    def step(self, tokens, hidden, position: int, start: int, mask):
+        return self.head_module.step(tokens, hidden, position, start, mask)
+
+    def draft_chain(self, root_hidden, position: int, start: int, depth: int, min_value: float, eos_id):
+        """The ids (depth,) drafted greedily after the root (its feature root_hidden (1, C) at draft position
+        `position`, its level-1 child written at draft slot `start`)."""
+        head = self.head_module
+        if min_value > 0:  # the host's early exits: the head's own steps
+            from litevlm.spec.tree import TreeConfig, draft_tree
+
+            tree = draft_tree(head, root_hidden.new_zeros(1, dtype=torch.long), root_hidden, start, position,
+                              TreeConfig.chain(depth, min_value, 0), eos_id)  # fmt: skip
+            return tree.tokens[1:]
+        cache = head.layer.self_attn.kv_cache
+        end = start + depth - 1  # slots start..end-1 written
+        width = next((w for w in (*self.backend.widths, cache.max_len) if end <= w <= cache.max_len), None)
+        if width is None:
+            raise LiteVLMError(f"a draft chain to slot {end} is past the draft cache ({cache.max_len})")
+        if self.root is None:
+            dev = root_hidden.device
+            self.root = torch.zeros_like(root_hidden)
+            self.position = torch.zeros(1, dtype=torch.long, device=dev)
+            self.start = torch.zeros(1, dtype=torch.long, device=dev)
+        self.root.copy_(root_hidden)
+        self.position.fill_(position)
+        self.start.fill_(start)
+        key = (depth, width, cache.k.data_ptr(), head.rope[0].data_ptr())
+        graph = self.graphs.get(key)
+        if graph is None:  # the first chain of this bucket: it is drafted by the capture itself
+            graph = self.graphs[key] = self._capture(depth, width)
+        else:
+            graph.replay()
+            self.backend.stats["graph_replays"] += 1
+        return graph.out[0]
+
+    def _capture(self, depth: int, width: int) -> StepGraph:
+        t0 = time.perf_counter()
+        b, head = self.backend, self.head_module
+        step = b._compiled(_draft_chain_static, f"draft_{depth}_{width}", b.compile_steps)
+
+        def run():
+            return step(head, self.root, self.position, self.start, depth, width)
+
+        if "draft" not in b.pinned:
+            d = head.cfg
+            shapes = f"1 query over {width} keys, {d.num_heads} heads of {d.head_dim}, {head.fc.weight.dtype}"
+            with torch.no_grad():
+                b.pinned["draft"] = choose_kernel("draft", run, b.fused_kernels, shapes)
+        graph = StepGraph(_pinned(run, b.pinned["draft"]), head.fc.weight.device, b.twin, pool=b.pool)
+        b.setup_ms += (time.perf_counter() - t0) * 1e3
+        return graph
+
+
 def _pinned(fn, kernel: SDPBackend):
     """fn() run with `kernel` the only SDPA kernel allowed."""
 
@@ -526,6 +631,8 @@ class CudaBackend(ModulesBackend):
                 )
             self.verify_graphs = {w: self._capture_verify(w, compile_steps) for w in self.masks}
         self._prefill_fns: dict[tuple, object] = {}  # (bucket, start layer, end layer) -> its step
+        self.compile_steps = compile_steps
+        self.drafter = GraphDraft(draft, self) if draft is not None else None
         self.setup_ms = (time.perf_counter() - t0) * 1e3
 
     @property
