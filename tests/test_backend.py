@@ -104,6 +104,28 @@ def test_a_fixed_depth_draft_chain_is_one_replayed_step_a_cycle():
     assert twin.kernels["draft"] == "flash"
 
 
+def test_a_replayed_draft_chain_reads_nothing_back_to_the_host(monkeypatch):
+    """The replayed chain's argmaxes stay on the device: a cycle's drafting makes no host sync (the twin runs the
+    same static step the GPU replays), and it drafts what the head's own steps draft."""
+    from test_spec import HostSyncs
+
+    from litevlm.spec.tree import draft_tree
+
+    model = cached(tiny_vlm(vocab=24))
+    head = random_draft(model)
+    twin = CudaBackend(model, head, tree_nodes=5, twin=True, **BUCKETS)
+    drafter = twin.drafter
+    head.prepare(LIVE + 8, 200)
+    hidden = torch.randn(1, model.cfg.text.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        drafter.draft_chain(hidden, 30, 20, 5, 0.0, EOS)  # the bucket's capture
+        with HostSyncs(monkeypatch) as syncs:
+            got = drafter.draft_chain(hidden * 0.5, 41, 27, 5, 0.0, EOS)
+        got = got.clone()
+        want = draft_tree(head, torch.tensor([0]), hidden * 0.5, 27, 41, TreeConfig.chain(5, 0.0, 0), EOS).tokens[1:]
+    assert syncs.count == 0 and torch.equal(got, want)
+
+
 def test_a_chain_cut_by_its_probability_drafts_through_the_head():
     """min_value > 0 reads the chain's value on the host: no graph, the head's own steps, the same answer."""
     model = cached(tiny_vlm(vocab=24))
