@@ -1275,8 +1275,12 @@ def section_gpu(runs: dict) -> list[str]:
     if not gpu:
         return out + [
             "**None measured yet.** This project's CUDA paths have not run on a device."
-            " `bash benchmarks/gpu_session.sh` on a machine with one runs the `gpu`-marked tests, `litevlm bench"
-            " --shape 2b` (bf16, on the modules and on CUDA graphs) and FP8 against bf16 per stage, saving"
+            " `bash benchmarks/gpu_session.sh` on a machine with one runs, in seven steps planned to 415 s with their"
+            " kill-afters: the `gpu`-marked tests (the pipeline's fast path first; stopped by SIGINT so their XML"
+            " survives), `litevlm bench --shape 2b` (random weights at the 2B shapes, bf16: baseline, EAGLE, LiteVLM"
+            " and LiteVLM FP8, on the modules and on the CUDA backend's replayed steps, each step pinned to a fused"
+            " attention kernel that the JSON names), FP8 against bf16 per stage with decode first, and the user's"
+            " walkthrough (every recipe, eval, bench and quantize on a tiny checkpoint) on the device, saving"
             " `benchmarks/results/gpu_*.json`; its `--dry-run` runs every step on the CPU through the CUDA backend's"
             " twin.",
             "",
