@@ -342,7 +342,8 @@ def table(header: list[str], rows: list[list]) -> list[str]:
 def provenance(run: dict) -> list[str]:
     """Under each table: its command (and the data it read), commit, date and machine."""
     m = run["machine"]
-    data = "".join(f"; data: `{s}`" for s in run.get("setup", []))
+    made = {shlex.join(cmd) for cmd in MADE_BY.values()}
+    data = "".join(f"; {'model' if s in made else 'data'}: `{s}`" for s in run.get("setup", []))
     line = f"Command: `{run['command']}`{data}. Commit {run['commit']}, {run['date']}, {m['cpu']}, {m['threads']}"
     line += f" thread(s), {run['seconds']} s."
     if run.get("exit_code"):
