@@ -1474,7 +1474,7 @@ def main(argv=None) -> None:
         "--core",
         type=int,
         default=None,
-        help="the core a pinned run takes (default 1): two untimed runs (accuracy only) can share a machine, one a core",
+        help="the core a pinned run takes (default 1): two untimed runs (accuracy alone) can share a machine",
     )
     p.add_argument("--out", default=str(ROOT / "RESULTS.md"))
     p.add_argument("--readme", default=str(ROOT / "README.md"), help="whose results-at-a-glance block to rewrite")

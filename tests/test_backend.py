@@ -274,7 +274,9 @@ def test_a_pruned_prefill_runs_its_parts_as_bucketed_steps(name, scene):
     opts = dict(CONFIGS[name], max_new_tokens=12, openings=False)
     ref = Pipeline.from_pretrained("drive-tiny", backend="modules", **opts)
     twin = Pipeline.from_pretrained("drive-tiny", backend="cuda-twin", warmup=False, **opts)
-    assert [twin.answer(q, images).tokens for q in questions[:3]] == [ref.answer(q, images).tokens for q in questions[:3]]
+    assert [twin.answer(q, images).tokens for q in questions[:3]] == [
+        ref.answer(q, images).tokens for q in questions[:3]
+    ]
     ranges = {(start, end) for _, start, end in twin.backend._prefill_fns}
     cut = 2 if name == "fastv" else 1
     assert (cut, None) in ranges  # the kept tokens through the layers after the cut

@@ -19,7 +19,6 @@ from litevlm import LiteVLMError, Pipeline
 from litevlm.model.generate import pruned_prefill
 from litevlm.model.layers import rope_cos_sin
 from litevlm.model.vlm import VLM
-from litevlm.select import pruners
 from litevlm.select.pruners import (
     METHODS,
     PruneConfig,
@@ -254,7 +253,9 @@ def test_per_view_budgets_keep_r_of_each_camera(method):
 def test_each_method_spreads_its_budget_as_its_authors_do_on_multi_crop_input():
     """CDPruner's default is per crop (its reference prunes every crop of a multi-crop image alike); DivPrune, DART
     and random rank all the visual tokens at once; uniform is per view; any of the pruners can be asked otherwise."""
-    assert PruneConfig("cdpruner", 0.3).budget_split == "crop" and PruneConfig("cdpruner", 0.3).name.endswith("per crop")
+    assert PruneConfig("cdpruner", 0.3).budget_split == "crop" and PruneConfig("cdpruner", 0.3).name.endswith(
+        "per crop"
+    )
     for m in ("divprune", "dart", "random"):
         assert PruneConfig(m, 0.3).budget_split == "all" and "per" not in PruneConfig(m, 0.3).name
     assert PruneConfig("uniform", 0.3).budget_split == "view"
@@ -502,7 +503,9 @@ def test_cli_parses_prune_and_keep():
     opts = pipeline_options(_ask("--prune", "fastv", "--keep", "0.7", "--prune-layer", "1"))
     assert (opts["prune"], opts["keep"], opts["prune_layer"]) == ("fastv", 0.7, 1)
     assert pipeline_options(_ask("--prune", "cdpruner", "--keep", "0.5", "--per-view"))["prune_per_view"] is True
-    assert pipeline_options(_ask("--prune", "cdpruner", "--keep", "0.5", "--prune-split", "all"))["prune_split"] == "all"
+    assert (
+        pipeline_options(_ask("--prune", "cdpruner", "--keep", "0.5", "--prune-split", "all"))["prune_split"] == "all"
+    )
     with pytest.raises(LiteVLMError, match="go with --prune"):
         pipeline_options(_ask("--prune-split", "crop"))
     # --litevlm's TokenSelector gives way to the pruning asked for; its other stages stay on

@@ -200,7 +200,9 @@ def test_the_page_shows_every_figure_of_the_runs(tmp_path, report):
     # Table 1: every row of drive-tiny's pinned run, cell for cell, the command and provenance under each; its
     # default-threads run in one line, its measures, beside its JSON.
     tiny = FIXTURES["bench_default_threads"]
-    assert f"{report.measures_line(tiny['result'])} The table is in benchmarks/results/bench_default_threads.json." in page
+    assert (
+        f"{report.measures_line(tiny['result'])} The table is in benchmarks/results/bench_default_threads.json." in page
+    )
     assert f"Command: `{tiny['command']}`" in page
     for name in ("bench_1thread",):
         run = FIXTURES[name]

@@ -347,7 +347,9 @@ class Pipeline:
         """
         from litevlm.select.pruners import PruneConfig
 
-        pruner = PruneConfig.from_options(prune, keep, prune_layer, prune_per_view, prune_split)  # checked before loading
+        pruner = PruneConfig.from_options(
+            prune, keep, prune_layer, prune_per_view, prune_split
+        )  # checked before loading
         if pruner is not None:
             if select_tokens is not None or fastv_k is not None or fastv_r is not None:
                 raise LiteVLMError("--prune METHOD --keep R replaces --select-tokens and --fastv-k/--fastv-r: give one")

@@ -221,8 +221,9 @@ def pruned_prefill(
 
     pruning: the hook (`litevlm.select.tokens.Pruning`): `layer` K, `keep(x)` -> the kept prompt indices (T',)
     ascending, from x (1, T, C), the input of layer `reads` (K unless it says otherwise: FastV reads layer K - 1's);
-    its choice is timed as `stage`, the decoder layers as "prefill". The cache of layers [0, K) is then COMPACTED to the kept tokens (`litevlm.select.tokens` explains
-    why), so decoding continues with `decode_step(model, tok, result.next_position + i, result.kept_count + i)`.
+    its choice is timed as `stage`, the decoder layers as "prefill". The cache of layers [0, K) is then COMPACTED to
+    the kept tokens (`litevlm.select.tokens` explains why), so decoding continues with
+    `decode_step(model, tok, result.next_position + i, result.kept_count + i)`.
     opening: an answer-opening trie verified with the kept prompt, greedily, emitting at most `limit` tokens (until
     `eos_id`): its nodes run layers [0, K) over the kept tokens once the cache is compacted, then join the kept tokens
     in layers [K, L) under the trie mask; `opened` holds the outcome.

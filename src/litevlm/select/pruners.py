@@ -126,7 +126,7 @@ class PruneConfig:
                 f"per-camera budgets (and per-tile ones) apply to {', '.join(PER_VIEW[:-1])}; "
                 f"{self.method} has its own ({self.default_split})"
                 if self.method != "token-selector"
-                else "per-camera budgets apply to the training-free pruners; the TokenSelector has its own per-view quota"
+                else "per-camera budgets apply to the training-free pruners; the TokenSelector has its own quota"
             )
         if self.theta is not None and (self.method != "cdpruner" or not 0.0 <= self.theta < 1.0):
             raise LiteVLMError(f"theta is CDPruner's relevance weight in [0, 1); got {self.theta!r} for {self.method}")
@@ -276,7 +276,9 @@ def block_sizes(view_spans: Sequence[Span], split: str, tokens_per_tile: int) ->
         raise LiteVLMError(f"a per-tile budget needs the tokens a tile makes; got {tokens_per_tile}")
     out = []
     for size in sizes:
-        out += [tokens_per_tile] * (size // tokens_per_tile) + ([size % tokens_per_tile] if size % tokens_per_tile else [])
+        out += [tokens_per_tile] * (size // tokens_per_tile) + (
+            [size % tokens_per_tile] if size % tokens_per_tile else []
+        )
     return out
 
 
@@ -301,7 +303,10 @@ def _blocks(view_spans: Sequence[Span], per_view) -> list[int] | None:
 
 
 def _select(
-    sizes: Sequence[int], keep_ratio: float, blocks: Sequence[int] | None, select: Callable[[int, int, int], torch.Tensor]
+    sizes: Sequence[int],
+    keep_ratio: float,
+    blocks: Sequence[int] | None,
+    select: Callable[[int, int, int], torch.Tensor],
 ) -> torch.Tensor:
     """`select(start, size, k)` on all the visual tokens at once (budget keep_count(N, r)) or block by block."""
     n = int(sum(sizes))
@@ -324,7 +329,10 @@ def divprune_prune(embeds, positions, view_spans: Sequence[Span], keep_ratio: fl
     (`block_sizes`)."""
     vis = embeds[0, visual_index(view_spans, embeds.device)]  # (N, C)
     kept = _select(
-        view_sizes(view_spans), keep_ratio, _blocks(view_spans, per_view), lambda s, n, k: divprune_select(vis[s : s + n], k)
+        view_sizes(view_spans),
+        keep_ratio,
+        _blocks(view_spans, per_view),
+        lambda s, n, k: divprune_select(vis[s : s + n], k),
     )
     return prune_prompt(embeds, positions, view_spans, kept)
 
@@ -352,9 +360,7 @@ def cdpruner_prune(
     return prune_prompt(embeds, positions, view_spans, kept)
 
 
-def random_prune(
-    embeds, positions, view_spans: Sequence[Span], keep_ratio: float, generator=None, per_view=False
-):
+def random_prune(embeds, positions, view_spans: Sequence[Span], keep_ratio: float, generator=None, per_view=False):
     """Baseline: a uniformly random subset of the visual tokens (per view: of each view's, at its share)."""
     sizes = view_sizes(view_spans)
     scores = torch.rand(int(sum(sizes)), generator=generator)
