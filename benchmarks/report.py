@@ -710,9 +710,8 @@ def section_sweep(run: dict | None) -> list[str]:
     out += [
         f"Decode stage only, all six views, {res['questions']} questions; the shipped default tree is `{shipped}`"
         f" (first row after plain). Fastest here: `{res['best']}`, **{fmt(res['best_speedup'])}x** plain decoding at"
-        f" tau {fmt(res['best_tau'])}; lossless (every output equal to plain greedy decoding): {fmt(res['lossless'])}.",
-        "",
-        *table(cols, [[r.get(c) for c in cols] for r in res["rows"]]),
+        f" tau {fmt(res['best_tau'])}; lossless (every output equal to plain greedy decoding): {fmt(res['lossless'])}."
+        f" Every tree's {', '.join(cols[1:])}: {json_of('spec_sweep')}.",
     ]
     return out + provenance(run)
 
@@ -1050,8 +1049,10 @@ def section_pruning(runs: dict, page: str) -> list[str]:
             *table(header, [[pruning_label(res, m), *(timed(m, r) for r in ratios)] for m in methods]),
         ]
     out += provenance(run)
-    if res.get("plot"):
+    if res.get("plot") and "all-questions" not in page:  # the every-question pages: their plots beside the JSON
         out += [f"![token pruning on {heading}]({res['plot']})", ""]
+    elif res.get("plot"):
+        out[-2] += f" Its plot: {res['plot']}."
     return out
 
 
@@ -1202,20 +1203,16 @@ def section_scale(run: dict | None) -> list[str]:
         f" replica; {res.get('rounds')} rounds of {res.get('requests_per_round')} streamed requests from"
         f" {res.get('clients')} clients, one replica and two alternating, the same requests for both. The load"
         f" average was {fmt(load.get('before'))} before the run and {fmt(load.get('after'))} after (other work"
-        f" shares the cores). Milliseconds. Two replicas: **{fmt(res.get('throughput_ratio'))}x** the answers/s of"
-        " one.",
-        "",
-    ]
-    cols = ["replicas", "answered", "5xx", "mismatches", "answers/s", "p50", "p99", "first token p50"]
-    cols.append("first token p99")
-    rows = []
-    for n, r in sorted((res.get("replicas") or {}).items(), key=lambda kv: int(kv[0])):
-        lat, ttft = r.get("latency_ms") or {}, r.get("ttft_ms") or {}
-        rows.append(
-            [n, r.get("answered"), r.get("five_xx"), r.get("mismatches_vs_one_at_a_time"), r.get("throughput_rps")]
-            + [lat.get("p50"), lat.get("p99"), ttft.get("p50"), ttft.get("p99")]
+        f" shares the cores). Two replicas: **{fmt(res.get('throughput_ratio'))}x** the answers/s of one. "
+        + "; ".join(
+            f"{n} replica(s): {r.get('answered')} answered, {r.get('five_xx')} 5xx,"
+            f" {r.get('mismatches_vs_one_at_a_time')} mismatches, {fmt(r.get('throughput_rps'))} answers/s, p50"
+            f" {fmt((r.get('latency_ms') or {}).get('p50'))} ms, first token p50"
+            f" {fmt((r.get('ttft_ms') or {}).get('p50'))} ms"
+            for n, r in sorted((res.get("replicas") or {}).items(), key=lambda kv: int(kv[0]))
         )
-    out += table(cols, rows)
+        + f"; p99s in {json_of('serve_replicas')}.",
+    ]
     return out + provenance(run)
 
 
@@ -1231,16 +1228,15 @@ def section_dist(run: dict | None) -> list[str]:
         f" {res.get('rounds')} rounds, each timed from outside (start and model load included). The load average was"
         f" {fmt(load.get('before'))} before the run and {fmt(load.get('after'))} after."
         f" Two ranks: **{fmt(res.get('speedup_best'))}x** the questions/s of one; the same final score:"
-        f" {'yes' if res.get('same_final') else 'NO'}.",
-        "",
+        f" {'yes' if res.get('same_final') else 'NO'}. "
+        + "; ".join(
+            f"{w} rank(s): {fmt(r.get('questions_per_s_best'))} questions/s at best, wall"
+            f" {', '.join(fmt(x) for x in r.get('wall_s') or [])} s a round, final"
+            f" {', '.join(fmt(x) for x in r.get('final') or [])}"
+            for w, r in sorted((res.get("ranks") or {}).items(), key=lambda kv: int(kv[0]))
+        )
+        + ".",
     ]
-    cols = ["ranks", "questions/s (best)", "questions/s (median)", "wall s per round", "final"]
-    rows = [
-        [w, r.get("questions_per_s_best"), r.get("questions_per_s_median")]
-        + [", ".join(fmt(x) for x in r.get("wall_s") or []), ", ".join(fmt(x) for x in r.get("final") or [])]
-        for w, r in sorted((res.get("ranks") or {}).items(), key=lambda kv: int(kv[0]))
-    ]
-    out += table(cols, rows)
     return out + provenance(run)
 
 

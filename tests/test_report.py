@@ -230,10 +230,11 @@ def test_the_page_shows_every_figure_of_the_runs(tmp_path, report):
     assert "- commit: abc1234\n" in page and "Test CPU 9000, 2 cores, torch 2.0.0+cpu" in page
     assert "2030-01-02 03:04 UTC" in page
     # The sweep, its fastest tree, and losslessness.
-    for r in FIXTURES["spec_sweep"]["result"]["rows"]:
-        cols = ("config", "tau", "draft_ms", "verify_ms", "tokens_per_s", "speedup", "mismatches")
-        assert row(report, [r[c] for c in cols]) in page
-    assert "`chain d16 v0.1`, **2.02x**" in page
+    assert "`chain d16 v0.1`, **2.02x**" in page  # the trees' table is in the JSON
+    assert (
+        "Every tree's tau, draft_ms, verify_ms, tokens_per_s, speedup, mismatches: benchmarks/results/spec_sweep"
+        in page
+    )
     # The first pruning benchmark's run is past: one line points to its JSON and commit, none of its figures.
     assert (
         "the first token pruning benchmark (drive-tiny) (benchmarks/results/token_pruning.json, commit abc1234)" in page
@@ -467,9 +468,9 @@ def test_the_scale_out_table_shows_one_and_two_replicas_side_by_side(tmp_path, r
     command = "python benchmarks/serve_replicas.py --requests 64"
     page = write(tmp_path, report, {**FIXTURES, "serve_replicas": run_file("serve_replicas", result, command)})
     assert "## Scale-out" in page and "Two replicas: **1.75x** the answers/s of one." in page
-    assert "| 1 | 128 | 0 | 0 | 5.2 | 1500.3 | 2100.9 | 1480.0 | 2090.2 |" in page
-    assert "| 2 | 128 | 0 | 0 | 9.1 | 800.2 | 1500.0 | 780.5 | 1490.1 |" in page
-    assert page.index("| 1 | 128 |") < page.index("| 2 | 128 |")
+    one = "1 replica(s): 128 answered, 0 5xx, 0 mismatches, 5.2 answers/s, p50 1500.3 ms, first token p50 1480.0 ms"
+    two = "2 replica(s): 128 answered, 0 5xx, 0 mismatches, 9.1 answers/s, p50 800.2 ms, first token p50 780.5 ms"
+    assert f"{one}; {two}; p99s in benchmarks/results/serve_replicas.json." in page
     assert "load average was 0.4 before the run and 2.1 after" in page and f"Command: `{command}`" in page
     (tmp_path / "none").mkdir()
     assert "**Not measured:** no results file for Ray Serve replicas" in write(tmp_path / "none", report, FIXTURES)
@@ -505,9 +506,10 @@ def test_the_torchrun_scale_out_table(tmp_path, report):
     assert "## Scale-out: `litevlm eval` under torchrun" in page
     assert "Two ranks: **1.712x** the questions/s of one; the same final score: yes." in page
     assert (
-        "| 1 | 2.849 | 2.813 | 35.1, 36.0 | 0.5432 |" in page and "| 2 | 4.878 | 4.819 | 20.5, 21.0 | 0.5432 |" in page
+        "1 rank(s): 2.849 questions/s at best, wall 35.1, 36.0 s a round, final 0.5432; 2 rank(s): 4.878 questions/s"
+        " at best, wall 20.5, 21.0 s a round, final 0.5432." in page
     )
-    assert page.index("| 1 | 2.849 |") < page.index("| 2 | 4.878 |") and f"Command: `{command}`" in page
+    assert f"Command: `{command}`" in page
     (tmp_path / "none").mkdir()
     assert "**Not measured:** no results file for torchrun evaluation" in write(tmp_path / "none", report, FIXTURES)
 
