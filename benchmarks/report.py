@@ -967,11 +967,23 @@ def section_race(runs: dict) -> list[str]:
     ]
 
 
+# page -> the neutral decoder's page shown inside it, as more columns, where both runs are there (the same methods)
+BESIDE = {"drive-hd-all-questions": "drive-hd-neutral-all-questions"}
+
+
 def section_pruning(runs: dict, page: str) -> list[str]:
     """Every token-selection method against r on one of the PRUNING pages (benchmarks/token_pruning.py): final score
-    and closed accuracy, prefill and the method's own select_tokens ms, one sentence per r <= 0.3, the plot."""
+    and closed accuracy, prefill and the method's own select_tokens ms, one sentence per r <= 0.3, the plot. A page
+    in BESIDE carries its neutral-decoder run as more columns, verdicts and provenance (that page then shows nothing).
+    """
     name, heading, intro = PRUNING[page]
     run = runs.get(name)
+    host = next((p for p, n in BESIDE.items() if n == page), None)
+    if host is not None and runs.get(PRUNING[host][0]) is not None and run is not None:
+        return []  # shown beside its taught-decoder page
+    other = runs.get(PRUNING[BESIDE[page]][0]) if page in BESIDE and run is not None else None
+    if other is not None:
+        heading += ", on both decoders"
     out = [f"## Token pruning on {heading}: the TokenSelector against FastV and the training-free pruners", ""]
     if page == next(iter(PRUNING)):  # the first pruning table: what every method reads, once
         out += [WHAT_EACH_SEES, ""]
@@ -985,6 +997,12 @@ def section_pruning(runs: dict, page: str) -> list[str]:
     share = f" ({100 * share:.0f}% of its tokens)" if share is not None else ""
     about = [intro] if intro else []
     about.append(NEUTRAL_DECODER if "neutral" in page else TAUGHT)
+    if other is not None:
+        about.append(
+            f"The `neutral` columns are the same questions and methods on the neutral decoder (unpruned: final"
+            f" **{fmt(other['result']['unpruned']['final'])}**"
+            f" ({fmt(other['result']['unpruned']['closed_accuracy'])})). {NEUTRAL_DECODER}"
+        )
     if res.get("fastv_ranks_by") != "layer K-1":
         about.append(
             "This run predates FastV as published: its FastV rows rank by layer K's own attention and are timed in the"
@@ -1031,10 +1049,30 @@ def section_pruning(runs: dict, page: str) -> list[str]:
     ]
     rows = [["visual tokens kept", *kept], *([pruning_label(res, m), *(cell(m, r) for r in ratios)] for m in methods)]
     rows += [[pruning_label(res, m), *(["absent"] * len(ratios))] for m in absent]
+    neutral = other["result"] if other is not None else None
+    if neutral is not None:  # the neutral decoder's cells beside, method by method
+        header += [f"neutral r={r}" for r in neutral["ratios"]]
+        for row_ in rows[1:]:
+            m = next((x for x in methods if pruning_label(res, x) == row_[0]), None)
+            row_ += [
+                "-" if (sc := neutral["scores"].get(f"{m}@{r}")) is None
+                else f"{fmt(sc['final'])} ({fmt(sc.get('closed_accuracy'))})"
+                for r in neutral["ratios"]
+            ]  # fmt: skip
+        ns = neutral["scores"]
+        rows[0] += [next((ns[f"{m}@{r}"].get("visual_tokens") for m in methods if f"{m}@{r}" in ns), None)
+                    for r in neutral["ratios"]]  # fmt: skip
     out += table(header, rows)
     for m, why in absent.items():
         out += ["", f"{pruning_label(res, m)}: absent, {why} (`litevlm train tokens` trains one)."]
     verdicts = [v for v in (pruning_verdict(res, r) for r in ratios if r <= 0.3) if v]
+    if neutral is not None:
+        verdicts = [v.replace("- At r=", "- Taught decoder, at r=", 1) for v in verdicts]
+        verdicts += [
+            v.replace("- At r=", "- Neutral decoder, at r=", 1)
+            for v in (pruning_verdict(neutral, r) for r in neutral["ratios"] if r <= 0.3)
+            if v
+        ]
     out += ["", *verdicts] if verdicts else []
     t, mach = res.get("timing") or {}, res.get("machine") or {}
     if res.get("timing_ms"):
@@ -1053,6 +1091,10 @@ def section_pruning(runs: dict, page: str) -> list[str]:
         out += [f"![token pruning on {heading}]({res['plot']})", ""]
     elif res.get("plot"):
         out[-2] += f" Its plot: {res['plot']}."
+    if other is not None:
+        out[-2] = out[-2].replace("Command:", "Taught decoder's command:", 1)
+        out += [provenance(other)[1].replace("Command:", "Neutral decoder's command:", 1), ""]
+        out[-2] += f" Its plot: {other['result']['plot']}." if other["result"].get("plot") else ""
     return out
 
 

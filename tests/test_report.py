@@ -1057,3 +1057,41 @@ def test_the_page_from_the_stored_results_fits_in_400_lines(report):
     assert "Not measured" not in page.split("## GPU")[0]  # every benchmark the page shows has its figures
     if "compile_vs_native" in runs:
         assert f"(benchmarks/results/compile_vs_native.json, commit {runs['compile_vs_native']['commit']})" in page
+
+
+def test_the_neutral_decoders_race_beside_the_taught_one(tmp_path, report):
+    """The every-question page carries the neutral decoder's run as more columns, with both decoders' verdicts and
+    commands; the neutral 600-question page is its own section, said to be on the neutral decoder; the race section
+    counts where the TokenSelector leads on each; a run from before FastV as published says so."""
+    taught = pruning_result("drive-hd", True) | {"fastv_ranks_by": "layer K-1"}
+    neutral = pruning_result("drive-hd", True) | {"fastv_ranks_by": "layer K-1"}
+    neutral["scores"] = {k: v | {"final": round(v["final"] - 0.01, 4)} for k, v in neutral["scores"].items()}
+    neutral["scores"]["divprune@0.1"]["final"] = 0.6  # a training-free method ahead of the selector there
+    cmd = "python benchmarks/token_pruning.py --model drive-hd --n 40"
+    ncmd = "python benchmarks/token_pruning.py --model .bench-data/drive-hd-neutral --n 40"
+    runs = {
+        **FIXTURES,
+        "token_pruning_drive-hd-all-questions": run_file("token_pruning_drive-hd-all-questions", taught, cmd),
+        "token_pruning_drive-hd-neutral-all-questions": run_file(
+            "token_pruning_drive-hd-neutral-all-questions", neutral, ncmd
+        ),
+        "token_pruning_drive-hd-neutral": run_file("token_pruning_drive-hd-neutral", neutral, ncmd),
+        "token_pruning_drive-hd": run_file("token_pruning_drive-hd", pruning_result("drive-hd", True), cmd),  # before
+    }
+    page = write(tmp_path, report, runs)
+    every = page[page.index("## Token pruning on drive-hd, every held-out question, on both decoders") :]
+    every = every[: every.index("\n## ")]
+    assert "| method | r=0.1 | r=0.2 | r=0.5 | neutral r=0.1 | neutral r=0.2 | neutral r=0.5 |" in every
+    assert "| DivPrune | 0.5077 (0.8182) | 0.5007 (0.8282) | 0.5301 (0.8382) | 0.6 (0.8182) |" in every
+    assert "- Taught decoder, at r=0.1" in every and "- Neutral decoder, at r=0.1" in every
+    assert "Neutral decoder, at r=0.1 (12.8 visual tokens kept), DivPrune scores best: final 0.6" in every
+    assert f"Taught decoder's command: `{cmd}`" in every and f"Neutral decoder's command: `{ncmd}`" in every
+    assert "## Token pruning on drive-hd's neutral decoder, every held-out question" not in page
+    neutral_page = page[page.index("## Token pruning on drive-hd's neutral decoder:") :]
+    assert "The decoder is **neutral**" in neutral_page[: neutral_page.index("| method |")]
+    shipped = page[page.index("## Token pruning on drive-hd:") : page.index("## Token pruning on drive-hd's neutral")]
+    assert "taught the selector's prunings" in shipped and "This run predates FastV as published" in shipped
+    race = page[page.index("## The pruning race on both decoders") :]
+    race = race[: race.index("\n## ")]
+    assert "| every held-out question | 0.1 | 0.5011 | DART 0.5123 | 0.4911 | DivPrune 0.6 |" in race
+    assert "on the neutral decoder the TokenSelector is ahead of every training-free method in 2 of 4 cells" in race
