@@ -1081,7 +1081,10 @@ def section_pruning(runs: dict, page: str) -> list[str]:
         ]
     out += ["", *verdicts] if verdicts else []
     t, mach = res.get("timing") or {}, res.get("machine") or {}
-    if res.get("timing_ms"):
+    current = res.get("fastv_ranks_by") == "layer K-1"
+    if res.get("timing_ms") and not current:  # timed as the methods then ran: its JSON keeps the table
+        out += ["", f"This run's timing of each method (prefill + select_tokens ms) is in {json_of(name)}."]
+    if res.get("timing_ms") and current:
         out += [
             "",
             f"Timing, side by side in this run on the first {t.get('prompts')} prompts ({t.get('repeats')} repeats"
