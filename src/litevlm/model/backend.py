@@ -458,10 +458,12 @@ class GraphDraft:
     replayed with the root's feature, position and slot as static inputs: the chain's argmaxes stay on the device
     and a cycle's drafting is one replay (`litevlm.spec.tree.draft_tree` calls `draft_chain`). The rest (`extend`,
     `step`, `topk`, trees with top_k > 1) is the head's own. A chain cut by its draft probability (min_value > 0)
-    reads it on the host at every step and runs through the head's modules. Graphs are made on the first chain of
-    their bucket (setup, counted in the backend's setup_ms) and made again if `prepare` gives the head a new cache."""
+    reads it on the host at every step, so `draft_tree` drafts it through `step` and `topk` (the head's) instead.
+    Graphs are made on the first chain of their bucket (setup, counted in the backend's setup_ms) and made again if
+    `prepare` gives the head a new cache."""
 
     one_call_chain = True
+    fixed_depth_only = True  # a chain with a probability cut drafts step by step (`draft_tree`), not here
 
     def __init__(self, draft, backend: CudaBackend):
         self.head_module, self.backend = draft, backend
@@ -489,12 +491,11 @@ class GraphDraft:
         """The ids (depth,) drafted greedily after the root (its feature root_hidden (1, C) at draft position
         `position`, its level-1 child written at draft slot `start`)."""
         head = self.head_module
-        if min_value > 0:  # the host's early exits: the head's own steps
-            from litevlm.spec.tree import TreeConfig, draft_tree
-
-            tree = draft_tree(head, root_hidden.new_zeros(1, dtype=torch.long), root_hidden, start, position,
-                              TreeConfig.chain(depth, min_value, 0), eos_id)  # fmt: skip
-            return tree.tokens[1:]
+        if min_value > 0:
+            raise LiteVLMError(
+                "a replayed draft chain has a fixed depth: a chain cut by its probability (min_value > 0) drafts"
+                " through the head's own steps"
+            )
         cache = head.layer.self_attn.kv_cache
         end = start + depth - 1  # slots start..end-1 written
         width = next((w for w in (*self.backend.widths, cache.max_len) if end <= w <= cache.max_len), None)

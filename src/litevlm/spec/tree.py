@@ -234,7 +234,8 @@ def draft_tree(
     k, levels = cfg.top_k, cfg.depth
     dev = root_hidden.device
     if k == 1 and cfg.total_tokens == levels + 1:  # a chain: no reranking, no tree mask to track
-        if getattr(draft, "one_call_chain", False):  # the whole chain in one call (`NativeDraft`)
+        one_call = getattr(draft, "one_call_chain", False)  # the whole chain in one call (`NativeDraft`, `GraphDraft`)
+        if one_call and not (cfg.min_value > 0 and getattr(draft, "fixed_depth_only", False)):
             drafted = draft.draft_chain(root_hidden, position, start, levels, cfg.min_value, eos_id)
             return chain_tree(torch.cat([root_token.reshape(1).to(drafted.dtype), drafted]))
         value, tok = draft.topk(root_hidden, 1)
