@@ -271,21 +271,13 @@ class NativeBackend(ModulesBackend):
         )  # fmt: skip
 
 
-class NativeDraft:
-    """A draft head's steps as native calls (`cpu_steps.cpp`): the same `extend`, `step`, `topk`, `prepare` as the
-    head, plus the chain and the greedy cycle in one call each. Its weights are packed once, here."""
+class DraftSteps:
+    """What a backend's draft shares with its head: its config, openings, `prepare`, `topk` and `embed`; the
+    subclasses run the layer their own way."""
 
-    one_call_chain = True  # `litevlm.spec.tree.draft_tree` drafts a chain with one `draft_chain` call
-
-    def __init__(self, draft, steps: cpu_steps.NativeSteps):
+    def __init__(self, draft):
         self.head_module = draft
-        self.steps = steps
-        cfg = draft.cfg
-        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
-        with torch.no_grad():
-            self.weights = [cpu_steps.layer_weights(draft.layer)]
-            self.chain_args = draft.chain_arguments()
-        self.cfg = cfg
+        self.cfg = draft.cfg
         self.openings = getattr(draft, "openings", None)
 
     def prepare(self, cache_len: int, max_position: int) -> None:
@@ -296,6 +288,22 @@ class NativeDraft:
 
     def embed(self, tokens):
         return self.head_module.embed(tokens)
+
+
+class NativeDraft(DraftSteps):
+    """A draft head's steps as native calls (`cpu_steps.cpp`): the same `extend`, `step`, `topk`, `prepare` as the
+    head, plus the chain and the greedy cycle in one call each. Its weights are packed once, here."""
+
+    one_call_chain = True  # `litevlm.spec.tree.draft_tree` drafts a chain with one `draft_chain` call
+
+    def __init__(self, draft, steps: cpu_steps.NativeSteps):
+        super().__init__(draft)
+        self.steps = steps
+        cfg = draft.cfg
+        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)
+        with torch.no_grad():
+            self.weights = [cpu_steps.layer_weights(draft.layer)]
+            self.chain_args = draft.chain_arguments()
 
     def _layer(self, x, cos, sin, start: int, mask, last_only: bool = False):
         caches = cpu_steps.caches((self.head_module.layer,))
@@ -453,7 +461,7 @@ def _draft_chain_static(draft, root_hidden, position, start, levels: int, width:
     return (torch.cat(drafted),)
 
 
-class GraphDraft:
+class GraphDraft(DraftSteps):
     """A draft head whose fixed-depth greedy chain is one captured step per (depth, draft-cache width bucket),
     replayed with the root's feature, position and slot as static inputs: the chain's argmaxes stay on the device
     and a cycle's drafting is one replay (`litevlm.spec.tree.draft_tree` calls `draft_chain`). The rest (`extend`,
@@ -466,20 +474,10 @@ class GraphDraft:
     fixed_depth_only = True  # a chain with a probability cut drafts step by step (`draft_tree`), not here
 
     def __init__(self, draft, backend: CudaBackend):
-        self.head_module, self.backend = draft, backend
-        self.cfg = draft.cfg
-        self.openings = getattr(draft, "openings", None)
+        super().__init__(draft)
+        self.backend = backend
         self.graphs: dict[tuple, StepGraph] = {}
         self.root = self.position = self.start = None
-
-    def prepare(self, cache_len: int, max_position: int) -> None:
-        self.head_module.prepare(cache_len, max_position)
-
-    def topk(self, hidden, k: int):
-        return self.head_module.topk(hidden, k)
-
-    def embed(self, tokens):
-        return self.head_module.embed(tokens)
 
     def extend(self, features, next_embeds, positions, start: int, last_only: bool = False):
         return self.head_module.extend(features, next_embeds, positions, start, last_only)
