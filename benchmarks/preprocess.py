@@ -9,12 +9,13 @@ and a PNG, and handed over as a raw frame (an HxWx3 uint8 array). Each case is c
 and into drive-hd's two 112 px tiles by:
 
 - today's path (`resample="pil"`): PIL decodes in full, PIL's bicubic resize from full size;
-- the fast path (`resample="fast"`, the default): a JPEG decoded at the smallest DCT scale that covers the tiles,
-  torch's antialiased bicubic resize on uint8, no PIL round trip for a raw frame.
+- the fast path (`resample="fast"`, the default): a JPEG decoded by libjpeg-turbo straight into an array at the
+  smallest DCT scale that covers the tiles, torch's antialiased bicubic resize on uint8, no PIL round trip for a raw
+  frame.
 
 Times are medians of interleaved repetitions (the two paths alternate); the pixel differences are of the fast tiles
 against today's, in levels of a byte (0-255). With --score-n, drive-hd's DriveLM score (LiteVLM and the baseline) on
-held-out questions with both paths.
+held-out questions with both paths; with --score-jpeg, also on a copy of the split with every image a JPEG.
 """
 
 from __future__ import annotations
@@ -95,12 +96,30 @@ def score_both(model: str, data: str, n: int) -> dict:
     return out
 
 
+def jpeg_copy(data: str, out: Path, quality: int = 90) -> Path:
+    """The split at `data` with every camera image re-encoded as a JPEG (nuScenes' format), in `out`."""
+    from tqdm import tqdm
+
+    spec = json.loads(Path(data, "drivelm.json").read_text())
+    paths = {p for scene in spec.values() for kf in scene["key_frames"].values() for p in kf["image_paths"].values()}
+    for rel in tqdm(sorted(paths), desc="JPEG copy", unit="image"):
+        dst = out / Path(rel).with_suffix(".jpg")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        Image.open(Path(data, rel)).convert("RGB").save(dst, quality=quality)
+    for scene in spec.values():
+        for kf in scene["key_frames"].values():
+            kf["image_paths"] = {cam: str(Path(rel).with_suffix(".jpg")) for cam, rel in kf["image_paths"].items()}
+    (out / "drivelm.json").write_text(json.dumps(spec))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--score-n", type=int, default=0, help="held-out questions to score drive-hd on with both paths")
     ap.add_argument("--data", default=".bench-data/heldout")
+    ap.add_argument("--score-jpeg", action="store_true", help="score a JPEG copy of the split too (quality 90)")
     ap.add_argument("--model", default="drive-hd")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -142,6 +161,10 @@ def main() -> None:
     if args.score_n:
         result["score"] = score_both(args.model, args.data, args.score_n)
         print("score", result["score"])
+        if args.score_jpeg:
+            with tempfile.TemporaryDirectory() as d:
+                result["score_jpeg"] = score_both(args.model, str(jpeg_copy(args.data, Path(d))), args.score_n)
+            print("score on the JPEG copy", result["score_jpeg"])
     print(json.dumps(result))
 
 

@@ -124,7 +124,7 @@ def benchmarks() -> list[Benchmark]:
         ),
         Benchmark(
             "preprocess",
-            ["benchmarks/preprocess.py", "--threads", "1", "--score-n", "400", "--data", HELDOUT],
+            ["benchmarks/preprocess.py", "--threads", "1", "--score-n", "400", "--score-jpeg", "--data", HELDOUT],
             needs=[HELDOUT],
         ),
         Benchmark("bench_1thread", [*bench, "--plot", "benchmarks/results/bench_1thread.png"], n=100, needs=[HELDOUT]),
@@ -681,22 +681,24 @@ def section_preprocess(run: dict | None) -> list[str]:
     out += [
         "One 1600x900 camera view from its source (a JPEG or PNG file, or a raw HxWx3 uint8 frame) to its tiles, ms"
         " (medians, the two paths alternating): `today_ms` PIL's full decode and bicubic resize (the path before this"
-        ' change, `resample="pil"`), `new_ms` the default (a JPEG decoded at the DCT scale its tiles need, torch\'s'
-        " antialiased bicubic on uint8, raw frames with no PIL round trip); the pixel differences are between their"
-        " tiles, in levels of a byte. `decode_ms`: the new path's decode alone, no resize (for a file);"
-        " `best_speedup`: today's time over it, what the case would reach with a resize that took no time at all.",
+        ' change, `resample="pil"`), `new_ms` the default (a JPEG decoded by libjpeg-turbo straight into an'
+        " array at the DCT scale its tiles need, torch's antialiased bicubic on uint8, raw frames with no PIL round"
+        " trip); the pixel differences are between their tiles, in levels of a byte. `decode_ms`: the new path's"
+        " decode alone, no resize (for a file); `best_speedup`: today's time over it, what the case would reach"
+        " with a resize that took no time at all.",
         "",
         *table(PREPROCESS_COLUMNS, [[c.get(k) for k in PREPROCESS_COLUMNS] for c in res.get("cases", [])]),
     ]
-    sc = res.get("score")
-    if sc:
-        both = "; ".join(
-            f"{cfg} {fmt(sc.get(f'{cfg}_fast'))} with the new path, {fmt(sc.get(f'{cfg}_pil'))} with PIL's"
-            f" (difference {fmt(sc.get(f'{cfg}_diff'))})"
-            for cfg in ("litevlm", "baseline")
-            if f"{cfg}_fast" in sc
-        )
-        out += ["", f"DriveLM score on {sc.get('model')}, {sc.get('questions')} held-out questions: {both}."]
+    for key, which in (("score", "held-out questions"), ("score_jpeg", "held-out questions, every image a JPEG")):
+        sc = res.get(key)
+        if sc:
+            both = "; ".join(
+                f"{cfg} {fmt(sc.get(f'{cfg}_fast'))} with the new path, {fmt(sc.get(f'{cfg}_pil'))} with PIL's"
+                f" (difference {fmt(sc.get(f'{cfg}_diff'))})"
+                for cfg in ("litevlm", "baseline")
+                if f"{cfg}_fast" in sc
+            )
+            out += ["", f"DriveLM score on {sc.get('model')}, {sc.get('questions')} {which}: {both}."]
     return out + provenance(run)
 
 

@@ -148,3 +148,42 @@ def test_the_fast_resize_is_pils_within_one_level_and_a_jpeg_decodes_at_the_scal
     assert open_image(tmp_path / "view.jpg", lambda w, h: (112, 56)).size == (200, 113)  # 1/4: still covers 112x56
     assert open_image(tmp_path / "view.jpg", lambda w, h: (500, 250)).size == (800, 450)  # no smaller scale covers it
     assert Image.open(tmp_path / "view.jpg").size == (800, 450)
+
+
+@pytest.mark.parametrize("target", [(112, 56), (300, 150), (500, 250), (800, 450)])
+def test_libjpeg_turbo_reads_a_jpeg_at_pils_scale_and_within_a_few_levels_of_its_tiles(tmp_path, target):
+    """The fast path's JPEG decoder (libjpeg-turbo straight into an array) reads a file at the DCT scale PIL's draft
+    picks, and its tiles stay within a few levels of those cut from PIL's reading of the same file at that scale
+    (the merged colour upsampling, where the tiles are much smaller, is the only difference: a few pixels on hard
+    colour edges)."""
+    pytest.importorskip("simplejpeg")
+    from litevlm.data.synthetic import make_frame, render_views
+    from litevlm.model.images import as_pixels, decode_jpeg, open_image, read_image
+
+    im = render_views(make_frame(1, 0), size=(800, 450))["CAM_FRONT"]
+    im.save(tmp_path / "view.jpg", quality=90)
+    data = (tmp_path / "view.jpg").read_bytes()
+    got = decode_jpeg(data, lambda w, h: target)
+    pil = as_pixels(open_image(tmp_path / "view.jpg", lambda w, h: target))
+    assert got is not None and got.shape == tuple(pil.permute(1, 2, 0).shape)
+    tiles = lambda px: Tiling(tiles=2).cut(px, target[1])  # noqa: E731
+    diff = np.abs(tiles(torch.from_numpy(got).permute(2, 0, 1)).astype(int) - tiles(pil))
+    assert diff.mean() < 0.1 and (diff > 8).mean() < 1e-3  # a drawing's hard colour edges: a few pixels, no more
+    assert torch.equal(read_image(tmp_path / "view.jpg", lambda w, h: target), torch.from_numpy(got).permute(2, 0, 1))
+
+
+def test_a_jpeg_libjpeg_turbo_declines_is_named_by_pil_and_cmyk_reads_as_pils(tmp_path):
+    """A truncated JPEG, which libjpeg-turbo declines, gets PIL's named error (the file in it); a CMYK one reads as
+    PIL reads it."""
+    from PIL import Image
+
+    from litevlm.model.images import as_pixels, decode_jpeg, read_image
+
+    Image.new("CMYK", (64, 32), (10, 200, 30, 0)).save(tmp_path / "cmyk.jpg")
+    fast, pil = read_image(tmp_path / "cmyk.jpg"), as_pixels(read_image(tmp_path / "cmyk.jpg", resample="pil"))
+    assert fast.shape == (3, 32, 64) and (fast.int() - pil.int()).abs().max() <= 2
+    Image.new("RGB", (64, 32), (9, 9, 9)).save(tmp_path / "ok.jpg")
+    (tmp_path / "cut.jpg").write_bytes((tmp_path / "ok.jpg").read_bytes()[:200])
+    assert decode_jpeg((tmp_path / "cut.jpg").read_bytes()) is None
+    with pytest.raises(LiteVLMError, match="cut.jpg"):
+        read_image(tmp_path / "cut.jpg")
