@@ -284,6 +284,25 @@ def test_a_pruned_prefill_runs_its_parts_as_bucketed_steps(name, scene):
     assert twin.backend.stats["eager_prompts"] == 0 and twin.backend.kernels["prefill"] == "flash"
 
 
+@pytest.mark.parametrize("name", ["speculative, openings", "token selector"])
+def test_a_prompt_with_answer_openings_runs_as_a_bucketed_step(name, scene):
+    """A prompt verified with its answer openings (whole, or the kept tokens after the TokenSelector's cut) is a
+    compiled step of its bucket too, under a kernel that takes its trie mask ("openings"): none goes through the
+    modules, and the answers and the tokens the openings gave equal the modules'."""
+    from litevlm.pipeline import Pipeline
+
+    images, questions = scene
+    opts = dict(CONFIGS[name], max_new_tokens=12, openings=True)
+    ref = Pipeline.from_pretrained("drive-tiny", backend="modules", **opts)
+    twin = Pipeline.from_pretrained("drive-tiny", backend="cuda-twin", warmup=False, **opts)
+    got = [twin.answer(q, images) for q in questions[:4]]
+    want = [ref.answer(q, images) for q in questions[:4]]
+    assert [a.tokens for a in got] == [a.tokens for a in want]
+    assert [a.opened_tokens for a in got] == [a.opened_tokens for a in want] and any(a.opened_tokens for a in got)
+    assert any(key[-1] == "openings" for key in twin.backend._prefill_fns)
+    assert twin.backend.stats["eager_prompts"] == 0 and twin.backend.kernels["openings"] == "flash"
+
+
 def test_setup_is_reported_apart_from_the_stages():
     from litevlm.pipeline import Pipeline
 

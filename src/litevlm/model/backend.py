@@ -11,7 +11,8 @@ route is fixed when the backend is made, never re-chosen per call:
   weights packed for it, when the backend is made: a decode step or a greedy chain cycle is one call.
 - `CudaBackend`: the module path as shape-static steps, one per KV-length bucket, captured as CUDA graphs before
   any prompt and replayed (decode, and verification of trees of the configured size), with the prefill compiled
-  per prompt-length bucket (gpt-fast's recipe), each step kind pinned to one fused attention kernel, never the math
+  per prompt-length bucket (gpt-fast's recipe; whole, either side of a pruning cut, or with answer openings under
+  their trie mask), each step kind pinned to one fused attention kernel, never the math
   path (`litevlm.model.attention`). With `twin=True` it runs on the CPU: every mechanism of a capture except the
   CUDA calls (the warm-up with its side effects, the static buffers, replay on those buffers), so CI tests what a
   GPU runs.
@@ -152,6 +153,14 @@ class ModulesBackend:
         mask = tree_mask_over(tree_mask, start, start + n)
         hidden = lm(lm.embed_tokens(tokens)[None], positions, slots=slots, mask=mask, kv_len=start + n)[0]
         return linear(hidden, self.model.lm_head), hidden
+
+    def tree_rows(self, embeds, positions, slots, visible, end_layer: int) -> torch.Tensor:
+        """Rows after the cached ones (embeds (1, m, C) at positions (1, m), written at slots (m,)) through layers
+        [0, end_layer), row i seeing the slots where visible (m, S) is True, S = the last slot + 1 -> (1, m, C): a
+        pruned prompt's answer openings through the layers before its cut."""
+        return self.lm(
+            embeds, positions, slots=slots, mask=visible[None, None], kv_len=visible.shape[1], end_layer=end_layer
+        )
 
     def verify_chain(self, tokens, start: int, root_position: int):
         raise LiteVLMError(f"the {self.name} backend verifies chains as trees (greedy_chain is False)")
@@ -544,6 +553,26 @@ def _pinned(fn, kernel: SDPBackend):
     return run
 
 
+def _prefill_tree_static(
+    model, embeds, positions, slots, visible, length: int, start_layer: int = 0, end_layer: int | None = None
+):
+    """A padded prompt with a tree after it (answer openings) of `length` rows from slot 0 through layers
+    [start_layer, end_layer): visible (1, 1, length, length) bool, row i seeing where it is True (the prompt's rows
+    causal, the nodes' their trie rows), attended as an additive bias with the K/V heads expanded (the fused kernels'
+    form) -> hidden (1, length, C), post-norm when end_layer is None."""
+    lm = model.language_model
+    return lm(
+        embeds,
+        positions,
+        slots=slots,
+        mask=additive_bias(visible, embeds.dtype),
+        kv_len=length,
+        start_layer=start_layer,
+        end_layer=end_layer,
+        fused=True,
+    )
+
+
 class CudaBackend(ModulesBackend):
     """The module path as shape-static steps per KV-length bucket, captured as CUDA graphs before any prompt.
 
@@ -680,31 +709,60 @@ class CudaBackend(ModulesBackend):
 
     def prompt(self, embeds, positions, start_layer: int = 0, end_layer: int | None = None, tree_tail=None):
         """The prompt through layers [start_layer, end_layer) as a compiled step of its length bucket, one per
-        (bucket, layers): the whole prefill, and the pruned prefill's two parts (the layers before its cut on the
-        whole prompt, those after on the kept tokens). A prompt with answer openings (tree_tail) goes through the
-        modules; `stats` counts it."""
+        (bucket, layers, openings or not): the whole prefill, the pruned prefill's two parts (the layers before its
+        cut on the whole prompt, those after on the kept tokens), and a prompt with answer openings after it
+        (tree_tail: causal rows, then the nodes' trie rows, as a mask of the bucket's size; its own step kind,
+        "openings", pinned to a kernel that takes a mask). Only a batch of more than one goes through the modules;
+        `stats` counts it."""
         t = embeds.shape[1]
         b = self._bucket(t)
         if b is None:
             raise LiteVLMError(f"the prompt has {t} tokens but the KV cache holds {self.cache_len}")
-        if tree_tail is not None or embeds.shape[0] != 1:
+        if embeds.shape[0] != 1:
             self.stats["eager_prompts"] += 1
             return super().prompt(embeds, positions, start_layer, end_layer, tree_tail)
-        args = (*self._padded(embeds, positions, b), start_layer, end_layer)
-        key = (b, start_layer, end_layer)
+        padded = self._padded(embeds, positions, b)
+        if tree_tail is None:
+            kind, static, args = "prefill", _prefill_static, (*padded, start_layer, end_layer)
+        else:
+            kind, static = "openings", _prefill_tree_static
+            args = (*padded[:3], self._tree_visible(tree_tail, t, b), b, start_layer, end_layer)
+        key = (b, start_layer, end_layer) + (("openings",) if tree_tail is not None else ())
         fn = self._prefill_fns.get(key)
-        if fn is None:  # a new bucket or layer range: compile it here, on this prompt, and count it as setup
+        if fn is None:  # a new bucket, layer range or kind: compile it here, on this prompt, and count it as setup
             sync_start = time.perf_counter()
-            if "prefill" not in self.pinned:  # the first bucket pins the prefill's kernel: one eager run, rewritten
-                self._choose("prefill", _prefill_static, (self.model, *args), b, b)
-            tag = f"prefill_{b}" + (f"_{start_layer}_{end_layer}" if (start_layer, end_layer) != (0, None) else "")
-            fn = self._prefill_fns[key] = self._compiled(_prefill_static, tag, self.compile)
-            with sdpa_kernel([self.pinned["prefill"]]):
+            if kind not in self.pinned:  # the kind's first bucket pins its kernel: one eager run, rewritten next
+                self._choose(kind, static, (self.model, *args), b, b)
+            tag = f"{kind}_{b}" + (f"_{start_layer}_{end_layer}" if (start_layer, end_layer) != (0, None) else "")
+            fn = self._prefill_fns[key] = self._compiled(static, tag, self.compile)
+            with sdpa_kernel([self.pinned[kind]]):
                 fn(self.model, *args)
             _sync(embeds.device)
             self.setup_ms += (time.perf_counter() - sync_start) * 1e3
-        with sdpa_kernel([self.pinned["prefill"]]):
+        with sdpa_kernel([self.pinned[kind]]):
             return fn(self.model, *args)[:, :t]
+
+    def tree_rows(self, embeds, positions, slots, visible, end_layer: int) -> torch.Tensor:
+        """As the modules do it, in the fused kernels' form (K/V heads expanded, the mask an additive bias) under the
+        "openings" step kind's kernel: a few rows, eager (one call a prompt, a handful of layers)."""
+        if "openings" not in self.pinned:
+            return super().tree_rows(embeds, positions, slots, visible, end_layer)
+        bias = additive_bias(visible[None, None], embeds.dtype)
+        with sdpa_kernel([self.pinned["openings"]]):
+            return self.lm(
+                embeds, positions, slots=slots, mask=bias, kv_len=visible.shape[1], end_layer=end_layer, fused=True
+            )
+
+    @staticmethod
+    def _tree_visible(tree_tail: torch.Tensor, t: int, b: int) -> torch.Tensor:
+        """(1, 1, b, b) bool for a t-row prompt whose last m rows are a tree (tree_tail (m, t)), padded to bucket b:
+        every row causal, the tree's rows as tree_tail says (they see no padding row, and no padding row's keys
+        reach a real row)."""
+        visible = torch.ones(b, b, dtype=torch.bool, device=tree_tail.device).tril()
+        m = tree_tail.shape[0]
+        visible[t - m : t, :t] = tree_tail
+        visible[t - m : t, t:] = False
+        return visible[None, None]
 
     def ready_prefill(self, t: int) -> None:
         """Compile the prefill bucket of a t-token prompt now, as setup, on a zero prompt (the real prefill that

@@ -259,15 +259,9 @@ def pruned_prefill(
             return PrunedPrefill(linear(hidden[:, -1], model.lm_head), n, kept, next_position, hidden)
         m = len(opening)
         node_pos, tail = opening_inputs(opening, n, next_position, dev)
-        slots = torch.arange(n + m, device=dev)
-        nodes = lm(
-            lm.embed_tokens(opening.tokens.to(dev))[None],
-            node_pos[None],
-            slots=slots[n:],
-            mask=tail[None, None],
-            kv_len=n + m,
-            end_layer=k,
-        )  # layers [0, k) for the nodes, over the compacted prompt
+        node_embeds = lm.embed_tokens(opening.tokens.to(dev))[None]
+        slots = torch.arange(n, n + m, device=dev)
+        nodes = backend.tree_rows(node_embeds, node_pos[None], slots, tail, k)  # layers [0, k), over the kept prompt
         hidden = backend.prompt(
             torch.cat([x[:, kept], nodes], 1),
             torch.cat([positions[:, kept], node_pos[None]], 1),
