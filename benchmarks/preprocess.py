@@ -14,8 +14,10 @@ and into drive-hd's two 112 px tiles by:
   frame.
 
 Times are medians of interleaved repetitions (the two paths alternate); the pixel differences are of the fast tiles
-against today's, in levels of a byte (0-255). With --score-n, drive-hd's DriveLM score (LiteVLM and the baseline) on
-held-out questions with both paths; with --score-jpeg, also on a copy of the split with every image a JPEG.
+against today's, in levels of a byte (0-255), and each path's mean difference from the tiles of the camera's own
+pixels (the frame before encoding, cut PIL's way): what a file's encoding and its decoding lose together. With
+--score-n, drive-hd's DriveLM score (LiteVLM and the baseline) on held-out questions with both paths; with
+--score-jpeg, also on a copy of the split with every image a JPEG.
 """
 
 from __future__ import annotations
@@ -136,6 +138,9 @@ def main() -> None:
                 lambda: cut_view(src, tiling, size, "pil"), lambda: cut_view(src, tiling, size, "fast"), args.reps
             )
             diff = np.abs(cut_view(src, tiling, size, "pil").astype(int) - cut_view(src, tiling, size, "fast"))
+            # each path's tiles against those cut (PIL's way) from the camera's own pixels, before any encoding
+            own = cut_view(sources["array"], tiling, size, "pil").astype(int)
+            err = {p: float(np.abs(cut_view(src, tiling, size, p) - own).mean()) for p in ("pil", "fast")}
             decode = decode_ms(src, tiling, size, args.reps) if kind != "array" else None
             cases.append(
                 {
@@ -147,6 +152,8 @@ def main() -> None:
                     "speedup": round(today / fast, 2),
                     "max_pixel_diff": int(diff.max()),
                     "mean_pixel_diff": round(float(diff.mean()), 4),
+                    "today_err": round(err["pil"], 3),
+                    "new_err": round(err["fast"], 3),
                     # the fast path's decode alone (no resize): what no resize can take away
                     "decode_ms": None if decode is None else round(decode, 3),
                     "best_speedup": None if decode is None else round(today / decode, 2),

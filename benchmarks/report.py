@@ -652,7 +652,7 @@ def section_frames(runs: dict) -> list[str]:
 
 
 PREPROCESS_COLUMNS = ["name", "source", "tiles", "today_ms", "new_ms", "speedup", "max_pixel_diff", "mean_pixel_diff"]
-PREPROCESS_COLUMNS += ["decode_ms", "best_speedup"]
+PREPROCESS_COLUMNS += ["today_err", "new_err", "decode_ms", "best_speedup"]
 
 
 def section_explain(run: dict | None) -> list[str]:
@@ -683,7 +683,10 @@ def section_preprocess(run: dict | None) -> list[str]:
         " (medians, the two paths alternating): `today_ms` PIL's full decode and bicubic resize (the path before this"
         ' change, `resample="pil"`), `new_ms` the default (a JPEG decoded by libjpeg-turbo straight into an'
         " array at the DCT scale its tiles need, torch's antialiased bicubic on uint8, raw frames with no PIL round"
-        " trip); the pixel differences are between their tiles, in levels of a byte. `decode_ms`: the new path's"
+        " trip); the pixel differences are between their tiles, in levels of a byte; `today_err` and `new_err` each"
+        " path's mean difference from the tiles of the camera's own pixels (the frame before any encoding, cut PIL's"
+        " way): what a file's encoding and decoding lose together. Where its tiles are much smaller (1.5x both ways), a JPEG"
+        " is decoded by libjpeg-turbo's fast inverse DCT and merged colour upsampling. `decode_ms`: the new path's"
         " decode alone, no resize (for a file); `best_speedup`: today's time over it, what the case would reach"
         " with a resize that took no time at all.",
         "",

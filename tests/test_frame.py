@@ -154,8 +154,8 @@ def test_the_fast_resize_is_pils_within_one_level_and_a_jpeg_decodes_at_the_scal
 def test_libjpeg_turbo_reads_a_jpeg_at_pils_scale_and_within_a_few_levels_of_its_tiles(tmp_path, target):
     """The fast path's JPEG decoder (libjpeg-turbo straight into an array) reads a file at the DCT scale PIL's draft
     picks, and its tiles stay within a few levels of those cut from PIL's reading of the same file at that scale
-    (the merged colour upsampling, where the tiles are much smaller, is the only difference: a few pixels on hard
-    colour edges)."""
+    (libjpeg's fast inverse DCT and merged colour upsampling, where the tiles are much smaller, are the only
+    difference: a level or so, more only on a few pixels of hard colour edges)."""
     pytest.importorskip("simplejpeg")
     from litevlm.data.synthetic import make_frame, render_views
     from litevlm.model.images import as_pixels, decode_jpeg, open_image, read_image
@@ -168,7 +168,7 @@ def test_libjpeg_turbo_reads_a_jpeg_at_pils_scale_and_within_a_few_levels_of_its
     assert got is not None and got.shape == tuple(pil.permute(1, 2, 0).shape)
     tiles = lambda px: Tiling(tiles=2).cut(px, target[1])  # noqa: E731
     diff = np.abs(tiles(torch.from_numpy(got).permute(2, 0, 1)).astype(int) - tiles(pil))
-    assert diff.mean() < 0.1 and (diff > 8).mean() < 1e-3  # a drawing's hard colour edges: a few pixels, no more
+    assert diff.mean() < 1.0 and (diff > 8).mean() < 1e-3  # a level or so; past 8 only a few pixels on hard edges
     assert torch.equal(read_image(tmp_path / "view.jpg", lambda w, h: target), torch.from_numpy(got).permute(2, 0, 1))
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from litevlm.errors import LiteVLMError
 
 RESAMPLE = ("fast", "pil")
-CHROMA_SHRINK = 1.5  # a JPEG's colour planes take libjpeg's merged upsampling where the tiles are this much smaller
+FAST_SHRINK = 1.5  # a JPEG is decoded by libjpeg's fast paths where its tiles are this much smaller both ways
 # Pixels are only ever read here (the resize makes new ones), so a read-only array (a PIL image's, a caller's frame)
 # is taken as it is instead of copied to quiet torch's warning about it.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -55,10 +55,11 @@ def decode_jpeg(data: bytes, target=None):
     """JPEG bytes -> (H, W, 3) uint8 array by libjpeg-turbo, at `dct_scale`'s scale; None where simplejpeg is not
     installed or declines the file (CMYK, corrupt, more pixels than PIL's bomb limit), for PIL to read or to name.
 
-    Where the resize then shrinks the decoded image by at least `CHROMA_SHRINK` both ways, the colour planes (half
-    the image's size in a 4:2:0 JPEG, about the tiles' own size by then) are widened by libjpeg's merged upsampling
-    instead of its smoothing one: the same colour information reaches the tiles through a different interpolation
-    (a tenth of a level on average, more only on sharp colour edges), for a fifth less decoding."""
+    Where the resize then shrinks the decoded image by at least `FAST_SHRINK` both ways, libjpeg's fast paths decode
+    it: the fast integer inverse DCT, and the colour planes (half the image's size in a 4:2:0 JPEG, about the tiles'
+    own size by then) widened by merged upsampling instead of the smoothing one. A third less decoding, for tiles a
+    little further from the camera's own pixels than the JPEG's own loss puts them (the preprocessing benchmark
+    measures both)."""
     try:
         import simplejpeg
     except ImportError:
@@ -72,9 +73,11 @@ def decode_jpeg(data: bytes, target=None):
         d = dct_scale(width, height, target) if target is not None else 1
         w, h = -(-width // d), -(-height // d)  # libjpeg rounds a scaled size up
         tw, th = target(width, height) if target is not None else (width, height)
-        merged = tw * CHROMA_SHRINK <= w and th * CHROMA_SHRINK <= h
+        fast = tw * FAST_SHRINK <= w and th * FAST_SHRINK <= h
         # the largest scale whose size covers (w, h) is 1/d itself
-        return simplejpeg.decode_jpeg(data, colorspace="RGB", fastupsample=merged, min_width=w, min_height=h)
+        return simplejpeg.decode_jpeg(
+            data, colorspace="RGB", fastdct=fast, fastupsample=fast, min_width=w, min_height=h
+        )
     except ValueError:
         return None
 
