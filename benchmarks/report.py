@@ -679,16 +679,16 @@ def section_preprocess(run: dict | None) -> list[str]:
         return out + not_measured_yet("preprocessing", next(b for b in benchmarks() if b.name == "preprocess"))
     res = run["result"]
     out += [
-        "One 1600x900 camera view from its source (a JPEG or PNG file, or a raw HxWx3 uint8 frame) to its tiles, ms"
-        " (medians, the two paths alternating): `today_ms` PIL's full decode and bicubic resize (the path before this"
-        ' change, `resample="pil"`), `new_ms` the default (a JPEG decoded by libjpeg-turbo straight into an'
-        " array at the DCT scale its tiles need, torch's antialiased bicubic on uint8, raw frames with no PIL round"
-        " trip); the pixel differences are between their tiles, in levels of a byte; `today_err` and `new_err` each"
-        " path's mean difference from the tiles of the camera's own pixels (the frame before any encoding, cut PIL's"
-        " way): what a file's encoding and decoding lose together. Where its tiles are much smaller (1.5x both ways),"
-        " a JPEG is decoded by libjpeg-turbo's fast inverse DCT and merged colour upsampling. `decode_ms`: the new path's"
-        " decode alone, no resize (for a file); `best_speedup`: today's time over it, what the case would reach"
-        " with a resize that took no time at all.",
+        "One 1600x900 camera view from its source (a JPEG or PNG file, or a raw HxWx3 uint8 frame) to its tiles, ms "
+        "(medians, the two paths alternating): `today_ms` PIL's full decode and bicubic resize (the path before this "
+        'change, `resample="pil"`), `new_ms` the default (a JPEG decoded by libjpeg-turbo straight into an array at '
+        "the DCT scale its tiles need, torch's antialiased bicubic on uint8, raw frames with no PIL round trip); the "
+        "pixel differences are between their tiles, in levels of a byte; `today_err` and `new_err` each path's mean "
+        "difference from the tiles of the camera's own pixels (the frame before any encoding, cut PIL's way): what a "
+        "file's encoding and decoding lose together. Where its tiles are much smaller (1.5x both ways), a JPEG is "
+        "decoded by libjpeg-turbo's fast inverse DCT and merged colour upsampling. `decode_ms`: the new path's decode"
+        " alone, no resize (for a file); `best_speedup`: today's time over it, what the case would reach with a "
+        "resize that took no time at all.",
         "",
         *table(PREPROCESS_COLUMNS, [[c.get(k) for k in PREPROCESS_COLUMNS] for c in res.get("cases", [])]),
     ]
