@@ -422,11 +422,11 @@ def _decode_static(model, token, position, slot, width: int):
 
 
 def _verify_static(model, tokens, positions, slots, mask, width: int):
-    """A tree of fixed size with fixed shapes: tokens (N,), positions (1, N), slots (N,), mask (1, 1, N, width)
-    bool, attended as an additive bias (the fused kernels' form) -> (logits (N, V), hidden (N, C))."""
+    """A tree of fixed size with fixed shapes: tokens (B, N), positions (B, N), slots (N,), mask (B, 1, N, width)
+    bool, attended as an additive bias (the fused kernels' form) -> (logits (B, N, V), hidden (B, N, C)); B is 1."""
     lm = model.language_model
-    x = lm.embed_tokens(tokens)[None]  # (1, N, C)
-    hidden = lm(x, positions, slots=slots, mask=additive_bias(mask, x.dtype), kv_len=width, fused=True)[0]
+    x = lm.embed_tokens(tokens)  # (B, N, C)
+    hidden = lm(x, positions, slots=slots, mask=additive_bias(mask, x.dtype), kv_len=width, fused=True)
     return model.lm_head(hidden), hidden
 
 
@@ -448,26 +448,26 @@ def _prefill_static(model, embeds, positions, slots, length: int, start_layer: i
 
 
 def _draft_chain_static(draft, root_hidden, position, start, levels: int, width: int):
-    """A fixed-depth greedy draft chain with fixed shapes, no host sync: root_hidden (1, C), position and start (1,)
-    long tensors -> the drafted ids (levels,). Level i + 1 pairs the level-i token with its predicted feature at draft
+    """A fixed-depth greedy draft chain with fixed shapes, no host sync: root_hidden (B, C), position and start (1,)
+    long tensors -> the drafted ids (B, levels); B is 1. Level i + 1 pairs the level-i token with its predicted feature at draft
     position `position` + i, writes its K/V at draft slot `start` + i and attends over slots 0..width-1 where col <=
     that slot, as an additive bias (the fused kernels' form)."""
     cos_table, sin_table = draft.rope  # (P, 1, D)
     cache = draft.layer.self_attn.kv_cache
     cols = torch.arange(width, device=root_hidden.device)
-    _, tok = draft.topk(root_hidden, 1)  # (1, 1)
-    drafted, hidden = [tok[:, 0]], root_hidden
+    _, tok = draft.topk(root_hidden, 1)  # (B, 1)
+    drafted, hidden = [tok], root_hidden
     for i in range(levels - 1):
         p, slot = position + i, start + i  # (1,)
-        x = draft.fuse(hidden, draft.embed(drafted[-1]))[None]  # (1, 1, C)
+        x = draft.fuse(hidden, draft.embed(drafted[-1][:, 0]))[:, None]  # (B, 1, C)
         q, k, v = draft._qkv(x, cos_table[p], sin_table[p])
         cache.write(slot, k, v)
         bias = additive_bias((cols <= slot)[None, None, None], q.dtype)  # (1, 1, 1, width)
         y = fused_attention(q, cache.k[:, :, :width], cache.v[:, :, :width], bias)
-        hidden = draft._out(x, y)[0]  # (1, C)
+        hidden = draft._out(x, y)[:, 0]  # (B, C)
         _, tok = draft.topk(hidden, 1)
-        drafted.append(tok[:, 0])
-    return (torch.cat(drafted),)
+        drafted.append(tok)
+    return (torch.cat(drafted, 1),)  # (B, levels)
 
 
 class GraphDraft(DraftSteps):
@@ -523,7 +523,7 @@ class GraphDraft(DraftSteps):
         else:
             graph.replay()
             self.backend.stats["graph_replays"] += 1
-        return graph.out[0]
+        return graph.out[0][0]
 
     def _capture(self, depth: int, width: int) -> StepGraph:
         t0 = time.perf_counter()
@@ -648,7 +648,7 @@ class CudaBackend(ModulesBackend):
         self.verify_graphs = {}
         if tree_nodes > 0:
             n = tree_nodes
-            self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
+            self.tokens = torch.zeros(1, n, dtype=torch.long, device=dev)
             self.positions = torch.zeros(1, n, dtype=torch.long, device=dev)
             self.slots = torch.arange(self.cache_len, self.cache_len + n, device=dev)  # scratch while capturing
             self.masks = {w: torch.ones(1, 1, n, w, dtype=torch.bool, device=dev) for w in self.widths if w >= n}
@@ -812,13 +812,13 @@ class CudaBackend(ModulesBackend):
             mask[:n, :n] = tree_mask
             mask[n:, n:] = torch.eye(pad, dtype=torch.bool, device=tree_mask.device)
             tree_mask = mask
-        self.tokens.copy_(tokens)
+        self.tokens.copy_(tokens[None])
         self.positions.copy_(depth[None] + root_position)
         self.slots.copy_(torch.arange(start, start + full, device=tokens.device))
         self.masks[w].copy_(tree_mask_over(tree_mask, start, w))
         self.stats["graph_replays"] += 1
         logits, hidden = self.verify_graphs[w].replay()
-        return logits[:n], hidden[:n]
+        return logits[0, :n], hidden[0, :n]
 
 
 def _sync(device) -> None:
