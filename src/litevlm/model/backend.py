@@ -449,9 +449,9 @@ def _prefill_static(model, embeds, positions, slots, length: int, start_layer: i
 
 def _draft_chain_static(draft, root_hidden, position, start, levels: int, width: int):
     """A fixed-depth greedy draft chain with fixed shapes, no host sync: root_hidden (B, C), position and start (1,)
-    long tensors -> the drafted ids (B, levels); B is 1. Level i + 1 pairs the level-i token with its predicted feature at draft
-    position `position` + i, writes its K/V at draft slot `start` + i and attends over slots 0..width-1 where col <=
-    that slot, as an additive bias (the fused kernels' form)."""
+    long tensors -> the drafted ids (B, levels); B is 1. Level i + 1 pairs the level-i token with its predicted
+    feature at draft position `position` + i, writes its K/V at draft slot `start` + i and attends over slots
+    0..width-1 where col <= that slot, as an additive bias (the fused kernels' form)."""
     cos_table, sin_table = draft.rope  # (P, 1, D)
     cache = draft.layer.self_attn.kv_cache
     cols = torch.arange(width, device=root_hidden.device)
