@@ -303,6 +303,22 @@ def test_a_prompt_with_answer_openings_runs_as_a_bucketed_step(name, scene):
     assert twin.backend.stats["eager_prompts"] == 0 and twin.backend.kernels["openings"] == "flash"
 
 
+def test_auto_makes_the_cache_its_chosen_backend_needs(monkeypatch, scene):
+    """"auto" is settled before the cache is made: where it picks the CUDA backend (on a GPU; here its twin, patched
+    in for the device check), the cache has the scratch slots its captures write, and the answers are the modules'."""
+    import litevlm.pipeline as pipeline_module
+    from litevlm.pipeline import Pipeline
+
+    images, questions = scene
+    opts = {"speculative": True, "max_new_tokens": 12}
+    monkeypatch.setattr(pipeline_module, "auto_kind", lambda model, draft=None: "cuda-twin")
+    auto = Pipeline.from_pretrained("drive-tiny", warmup=False, **opts)
+    assert auto.backend_kind == "auto" and auto.backend.name == "cuda-twin"
+    assert auto.backend.scratch >= auto.tree.total_tokens
+    ref = Pipeline.from_pretrained("drive-tiny", backend="modules", **opts)
+    assert auto.answer(questions[0], images).tokens == ref.answer(questions[0], images).tokens
+
+
 def test_setup_is_reported_apart_from_the_stages():
     from litevlm.pipeline import Pipeline
 

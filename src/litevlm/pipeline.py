@@ -30,7 +30,7 @@ import torch
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
 from litevlm.frame import Frame, ViewCache
-from litevlm.model.backend import CACHE_MULTIPLE, Sampling, choose_backend, round_up
+from litevlm.model.backend import CACHE_MULTIPLE, Sampling, auto_kind, choose_backend, round_up
 from litevlm.model.generate import (
     Prefilled,
     StageTimer,
@@ -247,9 +247,12 @@ class Pipeline:
             self.view_cache.clear()
         lm = self.model.language_model
         nodes = self.tree.total_tokens if self.drafting else 0
-        scratch = max(1, nodes) if self.backend_kind in GRAPH_BACKENDS else 0
+        # "auto" is settled before the cache is made: on a GPU it builds the CUDA backend, whose captures write into
+        # scratch slots past the live ones
+        kind = auto_kind(self.model, self.draft) if self.backend_kind == "auto" else self.backend_kind
+        scratch = max(1, nodes) if kind in GRAPH_BACKENDS else 0
         lm.setup_cache(1, self.max_len, scratch=scratch)
-        self.backend = choose_backend(self.backend_kind, self.model, self.draft, tree_nodes=nodes)
+        self.backend = choose_backend(kind, self.model, self.draft, tree_nodes=nodes)
         self.precision = precision_of(self.model)  # what every answer reports, read once per set of weights
         self.warmed = False
         self.setup_ms += (time.perf_counter() - t0) * 1e3

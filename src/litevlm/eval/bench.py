@@ -629,7 +629,7 @@ def run_bench(
         "cpu_steps": cpu_steps.backend(),
         "questions": len(samples) - warmup,
         "rows": rows,
-        "cuda_graphs": backend in GRAPH_BACKENDS,
+        "cuda_graphs": any(p.backend.name in GRAPH_BACKENDS for p in pipes.values()),  # "auto" on a GPU too
         "backends": {name: p.backend.name for name, p in pipes.items()},
         "setup_ms": {name: round(p.setup_ms, 1) for name, p in pipes.items()},
         "capture_ms": {name: round(p.setup_ms, 1) for name, p in pipes.items()},  # setup_ms's older name
