@@ -304,7 +304,7 @@ def test_a_prompt_with_answer_openings_runs_as_a_bucketed_step(name, scene):
 
 
 def test_auto_makes_the_cache_its_chosen_backend_needs(monkeypatch, scene):
-    """"auto" is settled before the cache is made: where it picks the CUDA backend (on a GPU; here its twin, patched
+    """ "auto" is settled before the cache is made: where it picks the CUDA backend (on a GPU; here its twin, patched
     in for the device check), the cache has the scratch slots its captures write, and the answers are the modules'."""
     import litevlm.pipeline as pipeline_module
     from litevlm.pipeline import Pipeline
@@ -317,6 +317,39 @@ def test_auto_makes_the_cache_its_chosen_backend_needs(monkeypatch, scene):
     assert auto.backend.scratch >= auto.tree.total_tokens
     ref = Pipeline.from_pretrained("drive-tiny", backend="modules", **opts)
     assert auto.answer(questions[0], images).tokens == ref.answer(questions[0], images).tokens
+
+
+@pytest.mark.parametrize("compile_steps", [False, True])
+def test_compile_steps_reaches_the_captured_steps_from_the_pipeline_and_the_command_line(
+    monkeypatch, compile_steps, scene
+):
+    """`Pipeline(compile_steps=)` and `--compile-steps` (ask, eval, serve, bench) decide whether the CUDA backend's
+    decode, verification and draft-chain steps are compiled before capture (recorded here instead of compiled)."""
+    from litevlm.cli import build_parser
+    from litevlm.options import pipeline_options
+    from litevlm.pipeline import Pipeline
+
+    made = []
+
+    def record(self, fn, tag, compile_it):
+        made.append((tag.split("_")[0], compile_it))
+        return fn
+
+    monkeypatch.setattr(CudaBackend, "_compiled", record)
+    argv = ["ask", "--images", "x", "--question", "q", "--speculative", "--tree-top-k", "1", "--tree-depth", "4"]
+    argv += ["--tree-total", "5", "--tree-min-value", "0"]  # a fixed-depth chain: the replayed draft step
+    opts = pipeline_options(build_parser().parse_args(argv + (["--compile-steps"] if compile_steps else [])))
+    assert opts["compile_steps"] is compile_steps
+    bench = build_parser().parse_args(["bench", *(["--compile-steps"] if compile_steps else [])])
+    assert bench.compile_steps is compile_steps
+    opts.update(backend="cuda-twin", warmup=False, max_new_tokens=12)
+    pipe = Pipeline.from_pretrained("drive-tiny", **{k: v for k, v in opts.items() if v is not None})
+    images, questions = scene
+    pipe.answer(questions[0], images)  # the draft chain's step is made on its first cycle
+    steps = {kind: flag for kind, flag in made if kind in ("decode", "verify", "draft")}
+    assert set(steps) == {"decode", "verify", "draft"} and set(steps.values()) == {compile_steps}
+    other = Pipeline.from_pretrained("drive-tiny", backend="modules", compile_steps=True, warmup=False)
+    assert other.backend.name == "modules"  # no effect off the CUDA backend
 
 
 def test_setup_is_reported_apart_from_the_stages():

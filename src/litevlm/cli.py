@@ -775,6 +775,12 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
         help="each row's execution backend: auto (cuda on a GPU, else the native CPU steps where they apply), the "
         "modules, native, cuda, or cuda-twin (the CUDA backend's graphs replayed eagerly on the CPU)",
     )
+    p.add_argument(
+        "--compile-steps",
+        action="store_true",
+        help="the cuda backend's decode, verification and draft-chain steps compiled by inductor before capture "
+        "(fused norms, RoPE, SwiGLU, FP8 quantisation): one compile per KV bucket and step at setup",
+    )
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers generate rows")
     p.add_argument(
         "--no-score",
@@ -837,6 +843,7 @@ def run_bench_command(args) -> None:
         jsonl=args.jsonl,
         scored=not args.no_score,
         questions_per_frame=args.questions_per_frame,
+        compile_steps=args.compile_steps,
     )
     if args.questions_per_frame > 1:
         from litevlm.eval.bench import format_frames

@@ -161,6 +161,12 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
         "apply), the modules, native, cuda (CUDA graphs), or cuda-twin (the CUDA backend's mechanisms on the CPU)",
     )
     g.add_argument(
+        "--compile-steps",
+        action="store_true",
+        help="the cuda backend's decode, verification and draft-chain steps compiled by inductor before capture "
+        "(fused norms, RoPE, SwiGLU, FP8 quantisation): one compile per KV bucket and step at setup",
+    )
+    g.add_argument(
         "--matmul",
         default="fp32",
         choices=("fp32", "bf16"),
@@ -203,6 +209,7 @@ def pipeline_options(args: argparse.Namespace) -> dict:
         fp8=args.fp8,
         matmul=args.matmul,
         backend=args.backend,
+        compile_steps=args.compile_steps,
         min_select_tokens=args.select_min_tokens,
         openings=not args.no_openings,
         **format_options(args),

@@ -157,6 +157,9 @@ class Pipeline:
         never inside a stage. cuda_graphs=True is backend="cuda".
     resample: how images become tiles (`litevlm.model.images`): "fast" (reduced-size JPEG decoding, torch's
         antialiased bicubic on uint8) or "pil" (PIL's full decode and bicubic resize, transformers' bytes).
+    compile_steps: the CUDA backend's decode, verification and draft-chain steps compiled by inductor before they
+        are captured (the norms, RoPE, SwiGLU and FP8's activation quantisation fused): one compile per KV-length
+        bucket and step kind at setup; no effect on the other backends.
     view_cache: a `litevlm.frame.ViewCache` (or its bound in bytes) that keeps encoded views across questions,
         keyed by content (`litevlm serve`, `litevlm eval`); None: each `answer` reads its views afresh.
     """
@@ -185,6 +188,7 @@ class Pipeline:
         openings: bool = True,
         prompt_format: PromptFormat | None = None,
         backend: str = "auto",
+        compile_steps: bool = False,
         warmup: bool = True,
         resample: str = "fast",
         view_cache: ViewCache | int | None = None,
@@ -218,6 +222,7 @@ class Pipeline:
                 f"the cuda backend (cuda_graphs) needs the model on a CUDA device; it is on {model.device}"
             )
         self.backend_kind = backend
+        self.compile_steps = compile_steps
         from litevlm.model.images import check_resample
 
         self.resample = check_resample(resample)
@@ -252,7 +257,8 @@ class Pipeline:
         kind = auto_kind(self.model, self.draft) if self.backend_kind == "auto" else self.backend_kind
         scratch = max(1, nodes) if kind in GRAPH_BACKENDS else 0
         lm.setup_cache(1, self.max_len, scratch=scratch)
-        self.backend = choose_backend(kind, self.model, self.draft, tree_nodes=nodes)
+        graphs = {"compile_steps": True} if self.compile_steps and kind in GRAPH_BACKENDS else {}
+        self.backend = choose_backend(kind, self.model, self.draft, tree_nodes=nodes, **graphs)
         self.precision = precision_of(self.model)  # what every answer reports, read once per set of weights
         self.warmed = False
         self.setup_ms += (time.perf_counter() - t0) * 1e3

@@ -245,6 +245,7 @@ def _pipelines(
     shape: str | None,
     backend: str = "auto",
     load: dict | None = None,
+    compile_steps: bool = False,
 ):
     """One pipeline per row, each with its execution backend (`litevlm.model.backend`); `load` holds
     `Pipeline.from_pretrained`'s device, dtype and prompt format options."""
@@ -253,13 +254,20 @@ def _pipelines(
     if shape is None:
         return {
             name: Pipeline.from_pretrained(
-                model, max_new_tokens=max_new_tokens, backend=backend, **(load or {}), **opts
+                model,
+                max_new_tokens=max_new_tokens,
+                backend=backend,
+                compile_steps=compile_steps,
+                **(load or {}),
+                **opts,
             )
             for name, opts in configs.items()
         }
     weights = {}  # one set of random weights for every row (a 2B model in fp32 is 9 GB): see random_pipeline
     return {
-        name: random_pipeline(shape, model, max_new_tokens, backend=backend, weights=weights, **opts)
+        name: random_pipeline(
+            shape, model, max_new_tokens, backend=backend, weights=weights, compile_steps=compile_steps, **opts
+        )
         for name, opts in configs.items()
     }
 
@@ -301,6 +309,7 @@ def random_pipeline(
     backend: str = "auto",
     openings: bool = True,
     weights: dict | None = None,
+    compile_steps: bool = False,
 ):
     """A pipeline at a real model's shapes with random weights (latency only): `--shape 2b` etc.
 
@@ -359,7 +368,15 @@ def random_pipeline(
         quantize_model(model, FP8Recipe(fp8))
     # Random weights never emit EOS reliably: every answer runs to max_new_tokens, the same for all rows.
     # (Only the stopping rule changes: the prompt keeps its end-of-turn token.)
-    pipe = Pipeline(model, tok, max_new_tokens=max_new_tokens, name=f"random-{shape}", backend=backend, **parts)
+    pipe = Pipeline(
+        model,
+        tok,
+        max_new_tokens=max_new_tokens,
+        name=f"random-{shape}",
+        backend=backend,
+        compile_steps=compile_steps,
+        **parts,
+    )
     pipe.stop_id = None
     if weights is not None and not warm:
         # a plain row's model, with what its warm-up derived from the weights: the later rows copy it and share that too
@@ -522,6 +539,7 @@ def run_bench(
     jsonl=None,
     scored: bool = True,
     questions_per_frame: int = 1,
+    compile_steps: bool = False,
 ) -> dict:
     """Every row of `configs` (default: the paper's table) on the first `n` questions of `data` after `warmup`
     (default: held-out synthetic frames of `seed`), plus transformers' generate rows with `hf`. A real model's rows
@@ -556,10 +574,10 @@ def run_bench(
     lines = JsonLines(jsonl)
     if questions_per_frame > 1:
         frames = _frames(data, n, warmup, questions_per_frame, seed, images_root)
-        pipes = _pipelines(model, configs, max_new_tokens, shape, backend, load)
+        pipes = _pipelines(model, configs, max_new_tokens, shape, backend, load, compile_steps)
         return _run_frames(pipes, frames, warmup, progress, lines, seed, model, scored), None
     samples = _samples(data, n + warmup, seed, images_root)
-    pipes = _pipelines(model, configs, max_new_tokens, shape, backend, load)
+    pipes = _pipelines(model, configs, max_new_tokens, shape, backend, load, compile_steps)
     lines.write(
         "setup",
         configs=list(pipes),
