@@ -369,9 +369,11 @@ class StepGraph:
 
     Capture: `warmup` eager runs of fn (on a side stream on CUDA, as capture requires; their side effects are real,
     so fn's static inputs must point at scratch cache slots while they run), then the capture, whose outputs are
-    the static output tensors every replay rewrites. The twin does all of this except the CUDA calls: its
-    "capture" runs fn once more for the output buffers, and a replay runs fn and copies its results into them,
-    so a caller that held on to an output across replays sees what it would see on a GPU."""
+    the static output tensors every replay rewrites. A capture records fn without running it, so until the first
+    replay those outputs hold whatever their memory held. The twin does all of this except the CUDA calls: its
+    "capture" runs fn once more for the output buffers and then fills them with garbage (NaN, or -1 for ids), as a
+    capture leaves them, and a replay runs fn and copies its results into them, so a caller that held on to an output
+    across replays, or read one before any replay, sees what it would see on a GPU."""
 
     def __init__(self, fn, device, twin: bool, warmup: int = 2, pool=None):
         self.fn, self.twin = fn, twin
@@ -381,6 +383,8 @@ class StepGraph:
                 for _ in range(warmup):
                     fn()
                 self.out = fn()
+                for t in self.out:  # what a capture leaves in its outputs: nothing computed
+                    t.fill_(float("nan") if t.is_floating_point() else -1)
             else:
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
@@ -518,11 +522,10 @@ class GraphDraft(DraftSteps):
         self.start.fill_(start)
         key = (depth, width, cache.k.data_ptr(), head.rope[0].data_ptr())
         graph = self.graphs.get(key)
-        if graph is None:  # the first chain of this bucket: it is drafted by the capture itself
+        if graph is None:  # the first chain of this bucket: captured (nothing computed), then replayed like the rest
             graph = self.graphs[key] = self._capture(depth, width)
-        else:
-            graph.replay()
-            self.backend.stats["graph_replays"] += 1
+        graph.replay()
+        self.backend.stats["graph_replays"] += 1
         return graph.out[0][0]
 
     def _capture(self, depth: int, width: int) -> StepGraph:
