@@ -213,6 +213,12 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-eager", dest="eager", action="store_false", help="time compiled runs only")
+    ap.add_argument(
+        "--no-compiled",
+        dest="compiled",
+        action="store_false",
+        help="time eager runs only (no compile: a 2B decode's compile outlasts a short session's budget)",
+    )
     ap.add_argument("--fast-accum", action="store_true", help="cuBLAS fast accumulation in the FP8 GEMM")
     ap.add_argument("--dry-run-cpu", action="store_true", help="check the script on the CPU with a tiny config")
     ap.add_argument("--budget-s", type=float, default=None, help="finish within this many seconds (default: no limit)")
@@ -270,10 +276,13 @@ def main(argv=None) -> int:
                 measure(name, fns, stage, "eager", st, args, decode_kw, results[name], out)
     # 2. compiled, stage by stage and every variant of a stage in turn, while the budget lasts: each stage's
     # compiled ratio comes as soon as it can, and the compiles the budget cannot hold are the last stages'
-    compiled = {name: st.fns(m, compile_kw, decode_kw) for name, m in variants.items()}
-    for stage in stage_order(compiled["bf16"]):
-        for name in variants:
-            measure(name, compiled[name], stage, "compiled", st, args, decode_kw, results[name], out)
+    if args.compiled:
+        compiled = {name: st.fns(m, compile_kw, decode_kw) for name, m in variants.items()}
+        for stage in stage_order(compiled["bf16"]):
+            for name in variants:
+                measure(name, compiled[name], stage, "compiled", st, args, decode_kw, results[name], out)
+    else:
+        out.left_out.append("every compiled stage: --no-compiled")
     del variants
 
     # table: stage | bf16 eager/compiled | per recipe eager/compiled, speed-up (compiled), SQNR; nan where skipped

@@ -214,6 +214,14 @@ def test_choosing_a_backend():
     assert round_up(1) == 128 and round_up(128) == 128 and round_up(129) == 256
 
 
+def test_litevlm_cuda_compile_0_keeps_the_prefill_eager(monkeypatch):
+    from litevlm.model.backend import compiles
+
+    assert compiles()
+    monkeypatch.setenv("LITEVLM_CUDA_COMPILE", "0")
+    assert not compiles()
+
+
 def test_sampling_is_one_frozen_value():
     s = Sampling(12, EOS, 0.7, 0.9, torch.Generator().manual_seed(0))
     with pytest.raises(AttributeError):
@@ -351,6 +359,36 @@ def test_compile_steps_reaches_the_captured_steps_from_the_pipeline_and_the_comm
     assert set(steps) == {"decode", "verify", "draft"} and set(steps.values()) == {compile_steps}
     other = Pipeline.from_pretrained("drive-tiny", backend="modules", compile_steps=True, warmup=False)
     assert other.backend.name == "modules"  # no effect off the CUDA backend
+
+
+def test_a_compile_inside_an_answer_is_setup_not_a_stage(monkeypatch, scene):
+    """A prefill step met for the first time inside an answer (a pruned prefill's parts) is compiled there (on a
+    GPU, tens of seconds): that time is setup (`setup_ms`), left out of the prefill stage, the total and e2e. Here
+    each step's first call is made half a second slower, as a compile would."""
+    import time as clock
+
+    from litevlm.pipeline import Pipeline
+
+    def compiled(self, fn, tag, compile_it):
+        first = [True]
+
+        def step(*args):
+            if first[0]:
+                first[0] = False
+                clock.sleep(0.5)
+            return fn(*args)
+
+        return step
+
+    monkeypatch.setattr(CudaBackend, "_compiled", compiled)
+    images, questions = scene
+    opts = {"select_views": True, "select_tokens": 0.5, "max_new_tokens": 6}  # the pruned prefill's two parts
+    pipe = Pipeline.from_pretrained("drive-tiny", backend="cuda-twin", warmup=False, **opts)
+    before = pipe.setup_ms
+    ms = pipe.answer(questions[0], images).timings_ms
+    assert pipe.setup_ms - before >= 1000  # the first calls of both parts' steps, inside the prefill stage
+    assert ms["prefill"] < 400 and ms["e2e"] < ms["total"] + ms["preprocess"] + 400
+    assert ms["e2e"] >= ms["total"]
 
 
 def test_setup_is_reported_apart_from_the_stages():

@@ -350,3 +350,20 @@ def test_frame_mode_answers_each_frame_as_strangers_and_through_one_frame_side_b
         assert frame["e2e_ms"] == pytest.approx(frame["total_ms"] + frame["preprocess_ms"], abs=2e-3)
     assert "| litevlm | frame | 2 |" in format_frames(result)
     json.dumps(result)
+
+
+def test_the_bf16_matmul_rows_join_only_a_real_model_in_fp32_on_the_cpu(monkeypatch):
+    """On a CPU that multiplies bf16, the bench's default rows add their bf16-matmul twins, but not for a model on a
+    GPU or in bf16 (whose pipelines refuse matmul="bf16"), nor for random weights at a preset's shapes."""
+    import litevlm.model.layers as layers
+    from litevlm.eval.bench import default_configs
+
+    monkeypatch.setattr(layers, "bf16_matmul_supported", lambda: True)
+    assert list(default_configs(None, None)) == [*CONFIGS, *BF16_CONFIGS]
+    assert list(default_configs(None, {"device": "cpu", "dtype": "float32", "tiles": None})) == [
+        *CONFIGS,
+        *BF16_CONFIGS,
+    ]
+    assert list(default_configs(None, {"device": "cuda", "dtype": "bfloat16"})) == list(CONFIGS)
+    assert list(default_configs(None, {"dtype": "bfloat16"})) == list(CONFIGS)
+    assert list(default_configs("2b", None)) == list(CONFIGS)

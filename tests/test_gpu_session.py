@@ -27,9 +27,9 @@ def test_the_plan_with_its_kill_afters_fits_in_seven_minutes():
     plan = dict(re.findall(r"\[(\w+)\]=(\d+)", re.search(r"^declare -A PLAN=\((.*)\)$", text, re.M).group(1)))
     assert sorted(plan) == sorted(STEPS)
     kill_after = int(re.search(r"^KILL_AFTER=(\d+)$", text, re.M).group(1))
-    probe = int(re.search(r"^PROBE_S=(\d+)$", text, re.M).group(1))
-    assert sum(int(v) + kill_after for v in plan.values()) + probe <= PLAN_LIMIT_S
-    assert not re.findall(r"\btimeout (\d+) ", text)  # no command timed outside the plan
+    assert sum(int(v) + kill_after for v in plan.values()) <= PLAN_LIMIT_S
+    assert not re.findall(r"\btimeout \S+ ", re.sub(r"(?m)^\s*(#|echo).*$", "", text).replace('timeout -s "${', ""))
+    assert re.search(r"^export LITEVLM_CUDA_COMPILE=0$", text, re.M)  # no compile: none fits a step's budget
     steps = re.findall(r"^\s*(?:if ! )?(?:STEP_SIGNAL=\w+ )?step (\w+) ", text, re.M)
     assert steps == STEPS  # every planned step runs, in this order
     assert re.search(r"^STEP_SIGNAL=INT step gpu_tests ", text, re.M)  # pytest writes its XML when stopped

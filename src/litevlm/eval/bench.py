@@ -521,6 +521,16 @@ def _record(s, text: str, views: int) -> dict:
     }
 
 
+def default_configs(shape: str | None, load: dict | None) -> dict[str, dict]:
+    """The paper's rows, and their bf16-matmul twins where they apply: a real model in fp32 on a CPU whose
+    instructions multiply bf16 (on a GPU, or in bf16, a pipeline refuses `matmul="bf16"`)."""
+    from litevlm.model.layers import bf16_matmul_supported
+
+    on = {"device": "cpu", "dtype": "float32", **{k: v for k, v in (load or {}).items() if v is not None}}
+    cpu_fp32 = shape is None and on["device"] == "cpu" and on["dtype"] == "float32"
+    return {**CONFIGS, **(BF16_CONFIGS if cpu_fp32 and bf16_matmul_supported() else {})}
+
+
 def run_bench(
     model: str = "drive-tiny",
     data=None,
@@ -558,9 +568,7 @@ def run_bench(
     from litevlm.quant.fp8 import FP8Linear
 
     if configs is None:
-        from litevlm.model.layers import bf16_matmul_supported
-
-        configs = {**CONFIGS, **(BF16_CONFIGS if shape is None and bf16_matmul_supported() else {})}
+        configs = default_configs(shape, load)
     if cuda_graphs:
         backend = "cuda"
     if backend == "cuda" and not (shape and torch.cuda.is_available()):
@@ -654,6 +662,11 @@ def run_bench(
         "graph_replays": {name: dict(p.backend.stats) for name, p in pipes.items()},
         # the SDPA kernel each static step ran under, e.g. {"decode": "efficient", ...}; None off the CUDA backend
         "attention_kernels": {name: p.backend.kernels for name, p in pipes.items()},
+        # whether each row's prefill ran compiled steps (CUDA backend) and its decode steps compiled ones too
+        "compiled": {
+            name: {"prefill": getattr(p.backend, "compile", False), "steps": getattr(p.backend, "compile_steps", False)}
+            for name, p in pipes.items()
+        },
         "peak_memory_mb": peak_memory_mb(dev),
     }, per_question
 

@@ -24,6 +24,7 @@ weights they were made from.
 
 from __future__ import annotations
 
+import os
 import time
 import types
 from dataclasses import dataclass, field
@@ -748,13 +749,23 @@ class CudaBackend(ModulesBackend):
     def tree_rows(self, embeds, positions, slots, visible, end_layer: int) -> torch.Tensor:
         """As the modules do it, in the fused kernels' form (K/V heads expanded, the mask an additive bias) under the
         "openings" step kind's kernel: a few rows, eager (one call a prompt, a handful of layers)."""
-        if "openings" not in self.pinned:
-            return super().tree_rows(embeds, positions, slots, visible, end_layer)
-        bias = additive_bias(visible[None, None], embeds.dtype)
-        with sdpa_kernel([self.pinned["openings"]]):
-            return self.lm(
-                embeds, positions, slots=slots, mask=bias, kv_len=visible.shape[1], end_layer=end_layer, fused=True
-            )
+        if "openings" in self.pinned:
+            bias = additive_bias(visible[None, None], embeds.dtype)
+            try:
+                with sdpa_kernel([self.pinned["openings"]]):
+                    return self.lm(
+                        embeds,
+                        positions,
+                        slots=slots,
+                        mask=bias,
+                        kv_len=visible.shape[1],
+                        end_layer=end_layer,
+                        fused=True,
+                    )
+            except RuntimeError:  # the kernel was pinned on a bucket's shapes; these rows are not one (counted)
+                pass  # the rows rewrite the same slots below
+        self.stats["eager_steps"] += 1
+        return super().tree_rows(embeds, positions, slots, visible, end_layer)
 
     @staticmethod
     def _tree_visible(tree_tail: torch.Tensor, t: int, b: int) -> torch.Tensor:
@@ -860,4 +871,12 @@ def choose_backend(kind: str, model, draft=None, tree_nodes: int = 0, **cuda_opt
     if kind == "native":
         return NativeBackend(model, draft)
     twin = kind == "cuda-twin"  # on the CPU the prefill buckets run eagerly unless asked to compile
-    return CudaBackend(model, draft, tree_nodes, twin=twin, **{"compile": not twin, **cuda_options})
+    return CudaBackend(model, draft, tree_nodes, twin=twin, **{"compile": not twin and compiles(), **cuda_options})
+
+
+def compiles() -> bool:
+    """Whether a CUDA backend compiles its prefill steps (one compile per length bucket and layer range, tens of
+    seconds each at a 2B model's shapes, paid as setup): yes, unless LITEVLM_CUDA_COMPILE=0, which runs them
+    eagerly (still pinned to a fused kernel; the decode, verification and draft steps are replayed graphs either
+    way)."""
+    return os.environ.get("LITEVLM_CUDA_COMPILE", "1") not in ("0", "false", "no", "off")

@@ -29,11 +29,17 @@ def sync(device) -> None:
 
 
 class StageTimer:
-    """Wall milliseconds per named stage, with the device synchronised at both boundaries."""
+    """Wall milliseconds per named stage, with the device synchronised at both boundaries.
 
-    def __init__(self, device):
+    setup: a callable giving the backend's setup so far in ms (`setup_ms`): setup made inside a stage (a CUDA
+    backend compiling a new prefill bucket, capturing a draft chain's first graph) is left out of the stage, and
+    summed in `setup_ms` instead."""
+
+    def __init__(self, device, setup=None):
         self.device = device
+        self.setup = setup
         self.ms: dict[str, float] = {}
+        self.setup_ms = 0.0
 
     def __call__(self, name: str):
         return _Stage(self, name)
@@ -45,11 +51,15 @@ class _Stage:
 
     def __enter__(self):
         sync(self.timer.device)
+        self.setup0 = self.timer.setup() if self.timer.setup else 0.0
         self.t0 = time.perf_counter()
 
     def __exit__(self, *exc):
         sync(self.timer.device)
-        self.timer.ms[self.name] = self.timer.ms.get(self.name, 0.0) + (time.perf_counter() - self.t0) * 1e3
+        ms = (time.perf_counter() - self.t0) * 1e3
+        setup = (self.timer.setup() if self.timer.setup else 0.0) - self.setup0
+        self.timer.setup_ms += setup
+        self.timer.ms[self.name] = self.timer.ms.get(self.name, 0.0) + max(0.0, ms - setup)
 
 
 def causal_mask(kv_len: int, start: int, n: int, device) -> torch.Tensor:
@@ -76,11 +86,14 @@ def check_room(model, t: int, max_new_tokens: int) -> None:
 
 
 def as_backend(target):
-    """A backend for `target`: itself if it is one, else the one `choose_backend("auto", model)` makes (a library
-    call on a bare model; a pipeline makes its backend once, when it is built)."""
+    """A backend for `target`: itself if it is one, else, for a library call on a bare model, the one
+    `choose_backend("auto", model)` makes, except on a GPU: there the modules (a CUDA backend captures graphs into
+    scratch slots of a cache made for it, work a pipeline does once, when it is built)."""
     from litevlm.model.backend import ModulesBackend, choose_backend
 
-    return target if isinstance(target, ModulesBackend) else choose_backend("auto", target)
+    if isinstance(target, ModulesBackend):
+        return target
+    return choose_backend("modules" if target.device.type == "cuda" else "auto", target)
 
 
 def prefill(target, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

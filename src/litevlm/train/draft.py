@@ -885,8 +885,8 @@ def _init(head: DraftHead, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in head.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0, 0.02, generator=g)
+            if p.ndim >= 2:  # drawn on the CPU: the same head on every device (a CUDA tensor takes no CPU generator)
+                p.copy_(torch.empty(p.shape).normal_(0, 0.02, generator=g))
             elif "norm" in name:
                 p.fill_(1.0)
             else:

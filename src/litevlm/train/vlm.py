@@ -921,8 +921,8 @@ def unshuffle_projector(model: VLM, tiles_per_view: int = 0, name: str = "") -> 
 def _init_param(name: str, p: torch.Tensor, g: torch.Generator) -> None:
     if name.endswith("lambda_1") or name.endswith("lambda_2"):
         p.data.fill_(0.1)
-    elif p.ndim >= 2:
-        p.data.normal_(0, 0.02, generator=g)
+    elif p.ndim >= 2:  # drawn on the CPU (g is a CPU generator): the same weights on every device
+        p.data.copy_(torch.empty(p.shape).normal_(0, 0.02, generator=g))
     elif "norm" in name and name.endswith("weight"):
         p.data.fill_(1.0)
     else:
