@@ -4,7 +4,7 @@ on them; the static steps compiled by inductor). The GPU itself is exercised by 
 
 import pytest
 import torch
-from test_spec import EOS, assert_reordered_fp32, prompt, random_draft, tiny_vlm
+from test_spec import EOS, assert_greedy_up_to_a_near_tie, assert_reordered_fp32, prompt, random_draft, tiny_vlm
 
 from litevlm.errors import LiteVLMError
 from litevlm.model.backend import (
@@ -212,6 +212,21 @@ def test_choosing_a_backend():
     with pytest.raises(LiteVLMError, match="scratch"):
         CudaBackend(model, twin=True)
     assert round_up(1) == 128 and round_up(128) == 128 and round_up(129) == 256
+
+
+def test_the_near_tie_check_refuses_a_clear_disagreement():
+    """The bf16 GPU tests' check passes equal answers, and refuses answers that part where the modules' choice leads
+    clearly (it can fail)."""
+    model = cached(tiny_vlm(vocab=24))
+    embeds, pos = prompt(model, seed=3)
+    with torch.no_grad():
+        want = generate(ModulesBackend(model), embeds, pos, 12, None).tokens
+    assert_greedy_up_to_a_near_tie(model, embeds, pos, list(want), want, margin=0.05)
+    bad = list(want)
+    bad[5] = (bad[5] + 1) % 24
+    with pytest.raises(AssertionError, match="leads by"):
+        assert_greedy_up_to_a_near_tie(model, embeds, pos, bad, want, margin=1e-6)
+    assert_greedy_up_to_a_near_tie(model, embeds, pos, bad, want, margin=1e9)  # any gap is a tie at this margin
 
 
 def test_litevlm_cuda_compile_0_keeps_the_prefill_eager(monkeypatch):
@@ -434,9 +449,14 @@ def test_cuda_graphs_decode_like_the_modules(dtype, compile_steps):
         ModulesBackend(model).prefill(embeds, pos)
         backend = CudaBackend(model, head, tree.total_tokens, compile_steps=compile_steps, **BUCKETS)
         want = generate(ModulesBackend(model), embeds, pos, 40, None).tokens
-        assert generate(backend, embeds, pos, 40, None).tokens == want
+        plain = generate(backend, embeds, pos, 40, None).tokens
         spec = speculative_generate(backend, head, embeds, pos, 40, None, tree=tree)
-        assert spec.tokens == want and backend.stats["eager_steps"] == 0
+    assert backend.stats["eager_steps"] == 0
+    if dtype == torch.float32:
+        assert plain == want and spec.tokens == want
+    else:  # bf16: another kernel rounds differently; the answers part, if at all, only at a near tie
+        assert_greedy_up_to_a_near_tie(model, embeds, pos, plain, want, margin=0.05)
+        assert_greedy_up_to_a_near_tie(model, embeds, pos, spec.tokens, want, margin=0.05)
 
 
 @pytest.mark.gpu
@@ -453,7 +473,9 @@ def test_fp8_layers_inside_graphs_and_the_compiled_prefill():
     with torch.no_grad():
         want = generate(ModulesBackend(model), embeds, pos, 20, None).tokens
         backend = CudaBackend(model, compile=True, **BUCKETS)
-        assert generate(backend, embeds, pos, 20, None).tokens == want
+        got = generate(backend, embeds, pos, 20, None).tokens
+    # inductor may fuse around the e4m3 casts, so a value can land on the neighbouring FP8 step: a near tie may part
+    assert_greedy_up_to_a_near_tie(model, embeds, pos, got, want, margin=0.1)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_backend import BUCKETS, cached
-from test_spec import assert_reordered_fp32, prompt, random_draft, tiny_vlm
+from test_spec import assert_greedy_up_to_a_near_tie, assert_reordered_fp32, prompt, random_draft, tiny_vlm
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from litevlm.errors import LiteVLMError
@@ -184,8 +184,13 @@ def test_the_cuda_backend_records_fused_kernels_and_decodes_like_the_modules(dty
     with torch.no_grad():
         want = generate(ModulesBackend(model), embeds, pos, 40, None).tokens
         backend = CudaBackend(model, head, tree.total_tokens, **BUCKETS)
-        assert generate(backend, embeds, pos, 40, None).tokens == want
-        assert speculative_generate(backend, head, embeds, pos, 40, None, tree=tree).tokens == want
+        plain = generate(backend, embeds, pos, 40, None).tokens
+        spec = speculative_generate(backend, head, embeds, pos, 40, None, tree=tree).tokens
+    if dtype == torch.float32:
+        assert plain == want and spec == want
+    else:  # bf16: another kernel rounds differently; the answers part, if at all, only at a near tie
+        assert_greedy_up_to_a_near_tie(model, embeds, pos, plain, want, margin=0.05)
+        assert_greedy_up_to_a_near_tie(model, embeds, pos, spec, want, margin=0.05)
     kernels = backend.kernels
     assert set(kernels) == {"decode", "verify", "prefill"}
     assert set(kernels.values()) <= {"cudnn", "efficient", "flash"}
