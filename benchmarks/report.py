@@ -1331,8 +1331,9 @@ def section_gpu(runs: dict) -> list[str]:
             " `bash benchmarks/gpu_session.sh` on a machine with one runs, in seven steps planned to 415 s with their"
             " kill-afters: the `gpu`-marked tests (the pipeline's fast path first; stopped by SIGINT so their XML"
             " survives), `litevlm bench --shape 2b` (random weights at the 2B shapes, bf16: baseline, EAGLE, LiteVLM"
-            " and LiteVLM FP8, on the modules and on the CUDA backend's replayed steps, each step pinned to a fused"
-            " attention kernel that the JSON names), FP8 against bf16 per stage with decode first, and the user's"
+            " and LiteVLM FP8, on the modules and on the CUDA backend's replayed decode, verification and draft"
+            " steps, each pinned to a fused attention kernel that the JSON names; the prefill eager, as no inductor"
+            " compile fits a step's budget), FP8 against bf16 per stage with decode first (eager), and the user's"
             " walkthrough (every recipe, eval, bench and quantize on a tiny checkpoint) on the device, saving"
             " `benchmarks/results/gpu_*.json`; its `--dry-run` runs every step on the CPU through the CUDA backend's"
             " twin.",
