@@ -18,9 +18,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """A test marked `once` does its work in subprocesses, whose thread count LITEVLM_TEST_THREADS does not set: a
-    second pass at more threads would repeat the same run, so only the one-thread pass (or a run without
-    LITEVLM_TEST_THREADS) runs it."""
+    """A test marked `once` does its work in subprocesses, whose thread count LITEVLM_TEST_THREADS does not set, or
+    spends it compiling (inductor), whose outcome the thread count does not change: a second pass at more threads
+    would repeat the same run, so only the one-thread pass (or a run without LITEVLM_TEST_THREADS) runs it."""
     if int(os.environ.get("LITEVLM_TEST_THREADS") or 1) <= 1:
         return
     skip = pytest.mark.skip(reason="a `once` test: the one-thread pass runs it")

@@ -199,6 +199,35 @@ def test_the_compiled_static_steps_equal_the_eager_ones():
     assert compiled.setup_ms > 0 and (64, 0, None) in compiled._prefill_fns
 
 
+@pytest.mark.once  # its time is inductor's compiles
+@pytest.mark.parametrize("name", ["litevlm", "fastv"])
+def test_the_compiled_steps_answer_like_the_modules_with_openings_a_cut_and_a_draft(name, scene):
+    """Every step the CUDA backend runs, compiled by inductor (here on the CPU, fp32): LiteVLM's pruned prefill with
+    its answer openings (the layers before the TokenSelector's cut, those after under the trie mask), FastV's three
+    layer ranges, decode and verification. One KV width and one prompt bucket keep the compiles few."""
+    from litevlm.pipeline import Pipeline
+    from litevlm.presets import LITEVLM
+
+    images, questions = scene
+    opts = {**LITEVLM, "select_tokens": 0.5} if name == "litevlm" else {"fastv_k": 2, "fastv_r": 0.5}
+    opts["max_new_tokens"] = 12
+    ref = Pipeline.from_pretrained("drive-tiny", backend="modules", **opts)
+    pipe = Pipeline.from_pretrained("drive-tiny", backend="cuda-twin", warmup=False, **opts)
+    nodes = pipe.tree.total_tokens if pipe.drafting else 0
+    pipe.backend = CudaBackend(
+        pipe.model, pipe.draft, nodes, twin=True, compile=True, compile_steps=True, kv_buckets=(), prefill_buckets=()
+    )
+    got = [pipe.answer(q, images) for q in questions[:2]]
+    want = [ref.answer(q, images) for q in questions[:2]]
+    assert [a.tokens for a in got] == [a.tokens for a in want]
+    assert [a.opened_tokens for a in got] == [a.opened_tokens for a in want]
+    ranges = {key[1:3] for key in pipe.backend._prefill_fns}
+    assert ranges >= ({(0, 1), (1, None)} if name == "litevlm" else {(0, 1), (1, 2), (2, None)})
+    if name == "litevlm":
+        assert any(key[-1] == "openings" for key in pipe.backend._prefill_fns) and any(a.opened_tokens for a in got)
+    assert pipe.backend.stats["eager_prompts"] == 0 and pipe.backend.stats["graph_replays"] > 0
+
+
 def test_choosing_a_backend():
     model = cached(tiny_vlm())
     with pytest.raises(LiteVLMError, match="unknown backend"):
