@@ -42,8 +42,8 @@ mkdir -p "$OUT"
 rm -f "$OUT"/{steps,bench_2b_eager,bench_2b_graphs,fp8_gpu}.jsonl "$OUT"/FAILED.txt
 export PYTHONUNBUFFERED=1
 export LITEVLM_NATIVE=0 # the native CPU steps are never used on CUDA: no device time spent compiling them
-# No inductor compile on the device either: one takes tens of seconds at the 2B shapes, per prefill bucket, layer range
-# and row, more than a step's budget. The CUDA backend's prefill runs eagerly (pinned to a fused kernel), and its decode,
+# No inductor compile on the device either: each is one decoder layer's (the layers reuse it), but a row meets a dozen
+# prefill buckets, layer ranges and KV widths, each its own compile and Triton builds, more than a step's budget. The CUDA backend's prefill runs eagerly (pinned to a fused kernel), and its decode,
 # verification and draft steps are replayed graphs all the same; the bench JSON says so ("compiled").
 export LITEVLM_CUDA_COMPILE=0
 

@@ -199,6 +199,40 @@ def test_the_compiled_static_steps_equal_the_eager_ones():
     assert compiled.setup_ms > 0 and (64, 0, None) in compiled._prefill_fns
 
 
+def test_a_compiled_step_compiles_one_layer_that_every_layer_reuses():
+    """Regional compilation: a compiled decode step and a compiled prefill bucket are one graph each of one layer's
+    operations, however many decoder layers the model has: at 1 and at 4 layers the same graph size (a whole-step
+    compile would grow with the layers) and one graph a step (a recompile per layer would make one a layer); the
+    answers are the modules'; and `layer_step` runs every layer, in order."""
+    from torch._dynamo.utils import counters
+
+    sizes = {}
+    for layers in (1, 4):
+        model = cached(tiny_vlm(vocab=24, layers=layers), live=64)
+        embeds, pos = prompt(model, seed=4)
+        with torch.no_grad():
+            want = generate(ModulesBackend(model), embeds, pos, 8, None).tokens
+        torch._dynamo.reset()
+        graphs, ops = counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]
+        compiled = CudaBackend(model, twin=True, compile=True, compile_steps=True, kv_buckets=(), prefill_buckets=())
+        assert counters["stats"]["unique_graphs"] - graphs == 1  # the decode step's, captured at setup
+        sizes[layers] = counters["stats"]["calls_captured"] - ops
+        with torch.no_grad():
+            assert generate(compiled, embeds, pos, 8, None).tokens == want
+        assert counters["stats"]["unique_graphs"] - graphs == 2  # and the prompt bucket's
+    assert sizes[1] == sizes[4] > 0
+    calls = []
+    lm = model.language_model
+
+    def counted(layer, *args):
+        calls.append(layer)
+        return layer(*args)
+
+    with torch.no_grad():
+        hidden = lm(embeds, pos, slots=torch.arange(embeds.shape[1]), kv_len=embeds.shape[1], layer_step=counted)
+    assert calls == list(lm.layers) and hidden.shape == embeds.shape
+
+
 @pytest.mark.once  # its time is inductor's compiles
 @pytest.mark.parametrize("name", ["litevlm", "fastv"])
 def test_the_compiled_steps_answer_like_the_modules_with_openings_a_cut_and_a_draft(name, scene):
@@ -384,7 +418,7 @@ def test_compile_steps_reaches_the_captured_steps_from_the_pipeline_and_the_comm
 
     made = []
 
-    def record(self, fn, tag, compile_it):
+    def record(self, fn, tag, compile_it, regional=True):
         made.append((tag.split("_")[0], compile_it))
         return fn
 

@@ -158,8 +158,8 @@ class Pipeline:
     resample: how images become tiles (`litevlm.model.images`): "fast" (reduced-size JPEG decoding, torch's
         antialiased bicubic on uint8) or "pil" (PIL's full decode and bicubic resize, transformers' bytes).
     compile_steps: the CUDA backend's decode, verification and draft-chain steps compiled by inductor before they
-        are captured (the norms, RoPE, SwiGLU and FP8's activation quantisation fused): one compile per KV-length
-        bucket and step kind at setup; no effect on the other backends.
+        are captured (the norms, RoPE, SwiGLU and FP8's activation quantisation fused): one compile of one decoder
+        layer, which every layer reuses, per KV-length bucket and step kind at setup; no effect on the other backends.
     view_cache: a `litevlm.frame.ViewCache` (or its bound in bytes) that keeps encoded views across questions,
         keyed by content (`litevlm serve`, `litevlm eval`); None: each `answer` reads its views afresh.
     """

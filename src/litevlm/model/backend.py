@@ -24,6 +24,7 @@ weights they were made from.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import types
@@ -37,7 +38,7 @@ from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
 from litevlm.model.attention import FUSED_KERNELS, KERNEL_NAMES, additive_bias, choose_kernel, fused_attention
 from litevlm.model.layers import linear, row_major
-from litevlm.model.lm import RMSNorm
+from litevlm.model.lm import RMSNorm, run_layer
 from litevlm.presets import BACKENDS
 
 CACHE_MULTIPLE = 128  # cache lengths are rounded up to this (the fused attention kernels like 16-aligned keys)
@@ -415,27 +416,31 @@ def _distinct(fn, tag: str):
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-def _decode_static(model, token, position, slot, width: int):
+def _decode_static(model, token, position, slot, width: int, layer_step=None):
     """One decode step with fixed shapes: token (1, 1), position (1, 1), slot (1,) tensors; attention over cache
     slots 0..width-1 where col <= slot, as an additive bias (the fused kernels' form) -> (logits (1, V), hidden
     (1, 1, C))."""
     lm = model.language_model
     x = lm.embed_tokens(token)  # (1, 1, C)
     visible = (torch.arange(width, device=token.device) <= slot)[None, None, None]  # (1, 1, 1, width)
-    hidden = lm(x, position, slots=slot, mask=additive_bias(visible, x.dtype), kv_len=width, fused=True)
+    bias = additive_bias(visible, x.dtype)
+    hidden = lm(x, position, slots=slot, mask=bias, kv_len=width, fused=True, layer_step=layer_step)
     return model.lm_head(hidden[:, -1]), hidden
 
 
-def _verify_static(model, tokens, positions, slots, mask, width: int):
+def _verify_static(model, tokens, positions, slots, mask, width: int, layer_step=None):
     """A tree of fixed size with fixed shapes: tokens (B, N), positions (B, N), slots (N,), mask (B, 1, N, width)
     bool, attended as an additive bias (the fused kernels' form) -> (logits (B, N, V), hidden (B, N, C)); B is 1."""
     lm = model.language_model
     x = lm.embed_tokens(tokens)  # (B, N, C)
-    hidden = lm(x, positions, slots=slots, mask=additive_bias(mask, x.dtype), kv_len=width, fused=True)
+    bias = additive_bias(mask, x.dtype)
+    hidden = lm(x, positions, slots=slots, mask=bias, kv_len=width, fused=True, layer_step=layer_step)
     return model.lm_head(hidden), hidden
 
 
-def _prefill_static(model, embeds, positions, slots, length: int, start_layer: int = 0, end_layer: int | None = None):
+def _prefill_static(
+    model, embeds, positions, slots, length: int, start_layer: int = 0, end_layer: int | None = None, layer_step=None
+):
     """A padded prompt of `length` rows from slot 0 through layers [start_layer, end_layer), causal without a mask
     (the fused kernels' fast path), K/V heads expanded (the form every fused kernel accepts) -> hidden (1, length,
     C), post-norm when end_layer is None."""
@@ -449,6 +454,7 @@ def _prefill_static(model, embeds, positions, slots, length: int, start_layer: i
         start_layer=start_layer,
         end_layer=end_layer,
         fused=True,
+        layer_step=layer_step,
     )
 
 
@@ -532,7 +538,7 @@ class GraphDraft(DraftSteps):
     def _capture(self, depth: int, width: int) -> StepGraph:
         t0 = time.perf_counter()
         b, head = self.backend, self.head_module
-        step = b._compiled(_draft_chain_static, f"draft_{depth}_{width}", b.compile_steps)
+        step = b._compiled(_draft_chain_static, f"draft_{depth}_{width}", b.compile_steps, regional=False)
 
         def run():
             return step(head, self.root, self.position, self.start, depth, width)
@@ -558,7 +564,15 @@ def _pinned(fn, kernel: SDPBackend):
 
 
 def _prefill_tree_static(
-    model, embeds, positions, slots, visible, length: int, start_layer: int = 0, end_layer: int | None = None
+    model,
+    embeds,
+    positions,
+    slots,
+    visible,
+    length: int,
+    start_layer: int = 0,
+    end_layer: int | None = None,
+    layer_step=None,
 ):
     """A padded prompt with a tree after it (answer openings) of `length` rows from slot 0 through layers
     [start_layer, end_layer): visible (1, 1, length, length) bool, row i seeing where it is True (the prompt's rows
@@ -574,6 +588,7 @@ def _prefill_tree_static(
         start_layer=start_layer,
         end_layer=end_layer,
         fused=True,
+        layer_step=layer_step,
     )
 
 
@@ -589,7 +604,8 @@ class CudaBackend(ModulesBackend):
 
     The prefill pads a prompt to its length bucket and runs it causally from slot 0, compiled once per bucket
     (`compile`; each bucket with its own code object); a bucket's first call is setup time, never prefill time.
-    compile_steps: the decode and verification steps compiled too (inductor) before capture.
+    compile_steps: the decode and verification steps compiled too (inductor) before capture. Every compile is of one
+    decoder layer, which all the layers reuse (`_compiled`): its cost does not grow with the model's depth.
     twin: the same on the CPU, every CUDA call replaced by its eager equivalent (`StepGraph`).
 
     Attention runs on a fused kernel, never the math path. Left to choose, torch 2.11 runs a decode or a
@@ -682,9 +698,18 @@ class CudaBackend(ModulesBackend):
         with torch.no_grad():
             self.pinned[step] = choose_kernel(step, lambda: fn(*args), self.fused_kernels, shapes)
 
-    def _compiled(self, fn, tag: str, compile_it: bool):
-        fn = _distinct(fn, tag)
-        return torch.compile(fn, dynamic=False, fullgraph=True) if compile_it else fn
+    def _compiled(self, fn, tag: str, compile_it: bool, regional: bool = True):
+        """A step, compiled (inductor) if compile_it, each with its own code object (`tag`) and so its own compile
+        cache and recompile limit. A target step (decode, verification, a prefill bucket) is compiled by regions: one
+        compile of `run_layer` that every decoder layer reuses, its weights and cache buffers the graph's inputs.
+        Inductor fuses within a layer (norms, RoPE, SwiGLU, an FP8 activation's quantisation) and the step's graph
+        capture removes the launches between the layers, while a compile costs one layer's, not the whole model's.
+        The draft chain (one layer) is compiled whole (`regional=False`)."""
+        if not compile_it:
+            return fn
+        if not regional:
+            return torch.compile(_distinct(fn, tag), dynamic=False, fullgraph=True)
+        return functools.partial(fn, layer_step=torch.compile(_distinct(run_layer, tag), dynamic=False, fullgraph=True))
 
     def _capture_decode(self, width: int, compile_it: bool) -> StepGraph:
         step = self._compiled(_decode_static, f"decode_{width}", compile_it)
@@ -875,8 +900,7 @@ def choose_backend(kind: str, model, draft=None, tree_nodes: int = 0, **cuda_opt
 
 
 def compiles() -> bool:
-    """Whether a CUDA backend compiles its prefill steps (one compile per length bucket and layer range, tens of
-    seconds each at a 2B model's shapes, paid as setup): yes, unless LITEVLM_CUDA_COMPILE=0, which runs them
-    eagerly (still pinned to a fused kernel; the decode, verification and draft steps are replayed graphs either
-    way)."""
+    """Whether a CUDA backend compiles its prefill steps (one compile of one decoder layer per length bucket and
+    layer range, paid as setup): yes, unless LITEVLM_CUDA_COMPILE=0, which runs them eagerly (still pinned to a fused
+    kernel; the decode, verification and draft steps are replayed graphs either way)."""
     return os.environ.get("LITEVLM_CUDA_COMPILE", "1") not in ("0", "false", "no", "off")

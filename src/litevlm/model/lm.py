@@ -191,6 +191,13 @@ class DecoderLayer(nn.Module):
         return w
 
 
+def run_layer(layer: DecoderLayer, x, cos, sin, slots, mask, kv_len, fused: bool):
+    """One decoder layer as a function of the layer: compiled once (`torch.compile`), the same code serves every
+    layer of a model, whose parameters and cache buffers are the compiled graph's inputs, so the compile costs one
+    layer's, not the model's (regional compilation)."""
+    return layer(x, cos, sin, slots, mask, kv_len, fused)
+
+
 class TextModel(nn.Module):
     """Embeddings + decoder layers + final norm; `forward` returns post-norm hidden states."""
 
@@ -228,6 +235,7 @@ class TextModel(nn.Module):
         end_layer: int | None = None,
         tree_tail: torch.Tensor | None = None,
         fused: bool = False,
+        layer_step=None,
     ):
         """embeds (B, T, C), positions (B, T) -> hidden (B, T, C) after the final norm.
 
@@ -238,6 +246,8 @@ class TextModel(nn.Module):
         not), or none for a prompt from slot 0 (causal): `litevlm.model.attention`, the CUDA backend's steps.
         tree_tail (m, T) bool, for a prompt from slot 0 without a mask: its last m rows are a tree after the prompt
         (answer openings), row i seeing the slots where tree_tail[i] is True; the other rows stay causal.
+        layer_step: what runs each layer, `run_layer` or a compiled copy of it (one compile that every layer reuses,
+        its weights and cache its inputs: `litevlm.model.backend.CudaBackend`); None runs the layers directly.
         """
         cos, sin = rope_at(self, positions, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
         layers = self.layers[start_layer:end_layer]
@@ -250,7 +260,10 @@ class TextModel(nn.Module):
             mask[t - tree_tail.shape[0] :] = tree_tail.to(mask.device)
             mask = mask[None, None]
         for layer in layers:
-            x = layer(x, cos, sin, slots, mask, kv_len, fused)
+            if layer_step is None:
+                x = layer(x, cos, sin, slots, mask, kv_len, fused)
+            else:
+                x = layer_step(layer, x, cos, sin, slots, mask, kv_len, fused)
         return self.norm(x) if end_layer is None else x
 
     def rope_table(self, top: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
