@@ -9,13 +9,16 @@
 #
 # Each step runs under its own `timeout`, whose limit comes from PLAN below; the script sums the plan, each step's
 # kill-after included, prints the sum and refuses to start past 420 s (7 minutes of a
-# 15-minute device budget that also pays the machine's start and the copies). Each step writes its output under $OUT
-# as it goes and runs even if one before it failed. A failed install falls back to the source tree
+# 15-minute device budget that also pays the machine's start and the copies). Each step writes its output under
+# $WORK (GPU_SESSION_WORK, default $TMPDIR/litevlm_gpu_session) as it goes and runs even if one before it failed; after
+# each step $OUT gets $WORK as one archive, gpu_session.tgz (every file below but the walkthrough's weights), and its
+# summaries (steps, env, gpu_tests, the two benches' and fp8_gpu's .json, FAILED.txt): at most 8 files, what a device
+# returns. A failed install falls back to the source tree
 # (PYTHONPATH=src, `GPU_SESSION_BREAK_INSTALL=1` makes the dry run take that path); only no CUDA device stops the run
 # (non-zero, with FAILED.txt saying why). The gpu-marked tests are stopped with SIGINT, so pytest still writes its
-# XML. What it writes under $OUT:
+# XML. What it writes under $WORK:
 #   steps.jsonl / steps.json   each step's exit status, seconds and whether it timed out (a line as each ends)
-#   env.json                   torch, CUDA, device and capability, transformers, which optional packages import
+#   env.json                   torch, CUDA, cuDNN, device and capability, which optional packages import
 #   gpu.txt                    nvidia-smi's name, memory and driver (GPU only)
 #   gpu_tests.log / .xml / .json  the gpu-marked tests (pytest -m gpu): graphed decode and verification, the GPU
 #                              fast path through the pipeline, losslessness on CUDA, FP8 GEMMs; .json counts them
@@ -37,9 +40,12 @@ DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; elif [[ $# -gt 0 ]]; then echo "usage: $0 [--dry-run]" >&2; exit 2; fi
 MINIMAL="${GPU_SESSION_MINIMAL:-0}"
 OUT="${OUT:-/tmp/gpu_out}"
-PY="${PYTHON:-python}"
-mkdir -p "$OUT"
-rm -f "$OUT"/{steps,bench_2b_eager,bench_2b_graphs,fp8_gpu}.jsonl "$OUT"/FAILED.txt
+# Every step writes under WORK; `pack` brings it back to $OUT as one archive beside the summaries (see the top).
+WORK="${GPU_SESSION_WORK:-${TMPDIR:-/tmp}/litevlm_gpu_session}"
+PY="${PYTHON:-$(command -v python3 || echo python)}"
+rm -rf "$WORK"
+mkdir -p "$OUT" "$WORK"
+rm -f "$OUT"/gpu_session.tgz "$OUT"/{steps,env,gpu_tests,bench_2b_eager,bench_2b_graphs,fp8_gpu}.json "$OUT"/FAILED.txt
 export PYTHONUNBUFFERED=1
 export LITEVLM_NATIVE=0 # the native CPU steps are never used on CUDA: no device time spent compiling them
 # No inductor compile on the device either: each is one decoder layer's (the layers reuse it), but a row meets a dozen
@@ -71,39 +77,41 @@ FAILED_STEPS=()
 
 # The plan: each step's limit in seconds. A step past its limit gets SIGTERM (the tests SIGINT), then SIGKILL
 # KILL_AFTER seconds later.
-declare -A PLAN=([install]=20 [env]=10 [gpu_tests]=75 [bench_2b_eager]=45 [bench_2b_graphs]=105 [fp8_gpu]=40 [walkthrough]=85)
+# env: the first CUDA start and torch import on a cold machine; walkthrough: 72 s of 85 on this CPU in a dry run.
+declare -A PLAN=([install]=20 [env]=30 [gpu_tests]=75 [bench_2b_eager]=55 [bench_2b_graphs]=80 [fp8_gpu]=35 [walkthrough]=90)
 KILL_AFTER=5
 PLANNED_S=0
 for name in "${!PLAN[@]}"; do PLANNED_S=$((PLANNED_S + PLAN[$name] + KILL_AFTER)); done
 echo "planned: ${#PLAN[@]} steps, ${PLANNED_S} s at most (limits and kill-afters)" >&2
-printf '{"planned_s": %d, "limit_s": 420, "steps": %d}\n' "$PLANNED_S" "${#PLAN[@]}" > "$OUT/plan.json"
+printf '{"planned_s": %d, "limit_s": 420, "steps": %d}\n' "$PLANNED_S" "${#PLAN[@]}" > "$WORK/plan.json"
 if ((PLANNED_S > 420)); then
     echo "the plan takes ${PLANNED_S} s, over the 420 s a session can give it" | tee "$OUT/FAILED.txt" >&2
     exit 1
 fi
 
 # step NAME CMD...: run CMD under `timeout` (PLAN[NAME] seconds; STEP_SIGNAL, default TERM, then KILL), its stdout in
-# $OUT/NAME.out and stderr in $OUT/NAME.err as it goes, then one line of steps.jsonl.
+# $WORK/NAME.out and stderr in $WORK/NAME.err as it goes, then one line of steps.jsonl; then `pack`.
 step() {
     local name=$1
     local limit=${PLAN[$name]}
     shift 1
     echo "== $name (timeout ${limit}s): $*" >&2
     local t0=$SECONDS
-    timeout -s "${STEP_SIGNAL:-TERM}" --kill-after=$KILL_AFTER "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
+    timeout -s "${STEP_SIGNAL:-TERM}" --kill-after=$KILL_AFTER "$limit" "$@" > "$WORK/$name.out" 2> "$WORK/$name.err"
     local rc=$?
     local timed_out=false
     [[ $rc == 124 || $rc == 137 || ($rc == 2 && $((SECONDS - t0)) -ge $limit) ]] && timed_out=true  # pytest: 2 on SIGINT
     printf '{"step": "%s", "rc": %d, "seconds": %d, "timeout_s": %d, "timed_out": %s}\n' \
-        "$name" "$rc" $((SECONDS - t0)) "$limit" "$timed_out" >> "$OUT/steps.jsonl"
+        "$name" "$rc" $((SECONDS - t0)) "$limit" "$timed_out" >> "$WORK/steps.jsonl"
     [[ $rc == 0 ]] || FAILED_STEPS+=("$name")
     echo "   rc $rc after $((SECONDS - t0)) s" >&2
+    pack
     return $rc
 }
 
-# last_json NAME: $OUT/NAME.json = the last line of $OUT/NAME.out that is a JSON object, else a record of why not.
+# last_json NAME: $WORK/NAME.json = the last line of $WORK/NAME.out that is a JSON object, else a record of why not.
 last_json() {
-    "$PY" - "$OUT" "$1" <<'EOF'
+    "$PY" - "$WORK" "$1" <<'EOF'
 import json, sys
 from pathlib import Path
 out, name = Path(sys.argv[1]), sys.argv[2]
@@ -123,11 +131,12 @@ if found is None or status.get("rc") != 0:
     found = {"complete": False, "step": name, **status, "stderr_tail": err[-15:], "last_json": found}
 (out / f"{name}.json").write_text(json.dumps(found))
 EOF
+    pack
 }
 
 # finish: steps.json, every line of steps.jsonl as one JSON list.
 finish() {
-    "$PY" - "$OUT" <<'EOF'
+    "$PY" - "$WORK" <<'EOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
@@ -136,9 +145,23 @@ lines = (out / "steps.jsonl").read_text().splitlines() if (out / "steps.jsonl").
 EOF
 }
 
-fail() {
-    echo "$1" | tee "$OUT/FAILED.txt" >&2
+# pack: what comes back from the device is at most 8 files in $OUT, so WORK goes there as one archive,
+# gpu_session.tgz (every file but the walkthrough's weights), beside the summaries a reader opens first (SUMMARIES, and
+# FAILED.txt when there is one). Run after every step, so a session cut short still returns what it measured.
+SUMMARIES=(steps.json env.json gpu_tests.json bench_2b_eager.json bench_2b_graphs.json fp8_gpu.json FAILED.txt)
+pack() {
     finish
+    tar czf "$WORK.tgz" --exclude='*.safetensors' -C "$WORK" . && mv -f "$WORK.tgz" "$OUT/gpu_session.tgz"
+    local f
+    for f in "${SUMMARIES[@]}"; do
+        [[ -f "$WORK/$f" ]] && cp "$WORK/$f" "$OUT/$f"
+    done
+    return 0
+}
+
+fail() {
+    echo "$1" | tee "$WORK/FAILED.txt" >&2
+    pack
     exit 1
 }
 
@@ -157,7 +180,7 @@ if ! step install "${INSTALL[@]}"; then
     echo "install failed (${INSTALL[*]}, see install.err): running from the source tree, PYTHONPATH=src" >&2
     export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
     FAILED_STEPS=() # the install is the first step: nothing else has failed
-    echo "install failed; ran from the source tree (PYTHONPATH=src)" > "$OUT/install_fallback.txt"
+    echo "install failed; ran from the source tree (PYTHONPATH=src)" > "$WORK/install_fallback.txt"
 fi
 
 # ---- GRAPH_FLAGS / EAGER_FLAGS: the one place that says how the graphed and the eager rows are asked for --------
@@ -176,7 +199,7 @@ EAGER_FLAGS="${EAGER_FLAGS-$DEFAULT_EAGER_FLAGS}"
 # -------------------------------------------------------------------------------------------------------------------
 
 # 2. the machine
-[[ $DRY_RUN == 1 ]] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+[[ $DRY_RUN == 1 ]] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$WORK/gpu.txt" 2>&1
 step env "$PY" -c '
 import importlib.util, json, sys
 import torch
@@ -194,6 +217,7 @@ print(json.dumps({
     "cuda_available": cuda,
     "device": torch.cuda.get_device_name() if cuda else "cpu",
     "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+    "cudnn": torch.backends.cudnn.version() if cuda else None,
     "litevlm": litevlm.__file__,
     "graph_flags": sys.argv[1],
     "eager_flags": sys.argv[2],
@@ -201,16 +225,18 @@ print(json.dumps({
 }))
 ' "$GRAPH_FLAGS" "$EAGER_FLAGS"
 last_json env
-if [[ $DRY_RUN == 0 ]] && ! grep -q '"cuda_available": true' "$OUT/env.json"; then
-    fail "no CUDA device visible to torch (env.json: $(head -c 400 "$OUT/env.json"))"
+if [[ $DRY_RUN == 0 ]] && ! grep -q '"cuda_available": true' "$WORK/env.json"; then
+    fail "no CUDA device visible to torch (env.json: $(head -c 400 "$WORK/env.json"))"
 fi
 
-# 3. the gpu-marked tests (on the CPU every one of them skips: the dry run checks that they are collected); the
-# pipeline's fast path first, so that a run cut short has its answer; SIGINT at the limit, so pytest writes its XML
-STEP_SIGNAL=INT step gpu_tests "$PY" -m pytest -v -rfE --durations=0 -m gpu tests/test_pipeline.py tests \
-    -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
-mv "$OUT/gpu_tests.out" "$OUT/gpu_tests.log"
-"$PY" - "$OUT" <<'EOF'
+# 3. the gpu-marked tests (on the CPU every one of them skips: the dry run checks that they are collected), file by
+# file in this order (pytest keeps the order of files named one by one): the pipeline's fast path first, so that a run
+# cut short has its answer, the compiles last; SIGINT at the limit, so pytest writes its XML
+GPU_TEST_FILES=(tests/test_pipeline.py tests/test_fused_attention.py tests/test_fp8.py tests/test_backend.py)
+STEP_SIGNAL=INT step gpu_tests "$PY" -m pytest -v -rfE --durations=0 -m gpu "${GPU_TEST_FILES[@]}" \
+    -p no:cacheprovider --junitxml="$WORK/gpu_tests.xml"
+mv "$WORK/gpu_tests.out" "$WORK/gpu_tests.log"
+"$PY" - "$WORK" <<'EOF'
 import json, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -231,32 +257,34 @@ if (out / "gpu_tests.xml").exists():
     summary["counts"] = {k: len(summary[k]) for k in ("passed", "failed", "skipped")}
 (out / "gpu_tests.json").write_text(json.dumps(summary, indent=1))
 EOF
+pack
 
 # 4. the bench rows, eager then graphed: the same rows, questions and tokens (side by side in gpu_session's output)
 # shellcheck disable=SC2086  # the flag variables are word lists
 step bench_2b_eager "$PY" -m litevlm bench "${MODEL_ARGS[@]}" --configs "$ROWS" "${BENCH_ARGS[@]}" \
-    --no-transformers --json --jsonl "$OUT/bench_2b_eager.jsonl" $EAGER_FLAGS
+    --no-transformers --json --jsonl "$WORK/bench_2b_eager.jsonl" $EAGER_FLAGS
 last_json bench_2b_eager
 # shellcheck disable=SC2086
 step bench_2b_graphs "$PY" -m litevlm bench "${MODEL_ARGS[@]}" --configs "$ROWS" "${BENCH_ARGS[@]}" \
-    --no-transformers --json --jsonl "$OUT/bench_2b_graphs.jsonl" $GRAPH_FLAGS
+    --no-transformers --json --jsonl "$WORK/bench_2b_graphs.jsonl" $GRAPH_FLAGS
 last_json bench_2b_graphs
 
 # 5. FP8 against bf16, stage by stage
-step fp8_gpu "$PY" benchmarks/fp8_gpu.py "${FP8_ARGS[@]}" --jsonl "$OUT/fp8_gpu.jsonl"
+step fp8_gpu "$PY" benchmarks/fp8_gpu.py "${FP8_ARGS[@]}" --jsonl "$WORK/fp8_gpu.jsonl"
 last_json fp8_gpu
 
 # 6. the user's walkthrough on the device: every recipe on a tiny checkpoint, eval and bench unscored
-WALK=(bash benchmarks/your_model.sh "$OUT/walkthrough")
+WALK=(bash benchmarks/your_model.sh "$WORK/walkthrough")
 [[ $MINIMAL == 1 ]] && WALK=(bash -n benchmarks/your_model.sh)
 export WALKTHROUGH_EVAL_ARGS="--no-score" PYTHON="$PY"
 WALKTHROUGH_DEVICE_ARGS=$([[ $DRY_RUN == 1 ]] && echo "" || echo "--device cuda --dtype bfloat16")
 export WALKTHROUGH_DEVICE_ARGS
 step walkthrough "${WALK[@]}"
 
-finish
 if [[ ${#FAILED_STEPS[@]} -gt 0 ]]; then
-    echo "failed steps: ${FAILED_STEPS[*]}" | tee "$OUT/FAILED.txt" >&2
+    echo "failed steps: ${FAILED_STEPS[*]}" | tee "$WORK/FAILED.txt" >&2
+    pack
     exit 1
 fi
-echo "all steps passed; files in $OUT" >&2
+pack
+echo "all steps passed; files in $OUT (every file in gpu_session.tgz, also in $WORK)" >&2

@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -1350,19 +1351,28 @@ def section_2b_cpu(run: dict | None) -> list[str]:
     return out + provenance(run)
 
 
+def gpu_plan() -> str:
+    """The GPU script's plan as its source states it: "N steps planned to S s" (each limit and its kill-after)."""
+    text = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    plan = [int(v) for v in re.findall(r"\[\w+\]=(\d+)", re.search(r"^declare -A PLAN=\((.*)\)$", text, re.M).group(1))]
+    kill_after = int(re.search(r"^KILL_AFTER=(\d+)$", text, re.M).group(1))
+    return f"{len(plan)} steps planned to {sum(plan) + kill_after * len(plan)} s"
+
+
 def section_gpu(runs: dict) -> list[str]:
     out = ["## GPU", ""]
     gpu = {k: v for k, v in runs.items() if k.startswith("gpu")}
     if not gpu:
         return out + [
             "**None measured yet.** This project's CUDA paths have not run on a device."
-            " `bash benchmarks/gpu_session.sh` on a machine with one runs, in seven steps planned to 415 s with their"
+            f" `bash benchmarks/gpu_session.sh` on a machine with one runs, in {gpu_plan()} with their"
             " kill-afters: the `gpu`-marked tests (the pipeline's fast path first; stopped by SIGINT so their XML"
             " survives), `litevlm bench --shape 2b` (random weights at the 2B shapes, bf16: baseline, EAGLE, LiteVLM"
             " and LiteVLM FP8, on the modules and on the CUDA backend's replayed decode, verification and draft"
             " steps, each pinned to a fused attention kernel that the JSON names; the prefill eager, as no inductor"
             " compile fits a step's budget), FP8 against bf16 per stage with decode first (eager), and the user's"
-            " walkthrough (every recipe, eval, bench and quantize on a tiny checkpoint) on the device, saving"
+            " walkthrough (every recipe, eval, bench and quantize on a tiny checkpoint) on the device, and returns"
+            " each step's JSON summary beside one archive of every file, whose results go to"
             " `benchmarks/results/gpu_*.json`; its `--dry-run` runs every step on the CPU through the CUDA backend's"
             " twin.",
             "",

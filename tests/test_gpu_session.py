@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -57,11 +58,13 @@ def dry_run(tmp_path_factory, request):
     if shutil.which("bash") is None or shutil.which("timeout") is None:
         pytest.skip("needs bash and coreutils' timeout")
     out = tmp_path_factory.mktemp("gpu_session")
+    work = tmp_path_factory.mktemp("gpu_session_work")
     # As on the GPU image: none of the serve/eval extras. Every Python the script starts refuses them.
     site = tmp_path_factory.mktemp("no_extras")
     (site / "sitecustomize.py").write_text(NO_EXTRAS)
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_SESSION_MINIMAL": "1", "PYTHONPATH": path}
+    env["GPU_SESSION_WORK"] = str(work)
     env.pop("GRAPH_FLAGS", None)
     env.pop("EAGER_FLAGS", None)
     if request.param == "source tree":
@@ -69,11 +72,11 @@ def dry_run(tmp_path_factory, request):
     proc = subprocess.run(
         ["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
     )
-    return proc, out
+    return proc, out, work
 
 
 def test_the_dry_run_runs_every_step(dry_run):
-    proc, out = dry_run
+    proc, _, out = dry_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (out / "FAILED.txt").exists()
     steps = json.loads((out / "steps.json").read_text())
@@ -86,7 +89,7 @@ def test_the_dry_run_runs_every_step(dry_run):
 
 
 def test_the_dry_run_writes_every_promised_json(dry_run):
-    _, out = dry_run
+    _, _, out = dry_run
     for name in ("env", "gpu_tests", "bench_2b_eager", "bench_2b_graphs", "fp8_gpu", "steps"):
         assert isinstance(json.loads((out / f"{name}.json").read_text()), (dict, list)), name
     env = json.loads((out / "env.json").read_text())
@@ -101,7 +104,7 @@ def test_the_dry_run_writes_every_promised_json(dry_run):
 
 @pytest.mark.parametrize("name", ["bench_2b_eager", "bench_2b_graphs"])
 def test_each_bench_writes_its_rows_as_json_and_each_answer_as_it_comes(dry_run, name):
-    _, out = dry_run
+    _, _, out = dry_run
     result = json.loads((out / f"{name}.json").read_text())
     assert result.get("complete", True), result
     assert [r["config"] for r in result["rows"]] == ROWS
@@ -111,3 +114,29 @@ def test_each_bench_writes_its_rows_as_json_and_each_answer_as_it_comes(dry_run,
     answers = [line for line in lines if line["type"] == "answer"]
     assert sorted(a["config"] for a in answers) == sorted(ROWS * result["questions"])
     assert all(a["total_ms"] > 0 and "stages_ms" in a for a in answers)
+
+
+def test_what_comes_back_is_at_most_eight_files_the_summaries_and_one_archive_of_everything(dry_run):
+    """A device returns at most 8 files from $OUT, none deeper than two folders: $OUT holds the archive of the work
+    folder (every file of it but model weights) and the summaries, copies of the work folder's."""
+    _, out, work = dry_run
+    back = sorted(p.name for p in out.iterdir())
+    assert len(back) <= 8 and all((out / name).is_file() for name in back)
+    assert "gpu_session.tgz" in back and {"steps.json", "env.json", "gpu_tests.json", "fp8_gpu.json"} <= set(back)
+    for name in set(back) - {"gpu_session.tgz"}:
+        assert (out / name).read_bytes() == (work / name).read_bytes(), name
+    with tarfile.open(out / "gpu_session.tgz") as tar:
+        packed = {Path(m.name).as_posix().removeprefix("./") for m in tar.getmembers() if m.isfile()}
+    made = {p.relative_to(work).as_posix() for p in work.rglob("*") if p.is_file() and p.suffix != ".safetensors"}
+    assert packed == made and {"plan.json", "gpu_tests.xml", "bench_2b_eager.jsonl"} <= packed
+
+
+def test_the_session_runs_every_file_that_holds_gpu_tests():
+    """The gpu-marked tests run file by file (their order kept): a new file of them must be on the list."""
+    listed = re.search(r"^GPU_TEST_FILES=\((.*)\)$", SCRIPT.read_text(), re.M).group(1).split()
+    marked = sorted(
+        f"tests/{p.name}"
+        for p in (ROOT / "tests").glob("test_*.py")
+        if re.search(r"^@pytest\.mark\.gpu$", p.read_text(), re.M)
+    )
+    assert sorted(listed) == marked and listed[0] == "tests/test_pipeline.py"
