@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from litevlm.errors import LiteVLMError
 from litevlm.model import attention
-from litevlm.model.attention import FUSED_KERNELS, additive_bias, choose_kernel, fused_attention
+from litevlm.model.attention import FUSED_KERNELS, additive_bias, choose_kernel, fused_attention, fused_kernels
 from litevlm.model.backend import CudaBackend, ModulesBackend, tree_mask_over
 from litevlm.model.generate import generate
 from litevlm.spec import speculative_generate
@@ -69,6 +69,20 @@ def test_the_fused_form_of_a_prompt_is_causal_without_a_mask():
 def test_no_fused_kernel_list_holds_the_math_path():
     assert all(SDPBackend.MATH not in kernels for kernels in FUSED_KERNELS.values())
     assert FUSED_KERNELS["cpu"] == (SDPBackend.FLASH_ATTENTION,)
+
+
+@pytest.mark.parametrize("version", [None, 91400, attention.CUDNN_FIRST, 92000])
+def test_cudnn_attention_is_offered_only_from_the_release_torch_itself_puts_first(monkeypatch, version):
+    """On CUDA, cuDNN attention leads the list only where the installed cuDNN is at least 9.15.1 (torch's own rule for
+    putting it first on Hopper); otherwise flash and memory-efficient remain, in that order. The CPU list stays."""
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: version is not None)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: version)
+    cuda = fused_kernels("cuda")
+    if version is not None and version >= attention.CUDNN_FIRST:
+        assert cuda == FUSED_KERNELS["cuda"] and cuda[0] == SDPBackend.CUDNN_ATTENTION
+    else:
+        assert cuda == (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+    assert fused_kernels("cpu") == FUSED_KERNELS["cpu"] and fused_kernels(torch.device("cpu")) == FUSED_KERNELS["cpu"]
 
 
 def test_a_step_only_the_math_path_runs_is_refused():
@@ -165,6 +179,33 @@ def test_the_fused_form_on_each_cuda_kernel_that_takes_it(case, dtype):
         tol = 1e-3 if dtype == torch.float32 else 2e-2
         assert ((got - want).norm() / want.norm()) < tol, kernel
     assert ran and SDPBackend.FLASH_ATTENTION not in ran
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("queries,width", [(1, 256), (1, 3584), (17, 3584)])
+def test_every_offered_kernel_attends_like_the_math_path_at_the_2b_shapes(queries, width):
+    """A decode (one query) and a 17-node tree over KV buckets of the 2B model (16 query heads and 8 K/V heads of
+    128, bf16), the live slots a prefix: each kernel a step may be pinned to here gives the math path's attention."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 16, queries, 128, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(1, 8, width, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    live = width - 77  # padding past the live slots, as a bucket has
+    visible = torch.zeros(1, 1, queries, width, dtype=torch.bool, device="cuda")
+    visible[..., : live - queries] = True
+    visible[0, 0, :, live - queries : live] = torch.ones(queries, queries, dtype=torch.bool, device="cuda").tril()
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=visible, enable_gqa=True)
+    ran = []
+    for kernel in fused_kernels("cuda"):
+        try:
+            with sdpa_kernel([kernel]):
+                got = fused_attention(q, k, v, additive_bias(visible, q.dtype)).float()
+        except RuntimeError:
+            continue
+        ran.append(kernel)
+        assert ((got - want).norm() / want.norm()) < 2e-2, kernel
+    assert ran
 
 
 @pytest.mark.gpu

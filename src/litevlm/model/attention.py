@@ -36,6 +36,21 @@ KERNEL_NAMES = {
 }
 
 
+# cuDNN attention is first on torch's own list on Hopper only from cuDNN 9.15.1 (earlier releases mis-handle
+# sequence lengths that are not multiples of 128, as a decode's one query is); before that it is not offered here.
+CUDNN_FIRST = 91501
+
+
+def fused_kernels(device: torch.device | str) -> tuple[SDPBackend, ...]:
+    """`FUSED_KERNELS` of this device type as a step may be pinned to them here: on CUDA without cuDNN attention
+    where the installed cuDNN is older than `CUDNN_FIRST` (or absent)."""
+    kernels = FUSED_KERNELS.get(torch.device(device).type, ())
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if torch.device(device).type == "cuda" and (version or 0) < CUDNN_FIRST:
+        kernels = tuple(k for k in kernels if k != SDPBackend.CUDNN_ATTENTION)
+    return kernels
+
+
 def additive_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (True where attention is allowed) -> an additive bias of its shape in `dtype`: 0 where
     visible, -inf where not."""

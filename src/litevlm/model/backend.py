@@ -36,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
-from litevlm.model.attention import FUSED_KERNELS, KERNEL_NAMES, additive_bias, choose_kernel, fused_attention
+from litevlm.model.attention import KERNEL_NAMES, additive_bias, choose_kernel, fused_attention, fused_kernels
 from litevlm.model.layers import linear, row_major
 from litevlm.model.lm import RMSNorm, run_layer
 from litevlm.presets import BACKENDS
@@ -527,7 +527,7 @@ class GraphDraft(DraftSteps):
         self.root.copy_(root_hidden)
         self.position.fill_(position)
         self.start.fill_(start)
-        key = (depth, width, cache.k.data_ptr(), head.rope[0].data_ptr())
+        key = (depth, width, cache.k.data_ptr(), tuple(cache.k.shape), head.rope[0].data_ptr(), head.rope[0].shape[0])
         graph = self.graphs.get(key)
         if graph is None:  # the first chain of this bucket: captured (nothing computed), then replayed like the rest
             graph = self.graphs[key] = self._capture(depth, width)
@@ -540,14 +540,14 @@ class GraphDraft(DraftSteps):
         b, head = self.backend, self.head_module
         step = b._compiled(_draft_chain_static, f"draft_{depth}_{width}", b.compile_steps, regional=False)
 
-        def run():
-            return step(head, self.root, self.position, self.start, depth, width)
+        def run(fn=step):
+            return fn(head, self.root, self.position, self.start, depth, width)
 
-        if "draft" not in b.pinned:
+        if "draft" not in b.pinned:  # chosen on the eager step, as the target's are: a compile keeps its first kernel
             d = head.cfg
             shapes = f"1 query over {width} keys, {d.num_heads} heads of {d.head_dim}, {head.fc.weight.dtype}"
             with torch.no_grad():
-                b.pinned["draft"] = choose_kernel("draft", run, b.fused_kernels, shapes)
+                b.pinned["draft"] = choose_kernel("draft", lambda: run(_draft_chain_static), b.fused_kernels, shapes)
         graph = StepGraph(_pinned(run, b.pinned["draft"]), head.fc.weight.device, b.twin, pool=b.pool)
         b.setup_ms += (time.perf_counter() - t0) * 1e3
         return graph
@@ -627,7 +627,7 @@ class CudaBackend(ModulesBackend):
         draft=None,
         tree_nodes: int = 0,
         twin: bool = False,
-        compile: bool = True,
+        compile: bool | None = None,
         compile_steps: bool = False,
         kv_buckets=KV_BUCKETS,
         prefill_buckets=PREFILL_BUCKETS,
@@ -640,7 +640,7 @@ class CudaBackend(ModulesBackend):
         t0 = time.perf_counter()
         lm = self.lm
         self.twin = twin
-        self.compile = compile
+        self.compile = compiles() if compile is None else compile
         cache = lm.layers[0].self_attn.kv_cache
         if cache is None:
             raise LiteVLMError("set up the KV cache (TextModel.setup_cache) before making a cuda backend")
@@ -655,7 +655,7 @@ class CudaBackend(ModulesBackend):
         self.prefill_buckets = tuple(sorted(b for b in prefill_buckets if b < self.cache_len)) + (self.cache_len,)
         self.tree_nodes = tree_nodes
         dev = model.device
-        self.fused_kernels = FUSED_KERNELS.get(dev.type, ())
+        self.fused_kernels = fused_kernels(dev)
         self.pinned: dict[str, SDPBackend] = {}  # step kind -> the one SDPA kernel its steps run under
         self.pool = None if twin else torch.cuda.graph_pool_handle()
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
