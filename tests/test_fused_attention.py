@@ -66,6 +66,35 @@ def test_the_fused_form_of_a_prompt_is_causal_without_a_mask():
     assert_reordered_fp32(fused_attention(q, k, v), want, n=WIDTH)  # as above
 
 
+@pytest.mark.parametrize("case", list(MASKS))
+def test_few_query_rows_fold_their_grouped_heads_and_read_the_kv_uncopied(monkeypatch, case):
+    """A decode or a tree attends with the query heads that share a K/V head folded into its rows: the K/V never
+    copied (no repeat_interleave), the same attention as the K/V expanded to every head (fp32 reordering). A prompt
+    with a bias over as many keys as rows, where the bias's copy would outweigh the K/V's, expands them instead."""
+    mask = MASKS[case]()
+    q, k, v = qkv(mask.shape[2])
+    bias = additive_bias(mask, q.dtype)
+    groups = HEADS // KV_HEADS
+    expanded = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=bias
+    )
+    copies = []
+    real = torch.Tensor.repeat_interleave
+    monkeypatch.setattr(
+        torch.Tensor, "repeat_interleave", lambda t, *a, **kw: copies.append(t.shape) or real(t, *a, **kw)
+    )
+    assert_reordered_fp32(fused_attention(q, k, v, bias), expanded, n=WIDTH)
+    assert copies == []
+    rows = 4 * HEADS * HEAD_DIM  # past the fold's break-even, 2 H D / G rows
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, HEADS, rows, HEAD_DIM, generator=g)
+    k, v = (torch.randn(1, KV_HEADS, rows, HEAD_DIM, generator=g) for _ in range(2))
+    causal = additive_bias(torch.ones(rows, rows, dtype=torch.bool).tril()[None, None], q.dtype)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert_reordered_fp32(fused_attention(q, k, v, causal), want, n=rows)
+    assert len(copies) == 2  # K and V expanded
+
+
 def test_no_fused_kernel_list_holds_the_math_path():
     assert all(SDPBackend.MATH not in kernels for kernels in FUSED_KERNELS.values())
     assert FUSED_KERNELS["cpu"] == (SDPBackend.FLASH_ATTENTION,)

@@ -5,7 +5,8 @@ runs the math path (K/V repeated per query head, the scores materialised in fp32
 attention refuses any attn_mask and memory-efficient attention refuses enable_gqa, so a step that attends over a
 KV bucket through a boolean mask with grouped-query heads (a decode over padded slots, a tree verification) runs
 the math path, and so does an fp32 prompt (flash takes only half and bf16). `fused_attention` is the same attention
-in the form the fused kernels accept: the K/V heads expanded to the query heads, and the mask an additive bias (0
+in the form the fused kernels accept: no grouped-query heads (the query heads that share a K/V head folded into its
+query rows where a step has few rows, else the K/V heads expanded to the query heads), and the mask an additive bias (0
 where visible, -inf where not) or, for a prompt over its own keys, none (causal). `choose_kernel` pins a step to the
 first kernel of `FUSED_KERNELS` that runs it; the math path is never on the list, so a step no fused kernel accepts
 raises instead of falling back.
@@ -64,9 +65,15 @@ def fused_attention(
     """q (B, H, T, D), k / v (B, Hkv, S, D), bias (1, 1, T, S) additive in q's dtype -> (B, H, T, D).
 
     The attention of `F.scaled_dot_product_attention(q, k, v, attn_mask=<where bias is 0>, enable_gqa=True)`, query
-    head h reading K/V head h // (H / Hkv), here through K/V expanded to H heads. Without a bias: causal for a prompt
-    over its own keys (T > 1 and S == T; flash's fast path), else every key."""
+    head h reading K/V head h // (H / Hkv). With a bias and few query rows (a decode, a verification, a draft step),
+    the query heads that share a K/V head are folded into its query rows, (B, H, T, D) -> (B, Hkv, G T, D) with
+    G = H / Hkv and the bias's rows repeated G times: the K/V are read where they lie, never copied (`_folded`).
+    Otherwise the K/V heads are expanded to H heads. Without a bias: causal for a prompt over its own keys (T > 1 and
+    S == T; flash's fast path), else every key."""
     groups = q.shape[1] // k.shape[1]
+    b, h, t, d = q.shape
+    if bias is not None and groups > 1 and groups * t < 2 * h * d:  # the bias copy is smaller than the K/V copies
+        return _folded(q, k, v, bias, groups)
     if groups > 1:
         k = k.repeat_interleave(groups, 1)  # (B, Hkv, S, D) -> (B, H, S, D)
         v = v.repeat_interleave(groups, 1)
@@ -74,6 +81,17 @@ def fused_attention(
         causal = q.shape[2] > 1 and k.shape[2] == q.shape[2]
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def _folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, groups: int) -> torch.Tensor:
+    """`fused_attention` with a bias, the G query heads of each K/V head as G T query rows over it: head kv G + g, row
+    t becomes row g T + t of head kv, whose bias row is the bias's row t. The same softmax over the same keys for each
+    row, so the same attention; grouped-query heads then cost a kernel nothing, and no kernel needs enable_gqa."""
+    b, h, t, d = q.shape
+    out = F.scaled_dot_product_attention(
+        q.reshape(b, k.shape[1], groups * t, d), k, v, attn_mask=bias.repeat(1, 1, groups, 1)
+    )
+    return out.reshape(b, h, t, d)
 
 
 def choose_kernel(step: str, run, kernels, shapes: str) -> SDPBackend:
