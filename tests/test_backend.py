@@ -442,18 +442,20 @@ def test_compile_steps_reaches_the_captured_steps_from_the_pipeline_and_the_comm
 def test_a_compile_inside_an_answer_is_setup_not_a_stage(monkeypatch, scene):
     """A prefill step met for the first time inside an answer (a pruned prefill's parts) is compiled there (on a
     GPU, tens of seconds): that time is setup (`setup_ms`), left out of the prefill stage, the total and e2e. Here
-    each step's first call is made half a second slower, as a compile would."""
+    each step's first call is made SLOW seconds slower, as a compile would."""
     import time as clock
 
     from litevlm.pipeline import Pipeline
 
-    def compiled(self, fn, tag, compile_it):
+    SLOW = 1.5
+
+    def compiled(self, fn, tag, compile_it, regional=True):
         first = [True]
 
         def step(*args):
             if first[0]:
                 first[0] = False
-                clock.sleep(0.5)
+                clock.sleep(SLOW)
             return fn(*args)
 
         return step
@@ -464,8 +466,9 @@ def test_a_compile_inside_an_answer_is_setup_not_a_stage(monkeypatch, scene):
     pipe = Pipeline.from_pretrained("drive-tiny", backend="cuda-twin", warmup=False, **opts)
     before = pipe.setup_ms
     ms = pipe.answer(questions[0], images).timings_ms
-    assert pipe.setup_ms - before >= 1000  # the first calls of both parts' steps, inside the prefill stage
-    assert ms["prefill"] < 400 and ms["e2e"] < ms["total"] + ms["preprocess"] + 400
+    assert pipe.setup_ms - before >= 2000 * SLOW  # the first calls of both parts' steps, inside the prefill stage
+    # neither first call's SLOW seconds in the prefill or e2e (a loaded machine's prefill alone can take half a second)
+    assert ms["prefill"] < 1000 * SLOW and ms["e2e"] < ms["total"] + ms["preprocess"] + 1000 * SLOW
     assert ms["e2e"] >= ms["total"]
 
 
