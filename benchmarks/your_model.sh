@@ -11,13 +11,17 @@
 # view_selector/, token_selector/, draft/ folders and prompt.json), where `Pipeline.from_pretrained` finds them.
 # PYTHON (default: python) runs the package; LITEVLM (default: $PYTHON -m litevlm) is the command line.
 # WALKTHROUGH_DEVICE_ARGS (default: none, the CPU) go to every step that runs the model, e.g. "--device cuda --dtype
-# bfloat16"; WALKTHROUGH_EVAL_ARGS to both evaluations, e.g. "--no-score" on a machine without pycocoevalcap.
+# bfloat16"; WALKTHROUGH_EVAL_ARGS to both evaluations, e.g. "--no-score" on a machine without pycocoevalcap;
+# WALKTHROUGH_BENCH_ARGS to the bench, e.g. "--no-transformers --n 1" where time is short. On CUDA the prefill runs
+# eagerly unless LITEVLM_CUDA_COMPILE=1: a tiny model's compiles would cost more than they save.
 set -euo pipefail
+export LITEVLM_CUDA_COMPILE="${LITEVLM_CUDA_COMPILE:-0}"
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
 LITEVLM="${LITEVLM:-$PYTHON -m litevlm}"
 read -r -a DEV <<< "${WALKTHROUGH_DEVICE_ARGS:-}"
 read -r -a EV <<< "${WALKTHROUGH_EVAL_ARGS:-}"
+read -r -a BENCH <<< "${WALKTHROUGH_BENCH_ARGS:-}"
 WORK="${1:-$(mktemp -d -t litevlm-walkthrough.XXXXXX)}"
 mkdir -p "$WORK"
 echo "walkthrough in $WORK" >&2
@@ -37,10 +41,14 @@ $LITEVLM train draft --model "$CK" --data "$DATA" --minutes 0.2 "${DEV[@]}" >&2
 $LITEVLM train openings --model "$CK" --data "$DATA" "${DEV[@]}" >&2
 
 # 5. The LiteVLM configuration on the data (view selection, token selection, speculative decoding), official score.
-$LITEVLM eval --model "$CK" --data "$DATA" --litevlm --n 8 --max-new-tokens 16 --json "${DEV[@]}" "${EV[@]}" >&2
+# This checkpoint's prompts hold fewer visual tokens than the preset leaves unpruned: --select-min-tokens 0 prunes them.
+$LITEVLM eval --model "$CK" --data "$DATA" --litevlm --select-min-tokens 0 --n 8 --max-new-tokens 16 --json \
+    "${DEV[@]}" "${EV[@]}" >&2
 # 6. Table 1 on this model: every configuration on the same questions.
-$LITEVLM bench --model "$CK" --data "$DATA" --n 2 --warmup 1 --max-new-tokens 16 "${DEV[@]}" "${EV[@]}" >&2
+$LITEVLM bench --model "$CK" --data "$DATA" --n 2 --warmup 1 --max-new-tokens 16 "${DEV[@]}" "${EV[@]}" \
+    "${BENCH[@]}" >&2
 
 # 7. FP8 calibrated on the user's data into a new checkpoint (the modules travel with it), then evaluated.
 $LITEVLM quantize --model "$CK" --data "$DATA" --calib 8 --max-new-tokens 16 --out "$CK-fp8" "${DEV[@]}" >&2
-$LITEVLM eval --model "$CK-fp8" --data "$DATA" --litevlm --n 8 --max-new-tokens 16 --json "${DEV[@]}" "${EV[@]}"
+$LITEVLM eval --model "$CK-fp8" --data "$DATA" --litevlm --select-min-tokens 0 --n 8 --max-new-tokens 16 --json \
+    "${DEV[@]}" "${EV[@]}"

@@ -123,6 +123,10 @@ class Sequence:
         return torch.cat([self.positions[:m], self.positions[m - 1] + 1 + torch.arange(n - m)])
 
 
+# A pipeline that lends the target's tiling, prompt and selection to batched answers, and never decodes itself.
+LENT = {"backend": "modules", "warmup": False}
+
+
 @torch.no_grad()
 def greedy_batch(
     model,
@@ -659,7 +663,9 @@ def target_sequences(
         frames = data_frames(samples)
         held = frozenset(s.id for s in scene_split(samples, recipe.val_fraction, recipe.seed)[1])
     shards = plan(frames, recipe, held)
-    pipe = pruning_pipeline(loaded) if recipe.prune_prob > 0 else Pipeline.from_loaded(loaded)
+    # The answers are batched through the model itself (`greedy_batch`): the pipeline lends its tiling, prompt and
+    # selection only, so it makes no execution backend of its own (a CUDA one would capture graphs for nothing).
+    pipe = pruning_pipeline(loaded) if recipe.prune_prob > 0 else Pipeline.from_loaded(loaded, **LENT)
     model = loaded.model
     store = torch.float16 if model.dtype == torch.float32 else model.dtype  # bf16 targets keep their own dtype
     if offline is not None:
@@ -691,7 +697,7 @@ def pruning_pipeline(loaded):
             f"--prune-prob needs a TokenSelector that prunes the prompt before the decoder (`litevlm train tokens "
             f"--reads prompt` or `--reads embeds`): the one in {folder} ranks from inside the decoder"
         )
-    return Pipeline.from_loaded(loaded, token_selector=sel, keep_ratio=sel.cfg.keep_ratio)
+    return Pipeline.from_loaded(loaded, token_selector=sel, keep_ratio=sel.cfg.keep_ratio, **LENT)
 
 
 def train_draft(

@@ -92,7 +92,7 @@ def target_answers(
 ) -> list[tuple[str, list[int]]]:
     """(question, the target's greedy answer ids) for the questions of the training split of `samples`: from the
     draft recipe's offline cache in `offline` when it holds one for this target and data, else generated."""
-    from litevlm.train.draft import DraftRecipe, answer_shard, cache_key, cached_answers, data_frames, plan
+    from litevlm.train.draft import LENT, DraftRecipe, answer_shard, cache_key, cached_answers, data_frames, plan
 
     saved = json.loads((draft / "config.json").read_text()).get("recipe", {})
     recipe = DraftRecipe(**{f.name: saved[f.name] for f in fields(DraftRecipe) if f.name in saved})
@@ -113,7 +113,7 @@ def target_answers(
             [(f, kept) for f, items in shard if (kept := [it for it in items if not it.held_out])]
             for shard in plan(data_frames(samples), recipe, held)
         ]
-        pipe = Pipeline.from_loaded(loaded)
+        pipe = Pipeline.from_loaded(loaded, **LENT)
         seqs = []
         with tqdm(total=len(samples) - len(held), desc="target answers", disable=not progress) as bar:
             for shard in shards:
