@@ -12,7 +12,8 @@
 # PYTHON (default: python) runs the package; LITEVLM (default: $PYTHON -m litevlm) is the command line.
 # WALKTHROUGH_DEVICE_ARGS (default: none, the CPU) go to every step that runs the model, e.g. "--device cuda --dtype
 # bfloat16"; WALKTHROUGH_EVAL_ARGS to both evaluations, e.g. "--no-score" on a machine without pycocoevalcap;
-# WALKTHROUGH_BENCH_ARGS to the bench, e.g. "--no-transformers --n 1" where time is short. On CUDA the prefill runs
+# WALKTHROUGH_BENCH_ARGS to the bench, e.g. "--no-transformers --n 1" where time is short, and WALKTHROUGH_MINUTES
+# (default 0.2) is each recipe's training budget, its setup apart. On CUDA the prefill runs
 # eagerly unless LITEVLM_CUDA_COMPILE=1: a tiny model's compiles would cost more than they save.
 set -euo pipefail
 export LITEVLM_CUDA_COMPILE="${LITEVLM_CUDA_COMPILE:-0}"
@@ -22,6 +23,7 @@ LITEVLM="${LITEVLM:-$PYTHON -m litevlm}"
 read -r -a DEV <<< "${WALKTHROUGH_DEVICE_ARGS:-}"
 read -r -a EV <<< "${WALKTHROUGH_EVAL_ARGS:-}"
 read -r -a BENCH <<< "${WALKTHROUGH_BENCH_ARGS:-}"
+MINUTES="${WALKTHROUGH_MINUTES:-0.2}" # each recipe's training budget
 WORK="${1:-$(mktemp -d -t litevlm-walkthrough.XXXXXX)}"
 mkdir -p "$WORK"
 echo "walkthrough in $WORK" >&2
@@ -32,11 +34,11 @@ CK="$WORK/InternVL-tiny-hf"
 DATA="$WORK/drivelm/drivelm.json"
 
 # 1. ViewSelector: labels from the questions' c-tags and the lexical map, recall calibrated on a held-out split.
-$LITEVLM train views --model "$CK" --data "$DATA" --steps 40 --minutes 0.2 >&2
+$LITEVLM train views --model "$CK" --data "$DATA" --steps 40 --minutes "$MINUTES" >&2
 # 2. TokenSelector: the target's own attention over the visual tokens, plus the c-tag prior.
-$LITEVLM train tokens --model "$CK" --data "$DATA" --epochs 1 --minutes 0.2 "${DEV[@]}" >&2
+$LITEVLM train tokens --model "$CK" --data "$DATA" --epochs 1 --minutes "$MINUTES" "${DEV[@]}" >&2
 # 3. Draft head: self-distillation on the target's own greedy answers and hidden states.
-$LITEVLM train draft --model "$CK" --data "$DATA" --minutes 0.2 "${DEV[@]}" >&2
+$LITEVLM train draft --model "$CK" --data "$DATA" --minutes "$MINUTES" "${DEV[@]}" >&2
 # 4. Answer openings, from the target's own answers to the training questions.
 $LITEVLM train openings --model "$CK" --data "$DATA" "${DEV[@]}" >&2
 
