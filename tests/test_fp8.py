@@ -483,6 +483,7 @@ def test_compiled_fp8_model_matches_eager_on_gpu():
         eager = model(ids, px)
         compiled = torch.compile(model)(ids, px)  # embed() counts placeholders on the host: not one graph
     assert torch.isfinite(compiled).all()
-    # inductor fuses and reorders around the e4m3 casts: a value near a rounding boundary of e4m3 (3 mantissa bits,
-    # steps of 6-12 %) can land on the neighbour, so the bound is a fraction of fp8's step at the output's scale.
-    torch.testing.assert_close(compiled.float(), eager.float(), rtol=2e-2, atol=2e-2 * float(eager.abs().max()))
+    # inductor fuses past the bf16 roundings the modules make before each e4m3 cast (3 mantissa bits, steps of
+    # 6-12 %), so a few values land on the neighbouring FP8 step: the outputs agree as a whole, not element by element
+    err = (compiled.float() - eager.float()).norm() / eager.float().norm()
+    assert err < 5e-2, f"compiled FP8 model off by {err:.3f} of the eager one's norm"

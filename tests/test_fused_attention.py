@@ -196,7 +196,7 @@ def test_the_fused_form_on_each_cuda_kernel_that_takes_it(case, dtype):
     with sdpa_kernel([SDPBackend.MATH]):
         want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
     ran = []
-    for kernel in FUSED_KERNELS["cuda"]:
+    for kernel in fused_kernels("cuda"):
         try:
             with sdpa_kernel([kernel]):
                 got = fused_attention(q, k, v, additive_bias(mask, dtype)).float()
@@ -259,8 +259,8 @@ def test_the_cuda_backend_records_fused_kernels_and_decodes_like_the_modules(dty
     if dtype == torch.float32:
         assert plain == want and spec == want
     else:  # bf16: another kernel rounds differently; the answers part, if at all, only at a near tie
-        assert_greedy_up_to_a_near_tie(model, embeds, pos, plain, want, margin=0.05)
-        assert_greedy_up_to_a_near_tie(model, embeds, pos, spec, want, margin=0.05)
+        assert_greedy_up_to_a_near_tie(model, embeds, pos, plain, want, margin=0.1, relative=True)  # as in test_backend
+        assert_greedy_up_to_a_near_tie(model, embeds, pos, spec, want, margin=0.1, relative=True)
     kernels = backend.kernels
     assert set(kernels) == {"decode", "verify", "prefill"}
     assert set(kernels.values()) <= {"cudnn", "efficient", "flash"}
