@@ -188,6 +188,8 @@ def benchmarks() -> list[Benchmark]:
             needs=[HELDOUT],
         ),
     ]
+    # A compiled step's cost, one layer reused against the whole step (cold inductor caches, each in its own process).
+    out.append(Benchmark("compile_cost", ["benchmarks/compile_cost.py", "--threads", "1"]))
     # The 2B shapes on this CPU (random weights, fp32, every row): that the real sizes run here, and in what memory.
     # One question after the pipelines' own warm-up answers (a full-prompt answer at these shapes takes minutes).
     out.append(
@@ -1351,6 +1353,40 @@ def section_2b_cpu(run: dict | None) -> list[str]:
     return out + provenance(run)
 
 
+COMPILE_COLUMNS = ["depth", "mode", "compile_s", "graphs", "ops", "step_ms", "max_diff"]
+
+
+def section_compile(run: dict | None) -> list[str]:
+    """`benchmarks/compile_cost.py`: a decode step compiled as one layer every layer reuses, or whole."""
+    out = ["## Compiling a step: one layer for every layer, against the whole step", ""]
+    b = next(b for b in benchmarks() if b.name == "compile_cost")
+    if run is None:
+        return out + not_measured_yet("a compiled step's cost", b)
+    rows = run["result"]["rows"]
+    out += [
+        "The CUDA backend compiles its steps (with `--compile-steps`, and its prefill buckets) one decoder layer at a"
+        " time: a single compile that every layer reuses, its weights and cache the graph's inputs. Here a decode"
+        f" step of drive-hd's decoder over a {run['result']['width']}-slot bucket, at drive-hd's depth and at the 2B"
+        " model's, compiled by inductor on this CPU from an empty cache, in its own process: `layer` the backend's"
+        " way, `whole` the step compiled at once. `compile_s` the first call (trace, compile, run), `graphs` and"
+        " `ops` what dynamo made, `step_ms` a later call, `max_diff` against the eager step's logits. CPU times;"
+        " on a GPU Triton's kernel builds add to both forms.",
+        "",
+    ]
+    by = {(r["depth"], r["mode"]): r for r in rows}
+    deepest = max(r["depth"] for r in rows)
+    lay, whole = by.get((deepest, "layer")), by.get((deepest, "whole"))
+    if lay and whole:
+        out += [
+            f"At {deepest} layers one layer's compile takes **{fmt(lay['compile_s'])} s** against"
+            f" {fmt(whole['compile_s'])} s for the whole step ({whole['compile_s'] / lay['compile_s']:.1f}x as long),"
+            f" in {fmt(lay['graphs'])} graph of {fmt(lay['ops'])} operations against {fmt(whole['ops'])}.",
+            "",
+        ]
+    out += table(COMPILE_COLUMNS, [[r.get(c) for c in COMPILE_COLUMNS] for r in rows])
+    return out + provenance(run)
+
+
 def gpu_plan() -> str:
     """The GPU script's plan as its source states it: "N steps planned to S s" (each limit and its kill-after)."""
     text = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
@@ -1546,6 +1582,7 @@ def render(runs: dict) -> str:
         *section_scale(runs.get("serve_replicas")),
         *section_dist(runs.get("dist_eval")),
         *section_2b_cpu(runs.get("bench_2b_cpu")),
+        *section_compile(runs.get("compile_cost")),
         *section_gpu(runs),
         *past_line(runs),
     ]

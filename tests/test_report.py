@@ -1118,3 +1118,29 @@ def test_the_neutral_decoders_race_beside_the_taught_one(tmp_path, report):
         in race
     )
     assert "on the neutral decoder the TokenSelector is ahead of every training-free method in 2 of 4 rows" in race
+
+
+def test_the_compile_cost_section_has_its_table_and_the_deepest_ratio(tmp_path, report):
+    """benchmarks/compile_cost.py's rows on the page, and the sentence at the deepest model: one layer's compile
+    against the whole step's, and their graphs; without a results file, the command that makes it."""
+    b = {b.name: b for b in report.benchmarks()}["compile_cost"]
+    assert b.command(None) == ["python", "benchmarks/compile_cost.py", "--threads", "1"] and b.pinned
+    page = write(tmp_path / "none", report, FIXTURES)
+    sec = page[page.index("## Compiling a step") :]
+    assert "**Not measured yet:**" in sec and "--only compile_cost" in sec
+    rows = [
+        {"depth": d, "mode": m, "compile_s": s, "graphs": 1, "ops": o, "step_ms": 4.0, "max_diff": 0.0}
+        for d, m, s, o in (
+            (6, "layer", 9.5, 58),
+            (6, "whole", 18.0, 380),
+            (24, "layer", 10.0, 58),
+            (24, "whole", 40.0, 1424),
+        )
+    ]
+    runs = {**FIXTURES, "compile_cost": run_file("compile_cost", {"width": 512, "threads": 1, "rows": rows}, "x")}
+    sec = write(tmp_path / "run", report, runs)
+    sec = sec[sec.index("## Compiling a step") :]
+    assert "At 24 layers one layer's compile takes **10.0 s** against 40.0 s for the whole step (4.0x as long)," in sec
+    assert "in 1 graph of 58 operations against 1424." in sec
+    for r in rows:
+        assert row(report, [r[c] for c in report.COMPILE_COLUMNS]) in sec
