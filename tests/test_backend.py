@@ -559,10 +559,9 @@ def test_one_decoder_layer_at_the_2b_shapes_in_bf16():
     prompt through its cache, in the fused form (`fused=True`), on each fused kernel offered: bf16 against an fp32
     reference of the same weights. The attention block alone: in the layer's output the residual dominates, so a
     wrong attention would hide there."""
-    from torch.nn.attention import sdpa_kernel
+    from test_fused_attention import on_each_offered_kernel
 
     from litevlm.config import preset
-    from litevlm.model.attention import fused_kernels
     from litevlm.model.kv_cache import KVCache
     from litevlm.model.layers import rope_cos_sin
     from litevlm.model.lm import DecoderLayer
@@ -577,18 +576,11 @@ def test_one_decoder_layer_at_the_2b_shapes_in_bf16():
         ref = layer.self_attn(x, cos, sin)  # no cache: causal over the prompt, fp32
         attn = layer.self_attn.to(torch.bfloat16)
         attn.kv_cache = KVCache(1, cfg.num_kv_heads, t, cfg.head_dim, torch.bfloat16, "cuda")
-        ran = []
-        for kernel in fused_kernels("cuda"):
-            try:
-                with sdpa_kernel([kernel]):
-                    out = attn(
-                        x.bfloat16(), cos.bfloat16(), sin.bfloat16(), torch.arange(t, device="cuda"), None, t, True
-                    )
-            except RuntimeError:
-                continue
-            ran.append(kernel)
-            assert ((out.float() - ref).norm() / ref.norm()) < 2e-2, kernel  # bf16 rounding through one block
-    assert ran
+        slots = torch.arange(t, device="cuda")
+        outs = on_each_offered_kernel(lambda: attn(x.bfloat16(), cos.bfloat16(), sin.bfloat16(), slots, None, t, True))
+    for kernel, out in outs.items():
+        assert ((out - ref).norm() / ref.norm()) < 2e-2, kernel  # bf16 rounding through one block
+    assert outs
 
 
 @pytest.mark.gpu

@@ -184,6 +184,19 @@ def test_the_bench_reports_the_attention_kernels(full_model_dir):
 # ------------------------------------------------------------------------------------------------
 # On a GPU
 # ------------------------------------------------------------------------------------------------
+def on_each_offered_kernel(run) -> dict[SDPBackend, torch.Tensor]:
+    """run() with each CUDA kernel a step may be pinned to (`fused_kernels`) allowed alone: its output in fp32 for
+    each kernel that takes the inputs (one that refuses them raises, and is left out)."""
+    outs = {}
+    for kernel in fused_kernels("cuda"):
+        try:
+            with sdpa_kernel([kernel]):
+                outs[kernel] = run().float()
+        except RuntimeError:
+            continue
+    return outs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -195,19 +208,13 @@ def test_the_fused_form_on_each_cuda_kernel_that_takes_it(case, dtype):
     q, k, v = qkv(mask.shape[2], "cuda", dtype)
     with sdpa_kernel([SDPBackend.MATH]):
         want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
-    ran = []
-    for kernel in fused_kernels("cuda"):
-        try:
-            with sdpa_kernel([kernel]):
-                got = fused_attention(q, k, v, additive_bias(mask, dtype)).float()
-        except RuntimeError:
-            continue
-        ran.append(kernel)
-        # fp32: the fused kernels may multiply on tensor cores (TF32-level rounding); bf16: its own rounding of q, k, v
-        # and the output. Both far below the O(1) change a wrong mask or K/V head makes.
-        tol = 1e-3 if dtype == torch.float32 else 2e-2
+    outs = on_each_offered_kernel(lambda: fused_attention(q, k, v, additive_bias(mask, dtype)))
+    # fp32: the fused kernels may multiply on tensor cores (TF32-level rounding); bf16: its own rounding of q, k, v
+    # and the output. Both far below the O(1) change a wrong mask or K/V head makes.
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    for kernel, got in outs.items():
         assert ((got - want).norm() / want.norm()) < tol, kernel
-    assert ran and SDPBackend.FLASH_ATTENTION not in ran
+    assert outs and SDPBackend.FLASH_ATTENTION not in outs
 
 
 @pytest.mark.gpu
@@ -225,16 +232,10 @@ def test_every_offered_kernel_attends_like_the_math_path_at_the_2b_shapes(querie
     visible[0, 0, :, live - queries : live] = torch.ones(queries, queries, dtype=torch.bool, device="cuda").tril()
     with sdpa_kernel([SDPBackend.MATH]):
         want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=visible, enable_gqa=True)
-    ran = []
-    for kernel in fused_kernels("cuda"):
-        try:
-            with sdpa_kernel([kernel]):
-                got = fused_attention(q, k, v, additive_bias(visible, q.dtype)).float()
-        except RuntimeError:
-            continue
-        ran.append(kernel)
+    outs = on_each_offered_kernel(lambda: fused_attention(q, k, v, additive_bias(visible, q.dtype)))
+    for kernel, got in outs.items():
         assert ((got - want).norm() / want.norm()) < 2e-2, kernel
-    assert ran
+    assert outs
 
 
 @pytest.mark.gpu

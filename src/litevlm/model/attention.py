@@ -45,9 +45,10 @@ CUDNN_FIRST = 91501
 def fused_kernels(device: torch.device | str) -> tuple[SDPBackend, ...]:
     """`FUSED_KERNELS` of this device type as a step may be pinned to them here: on CUDA without cuDNN attention
     where the installed cuDNN is older than `CUDNN_FIRST` (or absent)."""
-    kernels = FUSED_KERNELS.get(torch.device(device).type, ())
+    kind = torch.device(device).type
+    kernels = FUSED_KERNELS.get(kind, ())
     version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    if torch.device(device).type == "cuda" and (version or 0) < CUDNN_FIRST:
+    if kind == "cuda" and (version or 0) < CUDNN_FIRST:
         kernels = tuple(k for k in kernels if k != SDPBackend.CUDNN_ATTENTION)
     return kernels
 

@@ -259,11 +259,9 @@ class TextModel(nn.Module):
             mask = torch.ones(t, t, dtype=torch.bool, device=embeds.device).tril()
             mask[t - tree_tail.shape[0] :] = tree_tail.to(mask.device)
             mask = mask[None, None]
+        step = run_layer if layer_step is None else layer_step
         for layer in layers:
-            if layer_step is None:
-                x = layer(x, cos, sin, slots, mask, kv_len, fused)
-            else:
-                x = layer_step(layer, x, cos, sin, slots, mask, kv_len, fused)
+            x = step(layer, x, cos, sin, slots, mask, kv_len, fused)
         return self.norm(x) if end_layer is None else x
 
     def rope_table(self, top: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
