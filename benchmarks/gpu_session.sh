@@ -12,7 +12,7 @@
 # 15-minute device budget that also pays the machine's start and the copies). Each step writes its output under
 # $WORK (GPU_SESSION_WORK, default $TMPDIR/litevlm_gpu_session) as it goes and runs even if one before it failed; after
 # each step $OUT gets $WORK as one archive, gpu_session.tgz (every file below but the walkthrough's weights), and its
-# summaries (steps, env, gpu_tests, the two benches' and fp8_gpu's .json, FAILED.txt): at most 8 files, what a device
+# summaries (steps, env, gpu_tests, step_costs, the two benches' .json, FAILED.txt): at most 8 files, what a device
 # returns. A failed install falls back to the source tree
 # (PYTHONPATH=src, `GPU_SESSION_BREAK_INSTALL=1` makes the dry run take that path); only no CUDA device stops the run
 # (non-zero, with FAILED.txt saying why). The gpu-marked tests are stopped with SIGINT, so pytest still writes its
@@ -22,12 +22,17 @@
 #   gpu.txt                    nvidia-smi's name, memory and driver (GPU only)
 #   gpu_tests.log / .xml / .json  the gpu-marked tests (pytest -m gpu): graphed decode and verification, the GPU
 #                              fast path through the pipeline, losslessness on CUDA, FP8 GEMMs; .json counts them
-#   bench_2b_eager.*           `litevlm bench --shape 2b` (random weights at the 2B shapes, bf16, latency only):
-#                              baseline, EAGLE, LiteVLM and LiteVLM FP8 rows on the module path (eager)
-#   bench_2b_graphs.*          the same rows and questions with CUDA graphs, the prefill eager ($GRAPH_FLAGS)
+#   step_costs.*               benchmarks/step_costs.py at the 2B shapes (random weights, bf16 and FP8): the memory
+#                              bandwidth and the floor of a decode step, then the CUDA backend's decode, full-tree
+#                              verification, draft chain, prefill and the modules' eager decode, the steps eager
+#                              inside their graphs, then compiled inside while its budget lasts; its `goals` check
+#                              decode <= 1.5x the floor, verification <= 1.3x a decode, FP8 decode <= bf16's
+#                              (.jsonl: a line per variant as it is measured)
+#   bench_2b_graphs.*          `litevlm bench --shape 2b` (random weights at the 2B shapes, bf16, latency only):
+#                              baseline, EAGLE, LiteVLM and LiteVLM FP8 rows on the CUDA backend, the prefill eager
 #                              .jsonl: each answer, then each row, as it is measured; .json: the result; .out/.err
-#   fp8_gpu.*                  benchmarks/fp8_gpu.py at the 2B shapes: FP8 against bf16 per stage, eager, every
-#                              variant (.jsonl: a line per stage); no compile, which would outlast the step
+#   bench_hd.*                 `litevlm bench --model drive-hd` (the trained embedded model: real acceptance) on a few
+#                              synthetic frames, baseline and LiteVLM, every row on the CUDA backend: images to answer
 #   walkthrough.*              benchmarks/your_model.sh on the device (bf16): every recipe, eval --litevlm, bench
 #                              and FP8 quantize on a tiny user checkpoint, unscored (no pycocoevalcap on the image);
 #                              walkthrough/ keeps its checkpoint and modules. The minimal dry run checks its syntax.
@@ -45,12 +50,14 @@ WORK="${GPU_SESSION_WORK:-${TMPDIR:-/tmp}/litevlm_gpu_session}"
 PY="${PYTHON:-$(command -v python3 || echo python)}"
 rm -rf "$WORK"
 mkdir -p "$OUT" "$WORK"
-rm -f "$OUT"/gpu_session.tgz "$OUT"/{steps,env,gpu_tests,bench_2b_eager,bench_2b_graphs,fp8_gpu}.json "$OUT"/FAILED.txt
+rm -f "$OUT"/gpu_session.tgz "$OUT"/{steps,env,gpu_tests,step_costs,bench_2b_graphs,bench_hd}.json "$OUT"/FAILED.txt
 export PYTHONUNBUFFERED=1
 export LITEVLM_NATIVE=0 # the native CPU steps are never used on CUDA: no device time spent compiling them
-# No inductor compile on the device either: each is one decoder layer's (the layers reuse it), but a row meets a dozen
-# prefill buckets, layer ranges and KV widths, each its own compile and Triton builds, more than a step's budget. The CUDA backend's prefill runs eagerly (pinned to a fused kernel), and its decode,
-# verification and draft steps are replayed graphs all the same; the bench JSON says so ("compiled").
+# No inductor compile in the bench rows: each is one decoder layer's (the layers reuse it), but a row meets a dozen
+# prefill buckets, layer ranges and KV widths, each its own compile and Triton builds, more than a step's budget. The
+# CUDA backend's prefill runs eagerly (pinned to a fused kernel), and its decode, verification and draft steps are
+# replayed graphs all the same; the bench JSON says so ("compiled"). step_costs compiles its steps itself, at one
+# bucket each, within its own budget.
 export LITEVLM_CUDA_COMPILE=0
 
 ROWS="baseline,eagle,litevlm,litevlm fp8"
@@ -58,27 +65,34 @@ if [[ $DRY_RUN == 1 ]]; then
     # drive-tiny (the embedded model) on the CPU, a few questions and tokens: every step's code, none of its cost
     MODEL_ARGS=(--model drive-tiny --device cpu --no-score) # unscored like random weights: no pycocoevalcap
     BENCH_ARGS=(--n 2 --warmup 1 --max-new-tokens 8)
-    FP8_ARGS=(--dry-run-cpu --iters 2 --warmup 1)
+    STEP_COSTS_ARGS=(--dry-run-cpu --iters 2 --warmup 1 --no-compiled-draft)
+    HD_FRAMES=2 HD_ARGS=(--n 4 --warmup 1 --max-new-tokens 16)
     if [[ $MINIMAL == 1 ]]; then
         BENCH_ARGS=(--n 1 --warmup 0 --max-new-tokens 4)
-        FP8_ARGS=(--dry-run-cpu --iters 1 --warmup 0 --recipes fp8-dynamic-per-row --prefill 24 --stages decode)
+        STEP_COSTS_ARGS=(--dry-run-cpu --iters 1 --warmup 0 --no-compiled)
+        HD_FRAMES=1 HD_ARGS=(--n 1 --warmup 0 --max-new-tokens 4)
     fi
+    HD_DEVICE_ARGS=(--backend cuda-twin)
 else
     # 6 questions after 2 warm-up ones, 32 new tokens each (random weights never stop early): 32 answers a run. The
     # graphed run captures each row's decode and verification graphs at setup (seconds), its prefill eager.
     MODEL_ARGS=(--shape 2b)
     BENCH_ARGS=(--n 6 --warmup 2 --max-new-tokens 32)
-    # the preset's recipe first; eager figures of every variant, no compile (a 2B decode's compile alone outlasts the
-    # step: the graphed bench rows give FP8's decode against bf16's with graphs)
-    FP8_ARGS=(--recipes fp8-dynamic-per-row,fp8-static-per-tensor --iters 10 --warmup 2 --budget-s 30 --no-compiled)
+    # every eager variant, then the compiled ones while 35 s last (a compile started before then runs to its end: the
+    # step's limit leaves 40 s for it); the compiled draft chain (its whole chain's compile) left out
+    STEP_COSTS_ARGS=(--budget-s 35 --no-compiled-draft)
+    # drive-hd's answers end at its end of answer: its default token limit; fp32 (its answers are the CPU's)
+    HD_FRAMES=4 HD_ARGS=(--n 24 --warmup 2)
+    HD_DEVICE_ARGS=(--device cuda --backend cuda)
 fi
 
 FAILED_STEPS=()
 
 # The plan: each step's limit in seconds. A step past its limit gets SIGTERM (the tests SIGINT), then SIGKILL
 # KILL_AFTER seconds later.
-# env: the first CUDA start and torch import on a cold machine; walkthrough: 72 s of 85 on this CPU in a dry run.
-declare -A PLAN=([install]=20 [env]=30 [gpu_tests]=70 [bench_2b_eager]=55 [bench_2b_graphs]=80 [fp8_gpu]=35 [walkthrough]=95)
+# env: the first CUDA start and torch import on a cold machine; walkthrough: 52 s of 80 on this CPU in a dry run;
+# step_costs: its own 35 s budget, and 40 s more for a compile started just before it ends.
+declare -A PLAN=([install]=20 [env]=30 [gpu_tests]=70 [step_costs]=75 [bench_2b_graphs]=70 [bench_hd]=40 [walkthrough]=80)
 KILL_AFTER=5
 PLANNED_S=0
 for name in "${!PLAN[@]}"; do PLANNED_S=$((PLANNED_S + PLAN[$name] + KILL_AFTER)); done
@@ -148,7 +162,7 @@ EOF
 # pack: what comes back from the device is at most 8 files in $OUT, so WORK goes there as one archive,
 # gpu_session.tgz (every file but the walkthrough's weights), beside the summaries a reader opens first (SUMMARIES, and
 # FAILED.txt when there is one). Run after every step, so a session cut short still returns what it measured.
-SUMMARIES=(steps.json env.json gpu_tests.json bench_2b_eager.json bench_2b_graphs.json fp8_gpu.json FAILED.txt)
+SUMMARIES=(steps.json env.json gpu_tests.json step_costs.json bench_2b_graphs.json bench_hd.json FAILED.txt)
 pack() {
     finish
     tar czf "$WORK.tgz" --exclude='*.safetensors' -C "$WORK" . && mv -f "$WORK.tgz" "$OUT/gpu_session.tgz"
@@ -183,20 +197,10 @@ if ! step install "${INSTALL[@]}"; then
     echo "install failed; ran from the source tree (PYTHONPATH=src)" > "$WORK/install_fallback.txt"
 fi
 
-# ---- GRAPH_FLAGS / EAGER_FLAGS: the one place that says how the graphed and the eager rows are asked for --------
-# With the pipeline's --backend option: `--backend cuda` on the GPU, its CPU twin `--backend cuda-twin` in the dry run,
-# and `--backend modules` for the eager rows. Without it (older trees): `--cuda-graphs` on the GPU; the dry run has no
-# graphs to twin, so both of its runs are eager. Set GRAPH_FLAGS / EAGER_FLAGS in the environment to override.
-if grep -q -- '"--backend"' src/litevlm/cli.py 2> /dev/null; then # read, not run: a cold start cannot time it out
-    DEFAULT_GRAPH_FLAGS=$([[ $DRY_RUN == 1 ]] && echo "--backend cuda-twin" || echo "--backend cuda")
-    DEFAULT_EAGER_FLAGS="--backend modules"
-else
-    DEFAULT_GRAPH_FLAGS=$([[ $DRY_RUN == 1 ]] && echo "" || echo "--cuda-graphs")
-    DEFAULT_EAGER_FLAGS=""
-fi
+# GRAPH_FLAGS: how the 2B bench asks for the CUDA backend: `--backend cuda` on the GPU, its CPU twin `--backend
+# cuda-twin` in the dry run. Set GRAPH_FLAGS in the environment to override.
+DEFAULT_GRAPH_FLAGS=$([[ $DRY_RUN == 1 ]] && echo "--backend cuda-twin" || echo "--backend cuda")
 GRAPH_FLAGS="${GRAPH_FLAGS-$DEFAULT_GRAPH_FLAGS}"
-EAGER_FLAGS="${EAGER_FLAGS-$DEFAULT_EAGER_FLAGS}"
-# -------------------------------------------------------------------------------------------------------------------
 
 # 2. the machine
 [[ $DRY_RUN == 1 ]] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$WORK/gpu.txt" 2>&1
@@ -220,10 +224,9 @@ print(json.dumps({
     "cudnn": torch.backends.cudnn.version() if cuda else None,
     "litevlm": litevlm.__file__,
     "graph_flags": sys.argv[1],
-    "eager_flags": sys.argv[2],
     "packages": {m: has(m) for m in ("transformers", "triton", "pycocoevalcap", "fastapi", "uvicorn", "ray")},
 }))
-' "$GRAPH_FLAGS" "$EAGER_FLAGS"
+' "$GRAPH_FLAGS"
 last_json env
 if [[ $DRY_RUN == 0 ]] && ! grep -q '"cuda_available": true' "$WORK/env.json"; then
     fail "no CUDA device visible to torch (env.json: $(head -c 400 "$WORK/env.json"))"
@@ -259,27 +262,33 @@ if (out / "gpu_tests.xml").exists():
 EOF
 pack
 
-# 4. the bench rows, eager then graphed: the same rows, questions and tokens (side by side in gpu_session's output)
-# shellcheck disable=SC2086  # the flag variables are word lists
-step bench_2b_eager "$PY" -m litevlm bench "${MODEL_ARGS[@]}" --configs "$ROWS" "${BENCH_ARGS[@]}" \
-    --no-transformers --json --jsonl "$WORK/bench_2b_eager.jsonl" $EAGER_FLAGS
-last_json bench_2b_eager
-# shellcheck disable=SC2086
+# 4. the CUDA backend's steps one at a time against the floor (a compile of its own, bounded by its budget)
+step step_costs "$PY" benchmarks/step_costs.py "${STEP_COSTS_ARGS[@]}" --jsonl "$WORK/step_costs.jsonl"
+last_json step_costs
+
+# 5. the bench rows at the 2B shapes on the CUDA backend
+# shellcheck disable=SC2086  # the flag variable is a word list
 step bench_2b_graphs "$PY" -m litevlm bench "${MODEL_ARGS[@]}" --configs "$ROWS" "${BENCH_ARGS[@]}" \
     --no-transformers --json --jsonl "$WORK/bench_2b_graphs.jsonl" $GRAPH_FLAGS
 last_json bench_2b_graphs
 
-# 5. FP8 against bf16, stage by stage
-step fp8_gpu "$PY" benchmarks/fp8_gpu.py "${FP8_ARGS[@]}" --jsonl "$WORK/fp8_gpu.jsonl"
-last_json fp8_gpu
+# 6. drive-hd from frames to answers, every row on the CUDA backend: a few synthetic frames made first (outside $WORK:
+# images do not go back), then the baseline and LiteVLM, unscored (no pycocoevalcap on the image)
+HD_DATA="${WORK}_hd_data"
+rm -rf "$HD_DATA"
+step bench_hd bash -c '"$1" -m litevlm data synth --out "$2" --frames "$3" --seed 1 > /dev/null && shift 3 && exec "$@"' \
+    _ "$PY" "$HD_DATA" "$HD_FRAMES" "$PY" -m litevlm bench --model drive-hd --data "$HD_DATA" --configs baseline,litevlm \
+    "${HD_ARGS[@]}" "${HD_DEVICE_ARGS[@]}" --no-transformers --no-score --json --jsonl "$WORK/bench_hd.jsonl"
+rm -rf "$HD_DATA"
+last_json bench_hd
 
-# 6. the user's walkthrough on the device: every recipe on a tiny checkpoint, eval and bench unscored
+# 7. the user's walkthrough on the device: every recipe on a tiny checkpoint, eval and bench unscored
 WALK=(bash benchmarks/your_model.sh "$WORK/walkthrough")
 [[ $MINIMAL == 1 ]] && WALK=(bash -n benchmarks/your_model.sh)
 # unscored (no pycocoevalcap); the bench without transformers' rows (its static cache compiles on CUDA) and one question,
-# and recipes of 6 s of training each (82 s of 95 in all on the CPU with 12 s each)
+# and recipes of 3 s of training each
 export WALKTHROUGH_EVAL_ARGS="--no-score" WALKTHROUGH_BENCH_ARGS="--no-transformers --n 1 --warmup 0" PYTHON="$PY"
-export WALKTHROUGH_MINUTES=0.1
+export WALKTHROUGH_MINUTES=0.05
 WALKTHROUGH_DEVICE_ARGS=$([[ $DRY_RUN == 1 ]] && echo "" || echo "--device cuda --dtype bfloat16")
 export WALKTHROUGH_DEVICE_ARGS
 step walkthrough "${WALK[@]}"

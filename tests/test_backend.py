@@ -81,11 +81,13 @@ def test_the_first_answer_after_a_capture_equals_the_modules(draft):
     assert embeds.shape[1] < 32 < embeds.shape[1] + 40 <= 64
 
 
-def test_a_fixed_depth_draft_chain_is_one_replayed_step_a_cycle():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_fixed_depth_draft_chain_is_one_replayed_step_a_cycle(compiled):
     """A greedy chain of fixed depth (min_value 0) drafts as one replayed step per cycle (`GraphDraft`): the same
     answer as the modules token for token (lossless, and the same drafts: the same acceptance lengths), the first
     chain of each draft-cache bucket captured before it is replayed: every chain a replay (a capture computes
-    nothing; the twin's leaves garbage in its outputs, as a GPU's does)."""
+    nothing; the twin's leaves garbage in its outputs, as a GPU's does). Compiled (inductor, the chain whole, as
+    with compile_steps) the same."""
     model = cached(tiny_vlm(vocab=24))
     head = random_draft(model)
     embeds, pos = prompt(model, seed=3)
@@ -93,7 +95,7 @@ def test_a_fixed_depth_draft_chain_is_one_replayed_step_a_cycle():
     with torch.no_grad():
         want = speculative_generate(ModulesBackend(model, head), head, embeds, pos, 40, None, tree=tree)
         plain = generate(ModulesBackend(model), embeds, pos, 40, None).tokens
-    twin = CudaBackend(model, head, tree_nodes=tree.total_tokens, twin=True, **BUCKETS)
+    twin = CudaBackend(model, head, tree_nodes=tree.total_tokens, twin=True, compile_steps=compiled, **BUCKETS)
     with torch.no_grad():
         got = speculative_generate(twin, head, embeds, pos, 40, None, tree=tree)
     assert got.tokens == want.tokens == plain and got.accept_lengths == want.accept_lengths

@@ -154,11 +154,16 @@ def test_an_emulated_precision_is_an_accuracy_row_and_no_speed_figure(tmp_path):
     assert not speed_figure({"precision": "fp8-dynamic-per-row+float32"}) and speed_figure({"precision": "float32"})
 
 
-def test_cuda_graphs_need_a_gpu_and_a_shape(full_model_dir):
+def test_cuda_graphs_need_a_gpu_and_a_checkpoint_on_it(full_model_dir, monkeypatch):
+    """The CUDA backend's rows measure a GPU: refused on a machine without one (the twin named), and for a
+    checkpoint left on the CPU (--device cuda named)."""
     from litevlm.errors import LiteVLMError
 
-    with pytest.raises(LiteVLMError, match="--shape"):
+    with pytest.raises(LiteVLMError, match="cuda-twin"):
         run_bench(str(full_model_dir), n=2, warmup=1, max_new_tokens=4, progress=False, cuda_graphs=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(LiteVLMError, match="--device cuda"):
+        run_bench(str(full_model_dir), n=2, warmup=1, max_new_tokens=4, progress=False, backend="cuda")
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.once  # subprocesses: the same run in each of CI's thread passes
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 ROWS = ["baseline", "eagle", "litevlm", "litevlm fp8"]
-STEPS = ["install", "env", "gpu_tests", "bench_2b_eager", "bench_2b_graphs", "fp8_gpu", "walkthrough"]
+STEPS = ["install", "env", "gpu_tests", "step_costs", "bench_2b_graphs", "bench_hd", "walkthrough"]
 PLAN_LIMIT_S = 7 * 60  # of the session's 15 minutes of device time: the machine's start and the copies take the rest
 
 
@@ -66,7 +66,6 @@ def dry_run(tmp_path_factory, request):
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_SESSION_MINIMAL": "1", "PYTHONPATH": path}
     env["GPU_SESSION_WORK"] = str(work)
     env.pop("GRAPH_FLAGS", None)
-    env.pop("EAGER_FLAGS", None)
     if request.param == "source tree":
         env["GPU_SESSION_BREAK_INSTALL"] = "1"
     proc = subprocess.run(
@@ -90,29 +89,35 @@ def test_the_dry_run_runs_every_step(dry_run):
 
 def test_the_dry_run_writes_every_promised_json(dry_run):
     _, _, out = dry_run
-    for name in ("env", "gpu_tests", "bench_2b_eager", "bench_2b_graphs", "fp8_gpu", "steps"):
+    for name in ("env", "gpu_tests", "step_costs", "bench_2b_graphs", "bench_hd", "steps"):
         assert isinstance(json.loads((out / f"{name}.json").read_text()), (dict, list)), name
     env = json.loads((out / "env.json").read_text())
     assert env["cuda_available"] is False and "torch" in env
     tests = json.loads((out / "gpu_tests.json").read_text())
     assert tests["complete"] and tests["counts"]["failed"] == 0
     assert tests["counts"]["passed"] + tests["counts"]["skipped"] > 0  # the gpu-marked tests were collected
-    fp8 = json.loads((out / "fp8_gpu.json").read_text())
-    assert fp8["benchmark"] == "fp8_gpu" and fp8["skipped"] is False and "bf16" in fp8["results"]
-    assert _lines(out / "fp8_gpu.jsonl")
+    costs = json.loads((out / "step_costs.json").read_text())
+    assert costs["benchmark"] == "step_costs" and costs["skipped"] is False and costs["floor_ms"] > 0
+    # the minimal run: every variant's steps eager inside their graphs, the compiled ones left out and said so
+    assert [(r["variant"], r["steps"]) for r in costs["rows"]] == [("bf16", "eager"), ("fp8-dynamic-per-row", "eager")]
+    assert all(r["decode_ms"] > 0 and r["verify_ms"] > 0 and r["kernels"]["decode"] for r in costs["rows"])
+    assert costs["rows"][0]["draft_ms"] > 0 and costs["left_out"] == ["the compiled steps: --no-compiled"]
+    assert set(costs["goals"]) == {"decode_vs_floor", "verify_vs_decode", "fp8_vs_bf16_decode"}
+    assert [line["variant"] for line in _lines(out / "step_costs.jsonl")] == ["bf16", "bf16", "fp8-dynamic-per-row"]
 
 
-@pytest.mark.parametrize("name", ["bench_2b_eager", "bench_2b_graphs"])
-def test_each_bench_writes_its_rows_as_json_and_each_answer_as_it_comes(dry_run, name):
+@pytest.mark.parametrize("name, rows", [("bench_2b_graphs", ROWS), ("bench_hd", ["baseline", "litevlm"])])
+def test_each_bench_writes_its_rows_as_json_and_each_answer_as_it_comes(dry_run, name, rows):
     _, _, out = dry_run
     result = json.loads((out / f"{name}.json").read_text())
     assert result.get("complete", True), result
-    assert [r["config"] for r in result["rows"]] == ROWS
+    assert [r["config"] for r in result["rows"]] == rows
+    assert set(result["backends"].values()) == {"cuda-twin"}  # every row on the CUDA backend (its twin here)
     lines = _lines(out / f"{name}.jsonl")
     kinds = [line["type"] for line in lines]
-    assert kinds[0] == "setup" and kinds[-len(ROWS) :] == ["row"] * len(ROWS)
+    assert kinds[0] == "setup" and kinds[-len(rows) :] == ["row"] * len(rows)
     answers = [line for line in lines if line["type"] == "answer"]
-    assert sorted(a["config"] for a in answers) == sorted(ROWS * result["questions"])
+    assert sorted(a["config"] for a in answers) == sorted(rows * result["questions"])
     assert all(a["total_ms"] > 0 and "stages_ms" in a for a in answers)
 
 
@@ -122,13 +127,13 @@ def test_what_comes_back_is_at_most_eight_files_the_summaries_and_one_archive_of
     _, out, work = dry_run
     back = sorted(p.name for p in out.iterdir())
     assert len(back) <= 8 and all((out / name).is_file() for name in back)
-    assert "gpu_session.tgz" in back and {"steps.json", "env.json", "gpu_tests.json", "fp8_gpu.json"} <= set(back)
+    assert "gpu_session.tgz" in back and {"steps.json", "env.json", "gpu_tests.json", "step_costs.json"} <= set(back)
     for name in set(back) - {"gpu_session.tgz"}:
         assert (out / name).read_bytes() == (work / name).read_bytes(), name
     with tarfile.open(out / "gpu_session.tgz") as tar:
         packed = {Path(m.name).as_posix().removeprefix("./") for m in tar.getmembers() if m.isfile()}
     made = {p.relative_to(work).as_posix() for p in work.rglob("*") if p.is_file() and p.suffix != ".safetensors"}
-    assert packed == made and {"plan.json", "gpu_tests.xml", "bench_2b_eager.jsonl"} <= packed
+    assert packed == made and {"plan.json", "gpu_tests.xml", "bench_hd.jsonl"} <= packed
 
 
 def test_the_session_runs_every_file_that_holds_gpu_tests():
@@ -140,3 +145,24 @@ def test_the_session_runs_every_file_that_holds_gpu_tests():
         if re.search(r"^@pytest\.mark\.gpu$", p.read_text(), re.M)
     )
     assert sorted(listed) == marked and listed[0] == "tests/test_pipeline.py"
+
+
+def test_the_step_goals_come_from_the_compiled_steps_where_measured(benchmark_script):
+    """step_costs' goals: from the compiled bf16 steps where they were measured; FP8 against bf16 in the same
+    mode, eager against eager when the compiled FP8 steps were left out."""
+    goals = benchmark_script("step_costs").goals
+    fp8 = "fp8-dynamic-per-row"
+    rows = [
+        {"variant": "bf16", "steps": "eager", "decode_ms": 3.0, "verify_ms": 4.5},
+        {"variant": fp8, "steps": "eager", "decode_ms": 2.5, "verify_ms": 4.0},
+        {"variant": "bf16", "steps": "compiled", "decode_ms": 1.5, "verify_ms": 1.8},
+    ]
+    got = goals(rows, floor_ms=1.2)
+    assert got["decode_vs_floor"] == {"value": 1.25, "goal": 1.5, "met": True, "from": "bf16 compiled"}
+    assert got["verify_vs_decode"]["value"] == 1.2 and got["verify_vs_decode"]["met"]
+    assert got["fp8_vs_bf16_decode"] == {"value": 0.833, "goal": 1.0, "met": True, "from": f"{fp8} eager"}
+    rows.append({"variant": fp8, "steps": "compiled", "decode_ms": 1.8, "verify_ms": 2.0})
+    got = goals(rows, floor_ms=0.9)
+    assert not got["decode_vs_floor"]["met"] and got["decode_vs_floor"]["value"] == 1.667
+    assert got["fp8_vs_bf16_decode"] == {"value": 1.2, "goal": 1.0, "met": False, "from": f"{fp8} compiled"}
+    assert goals(rows[1:2], floor_ms=1.0) == {}  # no bf16 row: nothing to check

@@ -571,8 +571,13 @@ def run_bench(
         configs = default_configs(shape, load)
     if cuda_graphs:
         backend = "cuda"
-    if backend == "cuda" and not (shape and torch.cuda.is_available()):
-        raise LiteVLMError("--cuda-graphs measures a CUDA device: it needs --shape and a GPU")
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise LiteVLMError(
+            "--backend cuda (--cuda-graphs) measures a CUDA device and this machine has none; --backend cuda-twin runs"
+            " the same steps' CPU twin"
+        )
+    if backend == "cuda" and shape is None and (load or {}).get("device", "cpu") == "cpu":
+        raise LiteVLMError("--backend cuda (--cuda-graphs) runs a checkpoint on the GPU: add --device cuda")
     if shape is not None and any(v is not None for v in (load or {}).values()):
         raise LiteVLMError("--shape measures random weights at a preset's shapes: it takes no model or format options")
     if questions_per_frame < 1:

@@ -24,8 +24,14 @@ class RMSNorm(nn.Module):
 
 def linear(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
     """`lin(x)`, faster for a few rows at CPU inference: there a row-major (in, out) copy of the
-    weight, kept until the weight changes, multiplies faster than the (out, in) one."""
-    if x.device.type != "cpu" or (torch.is_grad_enabled() and lin.weight.requires_grad) or not plain_linear(lin):
+    weight, kept until the weight changes, multiplies faster than the (out, in) one. A compiled step (inductor) gets
+    `lin(x)`: the compiler picks its own layout, and the copy's cache cannot be traced."""
+    if (
+        x.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or (torch.is_grad_enabled() and lin.weight.requires_grad)
+        or not plain_linear(lin)
+    ):
         return lin(x)
     w_t = row_major(lin)
     x2 = x.reshape(-1, x.shape[-1])
