@@ -65,7 +65,7 @@ if [[ $DRY_RUN == 1 ]]; then
     # drive-tiny (the embedded model) on the CPU, a few questions and tokens: every step's code, none of its cost
     MODEL_ARGS=(--model drive-tiny --device cpu --no-score) # unscored like random weights: no pycocoevalcap
     BENCH_ARGS=(--n 2 --warmup 1 --max-new-tokens 8)
-    STEP_COSTS_ARGS=(--dry-run-cpu --iters 2 --warmup 1 --no-compiled-draft)
+    STEP_COSTS_ARGS=(--dry-run-cpu --iters 2 --warmup 1 --no-compiled-draft --budget-s 35)
     HD_FRAMES=2 HD_ARGS=(--n 4 --warmup 1 --max-new-tokens 16)
     if [[ $MINIMAL == 1 ]]; then
         BENCH_ARGS=(--n 1 --warmup 0 --max-new-tokens 4)
