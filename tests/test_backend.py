@@ -81,7 +81,7 @@ def test_the_first_answer_after_a_capture_equals_the_modules(draft):
     assert embeds.shape[1] < 32 < embeds.shape[1] + 40 <= 64
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.once)])  # once: inductor's time
 def test_a_fixed_depth_draft_chain_is_one_replayed_step_a_cycle(compiled):
     """A greedy chain of fixed depth (min_value 0) drafts as one replayed step per cycle (`GraphDraft`): the same
     answer as the modules token for token (lossless, and the same drafts: the same acceptance lengths), the first
