@@ -1395,6 +1395,55 @@ def gpu_plan() -> str:
     return f"{len(plan)} steps planned to {sum(plan) + kill_after * len(plan)} s"
 
 
+STEP_COST_COLUMNS = [
+    "variant",
+    "steps",
+    "decode_ms",
+    "verify_ms",
+    "draft_ms",
+    "prefill_ms",
+    "modules_ms",
+    "decode_vs_floor",
+    "verify_vs_decode",
+    "break_even_tau",
+    "setup_s",
+]
+GOAL_NAMES = {
+    "decode_vs_floor": "a decode step over its floor",
+    "verify_vs_decode": "a full tree's verification over a decode",
+    "fp8_vs_bf16_decode": "FP8's decode over bf16's",
+}
+
+
+def step_cost_lines(res: dict) -> list[str]:
+    """benchmarks/step_costs.py's run: the floor it measured, its goals met or not, and each variant's steps."""
+    bw = res["bandwidth_gbs"]
+    out = [
+        f"{res['device']} at the {res['config']} shapes: {res['weight_bytes'] / 1e9:.2f} GB of decoder weights and"
+        f" {res['kv_bytes'] / 1e6:.0f} MB of K/V over a {res['width']}-slot bucket, read at"
+        f" {max(bw.values()):.0f} GB/s (measured: read {fmt(bw['read_gbs'])}, copy {fmt(bw['copy_gbs'])}): a decode"
+        f" step's floor is **{fmt(res['floor_ms'])} ms**. The tree verified has {res['tree_nodes']} nodes, the draft"
+        f" chain {res['draft_depth']} levels; `break_even_tau` is the tokens a cycle must commit to match plain"
+        " decoding.",
+        "",
+    ]
+    goals = [
+        f"{GOAL_NAMES[k]} {fmt(g['value'])} (goal <= {fmt(g['goal'])}, {g['from']}): {'met' if g['met'] else 'not met'}"
+        for k, g in res["goals"].items()
+    ]
+    if goals:
+        out += ["Goals: " + "; ".join(goals) + ".", ""]
+    out += table(STEP_COST_COLUMNS, [[r.get(c) for c in STEP_COST_COLUMNS] for r in res["rows"]])
+    kernels = [
+        f"{r['variant']} {r['steps']}: " + ", ".join(f"{step} {k}" for step, k in (r.get("kernels") or {}).items())
+        for r in res["rows"]
+    ]
+    out += ["", "Attention kernels: " + "; ".join(kernels) + "."]
+    if res.get("left_out"):
+        out += ["", "Left out: " + "; ".join(res["left_out"]) + "."]
+    return out
+
+
 def section_gpu(runs: dict) -> list[str]:
     out = ["## GPU", ""]
     gpu = {k: v for k, v in runs.items() if k.startswith("gpu")}
@@ -1421,7 +1470,9 @@ def section_gpu(runs: dict) -> list[str]:
     for name, run in sorted(gpu.items()):
         res = run["result"]
         out += [f"### {name}", ""]
-        if "rows" in res and res["rows"] and "config" in res["rows"][0]:
+        if res.get("benchmark") == "step_costs":
+            out += step_cost_lines(res)
+        elif "rows" in res and res["rows"] and "config" in res["rows"][0]:
             out += bench_tables(res)
         else:
             out += table(["figure", "value"], flatten(res))

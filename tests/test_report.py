@@ -1144,3 +1144,38 @@ def test_the_compile_cost_section_has_its_table_and_the_deepest_ratio(tmp_path, 
     assert "in 1 graph of 58 operations against 1424." in sec
     for r in rows:
         assert row(report, [r[c] for c in report.COMPILE_COLUMNS]) in sec
+
+
+def test_the_step_costs_of_a_gpu_run_show_the_floor_the_goals_and_each_step(tmp_path, report):
+    result = {
+        "benchmark": "step_costs",
+        "device": "NVIDIA H100 80GB HBM3",
+        "config": "internvl2.5-2b",
+        "width": 1024,
+        "tree_nodes": 17,
+        "draft_depth": 16,
+        "weight_bytes": 3_400_000_000,
+        "kv_bytes": 100_663_296,
+        "bandwidth_gbs": {"read_gbs": 2810.5, "copy_gbs": 2990.2},
+        "floor_ms": 1.1707,
+        "rows": [
+            {"variant": "bf16", "steps": "eager", "decode_ms": 2.9, "verify_ms": 3.3, "draft_ms": 4.1}
+            | {"prefill_ms": 20.5, "modules_ms": 31.0, "decode_vs_floor": 2.477, "verify_vs_decode": 1.138}
+            | {"break_even_tau": 2.55, "setup_s": 2.1, "kernels": {"decode": "efficient"}},
+            {"variant": "bf16", "steps": "compiled", "decode_ms": 1.6, "verify_ms": 1.9, "decode_vs_floor": 1.367}
+            | {"verify_vs_decode": 1.188, "setup_s": 31.0, "kernels": {"decode": "efficient"}},
+        ],
+        "goals": {
+            "decode_vs_floor": {"value": 1.367, "goal": 1.5, "met": True, "from": "bf16 compiled"},
+            "verify_vs_decode": {"value": 1.188, "goal": 1.3, "met": True, "from": "bf16 compiled"},
+        },
+        "left_out": ["fp8-dynamic-per-row compiled: the time budget was spent"],
+    }
+    runs = {**FIXTURES, "gpu_step_costs": run_file("gpu_step_costs", result, "python benchmarks/step_costs.py")}
+    page = write(tmp_path, report, runs).split("### gpu_step_costs")[1]
+    assert "at 2990 GB/s (measured: read 2810.5, copy 2990.2): a decode step's floor is **1.1707 ms**" in page
+    assert "a decode step over its floor 1.367 (goal <= 1.5, bf16 compiled): met" in page
+    assert "a full tree's verification over a decode 1.188 (goal <= 1.3, bf16 compiled): met" in page
+    assert row(report, [result["rows"][0].get(c) for c in report.STEP_COST_COLUMNS]) in page
+    assert "Left out: fp8-dynamic-per-row compiled: the time budget was spent." in page
+    assert "Attention kernels: bf16 eager: decode efficient; bf16 compiled: decode efficient." in page
