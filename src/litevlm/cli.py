@@ -765,8 +765,8 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="with --shape on a GPU: replay plain decode steps and fixed-size verifications as CUDA graphs "
-        "(capture time reported apart)",
+        help="on a GPU (--shape, or a checkpoint with --device cuda): --backend cuda, whose decode steps and "
+        "fixed-size verifications replay as CUDA graphs (capture time reported apart)",
     )
     p.add_argument(
         "--backend",
