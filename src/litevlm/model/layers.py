@@ -27,7 +27,7 @@ def linear(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
     weight, kept until the weight changes, multiplies faster than the (out, in) one. A compiled step (inductor) gets
     `lin(x)`: the compiler picks its own layout, and the copy's cache cannot be traced."""
     if (
-        x.device.type != "cpu"
+        not x.is_cpu
         or torch.compiler.is_compiling()
         or (torch.is_grad_enabled() and lin.weight.requires_grad)
         or not plain_linear(lin)
@@ -103,7 +103,7 @@ def rope_at(owner, positions: torch.Tensor, head_dim: int, theta: float, dtype) 
     """cos, sin (B, 1, T, D) at positions (B, T): on a CPU gathered from `owner`'s kept table (`rope_table`), else
     computed (`rope_cos_sin`), the same values. Reading the top position syncs a GPU, and a compiled step must not
     read a tensor's value at all."""
-    if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+    if positions.is_cpu and not torch.compiler.is_compiling():
         cos, sin = rope_table(owner, head_dim, theta, int(positions.max()), dtype, positions.device)  # (P, 1, D)
         return cos[positions].transpose(1, 2), sin[positions].transpose(1, 2)
     return rope_cos_sin(positions, head_dim, theta, dtype)

@@ -267,7 +267,7 @@ class VisionTower(nn.Module):
         """fp32 CPU inference with LayerNorm, exact GELU, no qk-norm and plain projections: `vit_blocks` (or, in
         bf16 mode, `vit_blocks_bf16`) applies; else the blocks run as modules."""
         return not (
-            x.device.type != "cpu"
+            not x.is_cpu
             or x.dtype != torch.float32
             or torch.is_grad_enabled()
             or self.cfg.qk_norm

@@ -711,7 +711,7 @@ class TokenSelector(nn.Module):
         cos, sin = self._rope(positions[0], x.dtype)  # (T, 1, D)
         vis = visual_index(view_spans, x.device)
         tags = x.new_empty(0) if tags is None else tags.float()
-        ops = native.ops() if x.device.type == "cpu" and cpu_steps.backend() == "native" else None
+        ops = native.ops() if x.is_cpu and cpu_steps.backend() == "native" else None
         if ops is not None:  # the same head as native loops (cpu_steps.cpp), one call
             return ops.token_scores(
                 x,
@@ -746,7 +746,7 @@ class TokenSelector(nn.Module):
         unhooked layer 0 whose norm shares the head's epsilon."""
         if torch.is_grad_enabled() or embeds.shape[0] != 1 or embeds.dtype != torch.float32:
             return False
-        if embeds.device.type != "cpu" or cpu_steps.backend() != "native":
+        if not embeds.is_cpu or cpu_steps.backend() != "native":
             return False
         layer = self.decoder_layer()
         norm = layer.input_layernorm

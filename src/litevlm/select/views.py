@@ -411,7 +411,7 @@ class ViewSelector(nn.Module):
         """Logits (B, N) from hashed word ids (B, T, K), their mask (B, T) and the lexical map (B, N)."""
         b, t, k = ids.shape
         inference = not (self.training or torch.is_grad_enabled())
-        if inference and b == 1 and ids.device.type == "cpu" and bool(mask.all()):  # one question: no padding
+        if inference and b == 1 and ids.is_cpu and bool(mask.all()):  # one question: no padding
             logits = self._native_logits(ids[0], lexical[0])
             if logits is not None:
                 return logits
