@@ -11,7 +11,7 @@ the product's own steps (`litevlm.model.backend.CudaBackend`, random weights at 
                 over) at that bandwidth
   decode_ms     one decode step over a KV bucket of `--width` slots (the backend's `decode`: its static inputs
                 written, the graph replayed, the device synchronised)
-  verify_ms     one verification of a full draft tree (the pipeline's own tree size) over the same bucket
+  verify_ms     one verification of a full draft tree (the 2B bench rows' fixed 17-node chain) over the same bucket
   draft_ms      one replayed draft chain of the tree's depth (the draft head's one layer per level, argmax on the
                 device), bf16 only
   prefill_ms    a `--prompt`-token prompt through the backend's prefill (eager, pinned to a fused kernel)
@@ -19,7 +19,8 @@ the product's own steps (`litevlm.model.backend.CudaBackend`, random weights at 
 
 Variants, in this order while the time budget lasts (`--budget-s`; a compile started before the deadline runs to its
 end, so leave the caller's timeout a minute above it): bf16 and FP8 (the preset's dynamic per-row recipe) with the
-steps eager inside their graphs, then the same compiled inside (inductor, one decoder layer that every layer reuses).
+steps eager inside their graphs, then the same compiled inside (inductor, one decoder layer that every layer reuses),
+then bf16's draft chain compiled (the whole chain: its compile is the longest; `--no-compiled-draft` leaves it out).
 Each row is printed to stderr and appended to `--jsonl` the moment it is measured; the last line of stdout is JSON,
 with the GPU goals checked in `goals`: decode within 1.5x of the floor, a full tree's verification within 1.3x of a
 decode, FP8's decode no slower than bf16's.
