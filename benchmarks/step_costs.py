@@ -39,13 +39,13 @@ import copy
 import json
 import math
 import platform
-import statistics
 import sys
 import time
 
 import torch
 
 from litevlm.config import preset
+from litevlm.eval.timing import median_ms
 from litevlm.model.backend import CudaBackend, ModulesBackend
 from litevlm.model.kv_cache import KVCache
 from litevlm.model.vlm import VLM
@@ -61,32 +61,13 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
-    """The median ms of `iters` calls of fn, each synchronised, after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def bandwidth_gbs(device: torch.device, nbytes: int, iters: int) -> dict:
     """The memory bandwidth in GB/s: a read of `nbytes` (a sum over int32 words, read once) and a copy of them
     (read and written), each the median of `iters`."""
     src = torch.ones(nbytes // 4, dtype=torch.int32, device=device)
     dst = torch.empty_like(src)
-    read = time_ms(lambda: src.sum(), device, 2, iters)
-    copy_ms = time_ms(lambda: dst.copy_(src), device, 2, iters)
+    read = median_ms(lambda: src.sum(), iters, 2, device=device)
+    copy_ms = median_ms(lambda: dst.copy_(src), iters, 2, device=device)
     return {"read_gbs": round(nbytes / read / 1e6, 1), "copy_gbs": round(2 * nbytes / copy_ms / 1e6, 1)}
 
 
@@ -161,19 +142,21 @@ def measure_target(name: str, model: VLM, draft, compiled: bool, args, device: t
     )
     row = {"variant": name, "steps": "compiled" if compiled else "eager", "setup_s": round(time.perf_counter() - t0, 1)}
     token = torch.tensor([[7]], device=device)
-    row["decode_ms"] = time_ms(lambda: backend.decode(token, p, p), device, args.warmup, args.iters)
+    row["decode_ms"] = median_ms(lambda: backend.decode(token, p, p), args.iters, args.warmup, device=device)
     tokens = torch.full((n,), 7, dtype=torch.long, device=device)
     depth = torch.arange(n, device=device)
     chain = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    row["verify_ms"] = time_ms(lambda: backend.verify(tokens, depth, chain, p, p), device, args.warmup, args.iters)
+    row["verify_ms"] = median_ms(
+        lambda: backend.verify(tokens, depth, chain, p, p), args.iters, args.warmup, device=device
+    )
     if not compiled:
         few = max(2, args.iters // 5)  # a prompt, or an eager step, is slow: fewer of them
         g = torch.Generator(device="cpu").manual_seed(0)
         embeds = (torch.randn(1, p, lm.cfg.hidden_size, generator=g) * 0.02).to(device, lm.embed_tokens.weight.dtype)
         positions = torch.arange(p, device=device)[None]
-        row["prefill_ms"] = time_ms(lambda: backend.prefill(embeds, positions), device, 1, few)
+        row["prefill_ms"] = median_ms(lambda: backend.prefill(embeds, positions), few, 1, device=device)
         modules = ModulesBackend(model)
-        row["modules_ms"] = time_ms(lambda: modules.decode(token, p, p), device, 1, few)
+        row["modules_ms"] = median_ms(lambda: modules.decode(token, p, p), few, 1, device=device)
     if backend.stats.get("eager_steps", 0):
         raise RuntimeError(f"{name}: {backend.stats['eager_steps']} steps ran outside the captured graphs")
     row["kernels"] = backend.kernels
@@ -187,7 +170,7 @@ def measure_draft(backend: CudaBackend, args, device: torch.device) -> float:
     drafter, lm, p, depth = backend.drafter, backend.lm, args.prompt, args.tree.depth
     drafter.prepare(args.width + depth, p + depth + 1)
     root = lm.norm(lm.embed_tokens(torch.tensor([[7]], device=device)))[:, 0]  # (1, C): any feature will do
-    return time_ms(lambda: drafter.draft_chain(root, p, p, depth, 0.0, None), device, args.warmup, args.iters)
+    return median_ms(lambda: drafter.draft_chain(root, p, p, depth, 0.0, None), args.iters, args.warmup, device=device)
 
 
 STEP_KEYS = ("decode_ms", "verify_ms", "draft_ms", "prefill_ms", "modules_ms")
