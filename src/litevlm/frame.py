@@ -150,6 +150,11 @@ class Frame:
         """`Pipeline.stream` of `question` about this frame."""
         return self.pipe.stream_frame(question, self)
 
+    def answer_all(self, questions: list[str], max_batch: int = 8) -> list:
+        """Every question's answer, decoded together as one batch (`Pipeline.answer_all`): the answers
+        `answer(question)` gives one at a time."""
+        return self.pipe.answer_all(list(questions), self, max_batch)
+
     # -- the views --------------------------------------------------------------------------------
     def check_views(self, views: list[str]) -> None:
         """A clear error where a view the question needs has no image, or one that could not be read."""

@@ -31,7 +31,9 @@ from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
 from litevlm.frame import Frame, ViewCache
 from litevlm.model.backend import CACHE_MULTIPLE, Sampling, auto_kind, choose_backend, round_up
+from litevlm.batch import BatchDecoder
 from litevlm.model.generate import (
+    Generation,
     Prefilled,
     StageTimer,
     prefill_prompt,
@@ -48,6 +50,22 @@ from litevlm.spec.decode import stream_speculative
 
 STAGES = ("select_views", "vit", "select_tokens", "prefill", "decode")
 WARMUP_QUESTION = "Is there a car in front of the ego vehicle?"  # the blank scene's question (`Pipeline.warmup`)
+
+
+@dataclass
+class Started:
+    """A question up to its prefill (`Pipeline._start`): what its answer is made from once decoded."""
+
+    question: str
+    views: list[str]
+    full: Prompt
+    p: Prompt
+    record: dict
+    prefilled: Prefilled
+    timer: StageTimer
+    t0: float
+    made: dict
+    setup0: float
 
 
 @dataclass
@@ -561,43 +579,39 @@ class Pipeline:
 
     def stream_frame(self, question: str, frame: Frame) -> Iterator[Delta | Answer]:
         """`stream` of a question about `frame` (`Frame.stream`): e2e starts here."""
+        return self._stream(self._start(question, frame))
+
+    def _start(self, question: str, frame: Frame) -> Started:
+        """A question about `frame` up to its prefill: checked, its views selected and encoded, its prompt made,
+        its visual tokens selected and the prompt in the model's cache (e2e starts here)."""
         t0 = time.perf_counter()
         self.check_question(question)
         timer = StageTimer(self.model.device, setup=lambda: self.backend.setup_ms)  # setup left out of the stages
+        setup0 = self.backend.setup_ms
         before = (frame.encoded, frame.hits, frame.misses)
         with timer("select_views"):
             views = self.select_views(question)
         reused = sum(c in frame.views for c in views)  # made for an earlier question of this frame
         with torch.no_grad():
             visual, counts = frame.visual(views, timer)
-        made = {
-            "encoded": frame.encoded - before[0],
-            "reused": reused,
-            "hits": frame.hits - before[1],
-            "misses": frame.misses - before[2],
-        }
-        return self._stream(question, views, visual, counts, timer, t0, made, self.backend.setup_ms)
+            made = {
+                "encoded": frame.encoded - before[0],
+                "reused": reused,
+                "hits": frame.hits - before[1],
+                "misses": frame.misses - before[2],
+            }
+            full = self.embed_prompt(question, views, visual, counts)
+            record: dict = {}
+            p, pruning = self.select_tokens(full, question, timer, record)
+            if pruning is not None:  # the hook's choice, kept for the Answer
+                pruning = pruning._replace(keep=_recording(pruning.keep, record))
+            prefilled = self.prefill(p, pruning, question, timer)
+        return Started(question, views, full, p, record, prefilled, timer, t0, made, setup0)
 
     @torch.no_grad()
-    def _stream(
-        self,
-        question: str,
-        views: list[str],
-        visual: torch.Tensor,
-        counts: list[int],
-        timer: StageTimer,
-        t0,
-        made,
-        setup0: float,
-    ) -> Iterator[Delta | Answer]:
-        full = self.embed_prompt(question, views, visual, counts)
-        record: dict = {}
-        p, pruning = self.select_tokens(full, question, timer, record)
-        if pruning is not None:  # the hook's choice, kept for the Answer
-            pruning = pruning._replace(keep=_recording(pruning.keep, record))
-        prefilled = self.prefill(p, pruning, question, timer)
+    def _stream(self, st: Started) -> Iterator[Delta | Answer]:
         text = TextStream(self.tokenizer, self.tokenizer.eos_id)
-        with closing(self.decode(prefilled, timer)) as steps:
+        with closing(self.decode(st.prefilled, st.timer)) as steps:
             while True:
                 try:
                     new = next(steps)
@@ -608,17 +622,22 @@ class Pipeline:
         rest = text.finish()
         if rest:
             yield Delta(rest, [])
+        yield self._answer(st, gen)
+
+    def _answer(self, st: Started, gen: Generation) -> Answer:
+        """The finished answer of a started question, from its generation (e2e ends here)."""
         answer_text = self.tokenizer.decode([t for t in gen.tokens if t != self.tokenizer.eos_id]).strip()
+        full, p, record, timer = st.full, st.p, st.record, st.timer
         kept = record.get("kept", p.positions[0] if p.positions.shape[1] < full.positions.shape[1] else None)
         kept_tokens, kept_scores = _kept_by_view(full.view_spans, kept, record.get("scores"))
         ms = dict(timer.ms)
         ms["total"] = sum(ms.get(s, 0.0) for s in STAGES)
-        setup = self.backend.setup_ms - setup0  # made during this answer (a new bucket's compile): setup, not e2e
-        ms["e2e"] = (time.perf_counter() - t0) * 1e3 - setup
+        setup = self.backend.setup_ms - st.setup0  # made during this answer (a new bucket's compile): setup, not e2e
+        ms["e2e"] = (time.perf_counter() - st.t0) * 1e3 - setup
         self.setup_ms += setup
-        yield Answer(
+        return Answer(
             text=answer_text,
-            views=views,
+            views=st.views,
             num_visual_tokens=full.num_visual_tokens - (full.ids.shape[1] - gen.prompt_len),
             timings_ms=ms,
             accept_lengths=list(gen.accept_lengths),
@@ -629,8 +648,43 @@ class Pipeline:
             kept_tokens=kept_tokens,
             kept_scores=kept_scores,
             tokens_per_view={cam: e - s for cam, s, e in full.view_spans},
-            cache=made,
+            cache=st.made,
         )
+
+    # -- many answers at once -------------------------------------------------------------------
+    def batch_decoder(self, max_batch: int = 8) -> BatchDecoder:
+        """A scheduler that decodes up to `max_batch` of this pipeline's answers together (`litevlm.batch`)."""
+        return BatchDecoder(self.backend, drafting=self.drafting, tree=self.tree, max_batch=max_batch)
+
+    def answer_all(self, questions: list[str], frame: Frame, max_batch: int = 8) -> list[Answer]:
+        """Every question about `frame` answered as one batch: each prefilled on its own (the frame's views encoded
+        once), then decoded together, up to `max_batch` at a time, a question joining as one leaves. Each answer
+        is the one `frame.answer(question)` gives (greedy); its e2e runs from the batch's start to its own last
+        token. Every question is checked (its text, the cameras it needs) before any is answered."""
+        for q in questions:
+            self.check_question(q)
+            frame.check_views(self.select_views(q))
+        decoder = self.batch_decoder(max_batch)
+        answers: list[Answer | None] = [None] * len(questions)
+        waiting = list(enumerate(questions))
+        t0 = time.perf_counter()
+        try:
+            while waiting or decoder.live:
+                while waiting and not decoder.full:
+                    i, q = waiting.pop(0)
+                    st = self._start(q, frame)
+                    st.t0 = t0
+                    seq = decoder.admit(st.prefilled, self.sampling, st.timer, tag=(i, st))
+                    if seq.finished:
+                        answers[i] = self._answer(st, seq.generation)
+                for seq in decoder.step():
+                    if seq.finished:
+                        i, st = seq.tag
+                        answers[i] = self._answer(st, seq.generation)
+        finally:
+            for seq in list(decoder.seqs):
+                decoder.cancel(seq)
+        return answers
 
     def _opening(self, question: str):
         """The answer openings to verify with this question's prompt (`litevlm.spec.openings`): speculative greedy

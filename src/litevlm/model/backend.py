@@ -281,6 +281,25 @@ class NativeBackend(ModulesBackend):
             self.norm_w, self.head,
         )  # fmt: skip
 
+    # -- several sequences at once (`litevlm.batch`) ------------------------------------------------------
+    def batch_decode(self, tokens, positions, slots, caches):
+        """One decode step of B sequences, each on its own caches (caches[b]: per layer [K, V]): tokens, positions,
+        slots (B,) -> (logits (B, V), hidden (B, C)); the weights read once for all of them."""
+        cos, sin = self.lm.rope_table(int(positions.max()), torch.float32, tokens.device)
+        return self.steps.batch_decode(
+            tokens, positions, slots, cos, sin, self.embed, self.weights, caches, *self.shape, self.norm_w, self.head
+        )
+
+    def batch_verify_chain(self, tokens, counts, starts, root_positions, caches):
+        """`verify_chain` for B sequences' chains stacked in tokens (N,), counts (B,) each -> (the emitted runs
+        stacked (N',), each run's length (B,), the N' pairs' features, next embeddings and positions)."""
+        top = int((root_positions + counts).max())
+        cos, sin = self.lm.rope_table(top, torch.float32, tokens.device)
+        return self.steps.batch_verify_chain(
+            tokens, counts, starts, root_positions, cos, sin, self.embed, self.weights, caches, *self.shape,
+            self.norm_w, self.head,
+        )  # fmt: skip
+
 
 class DraftSteps:
     """What a backend's draft shares with its head: its config, openings, `prepare`, `topk` and `embed`; the
@@ -348,6 +367,17 @@ class NativeDraft(DraftSteps):
         return self.steps.draft_cycle(
             features, next_embeds, positions, start, root.reshape(1), root_position, depth, _log_min(min_value),
             _eos(eos_id, min_value), cos, sin, *self._tail(),
+        )  # fmt: skip
+
+    def batch_cycle(
+        self, feats, nxt, pair_pos, counts, dones, roots, root_positions, depths, min_value, eos_id, caches
+    ):
+        """`draft_cycle` for B sequences, each on its own draft cache (caches[b]: [[K, V]]): their new pairs stacked
+        (counts (B,) each), chains of at most depths[b] drafts (0: none) -> (B, 1 + max depth), -1 past a chain."""
+        cos, sin = self.head_module.rope
+        return self.steps.batch_draft_cycle(
+            feats, nxt, pair_pos, counts, dones, roots, root_positions, depths, _log_min(min_value),
+            _eos(eos_id, min_value), cos, sin, *self.chain_args, self.weights, caches, *self.shape,
         )  # fmt: skip
 
 

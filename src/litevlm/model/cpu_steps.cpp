@@ -343,6 +343,21 @@ at::Tensor product_op(const std::optional<at::Tensor>& base, const at::Tensor& x
   return product(base.has_value() ? *base : at::Tensor(), x, w);
 }
 
+// base + x (n, in) @ w (in, out) by the own loop at any n (fp32): row r's result is the one x[r] alone would get.
+at::Tensor exact_product(const at::Tensor& base, const at::Tensor& x, const at::Tensor& w) {
+  const at::Tensor xc = x.contiguous();
+  check_f32_contiguous(xc, "a product's input");
+  check_f32_contiguous(w, "a product's weight");
+  const int64_t n = xc.size(0), out = w.size(1);
+  at::Tensor y = based(base.defined() ? base.contiguous() : base, n, out, xc.options());
+  if (n == 1) {
+    row_product(xc.data_ptr<float>(), xc.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
+  } else {
+    rows_product<0>(xc.data_ptr<float>(), n, xc.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
+  }
+  return y;
+}
+
 // base + x (n, in) @ w16 (in, out) with w16 a bf16 copy of the weight: x rounded to bf16 and multiplied in the CPU
 // library's bf16 GEMM (AMX / AVX512-BF16, fp32 accumulation), the product returned in fp32 and the base added there.
 // A prompt's products in bf16 mode (`prompt_layers` with bf16 weights); the residual stream stays fp32.
@@ -491,33 +506,52 @@ void attend(const float* q_rows, int64_t width, int64_t n, int64_t first, const 
   }
 }
 
-// n tokens at cache slots start..start+n-1 through the layers -> (n, C) (or (1, C) with last_only).
-// cos / sin: one (D,) row per token (its RoPE position).
-at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, const std::vector<const float*>& sin_rows,
-                      int64_t start, const Visible& visible, at::TensorList weights, at::TensorList caches, int64_t hq,
-                      int64_t hkv, int64_t d, double eps, bool last_only, at::TensorList bf16 = {},
-                      at::TensorList panels = {}) {
+// One sequence's rows among a step's stacked rows: rows row0..row0+n-1 of x, written at its cache slots
+// start..start+n-1 (its own caches), seeing what `visible` allows over slots 0..start+n-1.
+struct Segment {
+  int64_t row0 = 0, n = 0, start = 0;
+  Visible visible;
+};
+
+// The rows of every segment through the layers -> (N, C) (or one row a segment with last_only). Each segment's rows
+// write and read their own caches: caches holds, for segment s and layer i, K and V at (s * layers + i) * 2. The four
+// products take the rows of all segments at once, so each weight is read once a step for every sequence. exact: the
+// products run the own loop at any row count, whose sums for a row do not depend on the rows beside it, so a
+// sequence's results are the same whatever else is in the batch (BLAS may round a larger product otherwise).
+// cos / sin: one (D,) row per row of x (its RoPE position).
+at::Tensor run_segments(at::Tensor x, const std::vector<const float*>& cos_rows, const std::vector<const float*>& sin_rows,
+                        const std::vector<Segment>& segs, at::TensorList weights, at::TensorList caches, int64_t hq,
+                        int64_t hkv, int64_t d, double eps, bool last_only, at::TensorList bf16 = {},
+                        at::TensorList panels = {}, bool exact = false) {
   const int64_t layers = weights.size() / kWeightsPerLayer;
+  const int64_t nseg = segs.size();
   TORCH_CHECK(bf16.empty() || static_cast<int64_t>(bf16.size()) == 4 * layers,
               "litevlm_cpu: bf16 weights must hold 4 tensors per layer (q|k|v, o, gate|up, down)");
   // the layer's four products: in fp32 (own loop, panels or BLAS), or in bf16 where bf16 copies of the weights are given
   TORCH_CHECK(panels.empty() || static_cast<int64_t>(panels.size()) == 4 * layers,
               "litevlm_cpu: weight panels must hold 4 tensors per layer (q|k|v, o, gate|up, down)");
-  auto mul = [&bf16, &panels](int64_t layer, int64_t which, const at::Tensor& base, const at::Tensor& in, const at::Tensor& w) {
+  auto mul = [&bf16, &panels, exact](int64_t layer, int64_t which, const at::Tensor& base, const at::Tensor& in,
+                                     const at::Tensor& w) {
     if (!bf16.empty()) return product_bf16(base, in, bf16[layer * 4 + which]);
+    if (exact && panels.empty()) return exact_product(base, in, w);
     return product(base, in, w, panels.empty() ? at::Tensor() : panels[layer * 4 + which]);
   };
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer && layers > 0,
               "litevlm_cpu: weights must hold 7 tensors per layer");
-  TORCH_CHECK(static_cast<int64_t>(caches.size()) == layers * kCachesPerLayer,
-              "litevlm_cpu: caches must hold K and V per layer");
+  TORCH_CHECK(nseg > 0 && static_cast<int64_t>(caches.size()) == nseg * layers * kCachesPerLayer,
+              "litevlm_cpu: caches must hold K and V per layer for each sequence");
   TORCH_CHECK(!last_only || layers == 1, "last_only runs one layer: the next layer would need every row");
   x = x.contiguous();
   check_f32_contiguous(x, "x");
   int64_t n = x.size(0);
   const int64_t c = x.size(1);
   const int64_t nqk = (hq + hkv) * d;
-  const int64_t end = start + n;
+  std::vector<int64_t> seg_of(n, -1);
+  for (int64_t s = 0; s < nseg; ++s) {
+    TORCH_CHECK(segs[s].row0 >= 0 && segs[s].n > 0 && segs[s].row0 + segs[s].n <= n,
+                "litevlm_cpu: a sequence's rows run past the step's");
+    for (int64_t r = segs[s].row0; r < segs[s].row0 + segs[s].n; ++r) seg_of[r] = s;
+  }
 
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor& in_norm = weights[i * kWeightsPerLayer + 0];
@@ -527,12 +561,19 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
     const at::Tensor& post_norm = weights[i * kWeightsPerLayer + 4];
     const at::Tensor& gate_up = weights[i * kWeightsPerLayer + 5];
     const at::Tensor& down = weights[i * kWeightsPerLayer + 6];
-    const at::Tensor& k_cache = caches[i * kCachesPerLayer];
-    const at::Tensor& v_cache = caches[i * kCachesPerLayer + 1];
-    check_f32_contiguous(k_cache, "the K cache");
-    check_f32_contiguous(v_cache, "the V cache");
-    const int64_t slots = k_cache.size(2);
-    TORCH_CHECK(end <= slots, "litevlm_cpu: slots ", start, "..", end - 1, " run past the cache (", slots, ")");
+    std::vector<float*> kcs(nseg), vcs(nseg);
+    std::vector<int64_t> slots(nseg);
+    for (int64_t s = 0; s < nseg; ++s) {
+      const at::Tensor& k_cache = caches[(s * layers + i) * kCachesPerLayer];
+      const at::Tensor& v_cache = caches[(s * layers + i) * kCachesPerLayer + 1];
+      check_f32_contiguous(k_cache, "the K cache");
+      check_f32_contiguous(v_cache, "the V cache");
+      slots[s] = k_cache.size(2);
+      TORCH_CHECK(segs[s].start + segs[s].n <= slots[s], "litevlm_cpu: slots ", segs[s].start, "..",
+                  segs[s].start + segs[s].n - 1, " run past the cache (", slots[s], ")");
+      kcs[s] = k_cache.data_ptr<float>();
+      vcs[s] = v_cache.data_ptr<float>();
+    }
 
     at::Tensor xn = x;
     if (in_norm.numel() > 0) {
@@ -545,8 +586,6 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
     const int64_t width = qkv.size(1);
     const int64_t half_d = d / 2;
     float* qkv_p = qkv.data_ptr<float>();
-    float* kc = k_cache.data_ptr<float>();
-    float* vc = v_cache.data_ptr<float>();
     // RoPE in place over q|k, x * cos + rotate_half(x) * sin per head, then the cache writes.
     at::parallel_for(0, n, kRowGrain, [&](int64_t begin, int64_t stop) {
       for (int64_t r = begin; r < stop; ++r) {
@@ -561,19 +600,42 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
             q[j + half_d] = b * cs[j + half_d] + a * sn[j + half_d];
           }
         }
+        const int64_t s = seg_of[r];
+        if (s < 0) continue;
+        const int64_t slot = segs[s].start + r - segs[s].row0;
         for (int64_t h = 0; h < hkv; ++h) {
-          std::copy_n(row + (hq + h) * d, d, kc + (h * slots + start + r) * d);
-          std::copy_n(row + nqk + h * d, d, vc + (h * slots + start + r) * d);
+          std::copy_n(row + (hq + h) * d, d, kcs[s] + (h * slots[s] + slot) * d);
+          std::copy_n(row + nqk + h * d, d, vcs[s] + (h * slots[s] + slot) * d);
         }
       }
     });
-    const int64_t first = last_only ? n - 1 : 0;  // rows that go on past the cache writes
-    if (last_only) {
-      x = x.slice(0, n - 1, n);
-      n = 1;
+    const int64_t out_rows = last_only ? nseg : n;
+    at::Tensor y = at::empty({out_rows, hq * d}, x.options());
+    float* y_p = y.data_ptr<float>();
+    auto attend_segment = [&](int64_t s) {
+      const Segment& g = segs[s];
+      const int64_t end = g.start + g.n;
+      if (last_only) {
+        attend(qkv_p + (g.row0 + g.n - 1) * width, width, 1, g.n - 1, kcs[s], vcs[s], slots[s], end, g.visible, hq,
+               hkv, d, y_p + s * hq * d);
+      } else {
+        attend(qkv_p + g.row0 * width, width, g.n, 0, kcs[s], vcs[s], slots[s], end, g.visible, hq, hkv, d,
+               y_p + g.row0 * hq * d);
+      }
+    };
+    if (nseg == 1) {
+      attend_segment(0);
+    } else {
+      at::parallel_for(0, nseg, 1, [&](int64_t begin, int64_t stop) {
+        for (int64_t s = begin; s < stop; ++s) attend_segment(s);
+      });
     }
-    at::Tensor y = at::empty({n, hq * d}, x.options());
-    attend(qkv_p + first * width, width, n, first, kc, vc, slots, end, visible, hq, hkv, d, y.data_ptr<float>());
+    if (last_only) {
+      std::vector<int64_t> last(nseg);
+      for (int64_t s = 0; s < nseg; ++s) last[s] = segs[s].row0 + segs[s].n - 1;
+      x = nseg == 1 ? x.slice(0, n - 1, n) : x.index_select(0, at::tensor(last, at::kLong)).contiguous();
+      n = nseg;
+    }
     x = mul(i, 1, x, y, o_w);
     at::Tensor xn2 = at::empty_like(x);
     rms_norm_rows(x.data_ptr<float>(), post_norm.data_ptr<float>(), xn2.data_ptr<float>(), n, c, eps);
@@ -594,6 +656,19 @@ at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, c
     x = mul(i, 3, x, act, down);
   }
   return x;
+}
+
+// n tokens of one sequence at cache slots start..start+n-1 through the layers -> (n, C) (or (1, C) with last_only).
+// cos / sin: one (D,) row per token (its RoPE position).
+at::Tensor run_layers(at::Tensor x, const std::vector<const float*>& cos_rows, const std::vector<const float*>& sin_rows,
+                      int64_t start, const Visible& visible, at::TensorList weights, at::TensorList caches, int64_t hq,
+                      int64_t hkv, int64_t d, double eps, bool last_only, at::TensorList bf16 = {},
+                      at::TensorList panels = {}) {
+  Segment one;
+  one.n = x.size(0);
+  one.start = start;
+  one.visible = visible;
+  return run_segments(x, cos_rows, sin_rows, {one}, weights, caches, hq, hkv, d, eps, last_only, bf16, panels);
 }
 
 std::vector<const float*> rows_at(const at::Tensor& table, const int64_t* positions, int64_t n) {
@@ -747,6 +822,225 @@ std::tuple<at::Tensor, at::Tensor> decode_logits_op(const at::Tensor& token, int
   at::Tensor xn = at::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), norm_w.contiguous().data_ptr<float>(), xn.data_ptr<float>(), 1, x.size(1), eps);
   return {product(at::Tensor(), xn, head), xn};
+}
+
+// ---- steps of several sequences at once ---------------------------------------------------------------------
+// The rows of B sequences stacked into each product (the weights read once a step for all of them), each sequence
+// writing and attending over its own caches (`run_segments`; caches: K and V per layer, sequence after sequence).
+// The products run the own loop at any row count, so each sequence's numbers are those it gets alone.
+
+std::vector<int64_t> long_values(const at::Tensor& t, const char* what, int64_t n) {
+  at::Tensor c = t.to(at::kLong).contiguous();
+  TORCH_CHECK(c.numel() == n, "litevlm_cpu: ", what, " must hold ", n, " values; got ", c.numel());
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + n);
+}
+
+// The final norm and the LM head over rows x (n, C) -> (logits (n, V), normed rows (n, C)).
+std::pair<at::Tensor, at::Tensor> head_rows(const at::Tensor& x, const at::Tensor& norm_w, const at::Tensor& head, double eps) {
+  at::Tensor xn = at::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), norm_w.contiguous().data_ptr<float>(), xn.data_ptr<float>(), x.size(0), x.size(1), eps);
+  return {exact_product(at::Tensor(), xn, head), xn};
+}
+
+int64_t row_argmax(const float* l, int64_t v) {
+  int64_t arg = 0;
+  for (int64_t j = 1; j < v; ++j)
+    if (l[j] > l[arg]) arg = j;
+  return arg;
+}
+
+// One decode step of B sequences: tokens (B,) at positions (B,), written at slots (B,) of their own caches ->
+// (logits (B, V), hidden (B, C) after the final norm).
+std::tuple<at::Tensor, at::Tensor> batch_decode_op(const at::Tensor& tokens, const at::Tensor& positions,
+                                                   const at::Tensor& slots, const at::Tensor& cos_table,
+                                                   const at::Tensor& sin_table, const at::Tensor& embed,
+                                                   at::TensorList weights, at::TensorList caches, int64_t hq, int64_t hkv,
+                                                   int64_t d, double eps, const at::Tensor& norm_w, const at::Tensor& head) {
+  const int64_t b = tokens.numel();
+  const auto pos = long_values(positions, "positions", b);
+  const auto at_slot = long_values(slots, "slots", b);
+  std::vector<Segment> segs(b);
+  for (int64_t s = 0; s < b; ++s) {
+    segs[s].row0 = s;
+    segs[s].n = 1;
+    segs[s].start = at_slot[s];
+  }
+  at::Tensor x = run_segments(embed.index_select(0, tokens.to(at::kLong).view({b})), rows_at(cos_table, pos.data(), b),
+                              rows_at(sin_table, pos.data(), b), segs, weights, caches, hq, hkv, d, eps, false, {}, {}, true);
+  auto [logits, xn] = head_rows(x, norm_w, head, eps);
+  return {logits, xn};
+}
+
+// `verify_chain` for B sequences: their chains (root + drafts) stacked in tokens (N,), counts (B,) tokens each, the
+// chain of sequence s at slots starts[s].. and positions root_pos[s].. -> (the emitted tokens of every sequence, one
+// run after another (N',), each run's length (B,) = its accepted drafts + 1, and for those N' pairs the normed features,
+// next embeddings and positions the draft extends with).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_verify_chain_op(
+    const at::Tensor& tokens, const at::Tensor& counts, const at::Tensor& starts, const at::Tensor& root_pos,
+    const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& embed, at::TensorList weights,
+    at::TensorList caches, int64_t hq, int64_t hkv, int64_t d, double eps, const at::Tensor& norm_w,
+    const at::Tensor& head) {
+  at::Tensor toks = tokens.to(at::kLong).contiguous();
+  const int64_t n = toks.numel();
+  const int64_t b = counts.numel();
+  const auto count = long_values(counts, "counts", b);
+  const auto start = long_values(starts, "starts", b);
+  const auto root = long_values(root_pos, "root positions", b);
+  std::vector<Segment> segs(b);
+  std::vector<int64_t> pos(n);
+  int64_t row = 0;
+  for (int64_t s = 0; s < b; ++s) {
+    segs[s].row0 = row;
+    segs[s].n = count[s];
+    segs[s].start = start[s];
+    segs[s].visible.causal = true;
+    segs[s].visible.start = start[s];
+    for (int64_t r = 0; r < count[s]; ++r) pos[row + r] = root[s] + r;
+    row += count[s];
+  }
+  TORCH_CHECK(row == n, "litevlm_cpu: the chains' counts sum to ", row, " but ", n, " tokens were given");
+  at::Tensor x = run_segments(embed.index_select(0, toks), rows_at(cos_table, pos.data(), n),
+                              rows_at(sin_table, pos.data(), n), segs, weights, caches, hq, hkv, d, eps, false, {}, {}, true);
+  auto [logits, xn] = head_rows(x, norm_w, head, eps);
+  const int64_t v = logits.size(1);
+  const float* l = logits.data_ptr<float>();
+  const int64_t* t = toks.data_ptr<int64_t>();
+  std::vector<int64_t> emitted, kept_rows, kept_pos, runs(b);
+  for (int64_t s = 0; s < b; ++s) {
+    const int64_t r0 = segs[s].row0;
+    int64_t a = 0;
+    int64_t pred = row_argmax(l + r0 * v, v);
+    while (a + 1 < count[s] && t[r0 + a + 1] == pred) {
+      ++a;
+      pred = row_argmax(l + (r0 + a) * v, v);
+    }
+    for (int64_t j = 1; j <= a; ++j) emitted.push_back(t[r0 + j]);
+    emitted.push_back(pred);
+    for (int64_t j = 0; j <= a; ++j) {
+      kept_rows.push_back(r0 + j);
+      kept_pos.push_back(root[s] + j);
+    }
+    runs[s] = a + 1;
+  }
+  at::Tensor out = at::tensor(emitted, at::kLong);
+  return {out, at::tensor(runs, at::kLong), xn.index_select(0, at::tensor(kept_rows, at::kLong)),
+          embed.index_select(0, out), at::tensor(kept_pos, at::kLong)};
+}
+
+// `draft_cycle` for B sequences: sequence s's new pairs (counts[s] rows of feats / nxt / pair_pos, stacked) into its
+// draft cache at dones[s].., then a chain of at most depths[s] drafts from its root (0: none) at positions root_pos[s]..
+// -> (B, 1 + max depth): the root, the drafts, -1 past a chain's end. A chain stops at a draft below log_min or at eos
+// (as `chain`), each sequence on its own; the layer's products take every live chain's row at once.
+at::Tensor batch_draft_cycle_op(const at::Tensor& feats, const at::Tensor& nxt, const at::Tensor& pair_pos,
+                                const at::Tensor& counts, const at::Tensor& dones, const at::Tensor& roots,
+                                const at::Tensor& root_pos, const at::Tensor& depths, double log_min, int64_t eos,
+                                const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& embed,
+                                const at::Tensor& fc_w, const at::Tensor& fc_b, const at::Tensor& head,
+                                const at::Tensor& vocab_map, at::TensorList weights, at::TensorList caches, int64_t hq,
+                                int64_t hkv, int64_t d, double eps, at::TensorList panels) {
+  TORCH_CHECK(panels.empty() || static_cast<int64_t>(panels.size()) == 2 + 4 * static_cast<int64_t>(weights.size()) / kWeightsPerLayer,
+              "litevlm_cpu: a draft's panels must hold fc, the head and 4 tensors per layer");
+  const at::Tensor fc_panels = panels.empty() ? at::Tensor() : panels[0];
+  const at::Tensor head_panels = panels.empty() ? at::Tensor() : panels[1];
+  const at::TensorList layer_panels = panels.empty() ? at::TensorList() : panels.slice(2);
+  const int64_t b = counts.numel();
+  const auto count = long_values(counts, "counts", b);
+  const auto done = long_values(dones, "dones", b);
+  const auto root = long_values(roots, "roots", b);
+  const auto rpos = long_values(root_pos, "root positions", b);
+  const auto depth = long_values(depths, "depths", b);
+  check_f32_contiguous(embed, "the embedding");
+  const int64_t c = embed.size(1);
+  const bool mapped = vocab_map.numel() > 0;
+  at::Tensor map = mapped ? vocab_map.to(at::kLong).contiguous() : vocab_map;
+  auto target_id = [&](int64_t idx) { return mapped ? map.data_ptr<int64_t>()[idx] : idx; };
+
+  // the new pairs: every sequence's rows through the layer, the last row of each going on (its predicted feature)
+  at::Tensor ppos = pair_pos.to(at::kLong).contiguous();
+  const int64_t m = ppos.numel();
+  std::vector<Segment> segs(b);
+  int64_t row = 0;
+  for (int64_t s = 0; s < b; ++s) {
+    TORCH_CHECK(count[s] > 0, "litevlm_cpu: every sequence extends its draft by at least one pair");
+    segs[s].row0 = row;
+    segs[s].n = count[s];
+    segs[s].start = done[s];
+    row += count[s];
+  }
+  TORCH_CHECK(row == m, "litevlm_cpu: the pairs' counts sum to ", row, " but ", m, " pairs were given");
+  at::Tensor x = product(fc_b, at::cat({nxt, feats}, -1).contiguous(), fc_w, fc_panels);
+  at::Tensor hidden = run_segments(x, rows_at(cos_table, ppos.data_ptr<int64_t>(), m),
+                                   rows_at(sin_table, ppos.data_ptr<int64_t>(), m), segs, weights, caches, hq, hkv, d,
+                                   eps, true, {}, layer_panels);  // (B, C)
+
+  int64_t width = 1;
+  for (int64_t s = 0; s < b; ++s) width = std::max(width, 1 + depth[s]);
+  at::Tensor out = at::full({b, width}, -1, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t s = 0; s < b; ++s) o[s * width] = root[s];
+  std::vector<float> value(b, 0.f);
+  std::vector<int64_t> tok(b, -1), live;  // live: the sequences still drafting, in order
+  auto top_rows = [&](const at::Tensor& h, const std::vector<int64_t>& who, int64_t level) {
+    at::Tensor logits = product(at::Tensor(), h, head, head_panels);  // (rows, V')
+    const int64_t v = logits.size(1);
+    const float* l = logits.data_ptr<float>();
+    for (size_t i = 0; i < who.size(); ++i) {
+      const int64_t s = who[i];
+      const float* lr = l + i * v;
+      const int64_t arg = row_argmax(lr, v);
+      float total = 0.f;
+      for (int64_t j = 0; j < v; ++j) total += std::exp(lr[j] - lr[arg]);
+      value[s] += -std::log(total);
+      tok[s] = target_id(arg);
+      o[s * width + 1 + level] = tok[s];
+    }
+  };
+  std::vector<int64_t> first;
+  std::vector<int64_t> first_rows;
+  for (int64_t s = 0; s < b; ++s)
+    if (depth[s] > 0) {
+      first.push_back(s);
+      first_rows.push_back(s);
+    }
+  if (first.empty()) return out;
+  top_rows(hidden.index_select(0, at::tensor(first_rows, at::kLong)).contiguous(), first, 0);
+  live = first;
+  at::Tensor h_rows = hidden.index_select(0, at::tensor(first_rows, at::kLong)).contiguous();  // live rows' features
+  for (int64_t level = 0;; ++level) {
+    std::vector<int64_t> next, keep;
+    for (size_t i = 0; i < live.size(); ++i) {
+      const int64_t s = live[i];
+      if (level + 1 >= depth[s] || value[s] < log_min || tok[s] == eos) continue;
+      TORCH_CHECK(tok[s] >= 0 && tok[s] < embed.size(0), "litevlm_cpu: drafted token ", tok[s], " is outside the embedding");
+      next.push_back(s);
+      keep.push_back(static_cast<int64_t>(i));
+    }
+    if (next.empty()) break;
+    const int64_t k = next.size();
+    at::Tensor pair = at::empty({k, 2 * c}, embed.options());
+    float* p = pair.data_ptr<float>();
+    const float* hp = h_rows.data_ptr<float>();
+    std::vector<int64_t> pos(k);
+    std::vector<Segment> step(k);
+    std::vector<at::Tensor> step_caches;
+    const int64_t per = static_cast<int64_t>(caches.size()) / b;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t s = next[i];
+      std::copy_n(embed.data_ptr<float>() + tok[s] * c, c, p + i * 2 * c);
+      std::copy_n(hp + keep[i] * c, c, p + i * 2 * c + c);
+      pos[i] = rpos[s] + level;
+      step[i].row0 = i;
+      step[i].n = 1;
+      step[i].start = done[s] + count[s] + level;
+      for (int64_t j = 0; j < per; ++j) step_caches.push_back(caches[s * per + j]);
+    }
+    at::Tensor xs = product(fc_b, pair, fc_w, fc_panels);
+    h_rows = run_segments(xs, rows_at(cos_table, pos.data(), k), rows_at(sin_table, pos.data(), k), step, weights,
+                          step_caches, hq, hkv, d, eps, false, {}, layer_panels);
+    top_rows(h_rows, next, level + 1);
+    live = next;
+  }
+  return out;
 }
 
 // A prompt of one sequence written at cache slots 0..n-1, causally (row r sees slots 0..r): a prefill, or a
@@ -1194,6 +1488,19 @@ TORCH_LIBRARY(litevlm_cpu, m) {
         "Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps, Tensor norm_w, Tensor head) "
         "-> (Tensor, Tensor)",
         &decode_logits_op);
+  m.def("batch_decode(Tensor tokens, Tensor positions, Tensor slots, Tensor cos_table, Tensor sin_table, "
+        "Tensor embed, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps, Tensor norm_w, "
+        "Tensor head) -> (Tensor, Tensor)",
+        &batch_decode_op);
+  m.def("batch_verify_chain(Tensor tokens, Tensor counts, Tensor starts, Tensor root_pos, Tensor cos_table, "
+        "Tensor sin_table, Tensor embed, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps, "
+        "Tensor norm_w, Tensor head) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        &batch_verify_chain_op);
+  m.def("batch_draft_cycle(Tensor feats, Tensor nxt, Tensor pair_pos, Tensor counts, Tensor dones, Tensor roots, "
+        "Tensor root_pos, Tensor depths, float log_min, int eos, Tensor cos_table, Tensor sin_table, Tensor embed, "
+        "Tensor fc_w, Tensor fc_b, Tensor head, Tensor vocab_map, Tensor[] weights, Tensor[] caches, int hq, int hkv, "
+        "int d, float eps, Tensor[] panels) -> Tensor",
+        &batch_draft_cycle_op);
   m.def("prompt_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, "
         "float eps, Tensor[] bf16, Tensor? tail_mask=None) -> Tensor",
         &prompt_layers_op);

@@ -167,6 +167,33 @@ class NativeSteps:
             token, position, slot, cos_table, sin_table, embed, flat, _flat(caches), hq, hkv, d, eps, norm_w, head
         )
 
+    # -- several sequences at once: their rows stacked into each product, each on its own caches ------------------
+    def batch_decode(self, tokens, positions, slots, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps,
+                     norm_w, head):  # fmt: skip
+        """tokens, positions, slots (B,); caches: each sequence's per-layer [K, V] -> (logits (B, V), hidden (B, C))."""
+        flat = native_weights(weights, hq, hkv, d)
+        return self.ops.batch_decode(
+            tokens, positions, slots, cos_table, sin_table, embed, flat, _flat_seqs(caches), hq, hkv, d, eps, norm_w,
+            head,
+        )  # fmt: skip
+
+    def batch_verify_chain(self, tokens, counts, starts, root_pos, cos_table, sin_table, embed, weights, caches, hq,
+                           hkv, d, eps, norm_w, head):  # fmt: skip
+        flat = native_weights(weights, hq, hkv, d)
+        return self.ops.batch_verify_chain(
+            tokens, counts, starts, root_pos, cos_table, sin_table, embed, flat, _flat_seqs(caches), hq, hkv, d, eps,
+            norm_w, head,
+        )  # fmt: skip
+
+    def batch_draft_cycle(self, feats, nxt, pair_pos, counts, dones, roots, root_pos, depths, log_min, eos, cos_table,
+                          sin_table, embed, fc_w, fc_b, head, vocab_map, weights, caches, hq, hkv, d, eps):  # fmt: skip
+        flat = native_weights(weights, hq, hkv, d)
+        panels = self._draft_panels(fc_w, head, weights, hq, hkv, d)
+        return self.ops.batch_draft_cycle(
+            feats, nxt, pair_pos, counts, dones, roots, root_pos, depths, log_min, eos, cos_table, sin_table, embed,
+            fc_w, fc_b, head, vocab_map, flat, _flat_seqs(caches), hq, hkv, d, eps, panels,
+        )  # fmt: skip
+
     def prompt(self, x, cos, sin, weights, caches_, cfg, bf16: bool = False, tail_mask=None) -> torch.Tensor:
         """A prompt of one sequence, x (T, C) at cache slots 0..T-1 with cos / sin (T, 1, D) at its positions, causally
         through the layers of `weights` (their [K, V] `caches_`, of a decoder with TextConfig `cfg`) in one call ->
@@ -223,6 +250,11 @@ def backend() -> str:
 # ------------------------------------------------------------------------------------------------
 def _flat(groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return [t for group in groups for t in group]
+
+
+def _flat_seqs(per_seq: list[list[list[torch.Tensor]]]) -> list[torch.Tensor]:
+    """Each sequence's per-layer [K, V], sequence after sequence, as the batched ops take them."""
+    return [t for seq in per_seq for pair in seq for t in pair]
 
 
 def _flat_layers(weights: list[LayerWeights]) -> list[torch.Tensor]:
