@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from litevlm.batch import BatchDecoder
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
 from litevlm.frame import Frame, ViewCache
 from litevlm.model.backend import CACHE_MULTIPLE, Sampling, auto_kind, choose_backend, round_up
-from litevlm.batch import BatchDecoder
 from litevlm.model.generate import (
     Generation,
     Prefilled,
