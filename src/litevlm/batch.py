@@ -37,7 +37,7 @@ from litevlm.spec.decode import stream_speculative
 from litevlm.spec.tree import TreeConfig, repeat_guess
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """One answer in flight: its caches, how far it has come, and what it has made.
 

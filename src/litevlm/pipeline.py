@@ -54,7 +54,7 @@ WARMUP_QUESTION = "Is there a car in front of the ego vehicle?"  # the blank sce
 
 @dataclass
 class Started:
-    """A question up to its prefill (`Pipeline._start`): what its answer is made from once decoded."""
+    """A question up to its prefill (`Pipeline.start_answer`): what its answer is made from once decoded."""
 
     question: str
     views: list[str]
@@ -579,9 +579,9 @@ class Pipeline:
 
     def stream_frame(self, question: str, frame: Frame) -> Iterator[Delta | Answer]:
         """`stream` of a question about `frame` (`Frame.stream`): e2e starts here."""
-        return self._stream(self._start(question, frame))
+        return self._stream(self.start_answer(question, frame))
 
-    def _start(self, question: str, frame: Frame) -> Started:
+    def start_answer(self, question: str, frame: Frame) -> Started:
         """A question about `frame` up to its prefill: checked, its views selected and encoded, its prompt made,
         its visual tokens selected and the prompt in the model's cache (e2e starts here)."""
         t0 = time.perf_counter()
@@ -622,9 +622,9 @@ class Pipeline:
         rest = text.finish()
         if rest:
             yield Delta(rest, [])
-        yield self._answer(st, gen)
+        yield self.finish_answer(st, gen)
 
-    def _answer(self, st: Started, gen: Generation) -> Answer:
+    def finish_answer(self, st: Started, gen: Generation) -> Answer:
         """The finished answer of a started question, from its generation (e2e ends here)."""
         answer_text = self.tokenizer.decode([t for t in gen.tokens if t != self.tokenizer.eos_id]).strip()
         full, p, record, timer = st.full, st.p, st.record, st.timer
@@ -672,15 +672,15 @@ class Pipeline:
             while waiting or decoder.live:
                 while waiting and not decoder.full:
                     i, q = waiting.pop(0)
-                    st = self._start(q, frame)
+                    st = self.start_answer(q, frame)
                     st.t0 = t0
                     seq = decoder.admit(st.prefilled, self.sampling, st.timer, tag=(i, st))
                     if seq.finished:
-                        answers[i] = self._answer(st, seq.generation)
+                        answers[i] = self.finish_answer(st, seq.generation)
                 for seq in decoder.step():
                     if seq.finished:
                         i, st = seq.tag
-                        answers[i] = self._answer(st, seq.generation)
+                        answers[i] = self.finish_answer(st, seq.generation)
         finally:
             for seq in list(decoder.seqs):
                 decoder.cancel(seq)

@@ -57,6 +57,7 @@ def build_app(
     header_timeout_s: float = 10.0,
     body_timeout_s: float = 30.0,
     max_connections: int = 256,
+    max_batch: int = 8,
     view_cache_bytes: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `pipe` (a litevlm Pipeline) under the model id `model_name` (default: pipe.name).
@@ -81,6 +82,7 @@ def build_app(
         header_timeout_s=header_timeout_s,
         body_timeout_s=body_timeout_s,
         max_connections=max_connections,
+        max_batch=max_batch,
     )
     model_name = model_name or getattr(pipe, "name", None) or "litevlm"
     if view_cache_bytes is not None:
@@ -88,14 +90,20 @@ def build_app(
 
         pipe.view_cache = ViewCache(view_cache_bytes) if view_cache_bytes > 0 else None
     # The cache is read from the pipeline at each /metrics: `rebuild` clears it, a caller may replace it.
-    metrics = Metrics(lambda: worker.pending, limits.max_queue, lambda: getattr(pipe, "view_cache", None))
+    metrics = Metrics(
+        lambda: worker.pending,
+        limits.max_queue,
+        lambda: getattr(pipe, "view_cache", None),
+        batch=lambda: worker.batch_live,
+        waiting=lambda: worker.waiting.qsize(),
+    )
     worker = Worker(pipe, limits, metrics)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app):
         yield
-        worker.executor.shutdown(wait=False, cancel_futures=True)
+        worker.close()
 
     app = FastAPI(title="litevlm", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.router.redirect_slashes = False  # a redirect would be built from the client's Host header
@@ -144,6 +152,7 @@ def build_app(
             "model": model_name,
             "in_flight": worker.pending,
             "max_queue": limits.max_queue,
+            "max_batch": limits.max_batch if worker.batching else 1,
             "timeout_s": limits.timeout_s,
         }
         return JSONResponse(status)

@@ -22,6 +22,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="requests that may wait besides the one being answered; more get 429 (default: %(default)s)",
     )
     g.add_argument(
+        "--max-batch",
+        type=int,
+        default=d.max_batch,
+        help="answers decoded together: each admitted request joins the running batch at its next step and leaves "
+        "it when done (the modules and native backends; 1: one at a time) (default: %(default)s)",
+    )
+    g.add_argument(
         "--timeout",
         type=float,
         default=d.timeout_s,
@@ -110,6 +117,7 @@ def app_options(args) -> dict:
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         max_connections=args.max_connections,
+        max_batch=args.max_batch,
     )
     try:
         Limits(**options)

@@ -12,7 +12,8 @@ class Limits:
     """What clients may ask of the server. `max_queue` counts requests waiting for the model besides
     the one it is answering; `timeout_s` runs from arrival to the finished answer. A client gets
     `header_timeout_s` to send a request's headers and `body_timeout_s` to send its body (408), and
-    at most `max_connections` connections are open at once (more are closed on accept)."""
+    at most `max_connections` connections are open at once (more are closed on accept). Up to `max_batch` admitted
+    requests decode together, each joining the running batch at its next step (`litevlm.batch`)."""
 
     max_queue: int = 16
     timeout_s: float = 60.0
@@ -23,6 +24,7 @@ class Limits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 256
+    max_batch: int = 8  # answers decoded together (in-flight batching); 1: one at a time
 
     def __post_init__(self):
         if self.max_queue < 0:
@@ -40,5 +42,7 @@ class Limits:
         for name in ("header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")

@@ -22,7 +22,12 @@ class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(
-        self, in_flight: Callable[[], float], queue_capacity: int, view_cache: Callable[[], object] | None = None
+        self,
+        in_flight: Callable[[], float],
+        queue_capacity: int,
+        view_cache: Callable[[], object] | None = None,
+        batch: Callable[[], float] | None = None,
+        waiting: Callable[[], float] | None = None,
     ):
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
@@ -75,6 +80,14 @@ class Metrics:
         Gauge("litevlm_in_flight_requests", "Admitted chat requests not yet finished.", registry=r).set_function(
             in_flight
         )
+        if batch is not None:
+            Gauge(
+                "litevlm_batch_occupancy", "Answers decoding together in the running batch.", registry=r
+            ).set_function(batch)
+        if waiting is not None:
+            Gauge(
+                "litevlm_queue_waiting", "Admitted requests waiting to join the running batch.", registry=r
+            ).set_function(waiting)
         Gauge("litevlm_queue_capacity", "Requests that may wait besides the one being answered.", registry=r).set(
             queue_capacity
         )

@@ -84,7 +84,7 @@ class Replica:
             gone.set()
 
     def __del__(self):
-        self.app.state.worker.executor.shutdown(wait=False, cancel_futures=True)
+        self.app.state.worker.close()
 
 
 def _forwarded_scope(scope: dict) -> dict:

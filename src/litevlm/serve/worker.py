@@ -1,4 +1,11 @@
-"""The model worker: one request at a time on one thread, bounded admission, deadlines, cancellation.
+"""The model worker: bounded admission, in-flight batching on one model thread, deadlines, cancellation.
+
+With `Limits.max_batch` > 1 and a pipeline that can batch (`Pipeline.batch_decoder`: the modules or native
+backend), the model thread runs one loop: it takes the queued requests while the batch has room, prefills each
+(views, token selection, prompt: per request) and adds it to the running batch (`litevlm.batch.BatchDecoder`),
+then runs one step for every answer in the batch, streams what each made, and lets go of the finished, the
+cancelled, the disconnected and those past their deadline, whose rows are free at once for the next request.
+Otherwise it answers one request at a time.
 
 A queued request holds its images as the encoded bytes the client sent (headers checked by the parser), and
 the pipeline gets those bytes when its turn comes: it decodes only the views the question needs, and none
@@ -14,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +68,7 @@ class Job:
     answered: bool = False  # its handler has the Answer
     queue_s: float = 0.0
     service_s: float = 0.0
+    done: Future = field(default_factory=Future)  # batched: set by the model thread when it lets the job go
 
     def drop(self, reason: str) -> None:
         """Nobody will read the answer ('disconnected' or 'deadline'): stop at the next check."""
@@ -77,8 +86,20 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
 
+@dataclass(eq=False)
+class Running:
+    """A job in the running batch: its started answer and what has been streamed of it."""
+
+    job: Job
+    started: Any  # `litevlm.pipeline.Started`
+    text: TextStream
+    start: float
+    sent: str = ""
+
+
 class Worker:
-    """Admits requests (429 past the queue limit) and answers them one at a time on its model thread.
+    """Admits requests (429 past the queue limit) and answers them on its model thread, decoded together up to
+    `limits.max_batch` at a time where the pipeline can batch, else one at a time.
 
     `pending` and `jobs` are the admitted requests not yet finished, as the event loop sees them: a job
     dropped by its handler (504, a client gone) stays counted until the model thread has let it go."""
@@ -90,6 +111,30 @@ class Worker:
         self.jobs: set[Job] = set()  # the admitted jobs themselves (event loop only)
         self.service_ema_s = 0.0
         self.started = 0  # requests the model thread took (only these had any image decoded)
+        self.batching = limits.max_batch > 1 and callable(getattr(pipe, "batch_decoder", None))
+        self.waiting: queue.Queue = queue.Queue()  # batched: admitted jobs the model thread has not taken
+        self.decoder = None  # batched: the running batch (`litevlm.batch.BatchDecoder`), made on the first job
+        self.closing = threading.Event()
+        self.looping = False
+
+    @property
+    def batch_live(self) -> int:
+        """Answers in the running batch now."""
+        decoder = self.decoder
+        return decoder.live if decoder is not None else 0
+
+    def close(self) -> None:
+        """Stop the model thread's loop (batched) and the executor; queued jobs are cancelled."""
+        self.closing.set()
+        while True:  # the jobs that never joined the batch: cancelled ("shutdown")
+            try:
+                job = self.waiting.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.done.cancel()
+        self.waiting.put(None)
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     # -- admission (event loop) ---------------------------------------------------------------------
     def retry_after_s(self) -> float:
@@ -115,7 +160,14 @@ class Worker:
         job = Job(req, arrived, arrived + self.limits.timeout_s, loop)
         self.pending += 1
         self.jobs.add(job)
-        fut = loop.run_in_executor(self.executor, self._run, job)
+        if self.batching:
+            if not self.looping:
+                self.looping = True
+                self.loop_future = self.executor.submit(self._loop)
+            fut = asyncio.wrap_future(job.done, loop=loop)
+            self.waiting.put(job)
+        else:
+            fut = loop.run_in_executor(self.executor, self._run, job)
         fut.add_done_callback(lambda f: self._finished(f, job))
         return job
 
@@ -176,6 +228,105 @@ class Worker:
                 close()  # a pipeline stream stops its work here
         raise RuntimeError("the pipeline's stream ended without an Answer")
 
+    # -- the model thread, batched ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        """Take queued jobs while the batch has room, step the batch, stream, let go of the finished and dropped
+        (`_serve`); jobs still running when the worker closes are cancelled."""
+        running: dict[Any, Running] = {}
+        try:
+            self._serve(running)
+        except Exception as e:  # a bug in the loop itself: its answers fail with it, the next request starts anew
+            for run in running.values():
+                _settle(run.job, e)
+            self.decoder, self.looping = None, False
+            raise
+        finally:
+            for run in running.values():  # shut down mid-answer
+                run.job.done.cancel()
+
+    def _serve(self, running: dict) -> None:
+        while not self.closing.is_set():
+            decoder = self.decoder
+            idle = decoder is None or decoder.live == 0
+            if idle and decoder is not None and decoder.backend is not self.pipe.backend:
+                self.decoder = decoder = None  # the pipeline was rebuilt: a batch over its new backend
+            while decoder is None or not decoder.full:
+                try:
+                    job = self.waiting.get(timeout=0.5) if idle and not running else self.waiting.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    return
+                self._join(job, running)
+                decoder = self.decoder
+                idle = False
+            if decoder is None or not running:
+                continue
+            try:
+                stepped = decoder.step()
+            except Exception as e:  # a failure of the step itself: every answer in it fails, the batch starts anew
+                for run in running.values():
+                    _settle(run.job, e)
+                running.clear()
+                self.decoder = None
+                continue
+            for seq in stepped:
+                self._emit(seq, running)
+            for seq, run in list(running.items()):
+                if not seq.finished and self._stop(run.job, "running"):
+                    decoder.cancel(seq)
+                    del running[seq]
+                    _settle(run.job)
+
+    def _join(self, job: Job, running: dict) -> None:
+        """Prefill a queued job and add it to the running batch (or refuse it, or drop it unseen)."""
+        if self._stop(job, "queued"):
+            _settle(job)  # never decoded
+            return
+        start = time.monotonic()
+        job.started, job.queue_s = True, start - job.arrived
+        self.started += 1
+        pipe = self.pipe
+        try:
+            with self._settings(job.req):  # the encoded bytes: only the views the question needs are decoded
+                if self.decoder is None:
+                    self.decoder = pipe.batch_decoder(self.limits.max_batch)
+                started = pipe.start_answer(job.req.question, pipe.frame(job.req.images))
+                sampling = pipe.sampling
+            seq = self.decoder.admit(started.prefilled, sampling, started.timer)
+        except LiteVLMError as e:
+            _settle(job, refusal(e))
+            return
+        except Exception as e:
+            _settle(job, e)
+            return
+        running[seq] = Running(job, started, TextStream(pipe.tokenizer, pipe.tokenizer.eos_id), start)
+        self._emit(seq, running)
+
+    def _emit(self, seq, running: dict) -> None:
+        """Stream what a sequence made; hand over its Answer when it is finished."""
+        run = running.get(seq)
+        if run is None:
+            return
+        job = run.job
+        piece = run.text.push(seq.new) if seq.new else ""
+        if seq.finished:
+            piece += run.text.finish()
+        if piece:
+            if not run.sent:
+                self.metrics.first_token.observe(time.monotonic() - job.arrived)
+            run.sent += piece
+            job.put("delta", piece)
+        if not seq.finished:
+            return
+        del running[seq]
+        ans = self.pipe.finish_answer(run.started, seq.generation)
+        job.service_s = time.monotonic() - run.start
+        self.metrics.queue_wait.observe(job.queue_s)
+        self.metrics.observe_answer(ans.timings_ms, ans.input_tokens, len(ans.tokens), getattr(ans, "cache", None))
+        job.put("done", ans)
+        _settle(job)
+
     def _stop(self, job: Job, where: str) -> bool:
         reason = job.dropped()
         if reason is None:
@@ -213,3 +364,13 @@ class Worker:
         finally:
             for name, value in saved.items():
                 setattr(pipe, name, value)
+
+
+def _settle(job: Job, error: BaseException | None = None) -> None:
+    """The model thread lets a batched job go (its handler has had, or will have, its last event)."""
+    if job.done.done():
+        return
+    if error is None:
+        job.done.set_result(None)
+    else:
+        job.done.set_exception(error)
