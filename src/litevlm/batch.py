@@ -187,7 +187,7 @@ class BatchDecoder:
         need = self.lm.cache_len + (tree.depth - 1) * tree.top_k
         self.max_position = max(self.max_position, max_position + tree.depth + 1)
         drafter.prepare(need, self.max_position)  # RoPE tables for every sequence in flight (and the head's own cache)
-        head = drafter.head_module.layer.self_attn.kv_cache
+        head = self._draft_attention().kv_cache
         while self._free_draft:
             cache = self._free_draft.pop()
             if cache.max_len >= need and cache.k.dtype == head.k.dtype:
@@ -197,6 +197,11 @@ class BatchDecoder:
             if head.max_len == need
             else KVCache(1, head.k.shape[1], need, head.k.shape[3], head.k.dtype, head.k.device)
         )
+
+    def _draft_attention(self):
+        """The draft head's attention module, whose `kv_cache` is the sequence's in its turn."""
+        drafter = self.backend.drafter
+        return getattr(drafter, "head_module", drafter).layer.self_attn
 
     def _release(self, seq: Sequence) -> None:
         if seq.caches is not None:
@@ -219,7 +224,7 @@ class BatchDecoder:
         """One step of a sequence that steps alone: its caches in the model (and its draft cache in the head) while
         its stream makes its next tokens."""
         staged = [layer.self_attn.kv_cache for layer in self.lm.layers]
-        head = self.backend.drafter.head_module.layer.self_attn if self.drafting else None
+        head = self._draft_attention() if self.drafting else None
         staged_draft = head.kv_cache if head is not None else None
         self._install(seq.caches)
         if head is not None:

@@ -152,7 +152,6 @@ def build_app(
             "model": model_name,
             "in_flight": worker.pending,
             "max_queue": limits.max_queue,
-            "max_batch": limits.max_batch if worker.batching else 1,
             "timeout_s": limits.timeout_s,
         }
         return JSONResponse(status)
