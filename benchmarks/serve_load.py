@@ -1,4 +1,5 @@
-"""Load on `litevlm serve`: streamed requests from 1, 4 and 16 concurrent clients over loopback.
+"""Load on `litevlm serve`: streamed requests from 1, 2, 4 and 8 concurrent clients over loopback, one server
+answering one request at a time (--max-batch 1) beside one batching them (--max-batch 8), in one run.
 
 Starts `litevlm serve` on a free 127.0.0.1 port, asks each distinct question once, one at a time
 and not streamed (the reference answers), then for each client count sends --requests streamed
@@ -7,7 +8,11 @@ any other non-200 is counted and not retried. Reported per client count: status 
 latency of answered requests, p50/p99 time to first token (the first content chunk), throughput,
 and whether every streamed answer equals the one-at-a-time answer.
 
-    python benchmarks/serve_load.py --model drive-tiny --clients 1,4,16 --requests 64
+    python benchmarks/serve_load.py --model drive-tiny --clients 1,2,4,8 --max-batch 1,8 --requests 64
+
+Each --max-batch value gets a server of its own, started in turn (never two at once), with the same requests. Its
+levels are under `by_max_batch`; `clients` holds the last value's (the batched server's). --view-cache-mb 0 (the
+default here) makes every request read and encode its views.
 
 Traffic goes to 127.0.0.1 only. The last line of stdout is one JSON object with every number.
 """
@@ -33,7 +38,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--model", default="drive-tiny", help="bundled model name or checkpoint directory")
     p.add_argument("--requests", type=int, default=64, help="requests per client count")
-    p.add_argument("--clients", default="1,4,16", help="comma-separated concurrent client counts")
+    p.add_argument("--clients", default="1,2,4,8", help="comma-separated concurrent client counts")
+    p.add_argument("--max-batch", default="1,8", help="comma-separated server --max-batch values, each its own server")
+    p.add_argument(
+        "--config", choices=("litevlm", "baseline"), default="litevlm", help="the served pipeline (default: LiteVLM)"
+    )
+    p.add_argument("--view-cache-mb", type=int, default=0, help="the server's --view-cache-mb (0: every view encoded)")
     p.add_argument("--max-queue", type=int, default=16, help="the server's --max-queue")
     p.add_argument("--timeout", type=float, default=120.0, help="the server's per-request --timeout (s)")
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -69,7 +79,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(a, port: int, log) -> subprocess.Popen:
+def start_server(a, port: int, log, max_batch: int) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-c",
@@ -89,8 +99,13 @@ def start_server(a, port: int, log) -> subprocess.Popen:
         str(a.timeout),
         "--max-new-tokens",
         str(a.max_new_tokens),
+        "--max-batch",
+        str(max_batch),
+        "--view-cache-mb",
+        str(a.view_cache_mb),
         "--log-level",
         "warning",
+        *(["--litevlm"] if a.config == "litevlm" else []),
     ]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
@@ -218,29 +233,35 @@ def main(argv=None) -> int:
     model_dir = resolve_model_dir(a.model)
     bodies = make_cases(a)
     streamed = [json.dumps({**json.loads(b), "stream": True}).encode() for b in bodies]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile(mode="w+") as log, httpx.Client(timeout=a.timeout + 30) as http:
-        proc = start_server(a, port, log)
-        try:
-            wait_healthy(http, url, proc, a.startup_timeout)
-            http.post(url + "/v1/chat/completions", content=bodies[0], headers=HEADERS)  # warm-up
-            reference = []
-            for body in bodies:  # one at a time, not streamed: the reference answers
-                r = http.post(url + "/v1/chat/completions", content=body, headers=HEADERS)
-                r.raise_for_status()
-                reference.append(r.json()["choices"][0]["message"]["content"])
-            results = {str(c): summary(a, run_load(a, url, streamed, c), reference, len(bodies)) for c in levels}
-        except Exception:
-            log.seek(0)
-            print(log.read()[-4000:], file=sys.stderr)
-            raise
-        finally:
-            proc.terminate()
+    by_batch, reference = {}, None
+    for max_batch in [int(b) for b in a.max_batch.split(",")]:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with tempfile.TemporaryFile(mode="w+") as log, httpx.Client(timeout=a.timeout + 30) as http:
+            proc = start_server(a, port, log, max_batch)
             try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                wait_healthy(http, url, proc, a.startup_timeout)
+                http.post(url + "/v1/chat/completions", content=bodies[0], headers=HEADERS)  # warm-up
+                if reference is None:  # the first server, one request at a time, not streamed: the reference answers
+                    reference = []
+                    for body in bodies:
+                        r = http.post(url + "/v1/chat/completions", content=body, headers=HEADERS)
+                        r.raise_for_status()
+                        reference.append(r.json()["choices"][0]["message"]["content"])
+                by_batch[str(max_batch)] = {
+                    str(c): summary(a, run_load(a, url, streamed, c), reference, len(bodies)) for c in levels
+                }
+            except Exception:
+                log.seek(0)
+                print(log.read()[-4000:], file=sys.stderr)
+                raise
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    results = by_batch[list(by_batch)[-1]]
 
     result = {
         "model": str(model_dir),
@@ -251,25 +272,41 @@ def main(argv=None) -> int:
         "max_new_tokens": a.max_new_tokens,
         "host": f"{platform.machine()} {os.cpu_count()} cpus",
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "view_cache_mb": a.view_cache_mb,
+        "config": a.config,
         "clients": results,
+        "by_max_batch": by_batch,
     }
+    one, top = min(levels), max(levels)
+    for b, lv in by_batch.items():  # throughput at the most clients against one client, p50 latency likewise
+        lo, hi = lv[str(one)], lv[str(top)]
+        result.setdefault("scaling", {})[b] = {
+            "clients": [one, top],
+            "throughput_x": round(hi["throughput_rps"] / lo["throughput_rps"], 3) if lo["throughput_rps"] else None,
+            "p50_latency_x": round(hi["latency_ms"]["p50"] / lo["latency_ms"]["p50"], 3)
+            if lo["latency_ms"]["p50"]
+            else None,
+        }
     print(
         f"litevlm serve under load: {a.requests} streamed requests per level, queue {a.max_queue}, "
         f"{a.width}x{a.height} images, model {model_dir.name}, {result['host']}"
     )
     print(
-        f"  {'clients':>7}  {'p50 ms':>9}  {'p99 ms':>9}  {'TTFT p50':>9}  {'TTFT p99':>9}  {'answers/s':>9}  statuses"
+        f"  {'batch':>5}  {'clients':>7}  {'p50 ms':>9}  {'p99 ms':>9}  {'TTFT p50':>9}  {'TTFT p99':>9}  "
+        f"{'answers/s':>9}  statuses"
     )
-    for c, r in results.items():
-        lat, ttft = r["latency_ms"], r["ttft_ms"]
-        print(
-            f"  {c:>7}  {lat['p50']:>9.1f}  {lat['p99']:>9.1f}  {ttft['p50']:>9.1f}  {ttft['p99']:>9.1f}  "
-            f"{r['throughput_rps']:>9.2f}  {r['statuses']}  ({r['mismatches_vs_one_at_a_time']} differ)"
-        )
+    for b, lv in by_batch.items():
+        for c, r in lv.items():
+            lat, ttft = r["latency_ms"], r["ttft_ms"]
+            print(
+                f"  {b:>5}  {c:>7}  {lat['p50']:>9.1f}  {lat['p99']:>9.1f}  {ttft['p50']:>9.1f}  {ttft['p99']:>9.1f}  "
+                f"{r['throughput_rps']:>9.2f}  {r['statuses']}  ({r['mismatches_vs_one_at_a_time']} differ)"
+            )
     print(json.dumps(result))
     ok = all(
         r["five_xx"] == 0 and r["mismatches_vs_one_at_a_time"] == 0 and r["answered"] == a.requests
-        for r in results.values()
+        for lv in by_batch.values()
+        for r in lv.values()
     )
     return 0 if ok else 1
 
