@@ -171,6 +171,9 @@ def benchmarks() -> list[Benchmark]:
         Benchmark(
             "serve_load", ["benchmarks/serve_load.py", "--model", MODEL], n=200, n_flag="--requests", pinned=False
         ),
+        # many answers at once: decode tokens/s by batch size, a frame's questions as one batch (pinned and not)
+        Benchmark("batch_decode_hd", ["benchmarks/batch_decode.py", "--model", HD, "--threads", "1"]),
+        Benchmark("batch_decode_hd_default_threads", ["benchmarks/batch_decode.py", "--model", HD], pinned=False),
         # not pinned: each replica runs one thread, on a core of its own where the machine has two
         Benchmark(
             "serve_replicas",
@@ -1227,6 +1230,58 @@ def flatten(d: dict, prefix: str = "") -> list[tuple[str, object]]:
     return items
 
 
+def section_batching(runs: dict) -> list[str]:
+    """Many answers at once: decode tokens/s against the batch size, a frame's questions as one batch."""
+    out = ["## Many answers at once", ""]
+    found = [(name, runs.get(name)) for name in ("batch_decode_hd_default_threads", "batch_decode_hd")]
+    if not any(run for _, run in found):
+        return out + missing("batched decoding", "python benchmarks/report.py --run --only batch_decode_hd")
+    out += [
+        "Decode tokens/s of the whole batch against the batch size B: every question of the run's frames decoded with"
+        " up to B in flight, a question joining as another leaves (as `litevlm serve` runs); only the decode steps are"
+        " timed (each prefill runs alone, as the server admits it). 'same as B=1' counts answers identical token for"
+        " token to the batch-1 answers. Frame mode: a frame's questions one at a time (`frame.answer`) against one"
+        " batch (`frame.answer_all`), wall ms per question, each on a fresh frame (views encoded anew).",
+        "",
+    ]
+    for name, run in found:
+        if run is None:
+            continue
+        res = run["result"]
+        rows = []
+        for config, c in res["configs"].items():
+            for b, r in c["decode"].items():
+                rows.append(
+                    [
+                        config,
+                        b,
+                        r.get("mean_in_flight"),
+                        r["tokens_per_s"],
+                        times(r["vs_batch_1"]),
+                        r["identical_to_batch_1"],
+                    ]
+                )
+        out += [f"**{res['model']}, {res['threads']} thread(s)**", ""]
+        out += table(["config", "B", "mean in flight", "decode tokens/s", "vs B=1", "same as B=1"], rows)
+        rows = [
+            [
+                config,
+                c["frame"]["questions"],
+                c["frame"]["one_at_a_time_ms_per_question"],
+                c["frame"]["answer_all_ms_per_question"],
+                times(c["frame"]["ratio"]),
+                c["frame"]["equal_answers"],
+            ]
+            for config, c in res["configs"].items()
+        ]
+        out += [""] + table(
+            ["config", "questions", "one at a time ms/q", "answer_all ms/q", "answer_all / one at a time", "equal"],
+            rows,
+        )
+        out += provenance(run)
+    return out
+
+
 def section_serve(run: dict | None) -> list[str]:
     out = ["## `litevlm serve` under load", ""]
     if run is None:
@@ -1275,6 +1330,26 @@ def section_serve(run: dict | None) -> list[str]:
                 ttft.get("p99"),
             ]
         )
+    by_batch = res.get("by_max_batch")
+    if isinstance(by_batch, dict):  # a one-at-a-time server beside a batching one, the same requests
+        rows = []
+        for b, lvs in by_batch.items():
+            for n, lv in sorted(lvs.items(), key=lambda kv: int(kv[0])):
+                lat, ttft = lv.get("latency_ms") or {}, lv.get("ttft_ms") or {}
+                rows.append(
+                    [b, n, lv.get("answered"), lv.get("five_xx"), lv.get("mismatches_vs_one_at_a_time")]
+                    + [lv.get("throughput_rps"), lat.get("p50"), lat.get("p99"), ttft.get("p50"), ttft.get("p99")]
+                )
+        out += table(["max batch", *cols], rows)
+        for b, sc in (res.get("scaling") or {}).items():
+            lo, hi = sc["clients"]
+            out += [
+                "",
+                f"--max-batch {b}: requests/s at {hi} clients {times(sc['throughput_x'])} the 1-client figure,"
+                f" p50 latency {times(sc['p50_latency_x'])} ({res.get('config', 'baseline')} configuration, view cache"
+                f" {res.get('view_cache_mb', 'on')} MiB).",
+            ]
+        return out + provenance(run)
     out += table(cols, rows)
     return out + provenance(run)
 
@@ -1635,6 +1710,7 @@ def render(runs: dict) -> str:
         *section_views(runs.get("view_selection")),
         *section_scores(runs),
         *section_serve(runs.get("serve_load")),
+        *section_batching(runs),
         *section_scale(runs.get("serve_replicas")),
         *section_dist(runs.get("dist_eval")),
         *section_2b_cpu(runs.get("bench_2b_cpu")),
