@@ -1244,42 +1244,45 @@ def section_batching(runs: dict) -> list[str]:
         " batch (`frame.answer_all`), wall ms per question, each on a fresh frame (views encoded anew).",
         "",
     ]
-    for name, run in found:
-        if run is None:
-            continue
-        res = run["result"]
-        rows = []
-        for config, c in res["configs"].items():
-            for b, r in c["decode"].items():
-                rows.append(
-                    [
-                        config,
-                        b,
-                        r.get("mean_in_flight"),
-                        r["tokens_per_s"],
-                        times(r["vs_batch_1"]),
-                        r["identical_to_batch_1"],
-                    ]
-                )
-        out += [f"**{res['model']}, {res['threads']} thread(s)**", ""]
-        out += table(["config", "B", "mean in flight", "decode tokens/s", "vs B=1", "same as B=1"], rows)
-        rows = [
-            [
-                config,
-                c["frame"]["questions"],
-                c["frame"]["one_at_a_time_ms_per_question"],
-                c["frame"]["answer_all_ms_per_question"],
-                times(c["frame"]["ratio"]),
-                c["frame"]["equal_answers"],
-            ]
-            for config, c in res["configs"].items()
-        ]
-        out += [""] + table(
-            ["config", "questions", "one at a time ms/q", "answer_all ms/q", "answer_all / one at a time", "equal"],
-            rows,
-        )
-        out += provenance(run)
-    return out
+    runs_found = [run for _, run in found if run]
+    rows, frames = [], []
+    for config in runs_found[0]["result"]["configs"]:
+        for b in ("1", "8"):
+            row = [config, b]
+            for run in runs_found:
+                r = run["result"]["configs"][config]["decode"].get(b, {})
+                row += [
+                    r.get("tokens_per_s"),
+                    times(r.get("vs_batch_1")),
+                    r.get("mean_in_flight"),
+                    r.get("identical_to_batch_1"),
+                ]
+            rows.append(row)
+        for run in runs_found:
+            f = run["result"]["configs"][config]["frame"]
+            frames.append(
+                [
+                    config,
+                    run["result"]["threads"],
+                    f["one_at_a_time_ms_per_question"],
+                    f["answer_all_ms_per_question"],
+                    times(f["ratio"]),
+                    f["equal_answers"],
+                ]
+            )
+    head = ["config", "B"]
+    for run in runs_found:
+        t = run["result"]["threads"]
+        head += [f"tokens/s ({t} thr)", "vs B=1", "in flight", "same as B=1"]
+    out += table(head, rows) + [""]
+    out += [
+        "Frame mode, `answer_all` against one at a time, ms per question: "
+        + "; ".join(f"{c} at {t} thread(s) {b} against {a} ({r}, {e} equal)" for c, t, a, b, r, e in frames)
+        + "."
+    ]
+    for run in runs_found:
+        out += provenance(run)[1:2]
+    return out + [""]
 
 
 def section_serve(run: dict | None) -> list[str]:
@@ -1335,20 +1338,21 @@ def section_serve(run: dict | None) -> list[str]:
         rows = []
         for b, lvs in by_batch.items():
             for n, lv in sorted(lvs.items(), key=lambda kv: int(kv[0])):
+                if n not in ("1", "8"):
+                    continue  # 1 and 8 clients on the page (every level in the JSON)
                 lat, ttft = lv.get("latency_ms") or {}, lv.get("ttft_ms") or {}
                 rows.append(
                     [b, n, lv.get("answered"), lv.get("five_xx"), lv.get("mismatches_vs_one_at_a_time")]
                     + [lv.get("throughput_rps"), lat.get("p50"), lat.get("p99"), ttft.get("p50"), ttft.get("p99")]
                 )
         out += table(["max batch", *cols], rows)
-        for b, sc in (res.get("scaling") or {}).items():
-            lo, hi = sc["clients"]
-            out += [
-                "",
-                f"--max-batch {b}: requests/s at {hi} clients {times(sc['throughput_x'])} the 1-client figure,"
-                f" p50 latency {times(sc['p50_latency_x'])} ({res.get('config', 'baseline')} configuration, view cache"
-                f" {res.get('view_cache_mb', 'on')} MiB).",
-            ]
+        scaled = [
+            f"--max-batch {b}: requests/s at {sc['clients'][1]} clients {times(sc['throughput_x'])} the 1-client"
+            f" figure, p50 latency {times(sc['p50_latency_x'])}"
+            for b, sc in (res.get("scaling") or {}).items()
+        ]
+        if scaled:
+            out += ["", "; ".join(scaled) + f" ({res.get('config', 'baseline')} configuration, view cache off)."]
         return out + provenance(run)
     out += table(cols, rows)
     return out + provenance(run)
