@@ -77,7 +77,9 @@ def main(argv=None) -> int:
     import torch
 
     from litevlm import Pipeline
+    from litevlm.cameras import CAMERAS
     from litevlm.data.synthetic import make_frame, render_views
+    from litevlm.model.generate import StageTimer
     from litevlm.presets import LITEVLM
 
     a = parse_args(argv)
@@ -89,9 +91,9 @@ def main(argv=None) -> int:
     for name, options in (("litevlm", LITEVLM), ("baseline", {})):
         pipe = Pipeline.from_pretrained(a.model, max_new_tokens=a.max_new_tokens, **options)
         frames = [(pipe.frame(images), qs) for images, qs in scenes]
-        for f, qs in frames:  # encode every view once: the decode rates time decoding only
-            for q in qs:
-                pipe.start_answer(q, f)
+        with torch.no_grad():  # encode every view once: the decode rates time decoding only
+            for f, _ in frames:
+                f.visual(list(CAMERAS), StageTimer("cpu"))
         rates, base_answers = {}, None
         for b in sizes:
             r = decode_rate(pipe, frames, b)

@@ -36,10 +36,6 @@ def alone(lite, images):
     return [frame.answer(q) for q in QUESTIONS]
 
 
-def started(pipe, frame, question):
-    return pipe.start_answer(question, frame)
-
-
 def test_batched_speculative_answers_equal_batch_one_with_late_joins(lite, images, alone):
     assert lite.backend.name == "native" and lite.drafting
     lengths = {a.input_tokens for a in alone}
@@ -101,14 +97,14 @@ def test_a_cancelled_row_frees_its_caches_and_the_others_answer_as_alone(base, i
     order = (QUESTIONS[0], QUESTIONS[4], QUESTIONS[1], QUESTIONS[3])  # long, long, short, short
     want = [frame.answer(q).tokens for q in order]
     decoder = base.batch_decoder(max_batch=4)
-    seqs = [decoder.admit(started(base, frame, q).prefilled, base.sampling) for q in order[:3]]
+    seqs = [decoder.admit(base.start_answer(q, frame).prefilled, base.sampling) for q in order[:3]]
     decoder.step()
     assert decoder.live == 3  # all mid-flight
     free = len(decoder._free)
     decoder.cancel(seqs[0])
     assert len(decoder._free) == free + 1 and decoder.live == 2 and seqs[0].caches is None
     decoder.step()
-    late = decoder.admit(started(base, frame, order[3]).prefilled, base.sampling)  # joins two steps in
+    late = decoder.admit(base.start_answer(order[3], frame).prefilled, base.sampling)  # joins two steps in
     decoder.run()
     assert seqs[1].generation.tokens == want[1] and len(want[1]) == 24
     assert seqs[2].generation.tokens == want[2]
@@ -125,11 +121,11 @@ def test_sampled_rows_draw_what_they_draw_alone(images):
     want = []
     for i, q in enumerate(QUESTIONS[:3]):
         decoder = pipe.batch_decoder(1)
-        seq = decoder.admit(started(pipe, frame, q).prefilled, sampling(i))
+        seq = decoder.admit(pipe.start_answer(q, frame).prefilled, sampling(i))
         decoder.run()
         want.append(seq.generation.tokens)
     decoder = pipe.batch_decoder(3)
-    seqs = [decoder.admit(started(pipe, frame, q).prefilled, sampling(i)) for i, q in enumerate(QUESTIONS[:3])]
+    seqs = [decoder.admit(pipe.start_answer(q, frame).prefilled, sampling(i)) for i, q in enumerate(QUESTIONS[:3])]
     decoder.run()
     assert [s.generation.tokens for s in seqs] == want
     assert len({tuple(w) for w in want}) == 3
@@ -138,9 +134,9 @@ def test_sampled_rows_draw_what_they_draw_alone(images):
 def test_a_full_batch_and_a_graph_backend_are_refused(lite, images):
     frame = lite.frame(images)
     decoder = lite.batch_decoder(max_batch=1)
-    decoder.admit(started(lite, frame, QUESTIONS[0]).prefilled, lite.sampling)  # a long answer: still in flight
+    decoder.admit(lite.start_answer(QUESTIONS[0], frame).prefilled, lite.sampling)  # a long answer: still in flight
     with pytest.raises(LiteVLMError, match="the batch is full"):
-        decoder.admit(started(lite, frame, QUESTIONS[2]).prefilled, lite.sampling)
+        decoder.admit(lite.start_answer(QUESTIONS[2], frame).prefilled, lite.sampling)
     decoder.run()
     with pytest.raises(LiteVLMError, match="max_batch must be at least 1"):
         BatchDecoder(lite.backend, drafting=True, max_batch=0)
@@ -157,3 +153,4 @@ def test_answer_all_checks_every_question_before_answering(lite, images):
     with pytest.raises(LiteVLMError, match="CAM_BACK"):
         frame.answer_all([QUESTIONS[3], QUESTIONS[1]])
     assert frame.encoded == 0  # nothing was read or encoded
+

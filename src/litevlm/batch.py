@@ -31,10 +31,17 @@ import torch
 
 from litevlm.errors import LiteVLMError
 from litevlm.model.backend import ModulesBackend, NativeBackend, Sampling
-from litevlm.model.generate import Generation, Opened, Prefilled, StageTimer, check_room, stream_decode
+from litevlm.model.generate import Generation, Prefilled, StageTimer, check_room, stream_decode
 from litevlm.model.kv_cache import KVCache
-from litevlm.spec.decode import stream_speculative
-from litevlm.spec.tree import TreeConfig, repeat_guess
+from litevlm.spec.decode import (
+    draft_slots,
+    emitted_of,
+    first_pairs,
+    first_tokens,
+    lookup_guess,
+    stream_speculative,
+)
+from litevlm.spec.tree import TreeConfig
 
 
 @dataclass(eq=False)
@@ -68,8 +75,22 @@ class Sequence:
     looked: bool = False  # whether the last cycle verified a lookup chain
     tag: object = None  # the caller's (a request, a question index)
 
+    @property
+    def position(self) -> int:
+        """The RoPE position of its newest token (the one the next step writes at slot L)."""
+        return self.next_pos + self.L - self.prompt_len
+
     def ends(self) -> bool:
         return len(self.out) >= self.sampling.max_new_tokens or self.sampling.ends(self.out[-1])
+
+
+def batch_refusal(backend) -> str:
+    """Why `backend` cannot decode a batch, or "" where it can: the modules and the native steps can (each sequence's
+    caches swapped in, or handed to the batched calls); a CUDA backend's graphs are captured on the model's caches."""
+    name = getattr(backend, "name", type(backend).__name__)
+    if not isinstance(backend, ModulesBackend) or name not in ("modules", "native"):
+        return f"batched decoding runs on the modules or native backend, not {name}"
+    return ""
 
 
 class BatchDecoder:
@@ -78,10 +99,9 @@ class BatchDecoder:
     in flight (`admit` refuses one more)."""
 
     def __init__(self, backend, *, drafting: bool, tree: TreeConfig = TreeConfig(), max_batch: int = 8):
-        if not isinstance(backend, ModulesBackend) or getattr(backend, "graphs", None) is not None:
-            raise LiteVLMError(f"batched decoding runs on the modules or native backend, not {backend.name}")
-        if backend.name not in ("modules", "native"):
-            raise LiteVLMError(f"batched decoding runs on the modules or native backend, not {backend.name}")
+        why = batch_refusal(backend)
+        if why:
+            raise LiteVLMError(why)
         if max_batch < 1:
             raise LiteVLMError(f"max_batch must be at least 1; got {max_batch}")
         if drafting and backend.drafter is None:
@@ -131,22 +151,14 @@ class BatchDecoder:
             self._turn(seq)
             self.seqs.append(seq)
             return seq
-        opened = prefilled.opened if (self.drafting and sampling.greedy) else None
         with timer("prefill"):
-            if opened is None:
-                opened = Opened([int(sampling.sample(prefilled.logits))], prefilled.hidden[0, :0])
+            opened = first_tokens(prefilled, sampling)
         seq.out = list(opened.emitted)
         seq.new = list(seq.out)
         seq.opened = opened.accepted
         if self.drafting:
-            a, lm = opened.accepted, self.lm
-            context = self.backend.drafter.cfg.context
-            c0 = max(0, t - context) if context else 0
-            dev = embeds.device
-            seq.feats = torch.cat([prefilled.hidden[0, c0:], opened.hidden])
-            seq.nxt = torch.cat([embeds[0, c0 + 1 :], lm.embed_tokens(torch.tensor(seq.out, device=dev))])
-            seq.pair_pos = torch.cat([positions[0, c0:], torch.arange(next_pos, next_pos + a, device=dev)])
-            seq.L = t + a
+            seq.feats, seq.nxt, seq.pair_pos = first_pairs(self.lm, self.backend.drafter.cfg.context, prefilled, opened)
+            seq.L = t + opened.accepted
         self.seqs.append(seq)
         if seq.ends():
             self._finish(seq)
@@ -174,29 +186,26 @@ class BatchDecoder:
         return mine
 
     @staticmethod
-    def _like(cache: KVCache) -> KVCache:
+    def _like(cache: KVCache, slots: int | None = None) -> KVCache:
+        """A cache of one sequence shaped as `cache` (with `slots` slots where given)."""
         _, h, s, d = cache.k.shape
-        return KVCache(1, h, s, d, cache.k.dtype, cache.k.device)
+        return KVCache(1, h, slots or s, d, cache.k.dtype, cache.k.device)
 
     def _install(self, caches: list[KVCache]) -> None:
         for layer, cache in zip(self.lm.layers, caches):
             layer.self_attn.kv_cache = cache
 
     def _take_draft_cache(self, max_position: int) -> KVCache:
-        drafter, tree = self.backend.drafter, self.tree
-        need = self.lm.cache_len + (tree.depth - 1) * tree.top_k
-        self.max_position = max(self.max_position, max_position + tree.depth + 1)
-        drafter.prepare(need, self.max_position)  # RoPE tables for every sequence in flight (and the head's own cache)
+        need = draft_slots(self.lm.cache_len, self.tree)
+        self.max_position = max(self.max_position, max_position + self.tree.depth + 1)
+        # RoPE tables for every sequence in flight (and the head's own cache, which a sequence's is shaped as)
+        self.backend.drafter.prepare(need, self.max_position)
         head = self._draft_attention().kv_cache
         while self._free_draft:
             cache = self._free_draft.pop()
             if cache.max_len >= need and cache.k.dtype == head.k.dtype:
                 return cache
-        return (
-            self._like(head)
-            if head.max_len == need
-            else KVCache(1, head.k.shape[1], need, head.k.shape[3], head.k.dtype, head.k.device)
-        )
+        return self._like(head, need)
 
     def _draft_attention(self):
         """The draft head's attention module, whose `kv_cache` is the sequence's in its turn."""
@@ -284,7 +293,7 @@ class BatchDecoder:
         """A plain decode step of every sequence, its newest token at slot L, in one native call."""
         dev = self.lm.embed_tokens.weight.device
         tokens = torch.tensor([s.out[-1] for s in seqs], device=dev)
-        positions = torch.tensor([s.next_pos + s.L - s.prompt_len for s in seqs], device=dev)
+        positions = torch.tensor([s.position for s in seqs], device=dev)
         slots = torch.tensor([s.L for s in seqs], device=dev)
         logits, _ = self.backend.batch_decode(tokens, positions, slots, [_kv(s.caches) for s in seqs])
         for i, s in enumerate(seqs):
@@ -302,8 +311,7 @@ class BatchDecoder:
         dev = self.lm.embed_tokens.weight.device
         guesses, depths = [], []
         for s in seqs:
-            ask = tree.lookup and s.L + n_tree <= cap and (s.a == 0 or (s.looked and s.a > 0))
-            guess = repeat_guess(s.out, tree.lookup, tree.depth) if ask else []
+            guess = lookup_guess(s.out, tree.lookup, tree.depth, s.L + n_tree <= cap, s.a, s.looked)
             s.looked = bool(guess)
             guesses.append(guess)
             depths.append(0 if guess or s.L + n_tree > cap else tree.depth)
@@ -315,7 +323,7 @@ class BatchDecoder:
             torch.tensor(counts),
             torch.tensor([s.done for s in seqs]),
             torch.tensor([s.out[-1] for s in seqs]),
-            torch.tensor([s.next_pos + s.L - s.prompt_len for s in seqs]),
+            torch.tensor([s.position for s in seqs]),
             torch.tensor(depths),
             tree.min_value,
             seqs[0].sampling.eos_id,
@@ -329,7 +337,7 @@ class BatchDecoder:
             torch.tensor([t for chain in tokens for t in chain], device=dev),
             torch.tensor([len(c) for c in tokens]),
             torch.tensor([s.L for s in seqs]),
-            torch.tensor([s.next_pos + s.L - s.prompt_len for s in seqs]),
+            torch.tensor([s.position for s in seqs]),
             [_kv(s.caches) for s in seqs],
         )
         runs, lengths = runs.tolist(), lengths.tolist()
@@ -338,11 +346,7 @@ class BatchDecoder:
             new = runs[at : at + n]
             s.feats, s.nxt, s.pair_pos = feats[at : at + n], nxt[at : at + n], pos[at : at + n]
             at += n
-            emitted = []
-            for tok in new:
-                emitted.append(tok)
-                if s.sampling.ends(tok) or len(s.out) + len(emitted) >= s.sampling.max_new_tokens:
-                    break
+            emitted = emitted_of(new, len(s.out), s.sampling)
             s.out.extend(emitted)
             s.new = emitted
             s.accept.append(len(emitted))

@@ -301,6 +301,21 @@ at::Tensor based(const at::Tensor& base, int64_t n, int64_t out, const at::Tenso
   return y;
 }
 
+// base + x (n, in) @ w (in, out) by the own loop at any n (fp32): row r's result is the one x[r] alone would get.
+at::Tensor exact_product(const at::Tensor& base, const at::Tensor& x, const at::Tensor& w) {
+  const at::Tensor xc = x.contiguous();
+  check_f32_contiguous(xc, "a product's input");
+  check_f32_contiguous(w, "a product's weight");
+  const int64_t n = xc.size(0), out = w.size(1);
+  at::Tensor y = based(base.defined() ? base.contiguous() : base, n, out, xc.options());
+  if (n == 1) {
+    row_product(xc.data_ptr<float>(), xc.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
+  } else {
+    rows_product<0>(xc.data_ptr<float>(), n, xc.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
+  }
+  return y;
+}
+
 // base + x (n, in) @ w (in, out) -> (n, out): base a bias (out,) added to every row, an (n, out) tensor, or undefined
 // (nothing added). panels: w packed by `pack_panels` (a draft head's weights, bf16), or undefined: the product then
 // runs on the panels.
@@ -329,33 +344,12 @@ at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor
                    (!base.defined() || (base.is_contiguous() && base.scalar_type() == at::kFloat &&
                                         (base.numel() == out || base.numel() == n * out)));
   if (!own) return base.defined() ? at::addmm(base, x, w) : at::mm(x, w);
-  at::Tensor y = based(base, n, out, x.options());  // one dispatch: the base is copied in here, not by ATen
-  if (n == 1) {
-    row_product(x.data_ptr<float>(), x.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
-  } else {
-    rows_product<0>(x.data_ptr<float>(), n, x.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
-  }
-  return y;
+  return exact_product(base, x, w);  // one dispatch: the base is copied in there, not by ATen
 }
 
 // `product` on its own (fp32 weights), for the tests: a few rows' products summed as one row's.
 at::Tensor product_op(const std::optional<at::Tensor>& base, const at::Tensor& x, const at::Tensor& w) {
   return product(base.has_value() ? *base : at::Tensor(), x, w);
-}
-
-// base + x (n, in) @ w (in, out) by the own loop at any n (fp32): row r's result is the one x[r] alone would get.
-at::Tensor exact_product(const at::Tensor& base, const at::Tensor& x, const at::Tensor& w) {
-  const at::Tensor xc = x.contiguous();
-  check_f32_contiguous(xc, "a product's input");
-  check_f32_contiguous(w, "a product's weight");
-  const int64_t n = xc.size(0), out = w.size(1);
-  at::Tensor y = based(base.defined() ? base.contiguous() : base, n, out, xc.options());
-  if (n == 1) {
-    row_product(xc.data_ptr<float>(), xc.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
-  } else {
-    rows_product<0>(xc.data_ptr<float>(), n, xc.size(1), w.data_ptr<float>(), out, y.data_ptr<float>());
-  }
-  return y;
 }
 
 // base + x (n, in) @ w16 (in, out) with w16 a bf16 copy of the weight: x rounded to bf16 and multiplied in the CPU
@@ -707,17 +701,26 @@ at::Tensor layers_op(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), start, visible, weights, caches, hq, hkv, d, eps, last_only);
 }
 
-// The most likely draft token after a feature and its log-probability: (log p, index into the draft vocabulary).
-std::pair<float, int64_t> top1(const at::Tensor& hidden, const at::Tensor& head, const at::Tensor& head_panels) {
-  at::Tensor logits = product(at::Tensor(), hidden, head, head_panels);  // (1, V')
-  const float* l = logits.data_ptr<float>();
-  const int64_t v = logits.size(1);
+// The index of a row's largest logit (the first where several are equal).
+int64_t row_argmax(const float* l, int64_t v) {
   int64_t arg = 0;
   for (int64_t j = 1; j < v; ++j)
     if (l[j] > l[arg]) arg = j;
+  return arg;
+}
+
+// A row of draft logits' most likely token and its log-probability: (log p, index into the draft vocabulary).
+std::pair<float, int64_t> top1_row(const float* l, int64_t v) {
+  const int64_t arg = row_argmax(l, v);
   float total = 0.f;
   for (int64_t j = 0; j < v; ++j) total += std::exp(l[j] - l[arg]);
   return {-std::log(total), arg};
+}
+
+// The most likely draft token after a feature and its log-probability (`top1_row`).
+std::pair<float, int64_t> top1(const at::Tensor& hidden, const at::Tensor& head, const at::Tensor& head_panels) {
+  at::Tensor logits = product(at::Tensor(), hidden, head, head_panels);  // (1, V')
+  return top1_row(logits.data_ptr<float>(), logits.size(1));
 }
 
 at::Tensor chain_op(const at::Tensor& root_hidden, int64_t position, int64_t start, int64_t depth, double log_min,
@@ -797,12 +800,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_op(
   const int64_t v = logits.size(1);
   const float* l = logits.data_ptr<float>();
   std::vector<int64_t> pred(n);
-  for (int64_t r = 0; r < n; ++r) {
-    int64_t arg = 0;
-    for (int64_t j = 1; j < v; ++j)
-      if (l[r * v + j] > l[r * v + arg]) arg = j;
-    pred[r] = arg;
-  }
+  for (int64_t r = 0; r < n; ++r) pred[r] = row_argmax(l + r * v, v);
   int64_t a = 0;
   while (a + 1 < n && t[a + 1] == pred[a]) ++a;
   std::vector<int64_t> emitted(t + 1, t + 1 + a);
@@ -840,13 +838,6 @@ std::pair<at::Tensor, at::Tensor> head_rows(const at::Tensor& x, const at::Tenso
   at::Tensor xn = at::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), norm_w.contiguous().data_ptr<float>(), xn.data_ptr<float>(), x.size(0), x.size(1), eps);
   return {exact_product(at::Tensor(), xn, head), xn};
-}
-
-int64_t row_argmax(const float* l, int64_t v) {
-  int64_t arg = 0;
-  for (int64_t j = 1; j < v; ++j)
-    if (l[j] > l[arg]) arg = j;
-  return arg;
 }
 
 // One decode step of B sequences: tokens (B,) at positions (B,), written at slots (B,) of their own caches ->
@@ -986,26 +977,17 @@ at::Tensor batch_draft_cycle_op(const at::Tensor& feats, const at::Tensor& nxt, 
     const float* l = logits.data_ptr<float>();
     for (size_t i = 0; i < who.size(); ++i) {
       const int64_t s = who[i];
-      const float* lr = l + i * v;
-      const int64_t arg = row_argmax(lr, v);
-      float total = 0.f;
-      for (int64_t j = 0; j < v; ++j) total += std::exp(lr[j] - lr[arg]);
-      value[s] += -std::log(total);
+      const auto [log_p, arg] = top1_row(l + i * v, v);
+      value[s] += log_p;
       tok[s] = target_id(arg);
       o[s * width + 1 + level] = tok[s];
     }
   };
-  std::vector<int64_t> first;
-  std::vector<int64_t> first_rows;
   for (int64_t s = 0; s < b; ++s)
-    if (depth[s] > 0) {
-      first.push_back(s);
-      first_rows.push_back(s);
-    }
-  if (first.empty()) return out;
-  top_rows(hidden.index_select(0, at::tensor(first_rows, at::kLong)).contiguous(), first, 0);
-  live = first;
-  at::Tensor h_rows = hidden.index_select(0, at::tensor(first_rows, at::kLong)).contiguous();  // live rows' features
+    if (depth[s] > 0) live.push_back(s);
+  if (live.empty()) return out;
+  at::Tensor h_rows = hidden.index_select(0, at::tensor(live, at::kLong)).contiguous();  // live rows' features
+  top_rows(h_rows, live, 0);
   for (int64_t level = 0;; ++level) {
     std::vector<int64_t> next, keep;
     for (size_t i = 0; i < live.size(); ++i) {

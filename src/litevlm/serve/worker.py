@@ -163,7 +163,7 @@ class Worker:
         if self.batching:
             if not self.looping:
                 self.looping = True
-                self.loop_future = self.executor.submit(self._loop)
+                self.executor.submit(self._loop)
             fut = asyncio.wrap_future(job.done, loop=loop)
             self.waiting.put(job)
         else:
@@ -185,23 +185,31 @@ class Worker:
             job.events.put_nowait(("error", fut.exception()))
 
     # -- the model thread ---------------------------------------------------------------------------
-    def _run(self, job: Job) -> None:
-        if self._stop(job, "queued"):
-            return  # never decoded
+    def _take(self, job: Job) -> float:
+        """The model thread takes a queued job: its wait ends now (-> the time its service starts)."""
         start = time.monotonic()
         job.started, job.queue_s = True, start - job.arrived
         self.started += 1
+        return start
+
+    def _answered(self, job: Job, ans: Answer, start: float) -> None:
+        """Hand a finished answer to the job's handler, with its service time and metrics."""
+        job.service_s = time.monotonic() - start
+        self.metrics.queue_wait.observe(job.queue_s)
+        self.metrics.observe_answer(ans.timings_ms, ans.input_tokens, len(ans.tokens), getattr(ans, "cache", None))
+        job.put("done", ans)
+
+    def _run(self, job: Job) -> None:
+        if self._stop(job, "queued"):
+            return  # never decoded
+        start = self._take(job)
         with self._settings(job.req):
             try:  # the encoded bytes: the pipeline decodes only the views the question needs, on a cache miss
                 ans = self._answer(job, job.req.images)
             except LiteVLMError as e:
                 raise refusal(e) from None
-        if ans is None:
-            return
-        job.service_s = time.monotonic() - start
-        self.metrics.queue_wait.observe(job.queue_s)
-        self.metrics.observe_answer(ans.timings_ms, ans.input_tokens, len(ans.tokens), getattr(ans, "cache", None))
-        job.put("done", ans)
+        if ans is not None:
+            self._answered(job, ans, start)
 
     def _answer(self, job: Job, images: dict) -> Answer | None:
         """The pipeline's stream, each piece of text handed on as it comes; None if the job was dropped on the way."""
@@ -246,22 +254,19 @@ class Worker:
 
     def _serve(self, running: dict) -> None:
         while not self.closing.is_set():
-            decoder = self.decoder
-            idle = decoder is None or decoder.live == 0
-            if idle and decoder is not None and decoder.backend is not self.pipe.backend:
-                self.decoder = decoder = None  # the pipeline was rebuilt: a batch over its new backend
-            while decoder is None or not decoder.full:
-                try:
-                    job = self.waiting.get(timeout=0.5) if idle and not running else self.waiting.get_nowait()
+            if not running and self.decoder is not None and self.decoder.backend is not self.pipe.backend:
+                self.decoder = None  # the pipeline was rebuilt: a batch over its new backend
+            while self.decoder is None or not self.decoder.full:
+                try:  # with nothing to step, wait for a job; else only take those already waiting
+                    job = self.waiting.get(timeout=0.5) if not running else self.waiting.get_nowait()
                 except queue.Empty:
                     break
                 if job is None:
                     return
                 self._join(job, running)
-                decoder = self.decoder
-                idle = False
-            if decoder is None or not running:
+            if not running:
                 continue
+            decoder = self.decoder
             try:
                 stepped = decoder.step()
             except Exception as e:  # a failure of the step itself: every answer in it fails, the batch starts anew
@@ -283,9 +288,7 @@ class Worker:
         if self._stop(job, "queued"):
             _settle(job)  # never decoded
             return
-        start = time.monotonic()
-        job.started, job.queue_s = True, start - job.arrived
-        self.started += 1
+        start = self._take(job)
         pipe = self.pipe
         try:
             with self._settings(job.req):  # the encoded bytes: only the views the question needs are decoded
@@ -320,11 +323,7 @@ class Worker:
         if not seq.finished:
             return
         del running[seq]
-        ans = self.pipe.finish_answer(run.started, seq.generation)
-        job.service_s = time.monotonic() - run.start
-        self.metrics.queue_wait.observe(job.queue_s)
-        self.metrics.observe_answer(ans.timings_ms, ans.input_tokens, len(ans.tokens), getattr(ans, "cache", None))
-        job.put("done", ans)
+        self._answered(job, self.pipe.finish_answer(run.started, seq.generation), run.start)
         _settle(job)
 
     def _stop(self, job: Job, where: str) -> bool:

@@ -99,7 +99,7 @@ def stream_speculative(
     greedy chain's cycle as one call per side. Closing the stream stops it between cycles, where the caches are
     consistent.
     """
-    embeds, positions, hidden = prefilled.embeds, prefilled.positions, prefilled.hidden
+    embeds, positions = prefilled.embeds, prefilled.positions
     timer = timer or StageTimer(embeds.device)
     draft = backend.drafter
     lm = backend.lm
@@ -111,12 +111,8 @@ def stream_speculative(
     check_room(backend.model, t, max_new_tokens)
     n_tree = tree.total_tokens
     next_pos = int(positions[0, -1]) + 1  # RoPE position of the first generated token (slot t)
-    context = draft.cfg.context
-    c0 = max(0, t - context) if context else 0
-    opened = prefilled.opened if sampling.greedy else None
     with timer("prefill"):
-        if opened is None:
-            opened = Opened([int(sampling.sample(prefilled.logits))], hidden[0, :0])
+        opened = first_tokens(prefilled, sampling)
         out = list(opened.emitted)
         root = torch.tensor(out[-1:], device=embeds.device)
     yield list(out)
@@ -128,18 +124,9 @@ def stream_speculative(
     with timer("decode"):
         if finished():  # the whole answer came with the prompt's pass
             return Generation(out, t, dict(timer.ms), accept, opened.accepted)
-        draft.prepare(
-            cap + (tree.depth - 1) * tree.top_k, next_pos + max_new_tokens + tree.depth + 1
-        )  # per generation: timed
-        # The first extend covers the prompt (its last `context` pairs when the draft is windowed) and the opening
-        # tokens accepted with it: pair j = (f_j, what the target consumed at j+1), at the position of token j.
-        a = opened.accepted
-        feats = torch.cat([hidden[0, c0:], opened.hidden])  # (t - c0 + a, C)
-        nxt = torch.cat(
-            [embeds[0, c0 + 1 :], lm.embed_tokens(torch.tensor(out, device=embeds.device))]
-        )  # (t - c0 + a, C)
-        pair_pos = torch.cat([positions[0, c0:], torch.arange(next_pos, next_pos + a, device=embeds.device)])
-        done, L = 0, t + a  # pairs in the draft cache (its slots 0..done-1), tokens in the target cache
+        draft.prepare(draft_slots(cap, tree), next_pos + max_new_tokens + tree.depth + 1)  # per generation: timed
+        feats, nxt, pair_pos = first_pairs(lm, draft.cfg.context, prefilled, opened)
+        done, L = 0, t + opened.accepted  # pairs in the draft cache (its slots 0..done-1), tokens in the target cache
         # A greedy chain on the native backend runs each side of a cycle as one call (draft_cycle, verify_chain).
         chains = sampling.greedy and tree.top_k == 1 and n_tree == tree.depth + 1
         fused = backend.greedy_chain and chains
@@ -150,8 +137,7 @@ def stream_speculative(
             root_pos = next_pos + L - t
             # After a cycle that accepted no draft, or a lookup chain that was accepted, a chain from earlier in the
             # answer (`repeat_guess`), where there is one.
-            ask = lookup and L + n_tree <= cap and (a == 0 or (looked and a > 0))
-            guess = repeat_guess(out, lookup, tree.depth) if ask else []
+            guess = lookup_guess(out, lookup, tree.depth, L + n_tree <= cap, a, looked)
             looked = bool(guess)
             guessed = torch.tensor(out[-1:] + guess, device=embeds.device) if guess else None  # root, then the guess
             if L + n_tree > cap:  # no room for a tree: finish with plain steps (the cache is exact)
@@ -197,13 +183,60 @@ def stream_speculative(
                         commit_path(backend, path, L)
                     feats, nxt = hid[path], lm.embed_tokens(new)  # f_L..f_{L+a}, x_{L+1}..x_{L+a+1}
                     pair_pos = torch.arange(root_pos, root_pos + a + 1, device=embeds.device)
-            emitted = []
-            for tok in new_list:
-                emitted.append(tok)
-                if sampling.ends(tok) or len(out) + len(emitted) >= max_new_tokens:
-                    break
+            emitted = emitted_of(new_list, len(out), sampling)
             out.extend(emitted)
             accept.append(len(emitted))
             L, root = L + a + 1, new[-1:]
         yield emitted
     return Generation(out, t, dict(timer.ms), accept, opened.accepted)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a speculative answer's start and cycles share with a batch of them (`litevlm.batch`)
+# ---------------------------------------------------------------------------------------------
+
+
+def first_tokens(prefilled: Prefilled, sampling: Sampling) -> Opened:
+    """What the prefill emits: the answer opening verified with it (greedy), else the token sampled from its logits,
+    with no accepted node."""
+    opened = prefilled.opened if sampling.greedy else None
+    if opened is None:
+        opened = Opened([int(sampling.sample(prefilled.logits))], prefilled.hidden[0, :0])
+    return opened
+
+
+def first_pairs(lm, context: int, prefilled: Prefilled, opened: Opened):
+    """The draft's first extend: the prompt's pairs (its last `context` when the draft is windowed, 0: all) and the
+    opening tokens accepted with it; pair j = (f_j, what the target consumed at j+1), at the position of token j ->
+    (features (m, C), next embeddings (m, C), positions (m,))."""
+    embeds, positions, hidden = prefilled.embeds, prefilled.positions, prefilled.hidden
+    t, dev = embeds.shape[1], embeds.device
+    c0 = max(0, t - context) if context else 0
+    next_pos = int(positions[0, -1]) + 1
+    feats = torch.cat([hidden[0, c0:], opened.hidden])
+    nxt = torch.cat([embeds[0, c0 + 1 :], lm.embed_tokens(torch.tensor(opened.emitted, device=dev))])
+    pair_pos = torch.cat([positions[0, c0:], torch.arange(next_pos, next_pos + opened.accepted, device=dev)])
+    return feats, nxt, pair_pos
+
+
+def draft_slots(cache_len: int, tree: TreeConfig) -> int:
+    """The draft cache an answer needs: a pair per committed token, then a tree's scratch entries."""
+    return cache_len + (tree.depth - 1) * tree.top_k
+
+
+def lookup_guess(out: list[int], lookup: int, depth: int, room: bool, accepted: int, looked: bool) -> list[int]:
+    """The chain to verify instead of a drafted one (`repeat_guess`), where there is room for one and the last cycle
+    accepted no draft, or accepted some of a lookup chain; else []."""
+    ask = lookup and room and (accepted == 0 or (looked and accepted > 0))
+    return repeat_guess(out, lookup, depth) if ask else []
+
+
+def emitted_of(new: list[int], made: int, sampling: Sampling) -> list[int]:
+    """A cycle's accepted run as emitted after `made` tokens: up to and including EOS, at most max_new_tokens in
+    all."""
+    emitted = []
+    for tok in new:
+        emitted.append(tok)
+        if sampling.ends(tok) or made + len(emitted) >= sampling.max_new_tokens:
+            break
+    return emitted
