@@ -154,3 +154,21 @@ def test_answer_all_checks_every_question_before_answering(lite, images):
         frame.answer_all([QUESTIONS[3], QUESTIONS[1]])
     assert frame.encoded == 0  # nothing was read or encoded
 
+
+def test_the_server_batches_only_where_the_backend_can(lite, monkeypatch):
+    """A CUDA backend's graphs live on the model's own caches: its server answers one request at a time rather than
+    failing every request on a batch it cannot make."""
+    from types import SimpleNamespace
+
+    from litevlm.serve.limits import Limits
+    from litevlm.serve.metrics import Metrics
+    from litevlm.serve.worker import Worker
+
+    def batching(**limits) -> bool:
+        worker = Worker(lite, Limits(**limits), Metrics(lambda: 0, 4))
+        worker.close()
+        return worker.batching
+
+    assert lite.can_batch and batching() and not batching(max_batch=1)
+    monkeypatch.setattr(lite, "backend", SimpleNamespace(name="cuda-twin"))
+    assert not lite.can_batch and not batching()

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from litevlm.batch import BatchDecoder
+from litevlm.batch import BatchDecoder, batch_refusal
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
 from litevlm.frame import Frame, ViewCache
@@ -652,6 +652,11 @@ class Pipeline:
         )
 
     # -- many answers at once -------------------------------------------------------------------
+    @property
+    def can_batch(self) -> bool:
+        """Whether its backend decodes batches (`litevlm.batch.batch_refusal`): the modules and the native steps."""
+        return not batch_refusal(self.backend)
+
     def batch_decoder(self, max_batch: int = 8) -> BatchDecoder:
         """A scheduler that decodes up to `max_batch` of this pipeline's answers together (`litevlm.batch`)."""
         return BatchDecoder(self.backend, drafting=self.drafting, tree=self.tree, max_batch=max_batch)

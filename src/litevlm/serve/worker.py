@@ -111,7 +111,7 @@ class Worker:
         self.jobs: set[Job] = set()  # the admitted jobs themselves (event loop only)
         self.service_ema_s = 0.0
         self.started = 0  # requests the model thread took (only these had any image decoded)
-        self.batching = limits.max_batch > 1 and callable(getattr(pipe, "batch_decoder", None))
+        self.batching = limits.max_batch > 1 and getattr(pipe, "can_batch", False)
         self.waiting: queue.Queue = queue.Queue()  # batched: admitted jobs the model thread has not taken
         self.decoder = None  # batched: the running batch (`litevlm.batch.BatchDecoder`), made on the first job
         self.closing = threading.Event()
