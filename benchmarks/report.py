@@ -1231,58 +1231,38 @@ def flatten(d: dict, prefix: str = "") -> list[tuple[str, object]]:
 
 
 def section_batching(runs: dict) -> list[str]:
-    """Many answers at once: decode tokens/s against the batch size, a frame's questions as one batch."""
-    out = ["## Many answers at once", ""]
-    found = [(name, runs.get(name)) for name in ("batch_decode_hd_default_threads", "batch_decode_hd")]
-    if not any(run for _, run in found):
-        return out + missing("batched decoding", "python benchmarks/report.py --run --only batch_decode_hd")
-    out += [
-        "Decode tokens/s of the whole batch against the batch size B: every question of the run's frames decoded with"
-        " up to B in flight, a question joining as another leaves (as `litevlm serve` runs); only the decode steps are"
-        " timed (each prefill runs alone, as the server admits it). 'same as B=1' counts answers identical token for"
-        " token to the batch-1 answers. Frame mode: a frame's questions one at a time (`frame.answer`) against one"
-        " batch (`frame.answer_all`), wall ms per question, each on a fresh frame (views encoded anew).",
+    """Many answers at once (under the server's section): decode tokens/s against the batch size, a frame's questions
+    as one batch, at the default threads and pinned; one paragraph, its commands in one line."""
+    found = [run for run in (runs.get(n) for n in ("batch_decode_hd_default_threads", "batch_decode_hd")) if run]
+    if not found:
+        return missing("batched decoding", "python benchmarks/report.py --run --only batch_decode_hd")
+    decode, frames = [], []
+    for config in found[0]["result"]["configs"]:
+        for run in found:
+            res = run["result"]
+            rates = res["configs"][config]["decode"]
+            top = rates[max(rates, key=int)]
+            decode.append(
+                f"{config} at {res['threads']} thread(s) {', '.join(fmt(r['tokens_per_s']) for r in rates.values())}"
+                f" tokens/s at B = {', '.join(rates)} ({times(top['vs_batch_1'])} at the most, {top['mean_in_flight']}"
+                f" in flight on average, answers the same as B = 1's: {top['identical_to_batch_1']})"
+            )
+            f = res["configs"][config]["frame"]
+            frames.append(
+                f"{config} at {res['threads']} thread(s) {fmt(f['answer_all_ms_per_question'])} against"
+                f" {fmt(f['one_at_a_time_ms_per_question'])} ({times(f['ratio'])}, {f['equal_answers']} equal)"
+            )
+    commands = " ".join(provenance(run)[1] for run in found)
+    return [
+        f"Many answers at once, {found[0]['result']['model']}: decode tokens/s of the whole batch with up to B in"
+        " flight, a question joining as another leaves (as the server runs), only the decode steps timed: "
+        + "; ".join(decode)
+        + ". A frame's questions as one batch (`frame.answer_all`) against one at a time (`frame.answer`), ms per"
+        f" question: {'; '.join(frames)}.",
+        "",
+        commands,
         "",
     ]
-    runs_found = [run for _, run in found if run]
-    rows, frames = [], []
-    for config in runs_found[0]["result"]["configs"]:
-        for b in ("1", "8"):
-            row = [config, b]
-            for run in runs_found:
-                r = run["result"]["configs"][config]["decode"].get(b, {})
-                row += [
-                    r.get("tokens_per_s"),
-                    times(r.get("vs_batch_1")),
-                    r.get("mean_in_flight"),
-                    r.get("identical_to_batch_1"),
-                ]
-            rows.append(row)
-        for run in runs_found:
-            f = run["result"]["configs"][config]["frame"]
-            frames.append(
-                [
-                    config,
-                    run["result"]["threads"],
-                    f["one_at_a_time_ms_per_question"],
-                    f["answer_all_ms_per_question"],
-                    times(f["ratio"]),
-                    f["equal_answers"],
-                ]
-            )
-    head = ["config", "B"]
-    for run in runs_found:
-        t = run["result"]["threads"]
-        head += [f"tokens/s ({t} thr)", "vs B=1", "in flight", "same as B=1"]
-    out += table(head, rows) + [""]
-    out += [
-        "Frame mode, `answer_all` against one at a time, ms per question: "
-        + "; ".join(f"{c} at {t} thread(s) {b} against {a} ({r}, {e} equal)" for c, t, a, b, r, e in frames)
-        + "."
-    ]
-    for run in runs_found:
-        out += provenance(run)[1:2]
-    return out + [""]
 
 
 def section_serve(run: dict | None) -> list[str]:
@@ -1300,6 +1280,35 @@ def section_serve(run: dict | None) -> list[str]:
         for k in ("requests_per_level", "distinct_requests", "max_queue", "max_new_tokens")
         if k in res
     ]
+    by_batch = res.get("by_max_batch")
+    if isinstance(by_batch, dict):  # a one-at-a-time server beside a batching one, the same requests
+
+        def level(n: str, lv: dict, base: dict) -> str:
+            lat, ttft = lv.get("latency_ms") or {}, lv.get("ttft_ms") or {}
+            text = f"{n} client(s) {fmt(lv.get('throughput_rps'))} requests/s, p50 {fmt(lat.get('p50'))} ms"
+            if lv is not base:
+                text += f" ({times(ratio(lv.get('throughput_rps'), base.get('throughput_rps')))} the requests/s,"
+                text += f" {times(ratio(lat.get('p50'), (base.get('latency_ms') or {}).get('p50')))} the p50)"
+            return text + f", first token p50 {fmt(ttft.get('p50'))} ms"
+
+        served = []
+        for b, lvs in by_batch.items():
+            ordered = sorted(lvs.items(), key=lambda kv: int(kv[0]))
+            shown = [ordered[0], ordered[-1]]  # the fewest and the most clients (every level in the JSON)
+            served.append(f"--max-batch {b}: " + "; ".join(level(n, lv, ordered[0][1]) for n, lv in shown))
+        bad = sum(
+            lv.get("five_xx", 0) + lv.get("mismatches_vs_one_at_a_time", 0)
+            for v in by_batch.values()
+            for lv in v.values()
+        )
+        out.append(
+            f"Loopback only, one server process, streamed answers, the {res.get('config', 'baseline')} configuration,"
+            f" view cache {'off' if res.get('view_cache_mb') == 0 else 'on'} ({', '.join(settings)}):"
+            " a server answering one request at a time beside one batching"
+            f" them, the same requests. {'. '.join(served)}. 5xx and answers differing from one at a time: {bad};"
+            f" p99s and every level in {json_of('serve_load')}."
+        )
+        return out + provenance(run)
     out += [
         "Loopback only, one server process, streamed answers; at each level that many clients send requests"
         f" back to back ({', '.join(settings)}). Latency is the whole request; time to first token is the first"
@@ -1333,27 +1342,6 @@ def section_serve(run: dict | None) -> list[str]:
                 ttft.get("p99"),
             ]
         )
-    by_batch = res.get("by_max_batch")
-    if isinstance(by_batch, dict):  # a one-at-a-time server beside a batching one, the same requests
-        rows = []
-        for b, lvs in by_batch.items():
-            for n, lv in sorted(lvs.items(), key=lambda kv: int(kv[0])):
-                if n not in ("1", "8"):
-                    continue  # 1 and 8 clients on the page (every level in the JSON)
-                lat, ttft = lv.get("latency_ms") or {}, lv.get("ttft_ms") or {}
-                rows.append(
-                    [b, n, lv.get("answered"), lv.get("five_xx"), lv.get("mismatches_vs_one_at_a_time")]
-                    + [lv.get("throughput_rps"), lat.get("p50"), lat.get("p99"), ttft.get("p50"), ttft.get("p99")]
-                )
-        out += table(["max batch", *cols], rows)
-        scaled = [
-            f"--max-batch {b}: requests/s at {sc['clients'][1]} clients {times(sc['throughput_x'])} the 1-client"
-            f" figure, p50 latency {times(sc['p50_latency_x'])}"
-            for b, sc in (res.get("scaling") or {}).items()
-        ]
-        if scaled:
-            out += ["", "; ".join(scaled) + f" ({res.get('config', 'baseline')} configuration, view cache off)."]
-        return out + provenance(run)
     out += table(cols, rows)
     return out + provenance(run)
 
@@ -1404,6 +1392,11 @@ def section_dist(run: dict | None) -> list[str]:
         + ".",
     ]
     return out + provenance(run)
+
+
+def ratio(a, b):
+    """a / b to three decimals; None where either is missing or b is 0."""
+    return round(a / b, 3) if a is not None and b else None
 
 
 def json_of(name: str) -> str:

@@ -277,16 +277,6 @@ def main(argv=None) -> int:
         "clients": results,
         "by_max_batch": by_batch,
     }
-    one, top = min(levels), max(levels)
-    for b, lv in by_batch.items():  # throughput at the most clients against one client, p50 latency likewise
-        lo, hi = lv[str(one)], lv[str(top)]
-        result.setdefault("scaling", {})[b] = {
-            "clients": [one, top],
-            "throughput_x": round(hi["throughput_rps"] / lo["throughput_rps"], 3) if lo["throughput_rps"] else None,
-            "p50_latency_x": round(hi["latency_ms"]["p50"] / lo["latency_ms"]["p50"], 3)
-            if lo["latency_ms"]["p50"]
-            else None,
-        }
     print(
         f"litevlm serve under load: {a.requests} streamed requests per level, queue {a.max_queue}, "
         f"{a.width}x{a.height} images, model {model_dir.name}, {result['host']}"
