@@ -439,6 +439,56 @@ def test_the_server_levels_are_one_row_each_with_their_first_token_times(tmp_pat
     assert "requests per level 200" in page
 
 
+def test_the_one_at_a_time_and_the_batching_server_and_the_batch_sizes_show_their_ratios(tmp_path, report):
+    def level(rps, p50):
+        return {"answered": 48, "five_xx": 0, "mismatches_vs_one_at_a_time": 0, "throughput_rps": rps}, p50
+
+    def levels(*figures):
+        out = {}
+        for n, (rps, p50) in zip(("8", "1", "4"), figures):  # keys out of client order
+            lv, lat = level(rps, p50)
+            out[n] = {**lv, "latency_ms": {"p50": lat, "p99": 2 * lat}, "ttft_ms": {"p50": lat / 2, "p99": lat}}
+        return out
+
+    by_batch = {
+        "1": levels((10.0, 800.0), (10.0, 50.0), (10.0, 200.0)),
+        "8": levels((25.0, 100.0), (10.0, 50.0), (20.0, 90.0)),
+    }
+    serve = {"requests_per_level": 48, "max_queue": 16, "config": "litevlm", "view_cache_mb": 0}
+    serve |= {"clients": by_batch["8"], "by_max_batch": by_batch}
+
+    def decode(rates, in_flight):
+        return {
+            b: {"tokens_per_s": r, "vs_batch_1": round(r / rates[0], 3), "mean_in_flight": in_flight,
+                "identical_to_batch_1": "24/24"}
+            for b, r in zip(("1", "2", "4", "8"), rates)
+        }  # fmt: skip
+
+    frame = {"one_at_a_time_ms_per_question": 40.0, "answer_all_ms_per_question": 20.0, "ratio": 0.5}
+    configs = {
+        "litevlm": {"decode": decode((100.0, 180.0, 300.0, 400.0), 6.5), "frame": {**frame, "equal_answers": "24/24"}}
+    }
+    batched = {"model": "drive-hd", "threads": 1, "configs": configs}
+    page = write(
+        tmp_path,
+        report,
+        {
+            **FIXTURES,
+            "serve_load": run_file("serve_load", serve, "python serve_load.py"),
+            "batch_decode_hd": run_file("batch_decode_hd", batched, "python batch_decode.py --threads 1"),
+        },
+    )
+    assert "--max-batch 1: 1 client(s) 10.0 requests/s, p50 50.0 ms" in page
+    assert "8 client(s) 10.0 requests/s, p50 800.0 ms (**1.0x** the requests/s, **16.0x** the p50)" in page
+    assert "8 client(s) 25.0 requests/s, p50 100.0 ms (**2.5x** the requests/s, **2.0x** the p50)" in page
+    assert "view cache off" in page and "the litevlm configuration" in page
+    assert "4 client(s)" not in page  # the fewest and the most clients on the page, every level in the JSON
+    assert "litevlm at 1 thread(s) 100.0, 180.0, 300.0, 400.0 tokens/s at B = 1, 2, 4, 8 (**4.0x** at the most" in page
+    assert "6.5 in flight on average" in page
+    assert "litevlm at 1 thread(s) 20.0 against 40.0 (**0.5x**, 24/24 equal)" in page
+    assert "Command: `python batch_decode.py --threads 1`" in page
+
+
 def test_the_scale_out_table_shows_one_and_two_replicas_side_by_side(tmp_path, report):
     def replicas(answered, rps, p50, p99, t50, t99):
         return {
