@@ -11,7 +11,7 @@ from PIL import Image
 from litevlm.cameras import CAMERAS
 from litevlm.cli import main
 from litevlm.errors import LiteVLMError
-from litevlm.explain import PIXELS, draw_explanation, explain, token_box, token_boxes
+from litevlm.explain import DIM, PIXELS, draw_explanation, explain, token_box, token_boxes
 from litevlm.model.prompt import Tiling
 from litevlm.pipeline import Answer, Pipeline
 
@@ -20,11 +20,59 @@ def _same_boxes(a, b) -> bool:
     return len(a) == len(b) and np.allclose(sorted(a), sorted(b))
 
 
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures `draw_explanation` closes, kept open for the test to read (its panels, patches and veils)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kept, close = [], plt.close
+    monkeypatch.setattr(plt, "close", kept.append)
+    yield kept
+    for fig in kept:
+        close(fig)
+
+
+def _panel(fig, cam: str):
+    """The axes of `cam`'s panel (its title starts with the camera's name)."""
+    (ax,) = [ax for ax in fig.axes if ax.get_title().startswith(f"{cam}:")]
+    return ax
+
+
+def _luminance(rgba) -> float:
+    r, g, b = rgba[:3]
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
 def _write_images(folder, cameras=CAMERAS, size=(160, 90)):
     rng = np.random.default_rng(0)
     for cam in cameras:
         Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(folder / f"{cam}.png")
     return folder
+
+
+def test_a_tokens_box_covers_the_patches_the_pixel_shuffle_folded_into_it():
+    """Derived from the vision tower, not from `token_box`: 56 px tiles of 14 px patches are 4 x 4 patches, which the
+    pixel shuffle folds 2 x 2 into 4 tokens a tile; each token's box is the union of its four patches, mapped from the
+    tiles (cut from the image resized to 112 x 56, left to right) back to a 448 x 112 image (4 px a resized px)."""
+    import torch
+
+    from litevlm.model.vision import pixel_shuffle
+
+    g, patch, size = 4, 14, 56
+    rows_cols = torch.tensor([[r, c] for r in range(g) for c in range(g)], dtype=torch.float32)  # (g*g, 2) row-major
+    folded = pixel_shuffle(rows_cols[None], g)[0].reshape(4, 4, 2)  # (token, patch of the token, (row, col))
+    tiling = Tiling(tiles=2)
+    for tile in range(2):
+        for cell in range(4):
+            r, c = folded[cell, :, 0], folded[cell, :, 1]
+            x0, x1 = tile * size + int(c.min()) * patch, tile * size + (int(c.max()) + 1) * patch  # resized pixels
+            y0, y1 = int(r.min()) * patch, (int(r.max()) + 1) * patch
+            assert (x1 - x0, y1 - y0) == (2 * patch, 2 * patch)  # four neighbouring patches: a 2 x 2 square
+            want = (4.0 * x0, 2.0 * y0, 4.0 * x1, 2.0 * y1)  # 448 / 112 across, 112 / 56 down
+            assert token_box(tile * 4 + cell, 448, 112, tiling, size, 4) == want, (tile, cell)
 
 
 def test_token_boxes_of_fixed_tiles():
@@ -48,9 +96,14 @@ def test_token_boxes_of_a_dynamic_grid_with_a_thumbnail():
     assert len(token_boxes(100, 100, None, tiling, 50, 4)) == 16
 
 
-def test_the_figure_draws_the_kept_tokens_shaded_by_score(tmp_path):
+def test_the_figure_draws_the_kept_tokens_shaded_by_score(tmp_path, figures):
     """A hand-made answer: two views encoded, one not, one camera missing; scores shade the kept tokens, the
-    thumbnail's are left out, and the PNG has the fixed size whatever the images' sizes."""
+    thumbnail's are left out, and the PNG has the fixed size whatever the images' sizes.
+
+    The boxes expected are worked out by hand: 100 x 100 images cut 2 x 2 into 50 px tiles (then the thumbnail, tile
+    4), 2 x 2 tokens a tile, so a token is a 25 px square. The shading is read from the figure itself: a kept token
+    is drawn in the colour map's colour of its score (brighter for a higher score), a pruned patch not at all, under
+    the veil."""
     tiling = Tiling(max_tiles=4, thumbnail=True)
     images = {c: Image.new("RGB", (100, 100), (90, 90, 90)) for c in CAMERAS if c != "CAM_BACK_LEFT"}
     images["CAM_BACK"] = np.zeros((100, 100, 3), dtype=np.uint8)  # any image source
@@ -69,9 +122,41 @@ def test_the_figure_draws_the_kept_tokens_shaded_by_score(tmp_path):
     )
     assert Image.open(ex.path).size == PIXELS
     assert set(ex.boxes) == {"CAM_FRONT", "CAM_BACK"}
-    for cam in ans.views:
-        assert _same_boxes(ex.boxes[cam], token_boxes(100, 100, kept[cam], tiling, 50, 4))
-    assert len(ex.boxes["CAM_FRONT"]) == 2 and len(ex.boxes["CAM_BACK"]) == 1  # 17 and 19: the thumbnail's
+    # CAM_FRONT: token 0 is tile 0's top-left cell; token 5 tile 1 (top right) cell 1 (its top right); 17 the
+    # thumbnail's. CAM_BACK: token 3 is tile 0's cell 3 (its bottom right); 19 the thumbnail's.
+    front = {0: (0.0, 0.0, 25.0, 25.0), 5: (75.0, 0.0, 100.0, 25.0)}
+    back = {3: (25.0, 25.0, 50.0, 50.0)}
+    assert _same_boxes(ex.boxes["CAM_FRONT"], list(front.values()))
+    assert _same_boxes(ex.boxes["CAM_BACK"], list(back.values()))
+
+    import matplotlib
+
+    (fig,) = figures
+    viridis = matplotlib.colormaps["viridis"]
+    lo, hi = -3.0, -0.1  # the scores' range over both views, the thumbnail's tokens' included
+    drawn = {}  # token -> its rectangle's edge colour
+    for cam, want in (("CAM_FRONT", front), ("CAM_BACK", back)):
+        ax = _panel(fig, cam)
+        (coll,) = ax.collections
+        edges = coll.get_edgecolor()
+        boxes = [tuple(np.r_[p.vertices.min(0), p.vertices.max(0)]) for p in coll.get_paths()]
+        assert len(edges) == len(boxes) == len(want)
+        for token, box in want.items():
+            (i,) = [i for i, b in enumerate(boxes) if np.allclose(b, box)]
+            score = ans.kept_scores[cam][kept[cam].index(token)]
+            assert np.allclose(edges[i][:3], viridis((score - lo) / (hi - lo))[:3], atol=1e-6), (cam, token)
+            drawn[(cam, token)] = edges[i]
+        # the veil: clear over the kept tokens' patches, dark over every pruned one (images shown at full size)
+        photo, veil = ax.get_images()
+        alpha = np.asarray(veil.get_array())[..., 3]
+        clear = np.zeros((100, 100), dtype=bool)
+        for x0, y0, x1, y1 in want.values():
+            clear[int(y0) : int(y1), int(x0) : int(x1)] = True
+        assert (alpha[clear] == 0.0).all() and np.allclose(alpha[~clear], DIM)
+    # a higher score is drawn brighter: token 0 (-1.0) over token 5 (-2.0) over CAM_BACK's token 3 (-3.0)
+    shades = [_luminance(drawn[k]) for k in (("CAM_FRONT", 0), ("CAM_FRONT", 5), ("CAM_BACK", 3))]
+    assert shades[0] > shades[1] > shades[2]
+    assert not _panel(fig, "CAM_FRONT_LEFT").collections  # a view not selected: nothing drawn on it
     with pytest.raises(LiteVLMError, match="makes 20"):  # an answer from other images or another tiling
         ans.tokens_per_view["CAM_FRONT"] = 16
         draw_explanation(images, ans, "q", tmp_path / "y.png", tiling=tiling, image_size=50, tokens_per_tile=4)
@@ -89,10 +174,14 @@ def test_the_figure_marks_a_pipelines_kept_tokens(full_model_dir, tmp_path):
     ans = pipe.frame(images).answer(q)
     assert ans.kept_tokens is not None and sum(map(len, ans.kept_tokens.values())) < sum(ans.tokens_per_view.values())
     ex = explain(pipe, images, ans, q, tmp_path / "x.png")
-    size, tpt = pipe.cfg.vision.image_size, pipe.cfg.tokens_per_tile
+    # the tiny model: one 56 px tile a view, 2 x 2 tokens, so over a 160 x 90 image token i is the 80 x 45 box at
+    # column i % 2, row i // 2
+    assert pipe.format.tiling == Tiling(tiles=1) and pipe.cfg.tokens_per_tile == 4
     assert set(ex.boxes) == set(ans.views)
     for cam in ans.views:
-        assert _same_boxes(ex.boxes[cam], token_boxes(160, 90, ans.kept_tokens[cam], pipe.format.tiling, size, tpt))
+        cells = [divmod(i, 2) for i in ans.kept_tokens[cam]]  # (row, column)
+        want = [(80.0 * c, 45.0 * r, 80.0 * (c + 1), 45.0 * (r + 1)) for r, c in cells]
+        assert _same_boxes(ex.boxes[cam], want)
     ans.kept_tokens = None  # no pruning: every token of the encoded views is kept
     ex = explain(pipe, images, ans, q, tmp_path / "all.png")
     assert all(len(ex.boxes[c]) == ans.tokens_per_view[c] for c in ans.views)
