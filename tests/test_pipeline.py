@@ -278,3 +278,77 @@ def test_select_tokens_true_keeps_the_r_the_selector_stores(full_model_dir, tmp_
     stored = Pipeline.from_pretrained(d, select_tokens=True, backend="modules")
     assert stored.keep_ratio == stored.selection.keep_ratio == 0.3
     assert Pipeline.from_pretrained(d, select_tokens=0.7, backend="modules").selection.keep_ratio == 0.7
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"select_tokens": 0.5},  # the TokenSelector on decoder layer 0's output: a hook inside the prefill
+        {"select_tokens": 0.5, "speculative": True},
+        {"fastv_k": 1, "fastv_r": 0.5},
+        {"prune": "dart", "keep": 0.5, "prune_layer": 1},
+        {"prune": "divprune", "keep": 0.5},  # before the decoder: a shorter prompt into the prefill
+    ],
+    ids=["selector", "selector-speculative", "fastv", "dart", "divprune"],
+)
+def test_kept_tokens_are_the_tokens_the_prefill_kept(full_model_dir, images, monkeypatch, options):
+    """`Answer.kept_tokens` against what the prefill really did, watched from outside: the prompt positions the
+    backend ran through the last decoder layer (the tokens whose K/V entered its cache), and, where the cut is
+    inside the decoder, the cache slots the layers before it were compacted to. Each prompt's visual tokens are
+    found by their image-token ids, one run of tokens_per_tile a view, in the answer's view order."""
+    from litevlm.model.kv_cache import KVCache
+
+    pipe = Pipeline.from_pretrained(full_model_dir, max_new_tokens=6, **options)
+    prompts, last, compacted, watching = [], [], [], [False]
+    embed_prompt, prompt, prefill, commit = pipe.embed_prompt, pipe.backend.prompt, pipe.prefill, KVCache.commit
+
+    def spy_embed_prompt(*args, **kw):
+        prompts.append(embed_prompt(*args, **kw))
+        return prompts[-1]
+
+    def spy_prompt(embeds, positions, start_layer=0, end_layer=None, tree_tail=None):
+        if watching[0] and end_layer is None:  # through the last layer, into its cache
+            last.append(positions[0].tolist())
+        return prompt(embeds, positions, start_layer, end_layer, tree_tail)
+
+    def spy_prefill(*args, **kw):
+        watching[0] = True
+        try:
+            return prefill(*args, **kw)
+        finally:
+            watching[0] = False
+
+    def spy_commit(cache, src_slots, dst_start):
+        if watching[0]:
+            compacted.append((src_slots.tolist(), dst_start))
+        return commit(cache, src_slots, dst_start)
+
+    monkeypatch.setattr(pipe, "embed_prompt", spy_embed_prompt)
+    monkeypatch.setattr(pipe.backend, "prompt", spy_prompt)
+    monkeypatch.setattr(pipe, "prefill", spy_prefill)
+    monkeypatch.setattr(KVCache, "commit", spy_commit)
+    for q in ("Is there a red car to the front of the ego car?", "What is the moving status of <c1,CAM_BACK,800,500>?"):
+        for seen in (prompts, last, compacted):
+            seen.clear()
+        ans = pipe.answer(q, images)
+        (full,) = prompts
+        t = full.ids.shape[1]
+        visual = (full.ids[0] == pipe.cfg.image_token_id).nonzero()[:, 0].tolist()
+        tpv = pipe.cfg.tokens_per_tile  # one tile a view
+        assert len(visual) == tpv * len(ans.views)
+        # prompt index -> (camera, index among its view's tokens)
+        view_of = {p: (ans.views[n // tpv], n % tpv) for n, p in enumerate(visual)}
+        (through,) = last
+        kept = sorted(p for p in through if p < t)  # an answer opening's nodes sit after the prompt
+        assert set(range(t)) - set(visual) <= set(kept)  # every text token is kept
+        assert len(kept) < t  # something was pruned
+        assert bool(compacted) == (options.get("prune") != "divprune")
+        if compacted:  # a cut inside the decoder: the layers before it hold the same tokens, in slots 0..n-1
+            assert {(tuple(src), dst) for src, dst in compacted} == {(tuple(kept), 0)}
+        by_view = {cam: [] for cam in ans.views}
+        for p in kept:
+            if p in view_of:
+                cam, i = view_of[p]
+                by_view[cam].append(i)
+        assert ans.kept_tokens == by_view, (q, ans.kept_tokens, by_view)
+        assert ans.num_visual_tokens == sum(map(len, by_view.values()))
