@@ -172,3 +172,67 @@ def test_the_server_batches_only_where_the_backend_can(lite, monkeypatch):
     assert lite.can_batch and batching() and not batching(max_batch=1)
     monkeypatch.setattr(lite, "backend", SimpleNamespace(name="cuda-twin"))
     assert not lite.can_batch and not batching()
+
+
+def test_answer_many_over_several_frames_gives_each_question_its_own_answer(lite, images, alone):
+    """Questions about two frames interleaved, three decoding at a time: each answer (by index) is the one its
+    frame gives alone, every index once, and the decoder's counters saw batching."""
+    other_images = render_views(make_frame(3, 2), size=(320, 180))
+    other = lite.frame(other_images)
+    other_alone = [other.answer(q) for q in QUESTIONS[:3]]
+    a, b = lite.frame(images), lite.frame(other_images)
+    work = [(q, f) for pair in zip(QUESTIONS, (*QUESTIONS[:3], None, None, None)) for q, f in zip(pair, (a, b)) if q]
+    want = []
+    for pair in zip(alone, (*other_alone, None, None, None)):
+        want += [x.tokens for x in pair if x is not None]
+    decoder = lite.batch_decoder(3)
+    got = dict(lite.answer_many(work, max_batch=3, decoder=decoder))
+    assert sorted(got) == list(range(len(work)))
+    assert [got[i].tokens for i in range(len(work))] == want
+    assert decoder.occupancy > 1.5 and decoder.decoded > 0 and decoder.seconds > 0
+
+
+def test_eval_with_a_batch_gives_the_records_batch_one_gives(tiny_drivelm):
+    from litevlm.eval.run import evaluate
+
+    pipe = Pipeline.from_pretrained("drive-tiny", max_new_tokens=12, speculative=True)
+    one = evaluate(pipe, tiny_drivelm, limit=10, progress=False, score=False)
+    many = evaluate(pipe, tiny_drivelm, limit=10, progress=False, score=False, batch=4)
+    assert [r["answer"] for r in many["records"]] == [r["answer"] for r in one["records"]]
+    assert [r["id"] for r in many["records"]] == [r["id"] for r in one["records"]]
+    assert many["closed_accuracy"] == one["closed_accuracy"]
+
+
+def test_eval_batch_is_refused_where_the_backend_cannot_batch(tiny_drivelm):
+    from litevlm.eval.run import evaluate
+
+    pipe = Pipeline.from_pretrained("drive-tiny", backend="cuda-twin")
+    with pytest.raises(LiteVLMError, match="batched decoding runs on the modules or native backend"):
+        evaluate(pipe, tiny_drivelm, limit=2, progress=False, score=False, batch=4)
+
+
+def test_bench_batch_mode_compares_batch_one_and_b_on_the_same_questions(capsys):
+    from litevlm.cli import main
+
+    code = main(["bench", "--model", "drive-tiny", "--batch", "3", "--n", "6", "--warmup", "1", "--no-score",
+                 "--max-new-tokens", "12", "--json"])  # fmt: skip
+    assert code == 0
+    import json
+
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["mode"] == "batch" and result["batch"] == 3 and result["questions"] == 6
+    assert [r["config"] for r in result["batch_rows"]] == ["baseline", "litevlm"]
+    for r in result["batch_rows"]:
+        assert r["identical_to_batch_1"] == "6/6"
+        assert r["batch_1"]["mean_in_flight"] == 1.0 and r["batch_3"]["mean_in_flight"] > 1.0
+        assert r["batch_1"]["decode_tokens"] == r["batch_3"]["decode_tokens"] > 0
+        ratio = r["batch_3"]["decode_tokens_per_s"] / r["batch_1"]["decode_tokens_per_s"]
+        assert r["decode_tokens_per_s_ratio"] == pytest.approx(ratio, rel=0.01)
+
+
+@pytest.mark.parametrize("flag", [["--questions-per-frame", "3"], ["--shape", "tiny-test"]])
+def test_bench_batch_refuses_what_it_does_not_measure(flag, capsys):
+    from litevlm.cli import main
+
+    assert main(["bench", "--model", "drive-tiny", "--batch", "2", "--no-score", *flag]) == 2
+    assert f"drop {flag[0]}" in capsys.readouterr().err

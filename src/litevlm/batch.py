@@ -115,6 +115,8 @@ class BatchDecoder:
         self.max_position = 0
         self.steps = 0  # steps run
         self.rows = 0  # sequences stepped, summed over the steps (occupancy = rows / steps)
+        self.seconds = 0.0  # wall time inside `step`
+        self.decoded = 0  # tokens the steps emitted (a prefill's first token and accepted openings are not counted)
 
     # -- sequences in and out ------------------------------------------------------------------
     @property
@@ -261,6 +263,7 @@ class BatchDecoder:
         seqs = list(self.seqs)
         if not seqs:
             return []
+        start = time.perf_counter()
         self.steps += 1
         self.rows += len(seqs)
         stacked = [s for s in seqs if s.stacked]
@@ -282,7 +285,14 @@ class BatchDecoder:
                     self.cancel(s)
             elif s.ends():
                 self._finish(s)
+        self.seconds += time.perf_counter() - start
+        self.decoded += sum(len(s.new) for s in seqs)
         return seqs
+
+    @property
+    def occupancy(self) -> float:
+        """Sequences in flight per step, on average over the steps run."""
+        return self.rows / max(1, self.steps)
 
     def run(self) -> None:
         """Step until every sequence has finished."""

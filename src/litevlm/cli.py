@@ -55,6 +55,17 @@ def _ranks(args: argparse.Namespace):
     close(d)
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1; got {text!r}")
+    return value
+
+
 def _json_flag(p: argparse.ArgumentParser, help: str | None = None) -> None:
     p.add_argument("--json", action="store_true", help=help or "end the output with one JSON line")
 
@@ -593,6 +604,13 @@ def eval_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="keep each answer in DIR as it is made; a rerun with the same options answers only what is left",
     )
+    p.add_argument(
+        "--batch",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="decode up to N answers together (the same answers, greedy; modules and native backends)",
+    )
     _json_flag(p)
     add_scoring_options(p)
     add_pipeline_options(p)
@@ -637,6 +655,7 @@ def run_eval(args) -> None:
             store=store,
             samples=samples,
             score=not args.no_score,
+            batch=args.batch,
             **scoring,
         )
     if result is None:  # not rank 0: rank 0 reports for every rank
@@ -811,7 +830,48 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
         help="append each measured answer, then each row, to PATH as one JSON line when it is known "
         "(a run cut short keeps its figures)",
     )
+    p.add_argument(
+        "--batch",
+        type=_positive_int,
+        default=1,
+        metavar="B",
+        help="batch mode: each row (default: baseline and litevlm) answers the questions one at a time and with up "
+        "to B decoding together, side by side: decode tokens/s, questions/s and e2e of both (Table 1 is batch 1)",
+    )
     _json_flag(p)
+
+
+def _run_batch_bench(args, load: dict) -> None:
+    from litevlm.eval.bench import format_batch, run_batch_bench
+    from litevlm.presets import configs_named
+
+    for flag, given in (
+        ("--shape", args.shape),
+        ("--questions-per-frame", args.questions_per_frame > 1),
+        ("--plot", args.plot),
+        ("--cuda-graphs", args.cuda_graphs),
+        ("--compile-steps", args.compile_steps),
+    ):
+        if given:
+            raise LiteVLMError(f"--batch measures a real model's batched decoding on the CPU backends: drop {flag}")
+    result = run_batch_bench(
+        args.model,
+        data=args.data,
+        images_root=args.images,
+        load=load,
+        n=args.n,
+        configs=configs_named(args.configs) if args.configs else None,
+        batch=args.batch,
+        max_new_tokens=args.max_new_tokens,
+        warmup=args.warmup,
+        progress=not args.json,
+        backend=args.backend,
+        jsonl=args.jsonl,
+        scored=not args.no_score,
+    )
+    print(format_batch(result))
+    if args.json:
+        _print_json(result)
 
 
 def run_bench_command(args) -> None:
@@ -826,6 +886,8 @@ def run_bench_command(args) -> None:
     load = format_options(args)
     if args.device != "cpu" or args.dtype != "float32":
         load.update(device=args.device, dtype=args.dtype)
+    if args.batch > 1:
+        return _run_batch_bench(args, load)
     result, per_question = run_bench(
         args.model,
         data=args.data,

@@ -666,30 +666,46 @@ class Pipeline:
         once), then decoded together, up to `max_batch` at a time, a question joining as one leaves. Each answer
         is the one `frame.answer(question)` gives (greedy); its e2e runs from the batch's start to its own last
         token. Every question is checked (its text, the cameras it needs) before any is answered."""
-        for q in questions:
+        answers: list[Answer | None] = [None] * len(questions)
+        for i, ans in self.answer_many([(q, frame) for q in questions], max_batch, e2e_from_start=True):
+            answers[i] = ans
+        return answers
+
+    def answer_many(
+        self,
+        work: list[tuple[str, Frame]],
+        max_batch: int = 8,
+        e2e_from_start: bool = False,
+        decoder: BatchDecoder | None = None,
+    ) -> Iterator[tuple[int, Answer]]:
+        """(question, frame) pairs answered with up to `max_batch` decoding together, in order of admission, a pair
+        joining as one leaves -> (index into `work`, Answer) as each answer finishes. Every question and the cameras
+        it needs are checked before any is answered. A question's e2e runs from its own admission (its prefill's
+        start) to its last token, or with `e2e_from_start` from the first admission. decoder: one made by
+        `batch_decoder` to run on (its counters then tell the run's decode time and occupancy)."""
+        for q, frame in work:
             self.check_question(q)
             frame.check_views(self.select_views(q))
-        decoder = self.batch_decoder(max_batch)
-        answers: list[Answer | None] = [None] * len(questions)
-        waiting = list(enumerate(questions))
+        decoder = decoder or self.batch_decoder(max_batch)
+        waiting = list(enumerate(work))
         t0 = time.perf_counter()
         try:
             while waiting or decoder.live:
                 while waiting and not decoder.full:
-                    i, q = waiting.pop(0)
+                    i, (q, frame) = waiting.pop(0)
                     st = self.start_answer(q, frame)
-                    st.t0 = t0
+                    if e2e_from_start:
+                        st.t0 = t0
                     seq = decoder.admit(st.prefilled, self.sampling, st.timer, tag=(i, st))
                     if seq.finished:
-                        answers[i] = self.finish_answer(st, seq.generation)
+                        yield i, self.finish_answer(st, seq.generation)
                 for seq in decoder.step():
                     if seq.finished:
                         i, st = seq.tag
-                        answers[i] = self.finish_answer(st, seq.generation)
+                        yield i, self.finish_answer(st, seq.generation)
         finally:
             for seq in list(decoder.seqs):
                 decoder.cancel(seq)
-        return answers
 
     def _opening(self, question: str):
         """The answer openings to verify with this question's prompt (`litevlm.spec.openings`): speculative greedy

@@ -676,6 +676,128 @@ def run_bench(
     }, per_question
 
 
+def run_batch_bench(
+    model: str = "drive-tiny",
+    data=None,
+    n: int = 60,
+    configs=None,
+    batch: int = 8,
+    max_new_tokens: int = 160,
+    warmup: int = 3,
+    seed: int = 1,
+    progress: bool = True,
+    images_root=None,
+    backend: str = "auto",
+    load: dict | None = None,
+    jsonl=None,
+    scored: bool = True,
+) -> dict:
+    """Batch mode (`litevlm bench --batch B`): each row answers the same `n` questions twice, one at a time and with
+    up to `batch` decoding together (`Pipeline.answer_many`: each question prefilled alone as it is admitted, a
+    question joining as one leaves), side by side in a shuffled order. Every question reads and encodes its own
+    views (a fresh frame each, as Table 1's strangers). Per row and batch size: questions/s over the whole run
+    (prefills included), decode tokens/s (the tokens the decode steps made / the time spent in them), the mean
+    sequences in flight per step, the mean and p50 e2e per question, and how many answers equal batch 1's.
+    Default rows: the baseline and LiteVLM (Table 1 itself stays at batch 1, the paper's measure)."""
+    from litevlm.eval.metrics import closed_accuracy, score
+
+    if batch < 2:
+        raise LiteVLMError(f"--batch compares batch 1 with a larger batch: give 2 or more; got {batch}")
+    if configs is None:
+        configs = {k: v for k, v in default_configs(None, load).items() if k in ("baseline", "litevlm")}
+    samples = _samples(data, n + warmup, seed, images_root)
+    pipes = _pipelines(model, configs, max_new_tokens, None, backend, load)
+    for name, pipe in pipes.items():
+        if not pipe.can_batch:
+            from litevlm.batch import batch_refusal
+
+            raise LiteVLMError(f"--batch: the {name} row cannot batch: {batch_refusal(pipe.backend)}")
+    lines = JsonLines(jsonl)
+    sizes = (1, batch)
+    for name, pipe in pipes.items():  # warm-up: every row at both sizes, not counted
+        for b in sizes:
+            list(pipe.answer_many([(s.question, pipe.frame(s.images)) for s in samples[:warmup]], max_batch=b))
+    measured = samples[warmup:]
+    runs: dict = {}
+    order = [(name, b) for name in pipes for b in sizes]
+    random.Random(seed).shuffle(order)
+    for name, b in tqdm(order, desc="bench batch", disable=not progress):
+        pipe = pipes[name]
+        decoder = pipe.batch_decoder(b)
+        work = [(s.question, pipe.frame(s.images)) for s in measured]  # fresh frames: every view encoded anew
+        answers: list = [None] * len(work)
+        t0 = time.perf_counter()
+        for i, ans in pipe.answer_many(work, max_batch=b, decoder=decoder):
+            answers[i] = ans
+        wall = time.perf_counter() - t0
+        e2e = [a.timings_ms["e2e"] for a in answers]
+        run = {
+            "questions_per_s": round(len(work) / wall, 3),
+            "decode_tokens": decoder.decoded,
+            "decode_s": round(decoder.seconds, 4),
+            "decode_tokens_per_s": round(decoder.decoded / decoder.seconds, 1) if decoder.seconds else None,
+            "mean_in_flight": round(decoder.occupancy, 2),
+            "e2e_ms": round(statistics.fmean(e2e), 2),
+            "p50_e2e_ms": round(percentile(e2e, 50), 2),
+            "wall_s": round(wall, 3),
+        }
+        records = [_record(s, a.text, len(a.views)) for s, a in zip(measured, answers)]
+        run["closed_accuracy"] = closed_accuracy(records)
+        if scored:
+            run["score"] = round(score(records)["final"] or 0.0, 4)
+        runs[(name, b)] = (run, [a.tokens for a in answers])
+        lines.write("batch_run", config=name, batch=b, **run)
+    rows = []
+    for name in pipes:
+        one, one_tokens = runs[(name, 1)]
+        many, many_tokens = runs[(name, batch)]
+        same = sum(x == y for x, y in zip(one_tokens, many_tokens))
+        rows.append(
+            {
+                "config": name,
+                "batch_1": one,
+                f"batch_{batch}": many,
+                "decode_tokens_per_s_ratio": round(many["decode_tokens_per_s"] / one["decode_tokens_per_s"], 3)
+                if one["decode_tokens_per_s"] and many["decode_tokens_per_s"]
+                else None,
+                "questions_per_s_ratio": round(many["questions_per_s"] / one["questions_per_s"], 3),
+                "identical_to_batch_1": f"{same}/{len(one_tokens)}",
+            }
+        )
+        lines.write("row", **rows[-1])
+    return {
+        "model": model,
+        "mode": "batch",
+        "batch": batch,
+        "device": next(iter(pipes.values())).model.device.type,
+        "threads": torch.get_num_threads(),
+        "cpu_steps": cpu_steps.backend(),
+        "questions": len(measured),
+        "backends": {name: p.backend.name for name, p in pipes.items()},
+        "batch_rows": rows,
+        "rows": [],
+    }
+
+
+def format_batch(result: dict) -> str:
+    """Batch mode's table: each row one at a time and batched, side by side, with the two ratios."""
+    b = result["batch"]
+    head = (
+        f"| config | decode tok/s B=1 | decode tok/s B={b} | ratio | in flight B={b} | questions/s B=1 | "
+        f"questions/s B={b} | ratio | p50 e2e ms B=1 | p50 e2e ms B={b} | same answers |"
+    )
+    lines = [head, "|" + "---|" * 11]
+    for r in result["batch_rows"]:
+        one, many = r["batch_1"], r[f"batch_{b}"]
+        lines.append(
+            f"| {r['config']} | {one['decode_tokens_per_s']} | {many['decode_tokens_per_s']} | "
+            f"{r['decode_tokens_per_s_ratio']}x | {many['mean_in_flight']} | {one['questions_per_s']} | "
+            f"{many['questions_per_s']} | {r['questions_per_s_ratio']}x | {one['p50_e2e_ms']} | "
+            f"{many['p50_e2e_ms']} | {r['identical_to_batch_1']} |"
+        )
+    return "\n".join(lines)
+
+
 FAMILIES = ("perception", "prediction", "planning", "behavior")  # DriveLM's order of a frame's questions
 
 

@@ -11,13 +11,29 @@ the records back in the file's order and scores them, so the scores equal a sing
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
 
+from litevlm.batch import batch_refusal
 from litevlm.dist import Dist, ShardStore, gather, shard
+from litevlm.errors import LiteVLMError
 from litevlm.eval.metrics import closed_accuracy
 from litevlm.eval.score import drivelm_score, has_answers, record
+
+
+def _frame_chunks(indices: list[int], samples, size: int) -> Iterator[list[int]]:
+    """`indices` cut into runs of whole frames (the questions of one frame id in a row), each run holding at least
+    `size` questions where the frames allow (the last may hold fewer)."""
+    chunk: list[int] = []
+    for i in indices:
+        if len(chunk) >= size and samples[i].frame_id != samples[chunk[-1]].frame_id:
+            yield chunk
+            chunk = []
+        chunk.append(i)
+    if chunk:
+        yield chunk
 
 
 def evaluate(
@@ -34,6 +50,7 @@ def evaluate(
     store: ShardStore | None = None,
     samples: list | None = None,
     score: bool = True,
+    batch: int = 1,
 ) -> dict | None:
     """Answer every question of `data` with `pipe`; return the DriveLM scores, per-question records included.
 
@@ -47,6 +64,8 @@ def evaluate(
     samples: `data`'s questions when already loaded (`litevlm.data.source.load_data`, every image checked).
     score=False: answers, timings and the closed questions' accuracy, without the DriveLM score (no pycocoevalcap
     needed); `scored` is False.
+    batch: B > 1 decodes up to B answers together (`Pipeline.answer_many`), a few frames' questions at a time; the
+    answers are the ones batch 1 gives (greedy).
     """
     from litevlm.data.source import load_data
 
@@ -61,16 +80,13 @@ def evaluate(
         empty = render_empty_road()
     d = d or Dist()
     done = store.done() if store is not None else {}
-    mine = []
-    frame, frame_of = None, None  # DriveLM's questions come frame by frame: each view read and encoded once a frame
-    for i in tqdm(shard(list(range(len(samples))), d), desc="evaluating", disable=not (progress and d.is_main)):
-        if str(i) in done:
-            mine.append(done[str(i)])
-            continue
+    if batch > 1 and not pipe.can_batch:
+        raise LiteVLMError(f"--batch {batch}: {batch_refusal(pipe.backend)}")
+    mine: dict[int, dict] = {}
+    mine_order = shard(list(range(len(samples))), d)
+
+    def keep(i: int, ans) -> None:
         s = samples[i]
-        if frame is None or frame_of != s.frame_id:
-            frame, frame_of = pipe.frame(empty if blank else s.images), s.frame_id
-        ans = frame.answer(s.question)
         rec = {
             **record(s, ans.text),
             "category": s.category,
@@ -82,7 +98,34 @@ def evaluate(
         }
         if store is not None:
             store.put(str(i), rec)
-        mine.append(rec)
+        mine[i] = rec
+
+    todo = []
+    for i in mine_order:
+        if str(i) in done:
+            mine[i] = done[str(i)]
+        else:
+            todo.append(i)
+    bar = tqdm(total=len(todo), desc="evaluating", disable=not (progress and d.is_main))
+    # DriveLM's questions come frame by frame: each view read and encoded once a frame
+    for chunk in _frame_chunks(todo, samples, 4 * batch if batch > 1 else 1):
+        frames: dict = {}
+        work = []
+        for i in chunk:
+            s = samples[i]
+            if s.frame_id not in frames:
+                frames[s.frame_id] = pipe.frame(empty if blank else s.images)
+            work.append((s.question, frames[s.frame_id]))
+        if batch > 1:
+            for j, ans in pipe.answer_many(work, max_batch=batch):
+                keep(chunk[j], ans)
+                bar.update()
+        else:
+            for i, (q, frame) in zip(chunk, work):
+                keep(i, frame.answer(q))
+                bar.update()
+    bar.close()
+    mine = [mine[i] for i in mine_order]
     if store is not None:
         store.flush()
     records = gather(mine, d)
