@@ -940,7 +940,13 @@ def run_serve(args) -> None:
 
 
 def convert_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--to", choices=["hf", "litevlm"], required=True)
+    p.add_argument("--to", choices=["hf", "litevlm", "gguf"], required=True)
+    p.add_argument(
+        "--outtype",
+        choices=["f32", "f16", "q8_0"],
+        default="f16",
+        help="gguf: the weights' type (norms, biases, position embeddings stay f32, as llama.cpp's converter has them)",
+    )
     p.add_argument("src")
     p.add_argument("dst")
 
@@ -948,6 +954,12 @@ def convert_arguments(p: argparse.ArgumentParser) -> None:
 def run_convert(args) -> None:
     from litevlm.model.hf import hf_to_litevlm, litevlm_to_hf
 
+    if args.to == "gguf":  # llama.cpp: the text model and the mmproj (vision tower + projector) side by side in dst
+        from litevlm.model.gguf import write_gguf
+
+        files = write_gguf(args.src, args.dst, args.outtype)
+        print(f"wrote {files.text} and {files.mmproj}")
+        return
     (litevlm_to_hf if args.to == "hf" else hf_to_litevlm)(args.src, args.dst)
     print(f"wrote {args.dst}")
 
