@@ -12,11 +12,75 @@ from litevlm.model.layers import bf16_matmul_supported
 from litevlm.presets import BF16_CONFIGS, CONFIGS, HF_ROWS
 from litevlm.quant.fp8 import fp8_kernel_available
 
+STAGE_NAMES = ("select_views", "vit", "select_tokens", "prefill", "decode")  # written out: not the bench's own list
 
-def test_bench_rows_are_consistent(full_model_dir, tmp_path):
+
+def watch_answers(monkeypatch) -> dict[str, list]:
+    """Every answer the bench's pipelines give, each with the wall ms of our own clock around it (inside the bench's
+    own): row name -> [(ms, Answer)], in the order answered, warm-up included. Both ways of asking (the pipeline, a
+    frame) go through the pipeline's `stream_frame`, watched here."""
+    import time
+
+    import litevlm.eval.bench as bench
+
+    seen: dict[str, list] = {}
+    make = bench._pipelines
+
+    def pipelines(*args, **kw):
+        pipes = make(*args, **kw)
+        for name, pipe in pipes.items():
+
+            def timed(question, frame, stream_frame=pipe.stream_frame, log=seen.setdefault(name, [])):
+                t0 = time.perf_counter()
+                for item in stream_frame(question, frame):
+                    yield item
+                log.append(((time.perf_counter() - t0) * 1e3, item))
+
+            monkeypatch.setattr(pipe, "stream_frame", timed)
+        return pipes
+
+    monkeypatch.setattr(bench, "_pipelines", pipelines)
+    return seen
+
+
+def check_row_clock(rows: list[dict], counted: list, eps: float = 2e-3) -> None:
+    """Rows (one, or a frame-mode pair) against the answers they hold, watched from outside (`watch_answers`): the
+    stage and preprocessing means are the answers' own, the rows' e2e holds our clock around each answer (the bench's
+    encloses it), and the stages with the preprocessing fit in e2e."""
+    n = len(counted) // len(rows)  # answers a row: its figures are means over them
+    assert n > 0 and n * len(rows) == len(counted)
+
+    def summed(key: str) -> float:
+        return sum(r[key] for r in rows) * n
+
+    def answers_sum(key: str) -> float:
+        return sum(a.timings_ms.get(key, 0.0) for _, a in counted)
+
+    for key in (*STAGE_NAMES, "preprocess"):
+        assert summed(f"{key}_ms") == pytest.approx(answers_sum(key), abs=eps * n), key
+    assert summed("e2e_ms") >= sum(ms for ms, _ in counted) - eps * n
+    for ms, a in counted:
+        assert a.timings_ms["total"] + a.timings_ms.get("preprocess", 0.0) <= a.timings_ms["e2e"] + 1e-3 <= ms + 2e-3
+    for r in rows:
+        assert sum(r[f"{s}_ms"] for s in STAGE_NAMES) + r["preprocess_ms"] <= r["e2e_ms"] + eps
+        assert r["e2e_ms"] == pytest.approx(r["total_ms"] + r["preprocess_ms"], abs=eps)
+
+
+def test_bench_rows_are_consistent(full_model_dir, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
+    import time
+
+    seen = watch_answers(monkeypatch)
+    t0 = time.perf_counter()
     result, per_question = run_bench(str(full_model_dir), n=4, warmup=1, max_new_tokens=6, progress=False)
+    wall = (time.perf_counter() - t0) * 1e3  # the caller's own clock around the whole run
     rows = {r["config"]: r for r in result["rows"]}
+    # our pipelines' rows against the answers they hold (the first, the warm-up's, not counted), and every answer
+    # the rows count within the caller's wall
+    assert set(seen) == set(CONFIGS) | (set(BF16_CONFIGS) if bf16_matmul_supported() else set())
+    for name, answered in seen.items():
+        check_row_clock([rows[name]], answered[1:])
+    assert sum(rows[name]["e2e_ms"] * 4 for name in seen) <= wall
     assert list(rows) == [*CONFIGS, *(BF16_CONFIGS if bf16_matmul_supported() else ()), *HF_ROWS]
     for r in rows.values():
         assert r["total_ms"] > 0 and r["vit_ms"] > 0 and r["prefill_ms"] > 0
@@ -325,11 +389,12 @@ def test_bench_refuses_transformers_rows_on_fp8_weights_and_format_options_with_
         run_bench(str(full_model_dir), n=1, shape="2b", load={"max_tiles": 4}, progress=False)
 
 
-def test_frame_mode_answers_each_frame_as_strangers_and_through_one_frame_side_by_side(full_model_dir):
+def test_frame_mode_answers_each_frame_as_strangers_and_through_one_frame_side_by_side(full_model_dir, monkeypatch):
     """--questions-per-frame K: every row twice on the same questions; the frame's answers equal the strangers', its
     views are read once a frame (the rest reused), and its e2e per question is what the row reports."""
     from litevlm.eval.bench import format_frames
 
+    seen = watch_answers(monkeypatch)
     configs = {"baseline": CONFIGS["baseline"], "litevlm": CONFIGS["litevlm"]}
     result, _ = run_bench(
         str(full_model_dir),
@@ -352,7 +417,8 @@ def test_frame_mode_answers_each_frame_as_strangers_and_through_one_frame_side_b
         assert frame["views_encoded_per_question"] + frame["views_reused_per_question"] == pytest.approx(frame["views"])
         assert frame["views_encoded_per_question"] < alone["views_encoded_per_question"]
         assert frame["e2e_vs_strangers"] == round(frame["e2e_ms"] / alone["e2e_ms"], 3)
-        assert frame["e2e_ms"] == pytest.approx(frame["total_ms"] + frame["preprocess_ms"], abs=2e-3)
+        # both modes' answers of the measured frame (the warm-up frame's first 2 x 2 not counted), watched from outside
+        check_row_clock([alone, frame], seen[config][4:])
     assert "| litevlm | frame | 2 |" in format_frames(result)
     json.dumps(result)
 
