@@ -46,6 +46,20 @@ def tree_mask(start: int = 30, device="cpu") -> torch.Tensor:
 MASKS = {"a decode over a padded bucket": decode_mask, "a tree": tree_mask}
 
 
+def watch_kernel_kv(monkeypatch) -> list:
+    """What each SDPA call `fused_attention` makes is handed as K and V: [((K heads, V heads), (K ptr, V ptr))]. A
+    K/V the kernel reads where it lies keeps the caller's heads and memory; any copy of repeated heads has neither."""
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, *args, **kw):
+        seen.append(((k.shape[1], v.shape[1]), (k.data_ptr(), v.data_ptr())))
+        return real(q, k, v, *args, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
+    return seen
+
+
 @pytest.mark.parametrize("case", list(MASKS))
 def test_the_fused_form_equals_the_boolean_mask_with_grouped_heads(case):
     mask = MASKS[case]()
@@ -78,21 +92,21 @@ def test_few_query_rows_fold_their_grouped_heads_and_read_the_kv_uncopied(monkey
     expanded = F.scaled_dot_product_attention(
         q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=bias
     )
-    copies = []
-    real = torch.Tensor.repeat_interleave
-    monkeypatch.setattr(
-        torch.Tensor, "repeat_interleave", lambda t, *a, **kw: copies.append(t.shape) or real(t, *a, **kw)
-    )
+    kernel_kv = watch_kernel_kv(monkeypatch)
     assert_reordered_fp32(fused_attention(q, k, v, bias), expanded, n=WIDTH)
-    assert copies == []
+    # whatever form a copy would take (repeat_interleave, expand + reshape or contiguous, repeat, a cat of heads),
+    # the kernel would get new memory of HEADS heads: it gets the caller's own K/V, KV_HEADS heads
+    assert kernel_kv == [((KV_HEADS, KV_HEADS), (k.data_ptr(), v.data_ptr()))]
     rows = 4 * HEADS * HEAD_DIM  # past the fold's break-even, 2 H D / G rows
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1, HEADS, rows, HEAD_DIM, generator=g)
     k, v = (torch.randn(1, KV_HEADS, rows, HEAD_DIM, generator=g) for _ in range(2))
     causal = additive_bias(torch.ones(rows, rows, dtype=torch.bool).tril()[None, None], q.dtype)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    kernel_kv.clear()
     assert_reordered_fp32(fused_attention(q, k, v, causal), want, n=rows)
-    assert len(copies) == 2  # K and V expanded
+    ((heads, ptrs),) = kernel_kv
+    assert heads == (HEADS, HEADS) and k.data_ptr() not in ptrs  # K and V expanded
 
 
 def test_no_fused_kernel_list_holds_the_math_path():
