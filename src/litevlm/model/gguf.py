@@ -318,12 +318,17 @@ def write_gguf(name_or_path, out_dir, outtype: str = "f16") -> GGUFFiles:
     """A bundled model ("drive-hd") or checkpoint folder -> `NAME-OUTTYPE.gguf` (text model) and
     `mmproj-NAME-OUTTYPE.gguf` (vision tower and projector) in `out_dir`."""
     from litevlm.models import load_model
-    from litevlm.quant.fp8 import FP8Linear
 
     if outtype not in OUTTYPES:
         raise LiteVLMError(f"--outtype {outtype!r}: use one of {', '.join(OUTTYPES)}")
     _gguf()
-    loaded = load_model(name_or_path, dtype=torch.float32)
+    return write_loaded(load_model(name_or_path, dtype=torch.float32), out_dir, outtype)
+
+
+def write_loaded(loaded, out_dir, outtype: str = "f16") -> GGUFFiles:
+    """`write_gguf` of a model already loaded (`litevlm.models.load_model`, fp32)."""
+    from litevlm.quant.fp8 import FP8Linear
+
     if any(isinstance(m, FP8Linear) for m in loaded.model.modules()):
         raise LiteVLMError(
             f"{loaded.path} is an FP8 checkpoint: GGUF has no FP8 type; convert the checkpoint it was quantised from"
