@@ -947,7 +947,7 @@ def convert_arguments(p: argparse.ArgumentParser) -> None:
         default="f16",
         help="gguf: the weights' type (norms, biases, position embeddings stay f32, as llama.cpp's converter has them)",
     )
-    p.add_argument("src")
+    p.add_argument("src", help="a checkpoint directory or a bundled model's name (drive-tiny, drive-hd)")
     p.add_argument("dst")
 
 
@@ -960,7 +960,16 @@ def run_convert(args) -> None:
         files = write_gguf(args.src, args.dst, args.outtype)
         print(f"wrote {files.text} and {files.mmproj}")
         return
-    (litevlm_to_hf if args.to == "hf" else hf_to_litevlm)(args.src, args.dst)
+    import warnings
+
+    from litevlm.models import resolve_model_dir
+
+    src = resolve_model_dir(args.src)  # a bundled model's name, as every command takes one
+    with warnings.catch_warnings(record=True) as notes:  # what the conversion could not carry over, said once
+        warnings.simplefilter("always")
+        (litevlm_to_hf if args.to == "hf" else hf_to_litevlm)(src, args.dst)
+    for note in notes:
+        print(f"note: {note.message}", file=sys.stderr)
     print(f"wrote {args.dst}")
 
 

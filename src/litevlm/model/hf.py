@@ -11,6 +11,14 @@ is strict: every missing, unexpected or mis-shaped tensor is named in one `LiteV
 
 Dynamic RoPE (``rope_type="dynamic"``, as in real InternVL3 text configs) is accepted and run as plain
 RoPE: transformers rescales only beyond ``max_position_embeddings``, so the two are identical below it.
+
+An export holds what transformers' own `save_pretrained` writes for an InternVL model and its processor: the
+weights under the legacy names (transformers 5 saves those, and reads both families), config.json,
+generation_config.json, and the processor: processor_config.json (InternVL's image processor cutting tiles of the
+vision tower's size the way the model was trained, ImageNet normalisation, `image_seq_length` visual tokens a
+tile), chat_template.jinja (the prompt litevlm writes: per view its camera label and the image, then the question)
+and the image tokens' names in tokenizer_config.json, so `AutoProcessor` and `apply_chat_template` build the same
+prompt ids and pixels as litevlm.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from safetensors.torch import save_file
 
 from litevlm.config import PRESETS, TextConfig, VisionConfig, VLMConfig
 from litevlm.errors import LiteVLMError
-from litevlm.model.vlm import VLM
+from litevlm.model.prompt import IMAGE_MARK, PROMPT_FILE, PromptFormat, Tiling, read_format
+from litevlm.model.vlm import IMAGENET_MEAN, IMAGENET_STD, VLM
 
 SUPPORTED_ACTS = ("gelu", "quick_gelu", "gelu_pytorch_tanh")
 SPECIAL_TOKEN_FIELDS = ("img_start_id", "img_end_id", "eos_token_id", "pad_token_id")
@@ -406,6 +415,128 @@ def config_to_hf(cfg: VLMConfig) -> dict:
         "tie_word_embeddings": t.tie_embeddings,
         "litevlm": {f: getattr(cfg, f) for f in (*SPECIAL_TOKEN_FIELDS, "tiles_per_view", "name")},
     }
+
+
+# ================================================================================================
+# Processor: tiling, normalisation and the chat template, as transformers' InternVLProcessor reads them
+# ================================================================================================
+PROCESSOR_CLASS = "InternVLProcessor"
+VIDEO_TOKEN = "<video>"  # InternVLProcessor needs the name; tokenizers without it get it added when they load
+# The names InternVLProcessor reads from the tokenizer (tokenizer_config.json's extra_special_tokens).
+IMAGE_TOKEN_NAMES = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": IMAGE_MARK,
+    "video_token": VIDEO_TOKEN,
+}
+# transformers' InternVL chat template with ChatML turns: an image item is written as <IMG_CONTEXT> and a line
+# break, a text item as its text, a string content as it is (litevlm's own prompts), no default system turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def chat_template_for(fmt: PromptFormat) -> str:
+    """The chat template that renders `fmt`'s prompts: the checkpoint's own (else `CHAT_TEMPLATE`), with `fmt`'s
+    system message as the system turn of a conversation that brings none."""
+    template = fmt.chat_template if fmt.chat_template is not None else CHAT_TEMPLATE
+    if fmt.system is None:
+        return template
+    # repr() is a valid Jinja string literal (Jinja reads Python's escapes)
+    system = "{'role': 'system', 'content': " + repr(fmt.system) + "}"
+    default = "{% if messages[0]['role'] != 'system' %}{% set messages = [" + system + "] + messages %}{% endif %}"
+    return default + template
+
+
+def image_processor_config(cfg: VLMConfig, tiling: Tiling) -> dict:
+    """InternVL's image processor (transformers' GotOcr2ImageProcessor) set to cut a view as `tiling` does: tiles of
+    the vision tower's size, PIL's bicubic resize, scaled to [0, 1] and normalised by ImageNet's mean and std."""
+    size = cfg.vision.image_size
+    if tiling.max_tiles:  # InternVL's dynamic tiling: the closest grid of 1 .. max tiles
+        crop, low, high = True, 1, tiling.max_tiles
+    else:  # a fixed count: the grid of exactly that many tiles (one tile: a plain resize)
+        crop, low, high = tiling.tiles > 1, tiling.tiles, tiling.tiles
+    return {
+        "crop_to_patches": crop,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": list(IMAGENET_MEAN),
+        "image_processor_type": "GotOcr2ImageProcessor",
+        "image_std": list(IMAGENET_STD),
+        "max_patches": high,
+        "min_patches": low,
+        "resample": 3,  # PIL's bicubic
+        "rescale_factor": 1 / 255,
+        "size": {"height": size, "width": size},
+    }
+
+
+def processor_tiling_note(tiling: Tiling) -> str | None:
+    """Where transformers' image processor cannot cut a view as `tiling` does, why (None where it can).
+
+    GotOcr2's processor adds a thumbnail tile to every image it cuts into more than one tile, and for a fixed count
+    it picks the grid of that many tiles closest to the image's aspect ratio, where litevlm cuts them side by side."""
+    if not tiling.max_tiles and tiling.tiles == 1:
+        return None
+    problems = []
+    if not tiling.thumbnail:
+        problems.append("transformers' image processor adds a thumbnail tile to every view it cuts into more tiles")
+    if not tiling.max_tiles and tiling.tiles > 2:
+        problems.append(
+            f"it picks the grid of {tiling.tiles} tiles closest to the image's shape where litevlm cuts "
+            f"{tiling.tiles} side by side"
+        )
+    if not problems:
+        return None
+    kind = f"dynamic tiling up to {tiling.max_tiles}" if tiling.max_tiles else f"{tiling.tiles} tiles a view"
+    return (
+        f"the model was trained on {kind}{', with' if tiling.thumbnail else ', without'} a thumbnail, and "
+        + " and ".join(problems)
+        + ": with transformers, give generate the pixel_values litevlm cuts (Pipeline.tiles) and as many "
+        "<IMG_CONTEXT> a view as it makes"
+    )
+
+
+def _write_processor(d: Path, cfg: VLMConfig, fmt: PromptFormat) -> None:
+    """The processor's files as transformers 5 saves them: processor_config.json (the image processor nested in it,
+    and a video processor, without which AutoProcessor does not load), preprocessor_config.json (the image processor
+    alone, for older readers), chat_template.jinja, and the image tokens' names in tokenizer_config.json if there is
+    one (its own chat template moved to chat_template.jinja)."""
+    image = image_processor_config(cfg, fmt.tiling)
+    video = {k: image[k] for k in ("do_convert_rgb", "do_normalize", "do_rescale", "do_resize", "image_mean")}
+    video |= {"image_std": image["image_std"], "resample": 3, "rescale_factor": 1 / 255, "size": image["size"]}
+    video |= {"initial_shift": True, "video_processor_type": "InternVLVideoProcessor"}
+    _write_json(
+        d / "processor_config.json",
+        {
+            "image_processor": image,
+            "image_seq_length": cfg.tokens_per_tile,
+            "processor_class": PROCESSOR_CLASS,
+            "video_processor": video,
+        },
+    )
+    _write_json(d / "preprocessor_config.json", image | {"processor_class": PROCESSOR_CLASS})
+    (d / "chat_template.jinja").write_text(chat_template_for(fmt), encoding="utf-8")
+    (d / "chat_template.json").unlink(missing_ok=True)  # superseded by chat_template.jinja
+    tc_path = d / "tokenizer_config.json"
+    if tc_path.is_file():
+        tc = _read_json(tc_path)
+        tc.pop("chat_template", None)
+        named = tc.get("extra_special_tokens")
+        if isinstance(named, list):  # transformers 5's list of unnamed special tokens: kept as such
+            extra = tc.get("additional_special_tokens") or []
+            tc["additional_special_tokens"] = extra + [t for t in named if t not in extra]
+        tc["extra_special_tokens"] = (named if isinstance(named, dict) else {}) | IMAGE_TOKEN_NAMES
+        tc["processor_class"] = PROCESSOR_CLASS
+        _write_json(tc_path, tc)
 
 
 # ================================================================================================
@@ -806,19 +937,21 @@ def load_hf(path, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[VLM
     return model, (d if (d / "tokenizer.json").is_file() else None)
 
 
-def save_hf(model: VLM, out_dir, tokenizer=None) -> Path:
+def save_hf(model: VLM, out_dir, tokenizer=None, prompt_format: PromptFormat | None = None) -> Path:
     """Write a transformers-loadable checkpoint: config.json, model.safetensors (legacy on-disk names, as
-    save_pretrained writes them), generation_config.json and, if given, the tokenizer (`tokenizer.save(dir)`).
+    save_pretrained writes them), generation_config.json and, if given, the tokenizer (`tokenizer.save(dir)`);
+    with `prompt_format` (the prompt the model was trained with), also the processor's files (module docstring),
+    warning where transformers' image processor cannot cut its tiles (`processor_tiling_note`).
 
     The directory is written beside `out_dir` and renamed into place, so a failure never leaves a
     half-written checkpoint over an existing one.
     """
     with _atomic_dir(out_dir) as tmp:
-        _save_hf_into(model, tmp, tokenizer)
+        _save_hf_into(model, tmp, tokenizer, prompt_format)
     return Path(out_dir)
 
 
-def _save_hf_into(model: VLM, d: Path, tokenizer=None) -> None:
+def _save_hf_into(model: VLM, d: Path, tokenizer=None, prompt_format: PromptFormat | None = None) -> None:
     cfg = model.cfg
     hf_cfg = config_to_hf(cfg)
     hf_cfg["dtype"] = str(model.dtype).removeprefix("torch.")
@@ -837,6 +970,11 @@ def _save_hf_into(model: VLM, d: Path, tokenizer=None) -> None:
     _write_json(d / "generation_config.json", {"eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id})
     if tokenizer is not None:
         tokenizer.save(d)
+    if prompt_format is not None:
+        _write_processor(d, cfg, prompt_format)
+        note = processor_tiling_note(prompt_format.tiling)
+        if note:
+            warnings.warn(note, stacklevel=3)
 
 
 def transformers_view(model: VLM):
@@ -923,6 +1061,8 @@ def load_native(path, dtype: torch.dtype | None = None, device="cpu") -> VLM:
 def hf_to_litevlm(src, dst) -> Path:
     """Convert a transformers InternVL checkpoint to our format (dtype kept), carrying the tokenizer files along."""
     d = _checkpoint_dir(src)
+    if _read_json(d / "config.json").get("format") == NATIVE_FORMAT:
+        raise LiteVLMError(f"{d} is a litevlm checkpoint already; litevlm_to_hf converts it to transformers'")
     model, _ = load_hf(d, dtype=_stored_dtype(_header_keys(_weight_files(d))))
     with _atomic_dir(dst) as tmp:
         _save_native_into(model, tmp, {"converted_from": str(d.resolve())})
@@ -931,9 +1071,15 @@ def hf_to_litevlm(src, dst) -> Path:
 
 
 def litevlm_to_hf(src, dst) -> Path:
-    """Convert our checkpoint to a transformers InternVL checkpoint, carrying the tokenizer files along."""
+    """Convert our checkpoint to a transformers InternVL checkpoint as transformers saves one (module docstring):
+    the weights, the tokenizer files, and the processor set to the prompt format the model was trained with (its
+    prompt.json, kept beside for litevlm; else its chat template and fixed tiles a view)."""
     model = load_native(src)
+    src = Path(src)
+    fmt = read_format(src, tiles=model.cfg.tiles_per_view)
     with _atomic_dir(dst) as tmp:
-        _save_hf_into(model, tmp)
-        _copy_tokenizer_files(Path(src), tmp)
+        _copy_tokenizer_files(src, tmp)
+        _save_hf_into(model, tmp, prompt_format=fmt)
+        if (src / PROMPT_FILE).is_file():
+            shutil.copy2(src / PROMPT_FILE, tmp / PROMPT_FILE)
     return Path(dst)
