@@ -18,6 +18,15 @@ closed-question accuracy beside it, against the unpruned model. Every other meth
 TokenSelector at the same r on the closed questions (`vs_selector`): how many only one of the two answers right,
 and the exact sign test's p on that split, since a difference of one or two questions is not evidence.
 
+Fidelity to the unpruned model, question by question: whether a pruning's answer is the unpruned answer token for
+token, and the drop in the unpruned answer's mean log-likelihood per token when it is teacher-forced after the pruned
+prompt instead of the whole one (`litevlm.eval.fidelity`; `--no-fidelity` skips it). The results keep every
+question's scores under every configuration (`per_question`, with each question's frame), so that any two can be
+compared question by question: each configuration's standard errors over frames, the mean fidelity drop with its
+95% interval, and each method against the TokenSelector at the same r (`vs_selector_paired`) on the final, the
+closed accuracy and the fidelity, a paired difference with its 95% interval from resampling the frames
+(`litevlm.eval.intervals`), "level" where the interval holds zero.
+
 Timing, side by side in the same process on the first --timing-n prompts: each configuration's select_tokens and
 prefill stages (the pipeline's StageTimer; repeats interleaved over the configurations, the median per prompt,
 then the median over prompts). A method that prunes inside the decoder (FastV, DART, the TokenSelector sharing
@@ -45,6 +54,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -130,6 +140,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--views", choices=("needed", "all"), default="needed", help="the views each question needs, or all six"
     )
     p.add_argument("--max-new-tokens", type=int, default=160, help="as the pipeline and `litevlm eval`")
+    p.add_argument(
+        "--no-fidelity",
+        dest="fidelity",
+        action="store_false",
+        help="skip the fidelity measure (the unpruned answer's log-likelihood under each pruned prompt)",
+    )
     p.add_argument("--timing-n", type=int, default=10, help="prompts timed (0: no timing)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per prompt and configuration (median kept)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -272,17 +288,32 @@ class Prompts:
 # ---------------------------------------------------------------------------------------------
 
 
+class Answered(NamedTuple):
+    text: str
+    visual_tokens: int  # kept
+    tokens: list[int]  # as generated, the end token included where there is one
+    loglik: float | None  # the reference answer's mean log-likelihood per token under the same pruned prompt
+
+
 @torch.no_grad()
-def answer(pipe, sel, prompt, question: str):
-    """One answer through the pipeline's own stages with `sel` as its token selection: (text, kept visual tokens)."""
-    from litevlm.model.generate import StageTimer, drain
+def answer(pipe, sel, prompt, question: str, reference: list[int] | None = None, fidelity: bool = True) -> Answered:
+    """One answer through the pipeline's own stages with `sel` as its token selection and, with `fidelity`, the
+    teacher-forced mean log-likelihood of `reference` (the unpruned answer's tokens; None: this answer's own) under
+    the same selection, the prompt prefilled again without an answer opening (`litevlm.eval.fidelity`)."""
+    from litevlm.eval.fidelity import answer_loglik
+    from litevlm.model.generate import StageTimer, drain, prefill_prompt
 
     pipe.selection = sel  # the pipeline's one token-selection object; nothing else in it depends on the choice
     timer = StageTimer(pipe.model.device)
     p, hook = pipe.select_tokens(prompt, question, timer)
     gen = drain(pipe.decode(pipe.prefill(p, hook, question, timer), timer))
     text = pipe.tokenizer.decode([t for t in gen.tokens if t != pipe.tokenizer.eos_id]).strip()
-    return text, prompt.num_visual_tokens - (prompt.ids.shape[1] - gen.prompt_len)
+    kept = prompt.num_visual_tokens - (prompt.ids.shape[1] - gen.prompt_len)
+    loglik = None
+    if fidelity:  # the same kept tokens (the selection made once), prefilled again
+        pre = prefill_prompt(pipe.backend, p.embeds, p.positions, pruning=hook)
+        loglik = answer_loglik(pipe.backend, pre, gen.tokens if reference is None else reference)
+    return Answered(text, kept, list(gen.tokens), loglik)
 
 
 @torch.no_grad()
@@ -304,23 +335,32 @@ def seeded(sel, key: str):
     return sel
 
 
-def run_accuracy(pipe, samples, prompts: Prompts, configs: dict, progress: bool):
-    """Every configuration's answers: records[key] -> DriveLM records, kept[key] -> kept visual tokens per question."""
+def run_accuracy(pipe, samples, prompts: Prompts, configs: dict, progress: bool, fidelity: bool = True):
+    """Every configuration's answers, question by question, the unpruned one first: records[key] -> DriveLM records,
+    kept[key] -> kept visual tokens, same[key] -> whether the answer's tokens are the unpruned answer's, loglik[key]
+    -> the unpruned answer's mean log-likelihood per token under the configuration's prompt (None without
+    `fidelity`); and each prompt's visual share."""
     from tqdm import tqdm
 
     from litevlm.eval.score import record
 
     records: dict[str, list[dict]] = {key: [] for key in configs}
     kept: dict[str, list[int]] = {key: [] for key in configs}
+    same: dict[str, list[bool]] = {key: [] for key in configs}
+    loglik: dict[str, list[float | None]] = {key: [] for key in configs}
     shares = []
     for s in tqdm(samples, desc="answering", disable=not progress, file=sys.stderr):
         prompt = prompts(s)
         shares.append(prompt.num_visual_tokens / prompt.ids.shape[1])
+        base = None  # the unpruned answer's tokens, once answered
         for key, sel in configs.items():
-            text, n_visual = answer(pipe, seeded(sel, f"{s.id}/{key}"), prompt, s.question)
-            records[key].append({**record(s, text), "category": s.category})
-            kept[key].append(n_visual)
-    return records, kept, shares
+            got = answer(pipe, seeded(sel, f"{s.id}/{key}"), prompt, s.question, base, fidelity)
+            base = got.tokens if base is None else base
+            records[key].append({**record(s, got.text), "category": s.category})
+            kept[key].append(got.visual_tokens)
+            same[key].append(got.tokens == base)
+            loglik[key].append(got.loglik)
+    return records, kept, same, loglik, shares
 
 
 def run_timing(pipe, samples, prompts: Prompts, configs: dict, repeats: int, progress: bool) -> dict:
@@ -367,6 +407,86 @@ def summarise(records: list[dict], kept: list[int], base: list[dict] | None = No
     out["visual_tokens"] = round(statistics.fmean(kept), 3)
     if base is not None:  # how much pruning perturbs the model: answers that differ from the unpruned model's
         out["changed"] = round(sum(r["answer"] != b["answer"] for r, b in zip(records, base)) / len(records), 4)
+    return out
+
+
+PER_QUESTION = {  # what each per-question list holds, written into the results beside them
+    "final": "the question's linearised share of the DriveLM final (litevlm.eval.per_question): their mean is the"
+    " final; null for a question without a metric tag",
+    "correct": "1 or 0 on a closed question (answered right or not), null on an open one",
+    "same": "1 where the answer's tokens are the unpruned answer's, token for token",
+    "drop": "the unpruned answer's mean log-likelihood per token under the unpruned prompt less under this pruning's"
+    " (teacher-forced; 0: the pruning left the model's answer as likely)",
+    "loglik": "(unpruned only) the unpruned answer's mean log-likelihood per token under its own prompt",
+}
+
+
+def question_scores(records: list[dict], same=None, loglik=None, base_loglik=None) -> dict[str, list]:
+    """One configuration's per-question lists (PER_QUESTION), in the questions' order: the unpruned one's with its own
+    log-likelihoods (`base_loglik`), a pruning's with `same` and the drop from `base_loglik` to its `loglik`."""
+    from litevlm.eval.metrics import answered_right
+    from litevlm.eval.per_question import final_per_question
+
+    out = {
+        "final": [None if v is None else round(v, 6) for v in final_per_question(records)],
+        "correct": [int(answered_right(r)) if r.get("closed") else None for r in records],
+    }
+    if same is not None:
+        out["same"] = [int(x) for x in same]
+    if loglik is not None and base_loglik is not None and None not in loglik and None not in base_loglik:
+        if same is None:
+            out["loglik"] = [round(v, 5) for v in base_loglik]
+        else:  # (+ 0.0: a drop that rounds to zero from below is written 0.0, not -0.0)
+            out["drop"] = [round(b - v, 5) + 0.0 for b, v in zip(base_loglik, loglik)]
+    return out
+
+
+def spreads(pq: dict, frames: list[str]) -> dict:
+    """A configuration's standard errors over frames (`litevlm.eval.intervals.cluster_se`): the final's and the
+    closed accuracy's; and, for a pruning with log-likelihoods, its fidelity: the share of answers the same as the
+    unpruned one's, and the mean drop with its 95% interval over frames."""
+    from litevlm.eval.intervals import both_scored, cluster_se, paired_difference
+
+    out = {}
+    for name, key in (("final_se", "final"), ("closed_se", "correct")):
+        values, _, where = both_scored(pq[key], pq[key], frames)
+        se = cluster_se(values, where) if values else math.nan
+        out[name] = None if math.isnan(se) else round(se, 6)
+    if "same" in pq:
+        fid = {"same_answer": round(statistics.fmean(pq["same"]), 4)}
+        if "drop" in pq:
+            p = paired_difference(pq["drop"], [0.0] * len(frames), frames)
+            fid |= {"drop": round(p.diff, 5), "low": round(p.low, 5), "high": round(p.high, 5)}
+            fid["se"] = None if math.isnan(p.se_a) else round(p.se_a, 5)
+        out["fidelity"] = fid
+    return out
+
+
+def versus_selector(method: str, pq: dict, selector_pq: dict, frames: list[str]) -> dict:
+    """A method against the TokenSelector at the same r, question by question (`litevlm.eval.intervals`): on the
+    final, on the closed accuracy and on the fidelity drop, each mean, its standard error, the difference (method
+    less TokenSelector) with its 95% interval over frames, and the verdict: "level" where the interval holds zero,
+    else the method ahead or "token-selector" (a lower drop is ahead)."""
+    from litevlm.eval.intervals import both_scored, paired_difference
+
+    out = {}
+    measures = (("final", "final", True), ("closed_accuracy", "correct", True), ("fidelity", "drop", False))
+    for name, key, higher in measures:
+        if key not in pq or key not in selector_pq:
+            continue
+        a, b, where = both_scored(pq[key], selector_pq[key], frames)
+        if not a:
+            continue
+        p = paired_difference(a, b, where, higher_is_better=higher)
+        d = p.to_dict()
+        out[name] = {
+            "method": d["a"],
+            "selector": d["b"],
+            "se_method": d["se_a"],
+            "se_selector": d["se_b"],
+            **{k: d[k] for k in ("diff", "low", "high", "n", "frames")},
+            "verdict": p.verdict(method, "token-selector"),
+        }
     return out
 
 
@@ -526,6 +646,18 @@ def print_tables(result: dict) -> None:
             f"{fmt3(scores[f'{m}@{r}']['final'], 4)} ({fmt3(scores[f'{m}@{r}']['closed_accuracy'])})" for r in ratios
         ]
         print(f"| {label(m)} | " + " | ".join(cells) + " |")
+    if any("fidelity" in s for s in scores.values()):
+        print(
+            "\nFidelity to the unpruned model: the mean drop in the unpruned answer's log-likelihood per token under"
+            " the pruned prompt [95% interval over frames] (answers token for token the same)\n\n" + head + "\n" + rule
+        )
+        for m in result["methods"]:
+            cells = []
+            for r in ratios:
+                f = scores[f"{m}@{r}"].get("fidelity") or {}
+                drop = f"{fmt3(f.get('drop'))} [{fmt3(f.get('low'))}, {fmt3(f.get('high'))}] " if "drop" in f else ""
+                cells.append(f"{drop}({100 * f.get('same_answer', math.nan):.0f}%)")
+            print(f"| {label(m)} | " + " | ".join(cells) + " |")
     if timing:
         t = result["timing"]
         print(
@@ -546,6 +678,7 @@ def main(argv=None) -> dict:
         print(f"plot saved to {path}")
         return {"plot": path}
     from litevlm.data.source import check_data_options
+    from litevlm.eval.intervals import RESAMPLES
     from litevlm.models import resolve_model_dir
     from litevlm.options import format_options
     from litevlm.pipeline import Pipeline
@@ -582,16 +715,29 @@ def main(argv=None) -> dict:
     configs |= {f"{m}@{r}": selection(pipe, m, r, selector, 0) for m in methods for r in ratios}
 
     t0 = time.time()
-    records, kept, shares = run_accuracy(pipe, samples, prompts, configs, progress)
+    records, kept, same, loglik, shares = run_accuracy(pipe, samples, prompts, configs, progress, args.fidelity)
     answer_s = time.time() - t0
     base = records["unpruned"]
-    unpruned = summarise(base, kept["unpruned"])
-    scores = {key: summarise(recs, kept[key], base) for key, recs in records.items() if key != "unpruned"}
+    frames = [r["frame"] for r in base]  # the bootstrap's clusters: a frame's questions share its images
+    per_question = {
+        key: question_scores(recs, None if key == "unpruned" else same[key], loglik[key], loglik["unpruned"])
+        for key, recs in records.items()
+    }
+    unpruned = summarise(base, kept["unpruned"]) | spreads(per_question["unpruned"], frames)
+    if "loglik" in per_question["unpruned"]:
+        unpruned["loglik"] = round(statistics.fmean(per_question["unpruned"]["loglik"]), 5)
+    scores = {
+        key: summarise(recs, kept[key], base) | spreads(per_question[key], frames)
+        for key, recs in records.items()
+        if key != "unpruned"
+    }
     if "token-selector" in methods:  # every other method against the TokenSelector at the same r, question by question
         for key, score in scores.items():
             method, r = key.split("@")
             if method != "token-selector":
                 score["vs_selector"] = paired_closed(records[f"token-selector@{r}"], records[key])
+                sel = per_question[f"token-selector@{r}"]
+                score["vs_selector_paired"] = versus_selector(method, per_question[key], sel, frames)
     t0 = time.time()
     timing = (
         run_timing(pipe, samples[: args.timing_n], prompts, configs, args.repeats, progress) if args.timing_n else {}
@@ -604,7 +750,7 @@ def main(argv=None) -> dict:
     )
     result = {
         "benchmark": "token_pruning",
-        "schema": 2,
+        "schema": 3,
         "model": pipe.name,
         "data": data,
         "n": len(samples),
@@ -627,6 +773,10 @@ def main(argv=None) -> dict:
         "visual_share": round(statistics.fmean(shares), 4),
         "unpruned": unpruned,
         "scores": scores,
+        "intervals": f"95% bootstrap over frames (a frame's questions together), {RESAMPLES} resamples, seed 0",
+        "questions": {"id": [r["id"] for r in base], "frame": frames, "closed": [int(bool(r["closed"])) for r in base]},
+        "per_question_fields": {k: v for k, v in PER_QUESTION.items() if args.fidelity or k in ("final", "correct", "same")},
+        "per_question": per_question,
         "timing": {"prompts": min(args.timing_n, len(samples)), "repeats": args.repeats, "backend": pipe.backend.name},
         "timing_ms": timing,
         "answer_seconds": round(answer_s, 1),

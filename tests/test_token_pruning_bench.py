@@ -6,6 +6,7 @@ import json
 import pytest
 
 FIELDS = {"final", "closed_accuracy", "accuracy", "language", "match", "visual_tokens", "changed"}
+PER_QUESTION = {"final", "correct", "same", "drop", "loglik"}
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,27 @@ def test_a_small_run_reports_every_method_at_every_r_and_answers_as_the_pipeline
     assert result["methods"] == methods and result["absent"] == {} and result["model"] == "drive-tiny"
     assert set(result["scores"]) == {f"{m}@0.3" for m in methods}
     assert all(FIELDS <= set(s) for s in result["scores"].values())
+    # Per-question lists, in the questions' order, from which any paired interval can be computed: each question's
+    # share of the final (their mean is the final), closed questions right or not, the fidelity to the unpruned model.
+    questions, lists = result["questions"], result["per_question"]
+    assert set(questions) == {"id", "frame", "closed"} and all(len(v) == 3 for v in questions.values())
+    assert set(lists) == {"unpruned", *result["scores"]} and set(result["per_question_fields"]) == set(PER_QUESTION)
+    assert set(lists["unpruned"]) == {"final", "correct", "loglik"} and max(lists["unpruned"]["loglik"]) <= 0
+    for key, score in result["scores"].items():
+        assert set(lists[key]) == {"final", "correct", "same", "drop"}
+        assert sum(lists[key]["final"]) / 3 == pytest.approx(score["final"], abs=1e-5)
+        assert [c is None for c in lists[key]["correct"]] == [not c for c in questions["closed"]]
+        fid = score["fidelity"]
+        assert fid["same_answer"] == pytest.approx(sum(lists[key]["same"]) / 3, abs=1e-4)
+        assert fid["low"] <= fid["drop"] <= fid["high"] and {"final_se", "closed_se"} <= set(score)
+        if key.startswith("token-selector@"):
+            continue
+        paired = score["vs_selector_paired"]  # against the TokenSelector at the same r: final, closed, fidelity
+        assert set(paired) == {"final", "closed_accuracy", "fidelity"}
+        assert paired["final"]["diff"] == pytest.approx(
+            score["final"] - result["scores"]["token-selector@0.3"]["final"], abs=1e-5
+        )
+        assert paired["final"]["verdict"] in ("level", "token-selector", key.split("@")[0])
     # Every method keeps the same number of visual tokens at r, about r of the unpruned prompt's.
     n_visual = result["unpruned"]["visual_tokens"]
     kept = {s["visual_tokens"] for s in result["scores"].values()}
@@ -193,3 +215,25 @@ def test_fastvs_choice_before_the_decoder_keeps_fastvs_tokens_and_prunes_the_pro
         kept = fastv_pruning(pipe.model, p.positions, p.view_spans, 2, 0.25).keep(x)
     assert hook is None and embeds.shape[1] < p.embeds.shape[1]
     assert torch.equal(embeds, p.embeds[:, kept]) and torch.equal(positions, p.positions[:, kept])
+
+
+def test_per_question_lists_give_the_standard_errors_fidelity_and_the_pairing_with_the_selector(pruning):
+    """From per-question lists alone: the standard errors over frames, the fidelity (answers the same, the mean drop
+    and its interval) and each measure's paired difference with the TokenSelector, a lower drop being ahead."""
+    frames = [f"f{i // 2}" for i in range(8)]
+    records = [
+        {"id": str(i), "question": "Is it safe?", "answer": a, "gt": "Yes.", "tag": [0], "closed": True}
+        for i, a in enumerate(["Yes.", "No.", "Yes.", "Yes.", "No.", "Yes.", "Yes.", "Yes."])
+    ]
+    base = [-0.2] * 8
+    sel = pruning.question_scores(records, [True] * 8, [-0.25] * 8, base)  # a drop of 0.05 everywhere
+    other = pruning.question_scores(records, [True, False] * 4, [-0.3] * 8, base)  # 0.1
+    assert sel["final"] == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0] and sel["correct"] == sel["final"]
+    assert sel["drop"] == [0.05] * 8 and other["same"] == [1, 0] * 4
+    assert pruning.question_scores(records, None, base, base)["loglik"] == base  # the unpruned lists
+    spread = pruning.spreads(other, frames)
+    assert spread["fidelity"] == {"same_answer": 0.5, "drop": 0.1, "low": 0.1, "high": 0.1, "se": 0.0}
+    assert spread["final_se"] == spread["closed_se"] > 0
+    versus = pruning.versus_selector("dart", other, sel, frames)
+    assert versus["final"]["diff"] == 0 and versus["final"]["verdict"] == "level" and versus["final"]["frames"] == 4
+    assert versus["fidelity"]["diff"] == pytest.approx(0.05) and versus["fidelity"]["verdict"] == "token-selector"
