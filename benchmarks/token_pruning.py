@@ -775,7 +775,7 @@ def main(argv=None) -> dict:
         "scores": scores,
         "intervals": f"95% bootstrap over frames (a frame's questions together), {RESAMPLES} resamples, seed 0",
         "questions": {"id": [r["id"] for r in base], "frame": frames, "closed": [int(bool(r["closed"])) for r in base]},
-        "per_question_fields": {k: v for k, v in PER_QUESTION.items() if args.fidelity or k in ("final", "correct", "same")},
+        "per_question_fields": {k: v for k, v in PER_QUESTION.items() if args.fidelity or k not in ("drop", "loglik")},
         "per_question": per_question,
         "timing": {"prompts": min(args.timing_n, len(samples)), "repeats": args.repeats, "backend": pipe.backend.name},
         "timing_ms": timing,
