@@ -4,6 +4,7 @@ and e2e."""
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from test_pipeline import check_timings, timed_answer, watch_stages
 
 from litevlm import LiteVLMError, Pipeline
@@ -120,22 +121,51 @@ def test_without_view_selection_every_question_needs_all_six(full_model_dir, ima
 
 
 def test_arrays_tensors_and_files_give_the_answer_of_the_png(pipe, images, tmp_path):
-    paths = {}
-    for c, im in images.items():
-        im.save(tmp_path / f"{c}.png")
-        paths[c] = tmp_path / f"{c}.png"
+    """Every form of the same pixels gives the PNG's tiles byte for byte, the visual features a frame encodes from
+    them and the PNG's answer; the same forms of other pixels (each view mirrored) give the mirrored PNG's tiles and
+    features, which differ from the first ones: the comparison tells images apart. An RGBA array's alpha (random
+    here) is ignored."""
+    from litevlm.model.generate import StageTimer
+
+    rng = np.random.default_rng(0)
+
+    def forms(hwc: dict, folder) -> dict:
+        folder.mkdir()
+        paths = {}
+        for c, a in hwc.items():
+            Image.fromarray(a).save(folder / f"{c}.png")
+            paths[c] = folder / f"{c}.png"
+        alpha = {c: rng.integers(0, 256, a.shape[:2] + (1,), dtype=np.uint8) for c, a in hwc.items()}
+        return {
+            "png": paths,
+            "bytes": {c: p.read_bytes() for c, p in paths.items()},
+            "pil": {c: Image.fromarray(a) for c, a in hwc.items()},
+            "array": hwc,
+            "tensor hwc": {c: torch.from_numpy(a.copy()) for c, a in hwc.items()},
+            "tensor chw": {c: torch.from_numpy(a.copy()).permute(2, 0, 1).contiguous() for c, a in hwc.items()},
+            "rgba array": {c: np.concatenate([a, alpha[c]], 2) for c, a in hwc.items()},
+        }
+
+    def read(imgs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tiles (6, 3, S, S), visual tokens (6, tokens_per_tile, C)) of the six views, as an answer reads them."""
+        tiles, _ = pipe.tiles(imgs, list(CAMERAS))
+        with torch.no_grad():
+            visual, _ = pipe.frame(imgs).visual(list(CAMERAS), StageTimer(pipe.model.device))
+        return tiles, visual
+
     hwc = {c: np.asarray(im) for c, im in images.items()}
-    forms = {
-        "png": paths,
-        "bytes": {c: p.read_bytes() for c, p in paths.items()},
-        "array": hwc,
-        "tensor hwc": {c: torch.from_numpy(a.copy()) for c, a in hwc.items()},
-        "tensor chw": {c: torch.from_numpy(a.copy()).permute(2, 0, 1).contiguous() for c, a in hwc.items()},
-        "rgba array": {c: np.concatenate([a, np.full(a.shape[:2] + (1,), 255, np.uint8)], 2) for c, a in hwc.items()},
-    }
+    mirrored = {c: np.ascontiguousarray(a[:, ::-1]) for c, a in hwc.items()}
+    tiles, visual = read(images)
+    other_tiles, other_visual = read({c: Image.fromarray(a) for c, a in mirrored.items()})
+    assert (tiles != other_tiles).any() and (visual - other_visual).abs().max() > 1e-3  # the control differs
     want = pipe.answer(SCENE, images).tokens
-    for name, imgs in forms.items():
+    for name, imgs in forms(hwc, tmp_path / "same").items():
+        got_tiles, got_visual = read(imgs)
+        assert torch.equal(got_tiles, tiles) and torch.equal(got_visual, visual), name
         assert pipe.answer(SCENE, imgs).tokens == want, name
+    for name, imgs in forms(mirrored, tmp_path / "mirrored").items():
+        got_tiles, got_visual = read(imgs)
+        assert torch.equal(got_tiles, other_tiles) and torch.equal(got_visual, other_visual), name
     with pytest.raises(LiteVLMError, match="uint8"):
         pipe.answer(BACK, {**hwc, "CAM_BACK": hwc["CAM_BACK"].astype(np.float32)})
 
