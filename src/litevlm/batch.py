@@ -159,7 +159,9 @@ class BatchDecoder:
         seq.new = list(seq.out)
         seq.opened = opened.accepted
         if self.drafting:
-            seq.feats, seq.nxt, seq.pair_pos = first_pairs(self.lm, self.backend.drafter.cfg.context, prefilled, opened)
+            seq.feats, seq.nxt, seq.pair_pos = first_pairs(
+                self.lm, self.backend.drafter.cfg.context, prefilled, opened, next_pos
+            )
             seq.L = t + opened.accepted
         self.seqs.append(seq)
         if seq.ends():

@@ -37,7 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from litevlm.errors import LiteVLMError
 from litevlm.model import cpu_steps
 from litevlm.model.attention import KERNEL_NAMES, additive_bias, choose_kernel, fused_attention, fused_kernels
-from litevlm.model.layers import linear, row_major
+from litevlm.model.layers import linear, row_major, static_step
 from litevlm.model.lm import RMSNorm, run_layer
 from litevlm.presets import BACKENDS
 
@@ -412,9 +412,10 @@ class StepGraph:
         t0 = time.perf_counter()
         with torch.no_grad():
             if twin:
-                for _ in range(warmup):
-                    fn()
-                self.out = fn()
+                with static_step():
+                    for _ in range(warmup):
+                        fn()
+                    self.out = fn()
                 for t in self.out:  # what a capture leaves in its outputs: nothing computed
                     t.fill_(float("nan") if t.is_floating_point() else -1)
             else:
@@ -432,7 +433,7 @@ class StepGraph:
 
     def replay(self):
         if self.twin:
-            with torch.no_grad():
+            with torch.no_grad(), static_step():
                 for dst, src in zip(self.out, self.fn()):
                     dst.copy_(src)
         else:

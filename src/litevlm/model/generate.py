@@ -29,20 +29,54 @@ def sync(device) -> None:
 
 
 class StageTimer:
-    """Wall milliseconds per named stage, with the device synchronised at both boundaries.
+    """Milliseconds per named stage (stages may nest: "draft" and "verify" inside "decode").
+
+    On the CPU each boundary reads the wall clock. On a GPU each boundary records a CUDA event on the current stream,
+    and nothing waits for the device: the events are read when `ms` is first asked for after a stage ended (at the
+    end of an answer), one wait for the device then. The stages' times are the device's, between the points where
+    the host queued each boundary.
 
     setup: a callable giving the backend's setup so far in ms (`setup_ms`): setup made inside a stage (a CUDA
     backend compiling a new prefill bucket, capturing a draft chain's first graph) is left out of the stage, and
     summed in `setup_ms` instead."""
 
     def __init__(self, device, setup=None):
-        self.device = device
+        self.device = torch.device(device)
         self.setup = setup
-        self.ms: dict[str, float] = {}
+        self.events = self.device.type == "cuda"
+        self._ms: dict[str, float] = {}
+        self._pending: list[tuple[str, object, object, float]] = []  # (stage, start, end, setup ms inside)
         self.setup_ms = 0.0
+        self.depth = 0  # stages entered and not yet left
 
     def __call__(self, name: str):
         return _Stage(self, name)
+
+    def mark(self):
+        """A point in time on this timer's clock: an event recorded on the current CUDA stream, or the wall clock."""
+        if self.events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, name: str, start, end, setup: float) -> None:
+        if not self.depth:  # a nested stage's setup is its outer stage's too: counted once
+            self.setup_ms += setup
+        if self.events:
+            self._pending.append((name, start, end, setup))
+        else:
+            self._ms[name] = self._ms.get(name, 0.0) + max(0.0, (end - start) * 1e3 - setup)
+
+    @property
+    def ms(self) -> dict[str, float]:
+        """The stages' summed times so far (the device waited for once here, where events are pending)."""
+        if self._pending:
+            self._pending[-1][2].synchronize()  # the latest boundary: every earlier one has happened by then
+            for name, start, end, setup in self._pending:
+                self._ms[name] = self._ms.get(name, 0.0) + max(0.0, start.elapsed_time(end) - setup)
+            self._pending.clear()
+        return self._ms
 
 
 class _Stage:
@@ -50,16 +84,15 @@ class _Stage:
         self.timer, self.name = timer, name
 
     def __enter__(self):
-        sync(self.timer.device)
         self.setup0 = self.timer.setup() if self.timer.setup else 0.0
-        self.t0 = time.perf_counter()
+        self.timer.depth += 1
+        self.start = self.timer.mark()
 
     def __exit__(self, *exc):
-        sync(self.timer.device)
-        ms = (time.perf_counter() - self.t0) * 1e3
+        end = self.timer.mark()
+        self.timer.depth -= 1
         setup = (self.timer.setup() if self.timer.setup else 0.0) - self.setup0
-        self.timer.setup_ms += setup
-        self.timer.ms[self.name] = self.timer.ms.get(self.name, 0.0) + max(0.0, ms - setup)
+        self.timer.add(self.name, self.start, end, setup)
 
 
 def causal_mask(kv_len: int, start: int, n: int, device) -> torch.Tensor:

@@ -5,6 +5,9 @@ halves as in transformers' Llama/Qwen2).
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.nn as nn
 
@@ -99,11 +102,29 @@ def rope_table(owner, head_dim: int, theta: float, top: int, dtype, device) -> t
     return table
 
 
+class _StaticStep(threading.local):
+    active = False
+
+
+_STATIC_STEP = _StaticStep()
+
+
+@contextlib.contextmanager
+def static_step():
+    """Code run as a captured device step runs: it reads no tensor's value on the host. The CUDA backend's CPU twin
+    replays its steps under it, so that they take the paths a GPU's captured steps take."""
+    before, _STATIC_STEP.active = _STATIC_STEP.active, True
+    try:
+        yield
+    finally:
+        _STATIC_STEP.active = before
+
+
 def rope_at(owner, positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (B, 1, T, D) at positions (B, T): on a CPU gathered from `owner`'s kept table (`rope_table`), else
-    computed (`rope_cos_sin`), the same values. Reading the top position syncs a GPU, and a compiled step must not
-    read a tensor's value at all."""
-    if positions.is_cpu and not torch.compiler.is_compiling():
+    computed (`rope_cos_sin`), the same values. Reading the top position syncs a GPU, and a compiled or captured step
+    (`static_step`) must not read a tensor's value at all."""
+    if positions.is_cpu and not torch.compiler.is_compiling() and not _STATIC_STEP.active:
         cos, sin = rope_table(owner, head_dim, theta, int(positions.max()), dtype, positions.device)  # (P, 1, D)
         return cos[positions].transpose(1, 2), sin[positions].transpose(1, 2)
     return rope_cos_sin(positions, head_dim, theta, dtype)

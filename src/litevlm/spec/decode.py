@@ -30,11 +30,11 @@ from litevlm.model.generate import (
 from litevlm.spec.openings import Opening
 from litevlm.spec.tree import (
     TreeConfig,
-    accept_greedy,
     accept_sampled,
     chain_tree,
     commit_path,
     draft_tree,
+    greedy_run,
     repeat_guess,
 )
 
@@ -125,7 +125,7 @@ def stream_speculative(
         if finished():  # the whole answer came with the prompt's pass
             return Generation(out, t, dict(timer.ms), accept, opened.accepted)
         draft.prepare(draft_slots(cap, tree), next_pos + max_new_tokens + tree.depth + 1)  # per generation: timed
-        feats, nxt, pair_pos = first_pairs(lm, draft.cfg.context, prefilled, opened)
+        feats, nxt, pair_pos = first_pairs(lm, draft.cfg.context, prefilled, opened, next_pos)
         done, L = 0, t + opened.accepted  # pairs in the draft cache (its slots 0..done-1), tokens in the target cache
         # A greedy chain on the native backend runs each side of a cycle as one call (draft_cycle, verify_chain).
         chains = sampling.greedy and tree.top_k == 1 and n_tree == tree.depth + 1
@@ -169,16 +169,21 @@ def stream_speculative(
                     done += feats.shape[0]
                 with timer("verify"):
                     logits, hid = backend.verify(tr.tokens, tr.depth, tr.mask, L, root_pos)
-                    if sampling.greedy:
-                        path, bonus = accept_greedy(tr, logits)
+                    if sampling.greedy:  # fixed shapes on the device: count, path and run read back together
+                        count, path, new = greedy_run(tr, logits)
+                        n = path.numel()
+                        host = torch.cat([count.view(1), path, new]).tolist()  # the cycle's one host sync
+                        a = host[0] - 1
+                        path, new = path[: a + 1], new[: a + 1]
+                        path_list, new_list = host[1 : a + 2], host[1 + n : 2 + n + a]
                     else:
                         path, bonus = accept_sampled(
                             tr, logits, sampling.temperature, sampling.top_p, sampling.generator
                         )
-                    new = torch.cat([tr.tokens[path[1:]], bonus.view(1)])  # accepted drafts + bonus
-                    host = torch.cat([path, new]).tolist()  # the cycle's one host sync
-                    a = path.numel() - 1
-                    path_list, new_list = host[: a + 1], host[a + 1 :]
+                        new = torch.cat([tr.tokens[path[1:]], bonus.view(1)])  # accepted drafts + bonus
+                        host = torch.cat([path, new]).tolist()
+                        a = path.numel() - 1
+                        path_list, new_list = host[: a + 1], host[a + 1 :]
                     if path_list != list(range(a + 1)):  # a chain's path is already in place
                         commit_path(backend, path, L)
                     feats, nxt = hid[path], lm.embed_tokens(new)  # f_L..f_{L+a}, x_{L+1}..x_{L+a+1}
@@ -205,14 +210,13 @@ def first_tokens(prefilled: Prefilled, sampling: Sampling) -> Opened:
     return opened
 
 
-def first_pairs(lm, context: int, prefilled: Prefilled, opened: Opened):
+def first_pairs(lm, context: int, prefilled: Prefilled, opened: Opened, next_pos: int):
     """The draft's first extend: the prompt's pairs (its last `context` when the draft is windowed, 0: all) and the
     opening tokens accepted with it; pair j = (f_j, what the target consumed at j+1), at the position of token j ->
-    (features (m, C), next embeddings (m, C), positions (m,))."""
+    (features (m, C), next embeddings (m, C), positions (m,)). next_pos: the position after the prompt's last."""
     embeds, positions, hidden = prefilled.embeds, prefilled.positions, prefilled.hidden
     t, dev = embeds.shape[1], embeds.device
     c0 = max(0, t - context) if context else 0
-    next_pos = int(positions[0, -1]) + 1
     feats = torch.cat([hidden[0, c0:], opened.hidden])
     nxt = torch.cat([embeds[0, c0 + 1 :], lm.embed_tokens(torch.tensor(opened.emitted, device=dev))])
     pair_pos = torch.cat([positions[0, c0:], torch.arange(next_pos, next_pos + opened.accepted, device=dev)])

@@ -302,20 +302,29 @@ def verify_tree(target, tree: Tree, start: int, root_position: int) -> tuple[tor
     return as_backend(target).verify(tree.tokens, tree.depth, tree.mask, start, root_position)
 
 
-def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy acceptance -> (accepted node indices (a+1,) from the root down, bonus token ()).
+def greedy_run(tree: Tree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance on the device, in fixed shapes (nothing read back to the host) -> (count (): accepted nodes,
+    root included; path (N,): their indices from the root down, then N's as padding; run (N,): the target's token
+    after each node of the path, i.e. the accepted drafts then the bonus token, then padding).
 
-    A node is accepted when its token is the target's argmax after its parent and its parent is
-    accepted. Siblings hold distinct tokens, so at most one child per node can match: the accepted
-    nodes form one chain, the longest correct path. The bonus token is the target's argmax after
-    the chain's last node.
-    """
+    A node is accepted when its token is the target's argmax after its parent and its parent is accepted. Siblings
+    hold distinct tokens, so at most one child per node can match: the accepted nodes form one chain, the longest
+    correct path. The bonus token is the target's argmax after the chain's last node."""
     pred = logits.argmax(-1)  # (N,) the target's next token after each node
     ok = tree.tokens == pred[tree.parents.clamp(min=0)]
     ok[0] = True  # the root is already committed
     on_path = ~(tree.mask & ~ok).any(1)  # (N,) every ancestor-or-self matches
-    path = on_path.nonzero().squeeze(1)  # ascending index = ascending depth along one chain
-    return path, pred[path[-1]]
+    n = on_path.numel()
+    idx = torch.arange(n, device=on_path.device)
+    path = torch.where(on_path, idx, n).sort().values  # ascending index = ascending depth along one chain
+    return on_path.sum(), path, pred[path.clamp(max=n - 1)]
+
+
+def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance (`greedy_run`) -> (accepted node indices (a+1,) from the root down, bonus token ())."""
+    count, path, run = greedy_run(tree, logits)
+    a1 = int(count)
+    return path[:a1], run[a1 - 1]
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
