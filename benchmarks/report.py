@@ -819,88 +819,173 @@ def names(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
+# a measure -> (its per-question list in a pruning run, whether higher is better)
+MEASURES = {"final": ("final", True), "closed": ("correct", True), "drop": ("drop", False)}
+UNDECIDED = "not decided (no per-question scores in this run, so no interval)"
+
+
+def paired(res: dict, a: str, b: str, r: float, measure: str = "final"):
+    """Method a against method b at r on one measure (`MEASURES`), question by question from the run's per-question
+    lists: the difference a - b with its 95% interval over frames (`litevlm.eval.intervals`); None where the run has
+    no such lists (runs before they were stored) or either method is missing."""
+    from litevlm.eval.intervals import both_scored, paired_difference
+
+    lists = res.get("per_question") or {}
+    pa, pb = lists.get(f"{a}@{r}"), lists.get(f"{b}@{r}")
+    key, higher = MEASURES[measure]
+    if not pa or not pb or key not in pa or key not in pb:
+        return None
+    x, y, frames = both_scored(pa[key], pb[key], res["questions"]["frame"])
+    return paired_difference(x, y, frames, higher_is_better=higher) if x else None
+
+
+def interval(p, digits: int = 4) -> str:
+    """A paired difference and its 95% interval: "+0.0031 [-0.0042, +0.0105]"."""
+    return f"{p.diff:+.{digits}f} [{p.low:+.{digits}f}, {p.high:+.{digits}f}]"
+
+
+def side(p, a: str, b: str) -> str:
+    """Which side is ahead ("A ahead"), or "level" where the interval holds zero."""
+    return p.verdict(f"{a} ahead", f"{b} ahead")
+
+
+def with_se(res: dict, m: str, r: float) -> str:
+    """A method's final at r with its standard error over frames where the run has it: "0.5382 ± 0.0121"."""
+    sc = res["scores"].get(f"{m}@{r}") or {}
+    se = sc.get("final_se")
+    return fmt(round(sc["final"], 4)) + (f" ± {se:.4f}" if se is not None else "")
+
+
 def pruning_verdict(res: dict, r: float) -> str | None:
-    """One plain sentence (a list item) on keep ratio r: which method scores best, and whether a training-free method
-    beats the TokenSelector (by the final score)."""
+    """One plain sentence (a list item) on keep ratio r: the TokenSelector's final and the best training-free
+    method's, each with its standard error, and their paired difference with its 95% interval over frames ("level"
+    where it holds zero); where the others stand against the TokenSelector; the closed questions and the fidelity to
+    the unpruned model for the same pair. A run without per-question scores leaves the difference not decided."""
     finals = {m: (res["scores"].get(f"{m}@{r}") or {}).get("final") for m in res["methods"]}
-    # compared as the page prints them (four decimals): a difference below that is a fraction of one answer, a tie
     finals = {m: round(v, 4) for m, v in finals.items() if v is not None}
-    runnable = {m: v for m, v in finals.items() if m not in DIAGNOSTIC}  # the best is one a user can run
+    runnable = {m: v for m, v in finals.items() if m not in DIAGNOSTIC}
     if not runnable:
         return None
     kept = next((res["scores"][f"{m}@{r}"].get("visual_tokens") for m in finals), None)
     head = f"- At r={r}" + (f" ({fmt(kept)} visual tokens kept)" if kept is not None else "")
-    top = max(runnable.values())
-    best = [m for m, v in runnable.items() if v == top]
-    closed = res["scores"][f"{best[0]}@{r}"].get("closed_accuracy")
-    labels = [("the " if m == TRAINED else "") + pruning_label(res, m) for m in best]
-    who = f"{labels[0]} scores best" if len(best) == 1 else f"{names(labels)} tie for best"
-    out = f"{head}, {who}: final {fmt(top)}" + (f", closed accuracy {fmt(closed)}." if len(best) == 1 else ".")
+    free = [m for m in finals if training_free(m)]
     if TRAINED not in finals:
+        top = max(runnable, key=lambda m: runnable[m])
+        closed = res["scores"][f"{top}@{r}"].get("closed_accuracy")
+        out = f"{head}, the highest final is {pruning_label(res, top)}'s, {with_se(res, top, r)}"
+        out += f" (closed accuracy {fmt(closed)})." if closed is not None else "."
         why = (res.get("absent") or {}).get(TRAINED)
         return out + (f" No TokenSelector was measured ({why})." if why else "")
-    ts = finals[TRAINED]
-    beat = sorted((m for m in finals if training_free(m) and finals[m] > ts), key=lambda m: -finals[m])
-    tied = [m for m in finals if training_free(m) and finals[m] == ts]
-    ties = f"{names([pruning_label(res, m) for m in tied])} ties it." if tied else ""
-    if beat:
-        listed = names([f"{pruning_label(res, m)} ({fmt(finals[m])}, +{finals[m] - ts:.4f})" for m in beat])
-        end = f"; {ties}" if tied else "."
-        out += f" A training-free method beats the TokenSelector ({fmt(ts)}) here: {listed}{end}"
-    elif tied:
-        out += f" No training-free method beats the TokenSelector; {ties}"
+    out = f"{head}, the TokenSelector scores {with_se(res, TRAINED, r)}"
+    if not free:
+        return out + "." + variant_line(res, r, finals, None) + diagnostic_line(res, r, finals)
+    best = max(free, key=lambda m: finals[m])
+    name = pruning_label(res, best)
+    p = paired(res, best, TRAINED, r)
+    if p is None:
+        out += (
+            f"; the best training-free method, {name}, {fmt(finals[best])} ({finals[best] - finals[TRAINED]:+.4f}):"
+            f" {UNDECIDED}."
+        )
     else:
-        out += " No training-free method beats the TokenSelector here."
-    return out + paired_line(res, r, finals) + variant_line(res, finals) + diagnostic_line(res, finals)
+        out += (
+            f"; the best training-free method, {name}, {with_se(res, best, r)}; {name} less the TokenSelector"
+            f" {interval(p)}, {side(p, name, 'the TokenSelector')}."
+        )
+        groups: dict[str, list[str]] = {"level": [], "ahead": [], "behind": []}
+        for m in free:
+            q = paired(res, m, TRAINED, r)
+            if m != best and q is not None:
+                groups[{None: "level", "a": "ahead", "b": "behind"}[q.ahead]].append(pruning_label(res, m))
+        said = [f"{k}: {names(v)}" for k, v in (("ahead of it", groups["ahead"]), ("behind it", groups["behind"])) if v]
+        said += [f"level with it: {names(groups['level'])}"] if groups["level"] else []
+        if said:
+            out += " The other training-free methods against the TokenSelector: " + "; ".join(said) + "."
+    return (
+        out
+        + paired_line(res, r, best)
+        + fidelity_line(res, r, best)
+        + variant_line(res, r, finals, best)
+        + diagnostic_line(res, r, finals)
+    )
 
 
-def diagnostic_line(res: dict, finals: dict) -> str:
+def diagnostic_line(res: dict, r: float, finals: dict) -> str:
     """Each diagnostic (FastV K=2's choice applied before the decoder, where the TokenSelector prunes) beside the
-    method whose choice it borrows: whether the choice or the place to prune makes the difference."""
+    method whose choice it borrows, with their paired difference where the run has per-question scores: whether the
+    choice or the place to prune makes the difference."""
     out = ""
     for m, origin in DIAGNOSTIC.items():
         if m not in finals:
             continue
-        out += f" {pruning_label(res, m)} scores {fmt(finals[m])}"
+        out += f" {pruning_label(res, m)} scores {with_se(res, m, r)}"
         if origin in finals:
-            out += f" ({pruning_label(res, origin)}, pruning before layer 2: {fmt(finals[origin])})"
+            out += f" ({pruning_label(res, origin)}, pruning before layer 2: {fmt(finals[origin])}"
+            p = paired(res, m, origin, r)
+            if p is not None:
+                out += f"; the difference {interval(p)}, {side(p, pruning_label(res, m), pruning_label(res, origin))}"
+            out += ")"
         out += "."
     return out
 
 
-def variant_line(res: dict, finals: dict) -> str:
+def variant_line(res: dict, r: float, finals: dict, top: str | None) -> str:
     """Each variant of the TokenSelector (its choice applied inside the decoder) against the best training-free
-    method; empty where the run has none."""
-    free = [m for m in finals if training_free(m)]
-    top = max(free, key=lambda f: finals[f]) if free else None
+    method `top`, with their paired difference; empty where the run has no variant."""
     out = ""
     for m in (m for m in finals if trained(m) and m != TRAINED):
-        v = finals[m]
-        out += f" {pruning_label(res, m)} scores {fmt(v)}"
+        name = pruning_label(res, m)
+        out += f" {name} scores {with_se(res, m, r)}"
         if top is not None:
-            if v > finals[top]:
-                out += (
-                    f", ahead of every training-free method (the best, {pruning_label(res, top)}: {fmt(finals[top])})"
-                )
+            p = paired(res, m, top, r)
+            other = pruning_label(res, top)
+            if p is None:
+                out += f" ({finals[m] - finals[top]:+.4f} on {other}: not decided)"
             else:
-                out += f", not ahead of {pruning_label(res, top)} ({fmt(finals[top])})"
+                out += f"; less {other} {interval(p)}, {side(p, name, other)}"
         out += "."
     return out
 
 
-def paired_line(res: dict, r: float, finals: dict) -> str:
-    """The strongest training-free method at r against the TokenSelector on the closed questions where the two
-    differ (the run's `vs_selector`), with the sign test's p; empty where the run has no pairing."""
-    free = [m for m in finals if training_free(m)]
-    if not free:
+def paired_line(res: dict, r: float, m: str) -> str:
+    """The method m (the strongest training-free one at r) against the TokenSelector on the closed questions: the
+    paired difference in accuracy with its interval where the run has per-question scores, and the questions where
+    only one of the two is right with the sign test's p (`vs_selector`); empty where the run has neither."""
+    p = paired(res, m, TRAINED, r, "closed")
+    pair = (res["scores"].get(f"{m}@{r}") or {}).get("vs_selector")
+    name = pruning_label(res, m)
+    out = (
+        f" Closed accuracy, {name} less the TokenSelector: {interval(p)}, {side(p, name, 'the TokenSelector')}"
+        if p
+        else ""
+    )
+    if pair:
+        out += (
+            "; on the closed questions where the two differ" if p else " On the closed questions where the two differ"
+        )
+        out += (
+            f", only the TokenSelector is right on {pair['selector_only']} and only {name} on {pair['method_only']}"
+            f" (sign test p = {fmt(pair['p'])})"
+        )
+    return out + "." if out else ""
+
+
+def fidelity_line(res: dict, r: float, m: str) -> str:
+    """The fidelity to the unpruned model of the TokenSelector and of method m at r: each one's mean drop in the
+    unpruned answer's log-likelihood per token and its share of answers the same token for token, and the paired
+    difference of the drops (a smaller drop is ahead); empty where the run has no fidelity."""
+    fa, fb = ((res["scores"].get(f"{x}@{r}") or {}).get("fidelity") or {} for x in (TRAINED, m))
+    if "drop" not in fa or "drop" not in fb:
         return ""
-    m = max(free, key=lambda m: finals[m])
-    pair = res["scores"][f"{m}@{r}"].get("vs_selector")
-    if not pair:
-        return ""
-    return (
-        f" On the closed questions where the two differ, only the TokenSelector is right on {pair['selector_only']}"
-        f" and only {pruning_label(res, m)} on {pair['method_only']} (sign test p = {fmt(pair['p'])})."
+    name = pruning_label(res, m)
+    out = (
+        f" Fidelity (the unpruned answer's log-likelihood drop per token; answers the same): the TokenSelector"
+        f" {round(fa['drop'], 3) + 0.0:.3f} ({100 * fa['same_answer']:.0f}%), {name}"
+        f" {round(fb['drop'], 3) + 0.0:.3f} ({100 * fb['same_answer']:.0f}%)"
+    )
+    p = paired(res, m, TRAINED, r, "drop")
+    return out + (
+        f"; {name} less the TokenSelector {interval(p, 3)}, {side(p, name, 'the TokenSelector')}." if p else "."
     )
 
 
@@ -953,59 +1038,70 @@ RACES = (  # (the questions, the taught decoder's page, the neutral decoder's pa
 )
 
 
-def race_cells(res: dict | None, r: float) -> tuple[str, str, bool | None]:
+def race_cells(res: dict | None, r: float) -> tuple[str, str, str, str | None]:
     """On one run at r: the TokenSelector's best final (before the decoder, or its choice applied inside it) with its
-    name, the best training-free method's, and whether the selector is strictly ahead (None: not measured)."""
+    name, the best training-free method's, their paired difference (the selector less the other) with its 95%
+    interval over frames, and the outcome: "level", "selector", "free" (the training-free method ahead),
+    "undecided" (a run without per-question scores) or None (not measured)."""
     if res is None or r not in res["ratios"]:
-        return "-", "-", None
+        return "-", "-", "-", None
     finals = {m: round(v["final"], 4) for k, v in res["scores"].items() for m in [k.rsplit("@", 1)[0]]
               if k.endswith(f"@{r}") and v.get("final") is not None}  # fmt: skip
     free = {m: v for m, v in finals.items() if training_free(m)}
     learned = {m: v for m, v in finals.items() if trained(m)}
     if not learned or not free:
-        return "-", "-", None
+        return "-", "-", "-", None
     best, mine = max(free, key=lambda m: free[m]), max(learned, key=lambda m: learned[m])
-    return (
-        f"{pruning_label(res, mine)} {fmt(learned[mine])}",
-        f"{pruning_label(res, best)} {fmt(free[best])}",
-        learned[mine] > free[best],
-    )
+    cells = f"{pruning_label(res, mine)} {with_se(res, mine, r)}", f"{pruning_label(res, best)} {with_se(res, best, r)}"
+    p = paired(res, mine, best, r)
+    if p is None:
+        return *cells, f"{learned[mine] - free[best]:+.4f}, not decided", "undecided"
+    outcome = {None: "level", "a": "selector", "b": "free"}[p.ahead]
+    return *cells, f"{interval(p)}, {side(p, 'the TokenSelector', 'training-free')}", outcome
 
 
 def section_race(runs: dict) -> list[str]:
     """The pruning race on both decoders side by side, r <= 0.3: the TokenSelector's final against the best
-    training-free method's on each table, and a count of where the selector leads."""
+    training-free method's on each table, their paired difference with its interval, and a count of the outcomes."""
     pairs = [(what, runs.get(PRUNING[a][0]), runs.get(PRUNING[b][0])) for what, a, b in RACES]
     if not any(n for _, _, n in pairs):
         return []
-    rows, lead = [], {"taught": [0, 0], "neutral": [0, 0]}
+    rows = []
+    counts: dict[str, dict[str, int]] = {"taught": {}, "neutral": {}}
     for what, taught, neutral in pairs:
         ratios = sorted({r for run in (taught, neutral) if run for r in run["result"]["ratios"] if r <= 0.3})
         for r in ratios:
             cells = []
             for key, run in (("taught", taught), ("neutral", neutral)):
-                sel, best, ahead = race_cells(run["result"] if run else None, r)
-                cells += [sel, best]
-                if ahead is not None:
-                    lead[key][0] += ahead
-                    lead[key][1] += 1
+                sel, best, diff, outcome = race_cells(run["result"] if run else None, r)
+                cells += [sel, best, diff]
+                if outcome is not None:
+                    counts[key][outcome] = counts[key].get(outcome, 0) + 1
             rows.append([what, r, *cells])
     header = ["questions", "r", "taught: best TokenSelector", "taught: best training-free",
-              "neutral: best TokenSelector", "neutral: best training-free"]  # fmt: skip
+              "taught: difference [95%]", "neutral: best TokenSelector", "neutral: best training-free",
+              "neutral: difference [95%]"]  # fmt: skip
+    words = {
+        "level": "level in {}",
+        "selector": "the TokenSelector ahead in {}",
+        "free": "a training-free method ahead in {}",
+        "undecided": "not decided in {} (runs without per-question scores)",
+    }
     summary = "; ".join(
-        f"on the {'decoder taught its prunings' if k == 'taught' else 'neutral decoder'} the TokenSelector is ahead of"
-        f" every training-free method in {a} of {n} rows"
-        for k, (a, n) in lead.items()
-        if n
+        f"on the {'decoder taught its prunings' if k == 'taught' else 'neutral decoder'}, of {sum(c.values())} rows: "
+        + ", ".join(w.format(c[o]) for o, w in words.items() if c.get(o))
+        for k, c in counts.items()
+        if c
     )
     return [
         "## The pruning race on both decoders",
         "",
         "The tables above side by side at r <= 0.3: the best DriveLM final of the TokenSelector (its choice before"
         " the decoder, or the same choice applied before layer 2) and the best training-free method's, each with its"
-        " name, on the decoder taught the selector's prunings and on the neutral one."
-        f" Read from the runs' JSON: {summary}. A lead of a few thousandths is a question or two (the closed-accuracy"
-        " standard errors beside each table).",
+        " name and standard error over frames, on the decoder taught the selector's prunings and on the neutral one;"
+        " then their paired difference (the TokenSelector less the training-free method, over the same questions)"
+        ' with its 95% interval from resampling the frames, "level" where the interval holds zero. Each side is the'
+        f" best of several, picked after the fact. Read from the runs' JSON: {summary}.",
         "",
         *table(header, rows),
         "",
@@ -1073,40 +1169,55 @@ def section_pruning(runs: dict, page: str) -> list[str]:
             " before it read the whole prompt, as FastV's and DART's do, and cost what they cost there."
         )
     n_closed, p = res.get("n_closed"), un.get("closed_accuracy")
-    if n_closed and p is not None:
+    if un.get("final_se") is not None:
+        about.append(
+            f"Standard errors over frames (a frame's questions taken together): unpruned final ± {un['final_se']:.4f},"
+            f" closed accuracy ± {fmt(un.get('closed_se'))}. Each difference below is paired over the same questions,"
+            ' with its 95% interval from resampling the frames; "level" where the interval holds zero.'
+        )
+    elif n_closed and p is not None:
         about.append(
             f"With {n_closed} closed questions, a closed accuracy near {fmt(p)} has a standard error of about"
-            f" {(p * (1 - p) / n_closed) ** 0.5:.3f}: smaller differences are not evidence either way."
+            f" {(p * (1 - p) / n_closed) ** 0.5:.3f}. This run stored no per-question scores: its differences have no"
+            " interval and are not decided."
+        )
+    if any("drop" in (sc.get("fidelity") or {}) for sc in scores.values()):
+        about.append(
+            "Beside each r, the fidelity to the unpruned model: the mean drop in the unpruned answer's log-likelihood"
+            " per token under the pruned prompt (teacher-forced; 0: as likely as unpruned), and in brackets the share"
+            " of answers token for token the unpruned one's."
         )
     out += [" ".join(about), ""]
-    header = ["method", *(f"r={r}" for r in ratios)]
 
-    def cell(m, r):
-        sc = scores.get(f"{m}@{r}")
+    def cell(sc):
         return "-" if sc is None else f"{fmt(sc['final'])} ({fmt(sc.get('closed_accuracy'))})"
+
+    def fidelity(sc):
+        f = (sc or {}).get("fidelity") or {}
+        return "-" if "drop" not in f else f"{round(f['drop'], 3) + 0.0:.3f} ({100 * f['same_answer']:.0f}%)"
+
+    def columns(run_res: dict, prefix: str = ""):  # per column: its header, the kept-tokens row's cell, a method's
+        sc = run_res["scores"]
+        fid = any("drop" in (v.get("fidelity") or {}) for v in sc.values())
+        for r in run_res["ratios"]:
+            kept = next((sc[f"{m}@{r}"].get("visual_tokens") for m in methods if f"{m}@{r}" in sc), None)
+            yield f"{prefix}r={r}", kept, lambda m, r=r: cell(sc.get(f"{m}@{r}"))
+            if fid:
+                yield f"{prefix}r={r} fidelity", "", lambda m, r=r: fidelity(sc.get(f"{m}@{r}"))
 
     def timed(m, r):  # one table for both times: the method's prefill + its own choice
         t = res["timing_ms"].get(f"{m}@{r}")
         return "-" if t is None else f"{fmt(t.get('prefill_ms'))} + {fmt(t.get('select_tokens_ms'))}"
 
-    kept = [
-        next((scores[f"{m}@{r}"].get("visual_tokens") for m in methods if f"{m}@{r}" in scores), None) for r in ratios
-    ]
-    rows = [["visual tokens kept", *kept], *([pruning_label(res, m), *(cell(m, r) for r in ratios)] for m in methods)]
-    rows += [[pruning_label(res, m), *(["absent"] * len(ratios))] for m in absent]
     neutral = other["result"] if other is not None else None
-    if neutral is not None:  # the neutral decoder's cells beside, method by method
-        header += [f"neutral r={r}" for r in neutral["ratios"]]
-        for row_ in rows[1:]:
-            m = next((x for x in methods if pruning_label(res, x) == row_[0]), None)
-            row_ += [
-                "-" if (sc := neutral["scores"].get(f"{m}@{r}")) is None
-                else f"{fmt(sc['final'])} ({fmt(sc.get('closed_accuracy'))})"
-                for r in neutral["ratios"]
-            ]  # fmt: skip
-        ns = neutral["scores"]
-        rows[0] += [next((ns[f"{m}@{r}"].get("visual_tokens") for m in methods if f"{m}@{r}" in ns), None)
-                    for r in neutral["ratios"]]  # fmt: skip
+    own = list(columns(res))
+    beside = (
+        list(columns(neutral, "neutral ")) if neutral is not None else []
+    )  # the neutral decoder's, method by method
+    header = ["method", *(h for h, _, _ in own + beside)]
+    rows = [["visual tokens kept", *(k for _, k, _ in own + beside)]]
+    rows += [[pruning_label(res, m), *(f(m) for _, _, f in own + beside)] for m in methods]
+    rows += [[pruning_label(res, m), *(["absent"] * len(own)), *(["-"] * len(beside))] for m in absent]
     out += table(header, rows)
     for m, why in absent.items():
         out += ["", f"{pruning_label(res, m)}: absent, {why} (`litevlm train tokens` trains one)."]
@@ -1132,7 +1243,10 @@ def section_pruning(runs: dict, page: str) -> list[str]:
             f" Unpruned prefill: **{fmt(res['timing_ms']['unpruned']['prefill_ms'])} ms**."
             f" {selector_timing_note(res.get('selector') or {}, res.get('selection_timed_as'))}",
             "",
-            *table(header, [[pruning_label(res, m), *(timed(m, r) for r in ratios)] for m in methods]),
+            *table(
+                ["method", *(f"r={r}" for r in ratios)],
+                [[pruning_label(res, m), *(timed(m, r) for r in ratios)] for m in methods],
+            ),
         ]
     out += provenance(run)
     if res.get("plot") and "all-questions" not in page:  # the every-question pages: their plots beside the JSON

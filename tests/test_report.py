@@ -1,5 +1,6 @@
 """benchmarks/report.py: the results page shows the figures of the runs' JSON, and says plainly what was not run."""
 
+import copy
 import json
 
 import pytest
@@ -688,6 +689,40 @@ def pruning_run(model: str, with_selector: bool = True) -> dict:
     return run_file(f"token_pruning_{model}", pruning_result(model, with_selector), command)
 
 
+def with_questions(res: dict, noisy: tuple[str, ...] = (), drops: dict | None = None) -> dict:
+    """The run's per-question lists as benchmarks/token_pruning.py stores them (schema 3), 40 questions in 10 frames
+    of 4, the first 22 closed, made so that each list's mean is the run's figure: every method shares the same
+    question-to-question spread, so its difference from another is a constant shift (a zero-width interval), except
+    for the `noisy` methods, whose frames also swing by +-0.2 (an interval wide enough to hold any small difference).
+    Closed answers are the same for every method (a zero difference); `drops` gives a method's mean fidelity drop
+    (0.05 by default)."""
+    n, frames = 40, [f"scene_{i // 4}" for i in range(40)]
+    spread = [0.1 * ((i % 7) - 3) / 3 for i in range(n)]
+    centre = sum(spread) / n
+    swing = [0.2 if (i // 4) % 2 else -0.2 for i in range(n)]  # five frames up, five down: mean 0
+    correct = [int(i % 5 != 0) if i < 22 else None for i in range(n)]
+    drops = drops or {}
+
+    def lists(key: str, final: float) -> dict:
+        m = key.rsplit("@", 1)[0]
+        noise = swing if m in noisy else [0.0] * n
+        out = {"final": [final + e - centre + z for e, z in zip(spread, noise)], "correct": correct}
+        if key != "unpruned":
+            drop = drops.get(m, 0.05)
+            out |= {"same": [int(i % 3 != 0) for i in range(n)], "drop": [drop + e - centre for e in spread]}
+        return out
+
+    res["questions"] = {"id": [f"q{i}" for i in range(n)], "frame": frames, "closed": [int(i < 22) for i in range(n)]}
+    res["per_question"] = {"unpruned": lists("unpruned", res["unpruned"]["final"])}
+    res["unpruned"] |= {"final_se": 0.0213, "closed_se": 0.0731, "loglik": -0.1234}
+    for key, sc in res["scores"].items():
+        res["per_question"][key] = lists(key, sc["final"])
+        drop = drops.get(key.rsplit("@", 1)[0], 0.05)
+        sc |= {"final_se": 0.0211, "closed_se": 0.0702}
+        sc["fidelity"] = {"same_answer": 0.65, "drop": drop, "low": drop - 0.01, "high": drop + 0.01, "se": 0.005}
+    return res
+
+
 def test_drive_hd_table1_comes_first_and_the_glance_names_both_models(tmp_path, report):
     readme = tmp_path / "README.md"
     readme.write_text(f"{report.GLANCE[0]}\nold\n{report.GLANCE[1]}\n")
@@ -748,17 +783,21 @@ def test_the_pruning_section_shows_every_method_and_says_which_is_best(tmp_path,
     assert "| visual tokens kept | 12.8 | 25.6 | 64.0 |" in sec
     assert "| TokenSelector | 0.5011 (0.8182) | 0.5301 (0.8282) | 0.5402 (0.8382) |" in sec
     assert "| DivPrune per view | 0.4977 (0.8182) | 0.4907 (0.8282) | 0.5311 (0.8382) |" in sec
-    # One sentence for each r <= 0.3, none for 0.5; where a training-free pruner beats the TokenSelector, it says so.
+    # One sentence for each r <= 0.3, none for 0.5; a run without per-question scores leaves every difference not
+    # decided, however large, and claims no lead.
     assert (
-        "- At r=0.1 (12.8 visual tokens kept), DART scores best: final 0.5123, closed accuracy 0.8182. A training-free"
-        " method beats the TokenSelector (0.5011) here: DART (0.5123, +0.0112) and DivPrune (0.5077, +0.0066)." in sec
+        "- At r=0.1 (12.8 visual tokens kept), the TokenSelector scores 0.5011; the best training-free method, DART,"
+        " 0.5123 (+0.0112): not decided (no per-question scores in this run, so no interval)." in sec
     )
     assert (
-        "- At r=0.2 (25.6 visual tokens kept), the TokenSelector scores best: final 0.5301, closed accuracy 0.8282."
-        " No training-free method beats the TokenSelector here." in sec
+        "- At r=0.2 (25.6 visual tokens kept), the TokenSelector scores 0.5301; the best training-free method, DART,"
+        " 0.5201 (-0.0100): not decided" in sec
     )
     assert "At r=0.5" not in sec
-    assert "With 22 closed questions, a closed accuracy near 0.8636 has a standard error of about 0.073" in sec
+    assert "With 22 closed questions, a closed accuracy near 0.8636 has a standard error of about 0.073." in sec
+    assert "This run stored no per-question scores: its differences have no interval and are not decided." in sec
+    for claim in ("beats", "leads", "wins", "scores best", "ahead"):
+        assert claim not in sec
     # Timing: the unpruned prefill, then one table of prefill + the method's own select_tokens ms at each r.
     assert "Unpruned prefill: **41.25 ms**" in sec and "first 10 prompts (3 repeats" in sec
     assert "each cell is the prefill ms + the method's own select_tokens ms" in sec
@@ -776,35 +815,58 @@ def test_the_pruning_section_on_a_model_without_a_token_selector(tmp_path, repor
     assert "| TokenSelector | absent | absent | absent |" in hd
     assert "TokenSelector: absent, drive-hd has no token_selector/ folder" in hd
     assert (
-        "- At r=0.1 (12.8 visual tokens kept), DART scores best: final 0.5123, closed accuracy 0.8182. No TokenSelector"
-        " was measured (drive-hd has no token_selector/ folder)." in hd
+        "- At r=0.1 (12.8 visual tokens kept), the highest final is DART's, 0.5123 (closed accuracy 0.8182). No"
+        " TokenSelector was measured (drive-hd has no token_selector/ folder)." in hd
     )
-    assert "beats the TokenSelector" not in hd
+    assert "beats" not in hd and "ahead" not in hd
 
 
-def test_a_tie_for_best_is_said_as_one(report):
-    res = pruning_result("drive-tiny", with_selector=True)
-    res["scores"]["dart@0.2"]["final"] = res["scores"]["token-selector@0.2"]["final"]
+def test_each_difference_is_paired_with_its_interval_and_level_where_it_holds_zero(tmp_path, report):
+    """With per-question scores, each r's sentence gives the TokenSelector's final and the best training-free
+    method's with their standard errors, their paired difference with its 95% interval over frames, and "level"
+    where the interval holds zero, never a lead; the others grouped by where they stand; the closed questions and the
+    fidelity of the same pair. The table carries the fidelity beside each r's score."""
+    res = with_questions(pruning_result("drive-hd", with_selector=True), noisy=("dart",), drops={"dart": 0.08})
+    res["scores"]["dart@0.1"]["vs_selector"] = {"selector_only": 1, "method_only": 4, "p": 0.375}
+    line = report.pruning_verdict(res, 0.1)
+    assert line.startswith(
+        "- At r=0.1 (12.8 visual tokens kept), the TokenSelector scores 0.5011 ± 0.0211; the best training-free"
+        " method, DART, 0.5123 ± 0.0211; DART less the TokenSelector +0.0112 ["
+    )
+    assert "], level. The other training-free methods against the TokenSelector:" in line
+    assert "ahead of it: DivPrune; behind it: FastV K=2 and DivPrune per view." in line
+    assert (
+        " Closed accuracy, DART less the TokenSelector: +0.0000 [+0.0000, +0.0000], level; on the closed questions"
+        " where the two differ, only the TokenSelector is right on 1 and only DART on 4 (sign test p = 0.375)." in line
+    )
+    assert (
+        " Fidelity (the unpruned answer's log-likelihood drop per token; answers the same): the TokenSelector 0.050"
+        " (65%), DART 0.080 (65%); DART less the TokenSelector +0.030 [+0.030, +0.030], the TokenSelector ahead."
+    ) in line
+    p = report.paired(res, "dart", "token-selector", 0.1)
+    assert p.low < 0 < p.high and p.diff == pytest.approx(0.0112) and p.frames == 10 and p.n == 40
+    # a constant shift (no swing): the difference is exact and its interval has no width
     line = report.pruning_verdict(res, 0.2)
-    assert "the TokenSelector and DART tie for best: final 0.5301." in line
-    assert "No training-free method beats the TokenSelector; DART ties it." in line
-
-
-def test_a_method_within_the_shown_decimals_ties_the_selector_and_does_not_beat_it(report):
-    """Finals are compared as the page prints them (four decimals): 0.00003 above the selector is a tie, not a win
-    of "+0.0000"; a method above it at that precision still beats it, and the tie is named beside it."""
-    res = pruning_result("drive-tiny", with_selector=True)
-    ts = res["scores"]["token-selector@0.2"]["final"]
-    res["scores"]["dart@0.2"]["final"] = ts + 0.00003
-    res["scores"]["divprune@0.2"]["final"] = ts + 0.0003
-    line = report.pruning_verdict(res, 0.2)
-    assert "+0.0000" not in line
-    assert f"beats the TokenSelector ({ts:.4f}) here: DivPrune ({ts + 0.0003:.4f}, +0.0003); DART ties it." in line
-    res["scores"]["divprune@0.2"]["final"] = ts - 0.01
-    line = report.pruning_verdict(res, 0.2)
-    assert "No training-free method beats the TokenSelector; DART ties it." in line
-    # the best method is judged at the same precision: the selector (best here) shares it with DART
-    assert f"the TokenSelector and DART tie for best: final {ts:.4f}." in line
+    assert "the best training-free method, DART, 0.5201 ± 0.0211; DART less the TokenSelector -0.0100 [" in line
+    exact = report.paired(res, "divprune", "token-selector", 0.2)
+    assert exact.diff == pytest.approx(-0.0294) and exact.high - exact.low == pytest.approx(0, abs=1e-12)
+    assert not exact.level and exact.verdict("DivPrune", "the TokenSelector") == "the TokenSelector"
+    for claim in ("beats", "leads", "wins", "scores best"):
+        assert claim not in line
+    page = write(tmp_path, report, {**FIXTURES, "token_pruning_drive-hd": run_file("token_pruning_drive-hd", res, "x")})
+    sec = page[page.index("## Token pruning on drive-hd: ") : page.index("## Token pruning on drive-hd, every")]
+    assert (
+        "Standard errors over frames (a frame's questions taken together): unpruned final ± 0.0213, closed accuracy"
+        " ± 0.0731. Each difference below is paired over the same questions, with its 95% interval from resampling"
+        ' the frames; "level" where the interval holds zero.' in sec
+    )
+    assert "| method | r=0.1 | r=0.1 fidelity | r=0.2 | r=0.2 fidelity | r=0.5 | r=0.5 fidelity |" in sec
+    assert "| visual tokens kept | 12.8 |  | 25.6 |  | 64.0 |  |" in sec
+    assert "| DART | 0.5123 (0.8182) | 0.080 (65%) | 0.5201 (0.8282) | 0.080 (65%) |" in sec
+    assert "the mean drop in the unpruned answer's log-likelihood per token under the pruned prompt" in sec
+    assert "| TokenSelector | 10.0 + 0.5 | 20.0 + 0.5 | 30.0 + 0.5 |" in sec  # the timing table keeps its columns
+    for claim in ("beats", "leads", "wins", "scores best"):
+        assert claim not in sec
 
 
 def test_the_selectors_variant_inside_the_decoder_is_weighed_against_the_training_free_methods(tmp_path, report):
@@ -817,13 +879,13 @@ def test_the_selectors_variant_inside_the_decoder_is_weighed_against_the_trainin
         res["scores"][f"token-selector-k2@{r}"] = scores(v, 0.82, 1.0)
         res["timing_ms"][f"token-selector-k2@{r}"] = timing(0.5, 12.0)
     line = report.pruning_verdict(res, 0.1)
-    assert "TokenSelector K=2 scores best: final 0.5201" in line
-    assert "A training-free method beats the TokenSelector (0.5011) here: DART (0.5123, +0.0112)" in line
-    assert "TokenSelector K=2 (" not in line.split("beats the TokenSelector")[1].split(".")[0]  # not training-free
-    assert line.endswith(
-        " TokenSelector K=2 scores 0.5201, ahead of every training-free method (the best, DART: 0.5123)."
+    assert "the best training-free method, DART, 0.5123 (+0.0112)" in line  # TokenSelector K=2 is not training-free
+    assert line.endswith(" TokenSelector K=2 scores 0.5201 (+0.0078 on DART: not decided).")
+    assert report.pruning_verdict(res, 0.2).endswith(" TokenSelector K=2 scores 0.5102 (-0.0099 on DART: not decided).")
+    # with per-question scores: its paired difference from the best training-free method, and who is ahead
+    assert report.pruning_verdict(with_questions(copy.deepcopy(res)), 0.1).endswith(
+        " TokenSelector K=2 scores 0.5201 ± 0.0211; less DART +0.0078 [+0.0078, +0.0078], TokenSelector K=2 ahead."
     )
-    assert report.pruning_verdict(res, 0.2).endswith(" TokenSelector K=2 scores 0.5102, not ahead of DART (0.5201).")
     runs = {**FIXTURES, "token_pruning_drive-hd": run_file("token_pruning_drive-hd", res, "python x.py")}
     page = write(tmp_path, report, runs)
     hd = page[page.index("## Token pruning on drive-hd") : page.index("## Token pruning on drive-hd, every")]
@@ -854,7 +916,7 @@ def test_the_pruning_verdict_pairs_the_strongest_pruner_with_the_selector(tmp_pa
     run["scores"]["dart@0.1"]["vs_selector"] = {"selector_only": 1, "method_only": 4, "p": 0.375}
     line = report.pruning_verdict(run, 0.1)
     assert line.endswith(
-        "On the closed questions where the two differ, only the TokenSelector is right on 1 and only DART on 4"
+        " On the closed questions where the two differ, only the TokenSelector is right on 1 and only DART on 4"
         " (sign test p = 0.375)."
     )
     assert "sign test" not in report.pruning_verdict(run, 0.2)  # a run without the pairing says nothing of it
@@ -919,7 +981,7 @@ def test_drive_hd_on_every_held_out_question_has_its_own_pruning_page(tmp_path, 
     sec = page[page.index(heading) : page.index("## Token pruning on drive-hd over all six views")]
     assert "The strong methods on every question of the held-out split" in sec
     assert "1688 questions (22 closed) over the views each needs" in sec and "Timing, side by side" not in sec
-    assert "- At r=0.1 (12.8 visual tokens kept), DART scores best" in sec
+    assert "- At r=0.1 (12.8 visual tokens kept), the TokenSelector scores 0.5011; the best training-free" in sec
 
 
 def test_fastvs_choice_before_the_decoder_is_a_diagnostic_not_a_pruner_that_beats_the_selector(tmp_path, report):
@@ -941,10 +1003,14 @@ def test_fastvs_choice_before_the_decoder_is_a_diagnostic_not_a_pruner_that_beat
     assert "is a diagnostic, not a pruner to run" in sec
     assert "| FastV K=2's choice before the decoder | 0.5999" in sec
     line = next(x for x in sec.splitlines() if x.startswith("- At r=0.2"))
-    assert "A training-free method beats the TokenSelector (0.5301) here: DART (0.5201" not in line  # DART is below
-    assert "No training-free method beats the TokenSelector here." in line and "0.5998" not in line.split("here.")[0]
+    assert "the best training-free method, DART, 0.5201" in line  # the diagnostic is not a pruner to run
     assert line.endswith(
         "FastV K=2's choice before the decoder scores 0.5998 (FastV K=2, pruning before layer 2: 0.5105)."
+    )
+    with_questions(res)
+    assert report.pruning_verdict(res, 0.2).endswith(
+        "FastV K=2's choice before the decoder scores 0.5998 ± 0.0211 (FastV K=2, pruning before layer 2: 0.5105;"
+        " the difference +0.0893 [+0.0893, +0.0893], FastV K=2's choice before the decoder ahead)."
     )
 
 
@@ -1153,7 +1219,8 @@ def test_the_neutral_decoders_race_beside_the_taught_one(tmp_path, report):
     assert "| method | r=0.1 | r=0.2 | r=0.5 | neutral r=0.1 | neutral r=0.2 | neutral r=0.5 |" in every
     assert "| DivPrune | 0.5077 (0.8182) | 0.5007 (0.8282) | 0.5301 (0.8382) | 0.6 (0.8182) |" in every
     assert "- Taught decoder, at r=0.1" in every and "- Neutral decoder, at r=0.1" in every
-    assert "Neutral decoder, at r=0.1 (12.8 visual tokens kept), DivPrune scores best: final 0.6" in every
+    assert "Neutral decoder, at r=0.1 (12.8 visual tokens kept), the TokenSelector scores 0.4911; the best" in every
+    assert "the best training-free method, DivPrune, 0.6 (+0.1089): not decided" in every
     assert f"Taught decoder's command: `{cmd}`" in every and f"Neutral decoder's command: `{ncmd}`" in every
     assert "## Token pruning on drive-hd's neutral decoder, every held-out question" not in page
     neutral_page = page[page.index("## Token pruning on drive-hd's neutral decoder:") :]
@@ -1164,10 +1231,25 @@ def test_the_neutral_decoders_race_beside_the_taught_one(tmp_path, report):
     race = page[page.index("## The pruning race on both decoders") :]
     race = race[: race.index("\n## ")]
     assert (
-        "| every held-out question | 0.1 | TokenSelector 0.5011 | DART 0.5123 | TokenSelector 0.4911 | DivPrune 0.6 |"
-        in race
+        "| every held-out question | 0.1 | TokenSelector 0.5011 | DART 0.5123 | -0.0112, not decided | TokenSelector"
+        " 0.4911 | DivPrune 0.6 | -0.1089, not decided |" in race
     )
-    assert "on the neutral decoder the TokenSelector is ahead of every training-free method in 2 of 4 rows" in race
+    assert "on the neutral decoder, of 4 rows: not decided in 4 (runs without per-question scores)" in race
+    for claim in ("beats", "leads", "wins"):
+        assert claim not in race
+    # runs with per-question scores: each row's paired difference with its interval, and the outcomes counted
+    taught, neutral = with_questions(taught, noisy=("token-selector",)), with_questions(neutral)
+    runs["token_pruning_drive-hd-all-questions"]["result"] = taught
+    runs["token_pruning_drive-hd-neutral-all-questions"]["result"] = neutral
+    runs["token_pruning_drive-hd-neutral"]["result"] = neutral
+    page = write(tmp_path / "paired", report, runs)
+    race = page[page.index("## The pruning race on both decoders") :]
+    race = race[: race.index("\n## ")]
+    row_ = next(x for x in race.splitlines() if x.startswith("| every held-out question | 0.1 |"))
+    assert "| TokenSelector 0.5011 ± 0.0211 | DART 0.5123 ± 0.0211 | -0.0112 [" in row_ and "], level |" in row_
+    assert row_.endswith("| DivPrune 0.6 ± 0.0211 | -0.1089 [-0.1089, -0.1089], training-free ahead |")
+    assert "on the decoder taught its prunings, of 4 rows: level in 2, not decided in 2 (runs without" in race
+    assert "on the neutral decoder, of 4 rows: the TokenSelector ahead in 2, a training-free method ahead in 2" in race
 
 
 def test_the_compile_cost_section_has_its_table_and_the_deepest_ratio(tmp_path, report):
