@@ -2,6 +2,9 @@
 through its twin (graph capture without the CUDA calls: the warm-up with its side effects, the static buffers, replay
 on them; the static steps compiled by inductor). The GPU itself is exercised by the `gpu`-marked tests at the end."""
 
+import functools
+import os
+
 import pytest
 import torch
 from test_spec import EOS, assert_greedy_up_to_a_near_tie, assert_reordered_fp32, prompt, random_draft, tiny_vlm
@@ -303,6 +306,45 @@ def test_litevlm_cuda_compile_0_keeps_the_prefill_eager(monkeypatch):
     assert compiles()
     monkeypatch.setenv("LITEVLM_CUDA_COMPILE", "0")
     assert not compiles()
+
+
+def test_a_step_whose_compile_fails_is_captured_uncompiled_with_a_warning(monkeypatch, tmp_path):
+    """A compiler that fails on this machine costs the compiled steps, never the backend: each step so hit is
+    named in a warning and in `compile_failures`, and answers as the eager steps do. Compiled steps keep inductor's
+    cache on disk (LITEVLM_COMPILE_CACHE)."""
+    import litevlm.model.backend as backend
+
+    monkeypatch.setenv("LITEVLM_COMPILE_CACHE", str(tmp_path / "inductor"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+
+    def broken(*a, **k):
+        raise RuntimeError("no compiler here")
+
+    model = cached(tiny_vlm(vocab=24), live=64)
+    embeds, pos = prompt(model, seed=4)
+    with torch.no_grad():
+        plain = generate(ModulesBackend(model), embeds, pos, 12, None).tokens
+    monkeypatch.setattr(backend.CudaBackend, "_compiled", lambda self, fn, tag, compile_it, regional=True: (
+        functools.partial(lambda *a, **k: broken(), fn) if compile_it else fn))  # fmt: skip
+    with pytest.warns(UserWarning, match="compiling the decode_64 step failed"):
+        b = CudaBackend(model, None, twin=True, compile=False, compile_steps=True, kv_buckets=(), prefill_buckets=())
+    assert b.compile_failures == ["decode_64: RuntimeError"]
+    with torch.no_grad():
+        assert generate(b, embeds, pos, 12, None).tokens == plain
+    assert (tmp_path / "inductor").is_dir() and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+
+
+def test_the_steps_compile_by_default_on_a_gpu_only():
+    """compile_steps left to its default: on for a GPU's cuda backend (unless LITEVLM_CUDA_COMPILE=0), off for the
+    twin and every CPU backend."""
+    from litevlm import Pipeline
+
+    twin = Pipeline.from_pretrained("drive-tiny", backend="cuda-twin", warmup=False)
+    assert twin.compile_steps is None and twin.backend.compile_steps is False
+    assert Pipeline.from_pretrained("drive-tiny", warmup=False).backend.name == "native"
+    if torch.cuda.is_available():
+        gpu = Pipeline.from_pretrained("drive-tiny", device="cuda", warmup=False)
+        assert gpu.backend.name == "cuda" and gpu.backend.compile_steps is True
 
 
 def test_sampling_is_one_frozen_value():

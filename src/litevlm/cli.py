@@ -74,7 +74,11 @@ def _json_flag(p: argparse.ArgumentParser, help: str | None = None) -> None:
 # demo, ask, views
 # ------------------------------------------------------------------------------------------------
 def demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="drive-tiny")
+    p.add_argument(
+        "--model",
+        default="drive-hd",
+        help="a bundled model's name or a checkpoint folder (default: %(default)s; drive-tiny is the smaller one)",
+    )
     p.add_argument("--seed", type=int, default=2026, help="the synthetic scene's seed")
     p.add_argument("--questions", type=int, default=6)
     p.add_argument("--out", default="demo.png", help="where to save the 2x3 picture of the six views")
@@ -796,7 +800,8 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--compile-steps",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="the cuda backend's decode, verification and draft-chain steps compiled by inductor before capture "
         "(fused norms, RoPE, SwiGLU, FP8 quantisation): one compile per KV bucket and step at setup",
     )

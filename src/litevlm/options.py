@@ -162,9 +162,11 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--compile-steps",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="the cuda backend's decode, verification and draft-chain steps compiled by inductor before capture "
-        "(fused norms, RoPE, SwiGLU, FP8 quantisation): one compile per KV bucket and step at setup",
+        "(fused norms, RoPE, SwiGLU, FP8 quantisation): one compile per KV bucket and step at setup, kept on disk "
+        "for the next start (default: on for a GPU's cuda backend, off for its CPU twin)",
     )
     g.add_argument(
         "--matmul",

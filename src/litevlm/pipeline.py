@@ -31,7 +31,7 @@ from litevlm.batch import BatchDecoder, batch_refusal
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
 from litevlm.frame import Frame, ViewCache
-from litevlm.model.backend import CACHE_MULTIPLE, Sampling, auto_kind, choose_backend, round_up
+from litevlm.model.backend import CACHE_MULTIPLE, Sampling, auto_kind, choose_backend, compiles, round_up
 from litevlm.model.generate import (
     Generation,
     Prefilled,
@@ -178,6 +178,7 @@ class Pipeline:
     compile_steps: the CUDA backend's decode, verification and draft-chain steps compiled by inductor before they
         are captured (the norms, RoPE, SwiGLU and FP8's activation quantisation fused): one compile of one decoder
         layer, which every layer reuses, per KV-length bucket and step kind at setup; no effect on the other backends.
+        None (the default): compiled on a GPU's cuda backend unless LITEVLM_CUDA_COMPILE=0, not on its CPU twin.
     view_cache: a `litevlm.frame.ViewCache` (or its bound in bytes) that keeps encoded views across questions,
         keyed by content (`litevlm serve`, `litevlm eval`); None: each `answer` reads its views afresh.
     """
@@ -206,7 +207,7 @@ class Pipeline:
         openings: bool = True,
         prompt_format: PromptFormat | None = None,
         backend: str = "auto",
-        compile_steps: bool = False,
+        compile_steps: bool | None = None,
         warmup: bool = True,
         resample: str = "fast",
         view_cache: ViewCache | int | None = None,
@@ -275,7 +276,8 @@ class Pipeline:
         kind = auto_kind(self.model, self.draft) if self.backend_kind == "auto" else self.backend_kind
         scratch = max(1, nodes) if kind in GRAPH_BACKENDS else 0
         lm.setup_cache(1, self.max_len, scratch=scratch)
-        graphs = {"compile_steps": True} if self.compile_steps and kind in GRAPH_BACKENDS else {}
+        compile_steps = self.compile_steps if self.compile_steps is not None else kind == "cuda" and compiles()
+        graphs = {"compile_steps": True} if compile_steps and kind in GRAPH_BACKENDS else {}
         self.backend = choose_backend(kind, self.model, self.draft, tree_nodes=nodes, **graphs)
         self.precision = precision_of(self.model)  # what every answer reports, read once per set of weights
         self.warmed = False

@@ -245,7 +245,7 @@ def _pipelines(
     shape: str | None,
     backend: str = "auto",
     load: dict | None = None,
-    compile_steps: bool = False,
+    compile_steps: bool | None = None,
 ):
     """One pipeline per row, each with its execution backend (`litevlm.model.backend`); `load` holds
     `Pipeline.from_pretrained`'s device, dtype and prompt format options."""
@@ -309,7 +309,7 @@ def random_pipeline(
     backend: str = "auto",
     openings: bool = True,
     weights: dict | None = None,
-    compile_steps: bool = False,
+    compile_steps: bool | None = None,
 ):
     """A pipeline at a real model's shapes with random weights (latency only): `--shape 2b` etc.
 
@@ -549,7 +549,7 @@ def run_bench(
     jsonl=None,
     scored: bool = True,
     questions_per_frame: int = 1,
-    compile_steps: bool = False,
+    compile_steps: bool | None = None,
 ) -> dict:
     """Every row of `configs` (default: the paper's table) on the first `n` questions of `data` after `warmup`
     (default: held-out synthetic frames of `seed`), plus transformers' generate rows with `hf`. A real model's rows

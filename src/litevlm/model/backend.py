@@ -28,7 +28,9 @@ import functools
 import os
 import time
 import types
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -672,6 +674,9 @@ class CudaBackend(ModulesBackend):
         lm = self.lm
         self.twin = twin
         self.compile = compiles() if compile is None else compile
+        self.compile_failures: list[str] = []  # steps whose compile failed and that run uncompiled
+        if self.compile or compile_steps:
+            keep_compiles_on_disk()
         cache = lm.layers[0].self_attn.kv_cache
         if cache is None:
             raise LiteVLMError("set up the KV cache (TextModel.setup_cache) before making a cuda backend")
@@ -742,17 +747,37 @@ class CudaBackend(ModulesBackend):
             return torch.compile(_distinct(fn, tag), dynamic=False, fullgraph=True)
         return functools.partial(fn, layer_step=torch.compile(_distinct(run_layer, tag), dynamic=False, fullgraph=True))
 
+    def _captured(self, capture, tag: str, compile_it: bool) -> StepGraph:
+        """capture(compile_it) -> its StepGraph; where compiling the step fails (an inductor or dynamo error on this
+        machine's toolchain), a warning naming the error and the step captured uncompiled: the same results."""
+        if not compile_it:
+            return capture(False)
+        try:
+            return capture(True)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the uncompiled step is exact
+            warnings.warn(f"litevlm: compiling the {tag} step failed ({type(e).__name__}: {e}); captured uncompiled")
+            self.compile_failures.append(f"{tag}: {type(e).__name__}")
+            return capture(False)
+
     def _capture_decode(self, width: int, compile_it: bool) -> StepGraph:
-        step = self._compiled(_decode_static, f"decode_{width}", compile_it)
-        model = self.model
-        run = _pinned(lambda: step(model, self.token, self.position, self.slot, width), self.pinned["decode"])
-        return StepGraph(run, model.device, self.twin, pool=self.pool)
+        def capture(compiled: bool) -> StepGraph:
+            step = self._compiled(_decode_static, f"decode_{width}", compiled)
+            model = self.model
+            run = _pinned(lambda: step(model, self.token, self.position, self.slot, width), self.pinned["decode"])
+            return StepGraph(run, model.device, self.twin, pool=self.pool)
+
+        return self._captured(capture, f"decode_{width}", compile_it)
 
     def _capture_verify(self, width: int, compile_it: bool) -> StepGraph:
-        step = self._compiled(_verify_static, f"verify_{width}", compile_it)
-        model, mask = self.model, self.masks[width]
-        run = _pinned(lambda: step(model, self.tokens, self.positions, self.slots, mask, width), self.pinned["verify"])
-        return StepGraph(run, model.device, self.twin, pool=self.pool)
+        def capture(compiled: bool) -> StepGraph:
+            step = self._compiled(_verify_static, f"verify_{width}", compiled)
+            model, mask = self.model, self.masks[width]
+            run = _pinned(
+                lambda: step(model, self.tokens, self.positions, self.slots, mask, width), self.pinned["verify"]
+            )
+            return StepGraph(run, model.device, self.twin, pool=self.pool)
+
+        return self._captured(capture, f"verify_{width}", compile_it)
 
     def _width(self, end: int) -> int | None:
         """The smallest bucket whose steps see slots 0..end-1, or None past the live cache."""
@@ -928,6 +953,20 @@ def choose_backend(kind: str, model, draft=None, tree_nodes: int = 0, **cuda_opt
         return NativeBackend(model, draft)
     twin = kind == "cuda-twin"  # on the CPU the prefill buckets run eagerly unless asked to compile
     return CudaBackend(model, draft, tree_nodes, twin=twin, **{"compile": not twin and compiles(), **cuda_options})
+
+
+def keep_compiles_on_disk() -> Path:
+    """Inductor's compiled graphs kept between processes (its FX graph cache), in LITEVLM_COMPILE_CACHE, or
+    TORCHINDUCTOR_CACHE_DIR where that is set, or ~/.cache/litevlm/inductor: a second start with the same model,
+    shapes and torch loads its steps instead of compiling them again."""
+    where = os.environ.get("LITEVLM_COMPILE_CACHE") or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    path = Path(where) if where else Path.home() / ".cache" / "litevlm" / "inductor"
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    return path
 
 
 def compiles() -> bool:
