@@ -157,6 +157,47 @@ def test_a_backend_whose_kernels_all_refuse_raises_naming_the_step(monkeypatch):
         CudaBackend(model, twin=True, **BUCKETS)
 
 
+def test_a_kernel_that_refuses_a_step_falls_through_to_the_next_on_the_list(monkeypatch):
+    """Kernels the CPU lacks (cuDNN, memory-efficient: they refuse every step here) put ahead of its one fused kernel
+    on the list: each is tried alone, in order, its refusal passed over, and the step is pinned to flash, the first
+    that runs it, whose attention is the boolean mask's with grouped heads. A backend made on that list pins every
+    step kind to flash and decodes the modules' tokens, plain and speculative."""
+    refusing = (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+    kernels = (*refusing, SDPBackend.FLASH_ATTENTION)
+    tried, allow = [], attention.sdpa_kernel
+
+    def recording(backends, *args, **kw):
+        tried.append(list(backends))
+        return allow(backends, *args, **kw)
+
+    monkeypatch.setattr(attention, "sdpa_kernel", recording)
+    for case, mask in MASKS.items():
+        tried.clear()
+        q, k, v = qkv(mask().shape[2])
+        bias = additive_bias(mask(), q.dtype)
+        kernel = choose_kernel("decode", lambda: fused_attention(q, k, v, bias), kernels, "")
+        assert kernel is SDPBackend.FLASH_ATTENTION and tried == [[k] for k in kernels], case
+        with sdpa_kernel([kernel]):
+            got = fused_attention(q, k, v, bias)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask(), enable_gqa=True)
+        assert_reordered_fp32(got, want, n=WIDTH)
+
+    monkeypatch.setitem(attention.FUSED_KERNELS, "cpu", kernels)
+    model = cached(tiny_vlm(vocab=24))
+    head = random_draft(model)
+    embeds, pos = prompt(model, seed=3)
+    tree = TreeConfig(top_k=2, depth=3, total_tokens=6)
+    ref = ModulesBackend(model, head)
+    with torch.no_grad():
+        want = generate(ref, embeds, pos, 40, None).tokens
+        want_spec = speculative_generate(ref, head, embeds, pos, 40, None, tree=tree).tokens
+    twin = CudaBackend(model, head, tree_nodes=tree.total_tokens, twin=True, **BUCKETS)
+    with torch.no_grad():
+        assert generate(twin, embeds, pos, 40, None).tokens == want
+        assert speculative_generate(twin, head, embeds, pos, 40, None, tree=tree).tokens == want_spec
+    assert twin.kernels == {"decode": "flash", "verify": "flash", "prefill": "flash"}
+
+
 def test_the_twin_records_its_kernels_and_decodes_like_the_modules():
     """The cuda-twin on the CPU's fused kernel (a math fallback would raise under the pin): the modules' tokens,
     plain and speculative, token for token, and "flash" for every step kind."""
