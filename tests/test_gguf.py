@@ -31,7 +31,8 @@ from litevlm.model.gguf import (  # noqa: E402
     write_gguf,
     write_loaded,
 )
-from litevlm.model.prompt import CHATML, IMAGE_MARK  # noqa: E402
+from litevlm.model.hf import chat_template_for  # noqa: E402
+from litevlm.model.prompt import IMAGE_MARK  # noqa: E402
 from litevlm.models import load_model  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -137,7 +138,7 @@ def test_metadata_mtmd_reads(tiny, tiny_files, hd, hd_files):
     assert t["tokenizer.ggml.token_type"][tok.img_start_id] == gguf.TokenType.CONTROL
     ids = (t["tokenizer.ggml.bos_token_id"], t["tokenizer.ggml.eos_token_id"], t["tokenizer.ggml.padding_token_id"])
     assert ids == (tok.im_start_id, tok.eos_id, tok.pad_id) and t["tokenizer.ggml.add_bos_token"] is False
-    assert t["tokenizer.chat_template"] == CHATML
+    assert t["tokenizer.chat_template"] == chat_template_for(tiny.format)
 
 
 def test_what_gguf_cannot_express_is_refused(tiny, tmp_path):
@@ -272,3 +273,30 @@ def test_an_answer_from_image_files_the_way_llama_cpp_does(llama_cpp, tiny, tiny
     assert 1 < len(a.tokens) <= 40 and a.tokens[-1] == tiny.tokenizer.eos_id
     assert tiny.tokenizer.decode(a.tokens).strip()
     assert a.perf["eval_tokens"] == len(a.tokens) - 1 and set(a.ms) >= {"load", "encode", "prompt", "generate"}
+
+
+def test_llama_cpp_pythons_chat_handler_answers_from_our_files(llama_cpp, tiny, tiny_files, frame_files):
+    """llama-cpp-python's multimodal chat handler: the GGUF's chat template renders the camera labels and images as
+    litevlm's prompt, and the greedy answer is the one mtmd makes from the same files."""
+    from llama_cpp.llama_chat_format import MTMDChatHandler
+
+    from litevlm.eval.llamacpp import MARKER, LlamaCpp
+
+    paths, questions = frame_files
+    content = []
+    for cam in CAMERAS:
+        image = {"type": "image_url", "image_url": {"url": paths[cam].as_uri()}}
+        content += [{"type": "text", "text": f"{cam}: "}, image, {"type": "text", "text": "\n"}]
+    content.append({"type": "text", "text": questions[2]})
+    files = tiny_files["f32"]
+    handler = MTMDChatHandler(str(files.mmproj), verbose=False, use_gpu=False)
+    llm = llama_cpp.Llama(str(files.text), chat_handler=handler, n_ctx=2048, n_threads=1, verbose=False)
+    try:
+        out = llm.create_chat_completion([{"role": "user", "content": content}], temperature=0.0, max_tokens=40)
+    finally:
+        llm.close()
+    text = tiny.format.render(questions[2], list(CAMERAS)).replace(IMAGE_MARK, MARKER)
+    with LlamaCpp(files, threads=1) as lc:
+        ours = lc.answer_files(text, [paths[c] for c in CAMERAS], 40)
+    assert out["usage"]["prompt_tokens"] == ours.input_tokens
+    assert out["choices"][0]["message"]["content"].strip() == tiny.tokenizer.decode(ours.tokens).strip()

@@ -15,7 +15,8 @@ storage types are the ones llama.cpp's own `convert_hf_to_gguf.py` gives an Inte
 - The tokenizer is written as a GPT-2 style byte-level BPE with the pre-tokenizer llama.cpp knows as the one that
   splits text as ours does (`refact`: each digit alone, then GPT-2's split), its special tokens as control tokens,
   `<|im_start|>` / `<|im_end|>` / the pad token as bos / eos / pad (no bos added: the chat template writes it), and
-  the checkpoint's chat template (ChatML where it has none).
+  the chat template the transformers export writes (`litevlm.model.hf.chat_template_for`: the checkpoint's own, or
+  ChatML that takes a message's content as a string or as text and image parts, and its system message).
 
 What mtmd then does that litevlm's prompt does not (`litevlm.model.prompt`), for one camera view:
 - Tiling. mtmd cuts an image larger than a tile by llama.cpp's own rule (the tile grid of at most
@@ -272,9 +273,9 @@ def write_text_gguf(loaded, path: Path, outtype: str) -> Path:
     w.add_pad_token_id(tok.pad_id)
     w.add_add_bos_token(False)  # the chat template writes <|im_start|> itself
     w.add_add_eos_token(False)
-    from litevlm.model.prompt import CHATML
+    from litevlm.model.hf import chat_template_for
 
-    w.add_chat_template(loaded.format.chat_template or CHATML)
+    w.add_chat_template(chat_template_for(loaded.format))  # string contents, or text and image parts
     _add_tensors(w, text_tensors(loaded.model), outtype, mmproj=False)
     _write(w, path)
     return path
