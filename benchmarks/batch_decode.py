@@ -6,7 +6,10 @@ For LiteVLM and the baseline on one model, from the same frames and questions in
    `BatchDecoder` until all are done; tokens/s = the tokens decoded after the prefill's first / the decode wall
    time. B = 1, 2, 4, 8 over the same questions (the batch-1 figure runs each question alone). Whether every answer
    at batch B equals its batch-1 answer is counted.
-2. Frame mode. K questions about one frame: one at a time (`frame.answer`) against `frame.answer_all` (one batch),
+2. What a step costs: one plain batched decode step at each B, over the prompts' own caches and as if each held 16
+   tokens (the baseline's native steps): the products share their weight reads across the rows, the attention over
+   each row's cache does not.
+3. Frame mode. K questions about one frame: one at a time (`frame.answer`) against `frame.answer_all` (one batch),
    each on a fresh frame (views encoded anew), mean wall ms per question, and whether the answers are equal.
 
     python benchmarks/batch_decode.py --model drive-hd --frames 4 --threads 1
@@ -24,6 +27,8 @@ import subprocess
 import sys
 import time
 from datetime import date
+
+import torch
 
 
 def parse_args(argv=None):
@@ -73,9 +78,44 @@ def decode_rate(pipe, frames, batch: int) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    import torch
+def step_costs(pipe, frames, sizes: list[int], reps: int = 60) -> dict:
+    """What one plain batched decode step costs at each batch size (the median of `reps` calls of the native
+    `batch_decode`), on B prompts' real caches and again as if each held only 16 tokens: the difference is the
+    attention over each row's own cache, which batching cannot share; the rest is the products, whose weights are
+    read once for all the rows."""
+    import statistics
 
+    from litevlm.batch import _kv
+
+    if pipe.backend.name != "native":
+        return {}
+    prompts = [(f, q) for f, qs in frames for q in qs][: max(sizes)]
+    decoder = pipe.batch_decoder(max(sizes))
+    seqs = [decoder.admit(pipe.start_answer(q, f).prefilled, pipe.sampling) for f, q in prompts]
+    out = {}
+    for b in sizes:
+        rows = seqs[:b]
+        row = {}
+        for label, at in (("cached", None), ("short", 16)):
+            tokens = torch.tensor([s.out[-1] for s in rows])
+            positions = torch.tensor([at or s.position for s in rows])
+            slots = torch.tensor([at or s.L for s in rows])
+            caches = [_kv(s.caches) for s in rows]
+            times = []
+            for i in range(reps + 10):
+                t0 = time.perf_counter()
+                pipe.backend.batch_decode(tokens, positions, slots, caches)
+                if i >= 10:
+                    times.append(time.perf_counter() - t0)
+            row[f"{label}_ms"] = round(statistics.median(times) * 1e3, 3)
+        row["cached_tokens"] = round(sum(s.L for s in rows) / b, 1)
+        out[str(b)] = row
+    for s in list(decoder.seqs):
+        decoder.cancel(s)
+    return out
+
+
+def main(argv=None) -> int:
     from litevlm import Pipeline
     from litevlm.cameras import CAMERAS
     from litevlm.data.synthetic import make_frame, render_views
@@ -122,8 +162,11 @@ def main(argv=None) -> int:
             batch_ms += (time.perf_counter() - t0) * 1e3
             equal += sum(x.tokens == y.tokens for x, y in zip(one_by_one, together))
             k += len(qs)
+        with torch.no_grad():
+            steps = step_costs(pipe, frames, sizes) if name == "baseline" else {}
         out["configs"][name] = {
             "decode": rates,
+            "step_ms": steps,
             "frame": {
                 "questions": k,
                 "one_at_a_time_ms_per_question": round(alone_ms / k, 2),
@@ -150,6 +193,9 @@ def main(argv=None) -> int:
                 f"  B={b:>2}  {r['tokens_per_s']:>8.1f} tok/s  x{r['vs_batch_1']:<6}  "
                 f"same as B=1: {r['identical_to_batch_1']}"
             )
+        for b, r in c["step_ms"].items():
+            print(f"  one plain step at B={b:>2}: {r['cached_ms']} ms over {r['cached_tokens']} cached tokens a row, "
+                  f"{r['short_ms']} ms over 16")  # fmt: skip
         f = c["frame"]
         print(
             f"  frame mode, {f['questions']} questions: one at a time "

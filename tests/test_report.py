@@ -490,6 +490,44 @@ def test_the_one_at_a_time_and_the_batching_server_and_the_batch_sizes_show_thei
     assert "Command: `python batch_decode.py --threads 1`" in page
 
 
+def test_the_batch_page_shows_bench_batch_and_what_bounds_a_batched_step(tmp_path, report):
+    def decode(rates):
+        return {b: {"tokens_per_s": r, "vs_batch_1": round(r / rates[0], 3), "mean_in_flight": 2.0,
+                    "identical_to_batch_1": "6/6"} for b, r in zip(("1", "8"), rates)}  # fmt: skip
+
+    frame = {"one_at_a_time_ms_per_question": 40.0, "answer_all_ms_per_question": 30.0, "ratio": 0.75}
+    steps = {"1": {"cached_ms": 1.0, "short_ms": 0.7, "cached_tokens": 850.0},
+             "8": {"cached_ms": 5.5, "short_ms": 2.4, "cached_tokens": 860.0}}  # fmt: skip
+    configs = {
+        "baseline": {"decode": decode((100.0, 150.0)), "step_ms": steps, "frame": {**frame, "equal_answers": "6/6"}}
+    }
+    batched = {"model": "drive-hd", "threads": 1, "configs": configs}
+    row = {
+        "config": "litevlm",
+        "batch_1": {"decode_tokens_per_s": 500.0, "mean_in_flight": 1.0},
+        "batch_8": {"decode_tokens_per_s": 1250.0, "mean_in_flight": 5.5},
+        "decode_tokens_per_s_ratio": 2.5,
+        "questions_per_s_ratio": 1.2,
+        "identical_to_batch_1": "96/96",
+    }
+    bench = {"model": "drive-hd", "mode": "batch", "batch": 8, "threads": 2, "batch_rows": [row]}
+    page = write(
+        tmp_path,
+        report,
+        {
+            **FIXTURES,
+            "batch_decode_hd": run_file("batch_decode_hd", batched, "python batch_decode.py --threads 1"),
+            "bench_batch_hd_default_threads": run_file(
+                "bench_batch_hd_default_threads", bench, "litevlm bench --batch 8"
+            ),
+        },
+    )
+    assert "one plain step costs 1.0 ms at B = 1 and 5.5 ms at B = 8 over 860.0 cached tokens a row" in page
+    assert "0.7 and 2.4 ms over 16" in page
+    assert "litevlm 500.0 -> 1250.0 decode tokens/s (**2.5x**, 5.5 in flight), questions/s **1.2x**" in page
+    assert "same answers 96/96" in page and "Command: `litevlm bench --batch 8`" in page
+
+
 def test_the_scale_out_table_shows_one_and_two_replicas_side_by_side(tmp_path, report):
     def replicas(answered, rps, p50, p99, t50, t99):
         return {
