@@ -36,6 +36,8 @@ answer's decode steps, per step) beside llama.cpp's time per generated token (it
     python benchmarks/peers.py --models drive-tiny --n 2 --warmup 0 --threads 1 --data /tmp/two --frames 1 \
         --max-new-tokens 16 --out /tmp/peers.json           # a smoke run: a one-frame split, 2 questions
 
+The rows take turns in one process, never running at once. llama.cpp's threads (OpenMP here) wait for each other by
+spinning, so its rows above one thread slow down sharply on a machine with other work on it: time on a quiet machine.
 The last line of stdout is the result as JSON; it is also saved to `--out` with the command, versions, commit,
 machine and date.
 """
