@@ -1,12 +1,61 @@
+import inspect
 import json
 
 import pytest
 
 from litevlm.cameras import CAMERAS
-from litevlm.cli import main
-from litevlm.demo import run_demo
+from litevlm.cli import build_parser, main
+from litevlm.data.synthetic import make_frame
+from litevlm.demo import pick_questions, round_scores, run_demo
 from litevlm.errors import LiteVLMError
+from litevlm.eval.score import drivelm_score
 from litevlm.pipeline import STAGES
+
+
+def test_the_demo_runs_drive_hd_unless_told_otherwise():
+    assert inspect.signature(run_demo).parameters["model"].default == "drive-hd"
+    assert build_parser().parse_args(["demo"]).model == "drive-hd"
+    assert build_parser().parse_args(["demo", "--model", "drive-tiny"]).model == "drive-tiny"
+
+
+def test_a_round_mixes_closed_and_open_questions_of_every_category():
+    qas = make_frame(2026, 0).qas
+    for n in (4, 6, 8):
+        picked = pick_questions(qas, n)
+        assert len(picked) == n and len(set(map(id, picked))) == n
+        assert {q.category for q in picked} == {"perception", "prediction", "planning", "behavior"}
+        assert sum(q.closed for q in picked) >= n // 2 - 1 and sum(not q.closed for q in picked) >= n // 2 - 1
+    assert len(pick_questions(qas, 1000)) == len(qas)
+
+
+def test_the_round_is_scored_as_litevlm_eval_scores_it():
+    """The round's DriveLM score is `drivelm_score`'s (the official computation, no judge) over the round's records
+    in the frame's own order; right answers to the closed questions make its accuracy 1, wrong ones 0."""
+    frame = make_frame(2026, 0)
+    questions = pick_questions(frame.qas, 6)
+    wrong = {"Yes.": "No.", "No.": "Yes."}
+    rows = [
+        {"answers": {"truth": {"answer": q.answer}, "wrong": {"answer": wrong.get(q.answer, "A.")}}} for q in questions
+    ]
+    scores, note = round_scores(rows, questions, frame)
+    assert "litevlm eval" in note
+    assert scores["truth"]["accuracy"] == 1.0 and scores["wrong"]["accuracy"] == 0.0
+    assert scores["truth"]["final"] > scores["wrong"]["final"]
+    in_order = sorted(questions, key=frame.qas.index)
+    records = [
+        {
+            "id": str(i),
+            "question": q.question,
+            "answer": q.answer,
+            "gt": q.answer,
+            "tag": [q.tag],
+            "closed": q.closed,
+            "frame": frame.frame_id,
+        }
+        for i, q in enumerate(in_order)
+    ]
+    assert scores["truth"]["final"] == pytest.approx(drivelm_score(records)["final"], abs=1e-4)
+    assert "no judge here" in scores["truth"]["note"]
 
 
 def test_demo_shows_litevlm_and_the_baseline_on_one_scene(full_model_dir, tmp_path, capsys):
@@ -24,7 +73,11 @@ def test_demo_shows_litevlm_and_the_baseline_on_one_scene(full_model_dir, tmp_pa
     assert result["answers_timed"] == 8
     base, lite = result["mean_ms"]["baseline"], result["mean_ms"]["litevlm"]
     assert result["speedup"] == pytest.approx(base["total"] / lite["total"])  # the ratio of the two mean totals
-    assert set(result["exact"]) == {"litevlm", "baseline"}
+    # the accuracy that can be counted fairly: closed questions right, and the round's DriveLM score
+    assert result["n_closed"] == sum(r["closed"] for r in result["questions"]) >= 1
+    for name in ("litevlm", "baseline"):
+        assert 0 <= result["closed"][name] <= result["n_closed"]
+        assert 0 <= result["drivelm"][name]["final"] <= 1
     # `litevlm bench`'s measure: the stage means and other add up to the mean total, p50 and p90 beside it, the
     # images' preprocessing apart.
     for name, ms in result["mean_ms"].items():
@@ -44,6 +97,21 @@ def test_an_emulated_precision_gives_the_demo_no_speedup(full_model_dir, tmp_pat
     assert "no speed figure" in text and "as fast as the baseline" not in text
 
 
+def test_without_pycocoevalcap_the_demo_counts_the_closed_questions_only(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    import litevlm.eval.metrics
+
+    def missing():
+        raise LiteVLMError("DriveLM's language score (BLEU, ROUGE-L, CIDEr) needs pycocoevalcap")
+
+    monkeypatch.setattr(litevlm.eval.metrics, "language_scorers", missing)
+    result = run_demo(str(tiny_model_dir), out=str(tmp_path / "d.png"), n_questions=2, rounds=1, configs=("baseline",))
+    assert result["drivelm"] is None and "pycocoevalcap" in result["drivelm_note"]
+    assert result["n_closed"] == 1  # one closed question, one open
+    text = capsys.readouterr().out
+    assert "closed questions answered right (yes/no, multiple choice): baseline " in text
+    assert "no DriveLM score" in text
+
+
 def test_demo_prints_answers_views_both_stage_tables_and_the_speedup(full_model_dir, tmp_path, capsys):
     assert main(["demo", "--model", str(full_model_dir), "--out", str(tmp_path / "d.png"), "--questions", "2"]) == 0
     text = capsys.readouterr().out
@@ -56,6 +124,9 @@ def test_demo_prints_answers_views_both_stage_tables_and_the_speedup(full_model_
     assert "latency, mean ms over 6 answers each" in text  # 2 questions, 3 rounds
     assert any(line.startswith("  other ") for line in lines) and any(line.startswith("  total p90 ") for line in lines)
     assert "x as fast as the baseline (the ratio of their mean totals" in text
+    assert "closed questions answered right (yes/no, multiple choice): LiteVLM " in text
+    assert "DriveLM score of the round, as `litevlm eval` computes it: LiteVLM " in text
+    assert "answers equal to the truth" not in text  # an open answer worded otherwise is not wrong
 
 
 @pytest.mark.parametrize("flag, shown", [("--baseline-only", "baseline"), ("--litevlm-only", "litevlm")])

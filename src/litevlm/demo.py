@@ -12,6 +12,12 @@ Two measures side by side, each with its speed-up: the paper's (the five stages 
 between them). Each pipeline asks a round's questions of one frame (`Pipeline.frame`), as a car asks several
 questions of one moment: a view is read and encoded by the first question that needs it, and the questions after
 it reuse it. One LiteVLM answer is drawn with the visual tokens it kept (`litevlm.explain`), beside the picture.
+
+The model is drive-hd by default, the one whose prompts are shaped like the paper's (most of them visual tokens).
+Accuracy counts what a round can count fairly: the closed questions answered right (yes/no and multiple choice,
+whose truth is one exact answer; an open answer worded otherwise than the truth is not wrong), and the round's
+DriveLM score as `litevlm eval` computes it (`litevlm.eval.score.drivelm_score`, offline: no judge, whose part
+counts as 0, as the score's note says).
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ from pathlib import Path
 
 from litevlm.cameras import CAMERAS
 from litevlm.errors import LiteVLMError
+from litevlm.eval.metrics import answered_right
 from litevlm.eval.timing import emulated_precision, mean_latency
 from litevlm.pipeline import STAGES, Pipeline
 
 GRID = (("CAM_FRONT_LEFT", "CAM_FRONT", "CAM_FRONT_RIGHT"), ("CAM_BACK_LEFT", "CAM_BACK", "CAM_BACK_RIGHT"))
 LABELS = {"litevlm": "LiteVLM", "baseline": "baseline"}
+DEFAULT_MODEL = "drive-hd"
 
 
 def grid_path(out: str | Path) -> Path:
@@ -63,15 +71,21 @@ def save_grid(images: dict, path: str | Path, tile=(400, 225)) -> Path:
 
 
 def pick_questions(qas, n: int):
-    """Up to n questions, round-robin over the four categories so every kind shows."""
+    """Up to n questions, round-robin over the four categories so every kind shows, a closed question (yes/no,
+    multiple choice: one exact answer is right) and an open one in turn where the category has the kind due."""
     by_cat: dict[str, list] = {}
     for qa in qas:
         by_cat.setdefault(qa.category, []).append(qa)
-    picked = []
+    picked, closed = [], True
     while len(picked) < n and any(by_cat.values()):
         for cat in ("perception", "prediction", "planning", "behavior"):
-            if by_cat.get(cat) and len(picked) < n:
-                picked.append(by_cat[cat].pop(0))
+            left = by_cat.get(cat)
+            if left and len(picked) < n:
+                qa = next((q for q in left if q.closed == closed), left[0])
+                left.remove(qa)
+                picked.append(qa)
+                if qa.closed == closed:  # the kind due was taken: the other one is due next
+                    closed = not closed
     return picked
 
 
@@ -132,8 +146,46 @@ def explained(pipes: dict[str, Pipeline], answers: dict[str, list]) -> tuple[str
     return name, (pruned or [0])[0]
 
 
+def round_scores(rows: list[dict], questions, frame) -> tuple[dict | None, str]:
+    """Each pipeline's DriveLM score of the round (`drivelm_score`, the official computation `litevlm eval` runs,
+    without a judge): {name: {final, accuracy, language, match, note}}, and a note saying what it is; None and the
+    reason where the score cannot be computed here (pycocoevalcap, which the language part needs, missing). The
+    records go in the frame's own order (perception first), as the official evaluation reads a frame."""
+    from litevlm.eval.metrics import language_scorers
+    from litevlm.eval.score import drivelm_score
+
+    try:
+        language_scorers()
+    except LiteVLMError as e:
+        return None, f"no DriveLM score: {e}"
+    order = sorted(range(len(questions)), key=lambda i: frame.qas.index(questions[i]))
+    scores = {}
+    for name in rows[0]["answers"] if rows else ():
+        records = [
+            {
+                "id": f"{frame.frame_id}_{i}",
+                "question": questions[i].question,
+                "answer": rows[i]["answers"][name]["answer"],
+                "gt": questions[i].answer,
+                "tag": [questions[i].tag],
+                "closed": questions[i].closed,
+                "frame": frame.frame_id,
+            }
+            for i in order
+        ]
+        result = drivelm_score(records)
+        parts = ("final", "accuracy", "language", "match")
+        scores[name] = {k: None if result[k] is None else round(result[k], 4) for k in parts}
+        empty = [p for p in result["missing"] if p != "judge"]
+        notes = ["no judge here: its 0.4 and the judge half of match count as 0"]
+        notes += [f"no {p} question in the round: {p} counts as 0" for p in empty]
+        notes.append(f"the graph gate dropped {result['gated_out']} of {result['n']} questions")
+        scores[name]["note"] = "; ".join(notes)
+    return scores, "as `litevlm eval` computes it"
+
+
 def run_demo(
-    model: str = "drive-tiny",
+    model: str = DEFAULT_MODEL,
     out: str = "demo.png",
     seed: int = 2026,
     n_questions: int = 6,
@@ -175,11 +227,14 @@ def run_demo(
             "category": qa.category,
             "question": qa.question,
             "truth": qa.answer,
+            "closed": qa.closed,  # yes/no or multiple choice: one exact answer is right
             "answers": {name: {"answer": answers[name][i].text, "views": answers[name][i].views} for name in pipes},
         }
         for i, qa in enumerate(questions)
     ]
-    exact = {name: sum(_same(r["answers"][name]["answer"], r["truth"]) for r in rows) for name in pipes}
+    right = {name: [_same(r["answers"][name]["answer"], r["truth"]) for r in rows] for name in pipes}
+    closed = {name: sum(ok and r["closed"] for ok, r in zip(right[name], rows)) for name in pipes}
+    drivelm, drivelm_note = round_scores(rows, questions, frame)
     timed = len(pipes) == 2 and not emulated and stages["litevlm"]["total"] > 0
     speedup = stages["baseline"]["total"] / stages["litevlm"]["total"] if timed else None
 
@@ -191,7 +246,10 @@ def run_demo(
         "scene": {"seed": seed, "frame": 0},
         "picture": str(grid),
         "questions": rows,
-        "exact": exact,
+        "closed": closed,  # closed questions answered right (case, spacing and a final period aside)
+        "n_closed": sum(r["closed"] for r in rows),
+        "drivelm": drivelm,  # each pipeline's DriveLM score of the round, None where it cannot be computed
+        "drivelm_note": drivelm_note,
         "n": len(rows),
         "answers_timed": len(rows) * rounds,
         "mean_ms": stages,
@@ -214,7 +272,12 @@ def run_demo(
 
 
 def _same(answer: str, truth: str) -> bool:
-    return answer.strip() == truth.strip()
+    """An answer equal to the truth, case, spacing and a final period aside (a closed question's measure)."""
+    return answered_right({"answer": answer, "gt": truth})
+
+
+def _score(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _views(views: list[str]) -> str:
@@ -233,7 +296,25 @@ def print_demo(result: dict) -> None:
             mark = "ok" if _same(a["answer"], r["truth"]) else ""
             print(f"  {LABELS[name]:<{width}}{mark:<3}{a['answer']}   [{_views(a['views'])}]")
         print()
-    print("answers equal to the truth: " + ", ".join(f"{LABELS[n]} {result['exact'][n]}/{result['n']}" for n in names))
+    if result["n_closed"]:
+        print(
+            "closed questions answered right (yes/no, multiple choice): "
+            + ", ".join(f"{LABELS[n]} {result['closed'][n]}/{result['n_closed']}" for n in names)
+        )
+    else:
+        print("no closed question (yes/no, multiple choice) in this round: --questions N asks more")
+    if result["drivelm"] is None:
+        print(result["drivelm_note"])
+    else:
+        scores = result["drivelm"]
+        cells = ", ".join(f"{LABELS[n]} {_score(scores[n]['final'])}" for n in names)
+        print(f"DriveLM score of the round, {result['drivelm_note']}: {cells}")
+        parts = ("accuracy", "language", "match")
+        cells = "; ".join(f"{LABELS[n]} " + ", ".join(_score(scores[n][k]) for k in parts) for n in names)
+        print(f"  {', '.join(parts)}: {cells}")
+        notes = {scores[n]["note"] for n in names}
+        for note in sorted(notes):
+            print(f"  ({note})")
     print(
         f"\nlatency, mean ms over {result['answers_timed']} answers each (this machine); the stages and other"
         " (the rest of the answer) add up to the total:"
