@@ -51,31 +51,59 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+# A stand-in for coreutils' `timeout`, first on the dry run's PATH: it writes down the limit a step is given and the
+# command (its words shell-quoted, on one line), then runs the command with no limit. The GPU run's limits are its
+# own; a loaded CPU running the dry run must not hit them, and what the dry run checks is that each step gets its
+# planned limit and its small workload.
+FAKE_TIMEOUT = r"""#!/usr/bin/env bash
+opts=()
+while [[ $# -gt 0 && $1 == -* ]]; do
+    if [[ $1 == -s || $1 == --signal || $1 == -k || $1 == --kill-after ]]; then opts+=("$1" "$2"); shift 2
+    else opts+=("$1"); shift; fi
+done
+opts+=("$1")
+shift
+printf '%s\t%s\n' "${opts[*]}" "$(printf '%q ' "$@")" >> "$TIMEOUT_LOG"
+exec "$@"
+"""
+
+
 @pytest.fixture(scope="module", params=["installed", "source tree"])
 def dry_run(tmp_path_factory, request):
     """The dry run, installing the package as the GPU run does, and with the install made to fail: every later step
-    then runs the package from the source tree (PYTHONPATH=src)."""
-    if shutil.which("bash") is None or shutil.which("timeout") is None:
-        pytest.skip("needs bash and coreutils' timeout")
+    then runs the package from the source tree (PYTHONPATH=src). Its steps run under FAKE_TIMEOUT, whose record
+    (one line a step: `timeout`'s options and limit, a tab, the command) is the fourth item."""
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
     out = tmp_path_factory.mktemp("gpu_session")
     work = tmp_path_factory.mktemp("gpu_session_work")
+    bin_dir = tmp_path_factory.mktemp("fake_timeout")
+    (bin_dir / "timeout").write_text(FAKE_TIMEOUT)
+    (bin_dir / "timeout").chmod(0o755)
+    log = bin_dir / "timeouts.log"
     # As on the GPU image: none of the serve/eval extras. Every Python the script starts refuses them.
     site = tmp_path_factory.mktemp("no_extras")
     (site / "sitecustomize.py").write_text(NO_EXTRAS)
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_SESSION_MINIMAL": "1", "PYTHONPATH": path}
     env["GPU_SESSION_WORK"] = str(work)
+    env["PATH"] = os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
+    env["TIMEOUT_LOG"] = str(log)
     env.pop("GRAPH_FLAGS", None)
     if request.param == "source tree":
         env["GPU_SESSION_BREAK_INSTALL"] = "1"
     proc = subprocess.run(
         ["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT
     )
-    return proc, out, work
+    return proc, out, work, log
 
 
 def test_the_dry_run_runs_every_step(dry_run):
-    proc, _, out = dry_run
+    """Every step runs and succeeds, each under `timeout` with its plan's limit (the tests stopped by SIGINT), and
+    each asked for the dry run's least work (not its wall time, which a loaded machine stretches): drive-tiny on the
+    CPU, one question of four tokens a bench, one iteration of each step kind, the gpu-marked tests only (every one
+    of them skips here), the walkthrough's syntax."""
+    proc, _, out, log = dry_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (out / "FAILED.txt").exists()
     steps = json.loads((out / "steps.json").read_text())
@@ -86,9 +114,26 @@ def test_the_dry_run_runs_every_step(dry_run):
     plan = json.loads((out / "plan.json").read_text())
     assert plan["planned_s"] <= plan["limit_s"] == 420 and "planned: 7 steps" in proc.stderr
 
+    text = SCRIPT.read_text()
+    limits = dict(re.findall(r"\[(\w+)\]=(\d+)", re.search(r"^declare -A PLAN=\((.*)\)$", text, re.M).group(1)))
+    kill_after = re.search(r"^KILL_AFTER=(\d+)$", text, re.M).group(1)
+    calls = [line.split("\t") for line in log.read_text().splitlines()]
+    assert [opts for opts, _ in calls] == [
+        f"-s {'INT' if s == 'gpu_tests' else 'TERM'} --kill-after={kill_after} {limits[s]}" for s in STEPS
+    ]
+    command = dict(zip(STEPS, (c for _, c in calls), strict=True))
+    assert " -m gpu tests/" in command["gpu_tests"]
+    assert "--dry-run-cpu --iters 1 --warmup 0 --no-compiled" in command["step_costs"]
+    assert "--model drive-tiny --device cpu" in command["bench_2b_graphs"]
+    for bench in ("bench_2b_graphs", "bench_hd"):
+        assert "--n 1 --warmup 0 --max-new-tokens 4" in command[bench], bench
+    assert command["walkthrough"].strip() == "bash -n benchmarks/your_model.sh"
+    tests = json.loads((out / "gpu_tests.json").read_text())
+    assert tests["counts"]["passed"] == tests["counts"]["failed"] == 0 < tests["counts"]["skipped"]
+
 
 def test_the_dry_run_writes_every_promised_json(dry_run):
-    _, _, out = dry_run
+    _, _, out, _ = dry_run
     for name in ("env", "gpu_tests", "step_costs", "bench_2b_graphs", "bench_hd", "steps"):
         assert isinstance(json.loads((out / f"{name}.json").read_text()), (dict, list)), name
     env = json.loads((out / "env.json").read_text())
@@ -108,9 +153,10 @@ def test_the_dry_run_writes_every_promised_json(dry_run):
 
 @pytest.mark.parametrize("name, rows", [("bench_2b_graphs", ROWS), ("bench_hd", ["baseline", "litevlm"])])
 def test_each_bench_writes_its_rows_as_json_and_each_answer_as_it_comes(dry_run, name, rows):
-    _, _, out = dry_run
+    _, _, out, _ = dry_run
     result = json.loads((out / f"{name}.json").read_text())
     assert result.get("complete", True), result
+    assert result["questions"] == 1  # the dry run's least work: one question a row
     assert [r["config"] for r in result["rows"]] == rows
     assert set(result["backends"].values()) == {"cuda-twin"}  # every row on the CUDA backend (its twin here)
     lines = _lines(out / f"{name}.jsonl")
@@ -124,7 +170,7 @@ def test_each_bench_writes_its_rows_as_json_and_each_answer_as_it_comes(dry_run,
 def test_what_comes_back_is_at_most_eight_files_the_summaries_and_one_archive_of_everything(dry_run):
     """A device returns at most 8 files from $OUT, none deeper than two folders: $OUT holds the archive of the work
     folder (every file of it but model weights) and the summaries, copies of the work folder's."""
-    _, out, work = dry_run
+    _, out, work, _ = dry_run
     back = sorted(p.name for p in out.iterdir())
     assert len(back) <= 8 and all((out / name).is_file() for name in back)
     assert "gpu_session.tgz" in back and {"steps.json", "env.json", "gpu_tests.json", "step_costs.json"} <= set(back)
