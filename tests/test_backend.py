@@ -472,10 +472,11 @@ def test_compile_steps_reaches_the_captured_steps_from_the_pipeline_and_the_comm
     monkeypatch.setattr(CudaBackend, "_compiled", record)
     argv = ["ask", "--images", "x", "--question", "q", "--speculative", "--tree-top-k", "1", "--tree-depth", "4"]
     argv += ["--tree-total", "5", "--tree-min-value", "0"]  # a fixed-depth chain: the replayed draft step
-    opts = pipeline_options(build_parser().parse_args(argv + (["--compile-steps"] if compile_steps else [])))
+    flag = "--compile-steps" if compile_steps else "--no-compile-steps"
+    assert pipeline_options(build_parser().parse_args(argv))["compile_steps"] is None  # the device decides
+    opts = pipeline_options(build_parser().parse_args([*argv, flag]))
     assert opts["compile_steps"] is compile_steps
-    bench = build_parser().parse_args(["bench", *(["--compile-steps"] if compile_steps else [])])
-    assert bench.compile_steps is compile_steps
+    assert build_parser().parse_args(["bench", flag]).compile_steps is compile_steps
     opts.update(backend="cuda-twin", warmup=False, max_new_tokens=12)
     pipe = Pipeline.from_pretrained("drive-tiny", **{k: v for k, v in opts.items() if v is not None})
     images, questions = scene

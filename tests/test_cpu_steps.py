@@ -105,6 +105,50 @@ def test_a_few_rows_product_sums_each_row_as_one_row_alone(threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_target_steps_on_fp32_panels_equal_the_row_major_weights_bit_for_bit(threads):
+    """The target's products read its weights packed as 32-column panels (`pack_panels32`): a decode step and a
+    greedy chain's verification give exactly the numbers they give on the row-major weights, on widths that are not
+    multiples of 32 (the last panel padded) and whether or not the products split over the threads."""
+    need_native()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = tiny_vlm(layers=2, vocab=45)
+        embeds, pos = prompt(model, seed=6)
+        t = embeds.shape[1]
+        with torch.no_grad():
+            b = NativeBackend(model)
+            b.prefill(embeds, pos)
+            cos, sin = b.lm.rope_table(t + 40, torch.float32, embeds.device)
+            ops, shape = b.steps.ops, b.shape
+            flat = cpu_steps.native_weights(b.weights, *shape[:3])
+            panels = cpu_steps.target_panels(b.weights, b.head, *shape[:3])
+            assert len(panels) == 4 * 2 + 1 and all(p.shape[-1] == 32 for p in panels)
+            assert b.head.shape[1] % 32 != 0  # a padded last panel
+            cache = cpu_steps._flat(b._caches())
+            token = torch.tensor([7])
+            plain = ops.decode_logits(token, t, t, cos, sin, b.embed, flat, cache, *shape, b.lm.norm.weight, b.head, [])
+            paneled = ops.decode_logits(token, t, t, cos, sin, b.embed, flat, cache, *shape, b.lm.norm.weight, b.head,
+                                        panels)  # fmt: skip
+            assert all(torch.equal(x, y) for x, y in zip(plain, paneled))
+            for i in (0, 3, 8):  # the panels are what the step reads: a spoilt one (q|k|v, down, the head) shows
+                spoilt = [p.clone() if j == i else p for j, p in enumerate(panels)]
+                spoilt[i][0] += 1.0
+                got = ops.decode_logits(token, t, t, cos, sin, b.embed, flat, cache, *shape, b.lm.norm.weight, b.head,
+                                        spoilt)  # fmt: skip
+                assert not torch.equal(got[0], plain[0]), i
+            chain = torch.tensor([7, 3, 9, 11, 2])
+            args = (chain, t, t, cos, sin, b.embed, flat, cache, *shape, b.lm.norm.weight, b.head)
+            assert all(torch.equal(x, y) for x, y in zip(ops.verify_chain(*args, []), ops.verify_chain(*args, panels)))
+            w = torch.randn(30, 45)
+            packed = ops.pack_panels32(w)
+            assert packed.shape == (2, 30, 32) and torch.equal(packed[1, :, 13:], torch.zeros(30, 19))
+            assert torch.equal(packed[1, :, :13], w[:, 32:])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_native_steps_give_the_same_numbers_at_one_and_at_two_threads():
     """A decode step's and a verification's products large enough to be split over the threads by output columns
     (hidden 256, as drive-hd's) sum each column as one thread does: every output is equal bit for bit."""

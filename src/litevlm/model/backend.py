@@ -268,8 +268,9 @@ class NativeBackend(ModulesBackend):
         cos, sin = self.lm.rope_table(int(positions.max()), torch.float32, tokens.device)
         mask = tree_mask_over(tree_mask, start, start + n)
         x = self.steps.layers(
-            self.embed[tokens], cos[positions], sin[positions], start, mask, self.weights, self._caches(), *self.shape
-        )
+            self.embed[tokens], cos[positions], sin[positions], start, mask, self.weights, self._caches(), *self.shape,
+            head=self.head,
+        )  # fmt: skip
         hidden = self.lm.norm(x)
         return hidden @ self.head, hidden
 
@@ -924,9 +925,10 @@ def _sync(device) -> None:
 # ------------------------------------------------------------------------------------------------
 # Choosing
 # ------------------------------------------------------------------------------------------------
-# "auto" leaves decoders larger than this to the modules: the native steps pack a copy of the decoder's weights (twice
-# its memory: a 2B model's fp32 decoder is 7 GB), and what they save, per-step overhead, is nothing beside the matmuls
-# of a step at such sizes, which both paths hand to the same kernels.
+# "auto" leaves decoders larger than this to the modules: the native steps pack two copies of the decoder's weights
+# (row-major for the prompt's BLAS products, 32-column panels for the steps': three times its memory; a 2B model's
+# fp32 decoder is 7 GB), and what they save, per-step overhead, is nothing beside the matmuls of a step at such sizes,
+# which both paths hand to the same kernels.
 NATIVE_AUTO_MAX_PARAMS = 500_000_000
 
 

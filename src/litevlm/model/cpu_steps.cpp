@@ -316,11 +316,84 @@ at::Tensor exact_product(const at::Tensor& base, const at::Tensor& x, const at::
   return y;
 }
 
+// ---- the target's products on fp32 panels ----------------------------------------------------------------------
+// A weight held row-major (in, out) is read by the own loop 32 columns at a time, one 128-byte piece of each of its
+// `in` rows: a stride of a whole row between reads, which the core's prefetchers do not follow, so a decode step
+// waited on each piece. The same weight packed as panels of 32 columns, each (in, 32) contiguous (`pack_panels32`),
+// is read in storage order. The sums are the own loop's, element by element in the same order (block_product), so a
+// product on the panels equals the one on the row-major weight bit for bit, at any row count.
+constexpr int64_t kPanel32 = 32;
+
+at::Tensor pack_panels32_op(const at::Tensor& w) {
+  check_f32_contiguous(w, "a weight to pack");
+  TORCH_CHECK(w.dim() == 2, "litevlm_cpu: pack_panels32 takes an (in, out) weight");
+  const int64_t in = w.size(0), out = w.size(1), count = (out + kPanel32 - 1) / kPanel32;
+  at::Tensor packed = at::zeros({count, in, kPanel32}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  for (int64_t p = 0; p < count; ++p) {
+    const int64_t cols = std::min(kPanel32, out - p * kPanel32);
+    for (int64_t k = 0; k < in; ++k) std::copy_n(src + k * out + p * kPanel32, cols, dst + (p * in + k) * kPanel32);
+  }
+  return packed;
+}
+
+// R rows of y (row stride out; its `cols` columns that exist) += x (R, in) @ one panel (in, 32).
+template <int64_t R>
+void panel32_block(const float* x, int64_t in, const float* panel, int64_t cols, float* y, int64_t out) {
+  if (cols == kPanel32) return block_product<R, kPanel32>(x, in, panel, kPanel32, y, out);
+  float part[R * kPanel32] = {};
+  for (int64_t r = 0; r < R; ++r) std::copy_n(y + r * out, cols, part + r * kPanel32);
+  block_product<R, kPanel32>(x, in, panel, kPanel32, part, kPanel32);
+  for (int64_t r = 0; r < R; ++r) std::copy_n(part + r * kPanel32, cols, y + r * out);
+}
+
+// y (n, out) += x (n, in) @ panels [p0, p1): each panel read once, serving every row, four rows at a time.
+void panel32_rows(const float* x, int64_t n, int64_t in, const float* panels, int64_t out, float* y, int64_t p0,
+                  int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel = panels + p * in * kPanel32;
+    const int64_t col = p * kPanel32, cols = std::min(kPanel32, out - col);
+    int64_t r = 0;
+    for (; r + 4 <= n; r += 4) panel32_block<4>(x + r * in, in, panel, cols, y + r * out + col, out);
+    switch (n - r) {
+      case 3: panel32_block<3>(x + r * in, in, panel, cols, y + r * out + col, out); break;
+      case 2: panel32_block<2>(x + r * in, in, panel, cols, y + r * out + col, out); break;
+      case 1: panel32_block<1>(x + r * in, in, panel, cols, y + r * out + col, out); break;
+      default: break;
+    }
+  }
+}
+
+// base + x (n, in) @ the weight packed as fp32 `panels` (count, in, 32) -> (n, out), at any n: the own loop's sums.
+at::Tensor panel32_product(const at::Tensor& base, const at::Tensor& x, const at::Tensor& panels, int64_t out) {
+  const at::Tensor xc = x.contiguous();
+  check_f32_contiguous(xc, "a product's input");
+  check_f32_contiguous(panels, "a product's panels");
+  const int64_t n = xc.size(0), in = xc.size(1), count = (out + kPanel32 - 1) / kPanel32;
+  TORCH_CHECK(panels.dim() == 3 && panels.size(0) == count && panels.size(1) == in && panels.size(2) == kPanel32,
+              "litevlm_cpu: the fp32 panels do not match their (", in, ", ", out, ") weight");
+  at::Tensor y = based(base.defined() ? base.contiguous() : base, n, out, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (n * in * out < kParallelProductWork || at::get_num_threads() == 1) {
+    panel32_rows(xp, n, in, pp, out, yp, 0, count);
+  } else {
+    at::parallel_for(0, count, 2, [&](int64_t begin, int64_t stop) { panel32_rows(xp, n, in, pp, out, yp, begin, stop); });
+  }
+  return y;
+}
+
 // base + x (n, in) @ w (in, out) -> (n, out): base a bias (out,) added to every row, an (n, out) tensor, or undefined
-// (nothing added). panels: w packed by `pack_panels` (a draft head's weights, bf16), or undefined: the product then
-// runs on the panels.
+// (nothing added). panels: w packed by `pack_panels` (a draft head's weights, bf16), by `pack_panels32` (the target's,
+// fp32: the own loop's sums up to kFewRows rows, BLAS beyond), or undefined.
 at::Tensor product(const at::Tensor& base, const at::Tensor& x, const at::Tensor& w, const at::Tensor& panels = at::Tensor()) {
   const int64_t n = x.size(0), out = w.size(1);
+  if (panels.defined() && panels.scalar_type() == at::kFloat) {
+    if (n <= kFewRows) return panel32_product(base, x, panels, out);
+    return base.defined() ? at::addmm(base, x, w) : at::mm(x, w);
+  }
 #if defined(__AVX512F__)
   if (panels.defined()) {
     TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (out + kPanelWidth - 1) / kPanelWidth && panels.size(1) == w.size(0) &&
@@ -527,8 +600,9 @@ at::Tensor run_segments(at::Tensor x, const std::vector<const float*>& cos_rows,
   auto mul = [&bf16, &panels, exact](int64_t layer, int64_t which, const at::Tensor& base, const at::Tensor& in,
                                      const at::Tensor& w) {
     if (!bf16.empty()) return product_bf16(base, in, bf16[layer * 4 + which]);
-    if (exact && panels.empty()) return exact_product(base, in, w);
-    return product(base, in, w, panels.empty() ? at::Tensor() : panels[layer * 4 + which]);
+    const at::Tensor p = panels.empty() ? at::Tensor() : panels[layer * 4 + which];
+    if (exact) return p.defined() && p.scalar_type() == at::kFloat ? panel32_product(base, in, p, w.size(1)) : exact_product(base, in, w);
+    return product(base, in, w, p);
   };
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer && layers > 0,
               "litevlm_cpu: weights must hold 7 tensors per layer");
@@ -687,9 +761,24 @@ std::vector<const float*> rows_of(const at::Tensor& gathered, int64_t n) {
   return out;
 }
 
+// The target's fp32 panels as the steps take them (`pack_panels32`): 4 per layer (q|k|v, o, gate|up, down), then the
+// LM head's; or none (the products then read the row-major weights).
+struct TargetPanels {
+  at::TensorList layers;
+  at::Tensor head;
+};
+
+TargetPanels target_panels(at::TensorList panels, at::TensorList weights) {
+  if (panels.empty()) return {};
+  const int64_t layers = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
+  TORCH_CHECK(static_cast<int64_t>(panels.size()) == 4 * layers + 1,
+              "litevlm_cpu: the target's panels must hold 4 tensors per layer and the head's");
+  return {panels.slice(0, 4 * layers), panels[4 * layers]};
+}
+
 at::Tensor layers_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t start,
                      const std::optional<at::Tensor>& mask, at::TensorList weights, at::TensorList caches, int64_t hq,
-                     int64_t hkv, int64_t d, double eps, bool last_only) {
+                     int64_t hkv, int64_t d, double eps, bool last_only, at::TensorList panels) {
   Visible visible;
   at::Tensor m;
   if (mask.has_value()) {
@@ -698,7 +787,8 @@ at::Tensor layers_op(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
     TORCH_CHECK(m.numel() == n * (start + n), "litevlm_cpu: the mask must be (1, 1, n, start + n)");
     visible.mask = m.data_ptr<bool>();
   }
-  return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), start, visible, weights, caches, hq, hkv, d, eps, last_only);
+  return run_layers(x, rows_of(cos, x.size(0)), rows_of(sin, x.size(0)), start, visible, weights, caches, hq, hkv, d, eps,
+                    last_only, {}, target_panels(panels, weights).layers);
 }
 
 // The index of a row's largest logit (the first where several are equal).
@@ -782,7 +872,8 @@ at::Tensor draft_cycle_op(const at::Tensor& feats, const at::Tensor& nxt, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_op(
     const at::Tensor& tokens, int64_t start, int64_t root_pos, const at::Tensor& cos_table, const at::Tensor& sin_table,
     const at::Tensor& embed, at::TensorList weights, at::TensorList caches, int64_t hq, int64_t hkv, int64_t d,
-    double eps, const at::Tensor& norm_w, const at::Tensor& head) {
+    double eps, const at::Tensor& norm_w, const at::Tensor& head, at::TensorList panels) {
+  const TargetPanels tp = target_panels(panels, weights);
   at::Tensor toks = tokens.to(at::kLong).contiguous();
   const int64_t n = toks.numel();
   const int64_t* t = toks.data_ptr<int64_t>();
@@ -792,11 +883,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_op(
   causal.causal = true;
   causal.start = start;
   at::Tensor x = run_layers(embed.index_select(0, toks), rows_at(cos_table, pos.data(), n),
-                            rows_at(sin_table, pos.data(), n), start, causal, weights, caches, hq, hkv, d, eps, false);
+                            rows_at(sin_table, pos.data(), n), start, causal, weights, caches, hq, hkv, d, eps, false, {},
+                            tp.layers);
   const int64_t c = x.size(1);
   at::Tensor xn = at::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), norm_w.contiguous().data_ptr<float>(), xn.data_ptr<float>(), n, c, eps);
-  at::Tensor logits = product(at::Tensor(), xn, head);  // (n, V)
+  at::Tensor logits = product(at::Tensor(), xn, head, tp.head);  // (n, V)
   const int64_t v = logits.size(1);
   const float* l = logits.data_ptr<float>();
   std::vector<int64_t> pred(n);
@@ -814,12 +906,15 @@ std::tuple<at::Tensor, at::Tensor> decode_logits_op(const at::Tensor& token, int
                                                     const at::Tensor& cos_table, const at::Tensor& sin_table,
                                                     const at::Tensor& embed, at::TensorList weights, at::TensorList caches,
                                                     int64_t hq, int64_t hkv, int64_t d, double eps,
-                                                    const at::Tensor& norm_w, const at::Tensor& head) {
+                                                    const at::Tensor& norm_w, const at::Tensor& head,
+                                                    at::TensorList panels) {
+  const TargetPanels tp = target_panels(panels, weights);
   at::Tensor x = run_layers(embed.index_select(0, token.to(at::kLong).view({1})), rows_at(cos_table, &position, 1),
-                            rows_at(sin_table, &position, 1), slot, Visible{}, weights, caches, hq, hkv, d, eps, false);
+                            rows_at(sin_table, &position, 1), slot, Visible{}, weights, caches, hq, hkv, d, eps, false,
+                            {}, tp.layers);
   at::Tensor xn = at::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), norm_w.contiguous().data_ptr<float>(), xn.data_ptr<float>(), 1, x.size(1), eps);
-  return {product(at::Tensor(), xn, head), xn};
+  return {product(at::Tensor(), xn, head, tp.head), xn};
 }
 
 // ---- steps of several sequences at once ---------------------------------------------------------------------
@@ -834,9 +929,11 @@ std::vector<int64_t> long_values(const at::Tensor& t, const char* what, int64_t 
 }
 
 // The final norm and the LM head over rows x (n, C) -> (logits (n, V), normed rows (n, C)).
-std::pair<at::Tensor, at::Tensor> head_rows(const at::Tensor& x, const at::Tensor& norm_w, const at::Tensor& head, double eps) {
+std::pair<at::Tensor, at::Tensor> head_rows(const at::Tensor& x, const at::Tensor& norm_w, const at::Tensor& head, double eps,
+                                            const at::Tensor& head_panels) {
   at::Tensor xn = at::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), norm_w.contiguous().data_ptr<float>(), xn.data_ptr<float>(), x.size(0), x.size(1), eps);
+  if (head_panels.defined()) return {panel32_product(at::Tensor(), xn, head_panels, head.size(1)), xn};
   return {exact_product(at::Tensor(), xn, head), xn};
 }
 
@@ -846,7 +943,9 @@ std::tuple<at::Tensor, at::Tensor> batch_decode_op(const at::Tensor& tokens, con
                                                    const at::Tensor& slots, const at::Tensor& cos_table,
                                                    const at::Tensor& sin_table, const at::Tensor& embed,
                                                    at::TensorList weights, at::TensorList caches, int64_t hq, int64_t hkv,
-                                                   int64_t d, double eps, const at::Tensor& norm_w, const at::Tensor& head) {
+                                                   int64_t d, double eps, const at::Tensor& norm_w, const at::Tensor& head,
+                                                   at::TensorList panels) {
+  const TargetPanels tp = target_panels(panels, weights);
   const int64_t b = tokens.numel();
   const auto pos = long_values(positions, "positions", b);
   const auto at_slot = long_values(slots, "slots", b);
@@ -857,8 +956,9 @@ std::tuple<at::Tensor, at::Tensor> batch_decode_op(const at::Tensor& tokens, con
     segs[s].start = at_slot[s];
   }
   at::Tensor x = run_segments(embed.index_select(0, tokens.to(at::kLong).view({b})), rows_at(cos_table, pos.data(), b),
-                              rows_at(sin_table, pos.data(), b), segs, weights, caches, hq, hkv, d, eps, false, {}, {}, true);
-  auto [logits, xn] = head_rows(x, norm_w, head, eps);
+                              rows_at(sin_table, pos.data(), b), segs, weights, caches, hq, hkv, d, eps, false, {}, tp.layers,
+                              true);
+  auto [logits, xn] = head_rows(x, norm_w, head, eps, tp.head);
   return {logits, xn};
 }
 
@@ -870,7 +970,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_ver
     const at::Tensor& tokens, const at::Tensor& counts, const at::Tensor& starts, const at::Tensor& root_pos,
     const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& embed, at::TensorList weights,
     at::TensorList caches, int64_t hq, int64_t hkv, int64_t d, double eps, const at::Tensor& norm_w,
-    const at::Tensor& head) {
+    const at::Tensor& head, at::TensorList panels) {
+  const TargetPanels tp = target_panels(panels, weights);
   at::Tensor toks = tokens.to(at::kLong).contiguous();
   const int64_t n = toks.numel();
   const int64_t b = counts.numel();
@@ -891,8 +992,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_ver
   }
   TORCH_CHECK(row == n, "litevlm_cpu: the chains' counts sum to ", row, " but ", n, " tokens were given");
   at::Tensor x = run_segments(embed.index_select(0, toks), rows_at(cos_table, pos.data(), n),
-                              rows_at(sin_table, pos.data(), n), segs, weights, caches, hq, hkv, d, eps, false, {}, {}, true);
-  auto [logits, xn] = head_rows(x, norm_w, head, eps);
+                              rows_at(sin_table, pos.data(), n), segs, weights, caches, hq, hkv, d, eps, false, {}, tp.layers,
+                              true);
+  auto [logits, xn] = head_rows(x, norm_w, head, eps, tp.head);
   const int64_t v = logits.size(1);
   const float* l = logits.data_ptr<float>();
   const int64_t* t = toks.data_ptr<int64_t>();
@@ -1451,7 +1553,7 @@ at::Tensor prompt_scores_op(const at::Tensor& x_in, const at::Tensor& cos, const
 
 TORCH_LIBRARY(litevlm_cpu, m) {
   m.def("layers(Tensor x, Tensor cos, Tensor sin, int start, Tensor? mask, Tensor[] weights, Tensor[] caches, "
-        "int hq, int hkv, int d, float eps, bool last_only=False) -> Tensor",
+        "int hq, int hkv, int d, float eps, bool last_only=False, Tensor[] panels) -> Tensor",
         &layers_op);
   m.def("chain(Tensor root_hidden, int position, int start, int depth, float log_min, int eos, Tensor cos_table, "
         "Tensor sin_table, Tensor embed, Tensor fc_w, Tensor fc_b, Tensor head, Tensor vocab_map, Tensor[] weights, "
@@ -1463,20 +1565,20 @@ TORCH_LIBRARY(litevlm_cpu, m) {
         "Tensor[] panels) -> Tensor",
         &draft_cycle_op);
   m.def("verify_chain(Tensor tokens, int start, int root_pos, Tensor cos_table, Tensor sin_table, Tensor embed, "
-        "Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps, Tensor norm_w, Tensor head) "
-        "-> (Tensor, Tensor, Tensor, Tensor)",
+        "Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps, Tensor norm_w, Tensor head, "
+        "Tensor[] panels) -> (Tensor, Tensor, Tensor, Tensor)",
         &verify_chain_op);
   m.def("decode_logits(Tensor token, int position, int slot, Tensor cos_table, Tensor sin_table, Tensor embed, "
-        "Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps, Tensor norm_w, Tensor head) "
-        "-> (Tensor, Tensor)",
+        "Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps, Tensor norm_w, Tensor head, "
+        "Tensor[] panels) -> (Tensor, Tensor)",
         &decode_logits_op);
   m.def("batch_decode(Tensor tokens, Tensor positions, Tensor slots, Tensor cos_table, Tensor sin_table, "
         "Tensor embed, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps, Tensor norm_w, "
-        "Tensor head) -> (Tensor, Tensor)",
+        "Tensor head, Tensor[] panels) -> (Tensor, Tensor)",
         &batch_decode_op);
   m.def("batch_verify_chain(Tensor tokens, Tensor counts, Tensor starts, Tensor root_pos, Tensor cos_table, "
         "Tensor sin_table, Tensor embed, Tensor[] weights, Tensor[] caches, int hq, int hkv, int d, float eps, "
-        "Tensor norm_w, Tensor head) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        "Tensor norm_w, Tensor head, Tensor[] panels) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         &batch_verify_chain_op);
   m.def("batch_draft_cycle(Tensor feats, Tensor nxt, Tensor pair_pos, Tensor counts, Tensor dones, Tensor roots, "
         "Tensor root_pos, Tensor depths, float log_min, int eos, Tensor cos_table, Tensor sin_table, Tensor embed, "
@@ -1488,6 +1590,7 @@ TORCH_LIBRARY(litevlm_cpu, m) {
         &prompt_layers_op);
   m.def("product(Tensor? base, Tensor x, Tensor w) -> Tensor", &product_op);
   m.def("pack_panels(Tensor w) -> Tensor", &pack_panels_op);
+  m.def("pack_panels32(Tensor w) -> Tensor", &pack_panels32_op);
   m.def("panels_built() -> bool", &panels_built_op);
   m.def("token_scores(Tensor x, Tensor cos, Tensor sin, int first_row, Tensor vis, Tensor tags, Tensor[] weights, "
         "int hq, int hkv, int d, float eps) -> Tensor",

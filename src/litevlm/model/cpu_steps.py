@@ -46,10 +46,13 @@ class NativeSteps:
         self.ops = ops
         self.has_panels = bool(ops.panels_built())  # the build has the bf16 panel products (an AVX-512 machine)
 
-    def layers(self, x, cos, sin, start, mask, weights, caches, hq, hkv, d, eps, last_only=False):
+    def layers(self, x, cos, sin, start, mask, weights, caches, hq, hkv, d, eps, last_only=False, head=None):
+        """head: the decoder's LM head, where `weights` are a whole decoder's: its products then read fp32 panels."""
+        panels = target_panels(weights, head, hq, hkv, d) if head is not None else []
         return self.ops.layers(
-            x, cos, sin, start, mask, native_weights(weights, hq, hkv, d), _flat(caches), hq, hkv, d, eps, last_only
-        )
+            x, cos, sin, start, mask, native_weights(weights, hq, hkv, d), _flat(caches), hq, hkv, d, eps, last_only,
+            panels,
+        )  # fmt: skip
 
     def chain(
         self,
@@ -156,16 +159,18 @@ class NativeSteps:
     ):
         flat = native_weights(weights, hq, hkv, d)
         return self.ops.verify_chain(
-            tokens, start, root_pos, cos_table, sin_table, embed, flat, _flat(caches), hq, hkv, d, eps, norm_w, head
-        )
+            tokens, start, root_pos, cos_table, sin_table, embed, flat, _flat(caches), hq, hkv, d, eps, norm_w, head,
+            target_panels(weights, head, hq, hkv, d),
+        )  # fmt: skip
 
     def decode(
         self, token, position, slot, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps, norm_w, head
     ):
         flat = native_weights(weights, hq, hkv, d)
         return self.ops.decode_logits(
-            token, position, slot, cos_table, sin_table, embed, flat, _flat(caches), hq, hkv, d, eps, norm_w, head
-        )
+            token, position, slot, cos_table, sin_table, embed, flat, _flat(caches), hq, hkv, d, eps, norm_w, head,
+            target_panels(weights, head, hq, hkv, d),
+        )  # fmt: skip
 
     # -- several sequences at once: their rows stacked into each product, each on its own caches ------------------
     def batch_decode(self, tokens, positions, slots, cos_table, sin_table, embed, weights, caches, hq, hkv, d, eps,
@@ -174,7 +179,7 @@ class NativeSteps:
         flat = native_weights(weights, hq, hkv, d)
         return self.ops.batch_decode(
             tokens, positions, slots, cos_table, sin_table, embed, flat, _flat_seqs(caches), hq, hkv, d, eps, norm_w,
-            head,
+            head, target_panels(weights, head, hq, hkv, d),
         )  # fmt: skip
 
     def batch_verify_chain(self, tokens, counts, starts, root_pos, cos_table, sin_table, embed, weights, caches, hq,
@@ -182,7 +187,7 @@ class NativeSteps:
         flat = native_weights(weights, hq, hkv, d)
         return self.ops.batch_verify_chain(
             tokens, counts, starts, root_pos, cos_table, sin_table, embed, flat, _flat_seqs(caches), hq, hkv, d, eps,
-            norm_w, head,
+            norm_w, head, target_panels(weights, head, hq, hkv, d),
         )  # fmt: skip
 
     def batch_draft_cycle(self, feats, nxt, pair_pos, counts, dones, roots, root_pos, depths, log_min, eos, cos_table,
@@ -299,12 +304,31 @@ def _per_list(cache: dict, owners: tuple, make):
 
 _NATIVE_FLAT: dict = {}  # id(weights list) -> ((that list,), its `native_weights`)
 _DRAFT_PANELS: dict = {}  # id(weights list) -> ((that list, fc, head), its draft panels)
+_TARGET_PANELS: dict = {}  # id(weights list) -> ((that list, head), its fp32 panels)
 
 
 def native_weights(weights: list[LayerWeights], hq: int, hkv: int, d: int) -> list[torch.Tensor]:
     """The layers' weights as the flat list the native ops read, q|k|v `unrotated` (made once per weights list: a
     generation's plan passes the same list to every step)."""
     return _per_list(_NATIVE_FLAT, (weights,), lambda: _flat_layers([unrotated(w, hq, hkv, d) for w in weights]))
+
+
+def target_panels(weights: list[LayerWeights], head: torch.Tensor, hq: int, hkv: int, d: int) -> list[torch.Tensor]:
+    """The target decoder's products as fp32 panels of 32 columns (`pack_panels32` in cpu_steps.cpp: read in storage
+    order, the same sums as the row-major weights): each layer's q|k|v, o, gate|up, down, then the LM head (in, out).
+    Made once per weights list and head."""
+    from litevlm.model import native
+
+    ops = native.ops()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        return _kept(t, "_litevlm_panels32", lambda w: ops.pack_panels32(w.contiguous()))
+
+    def make() -> list[torch.Tensor]:
+        per_layer = [unrotated(w, hq, hkv, d) for w in weights]
+        return [pack(p) for w in per_layer for p in (w.qkv, w.o_proj, w.gate_up, w.down)] + [pack(head)]
+
+    return _per_list(_TARGET_PANELS, (weights, head), make)
 
 
 def panels_built() -> bool:
