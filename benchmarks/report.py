@@ -756,17 +756,15 @@ def section_sweep(run: dict | None) -> list[str]:
 
 
 EVERY_QUESTION = (
-    "The strong methods on every question of the held-out split, over the views each needs, at r = 0.1-0.3: the"
-    " table above answers 600 of them, where the methods differ by a few questions. \"FastV K=2's choice before the"
-    ' decoder" is a diagnostic, not a pruner to run: the tokens FastV K=2 keeps (layers 0 and 1 run on the whole'
-    " prompt to choose them), cut from the prompt before the decoder as the TokenSelector prunes, so that a worse"
-    " choice can be told from a worse place to prune."
+    "The race decided: the shipped TokenSelector against the four strongest training-free methods at r = 0.1 and 0.2,"
+    " over the views each question needs, on more held-out questions than the table above (the methods differ there by"
+    " a few questions), every difference paired over the same questions with its interval."
 )
 PRUNING = {  # page -> (its pruning run, heading, the sentence that opens it)
     "drive-hd": ("token_pruning_drive-hd", "drive-hd", None),
     "drive-hd-all-questions": (
         "token_pruning_drive-hd-all-questions",
-        "drive-hd, every held-out question",
+        "drive-hd, the race on more questions",
         EVERY_QUESTION,
     ),
     "drive-hd-all-views": ("token_pruning_drive-hd-all-views", "drive-hd over all six views", None),
@@ -1033,7 +1031,7 @@ WHAT_EACH_SEES = (
 
 RACES = (  # (the questions, the taught decoder's page, the neutral decoder's page)
     ("600 questions, the views each needs", "drive-hd", "drive-hd-neutral"),
-    ("every held-out question", "drive-hd-all-questions", "drive-hd-neutral-all-questions"),
+    ("more questions, the views each needs", "drive-hd-all-questions", "drive-hd-neutral-all-questions"),
     ("600 questions, all six views", "drive-hd-all-views", "drive-hd-neutral-all-views"),
 )
 
@@ -1109,7 +1107,10 @@ def section_race(runs: dict) -> list[str]:
 
 
 # page -> the neutral decoder's page shown inside it, as more columns, where both runs are there (the same methods)
-BESIDE = {"drive-hd-all-questions": "drive-hd-neutral-all-questions"}
+BESIDE = {
+    "drive-hd-all-questions": "drive-hd-neutral-all-questions",
+    "drive-hd-all-views": "drive-hd-neutral-all-views",
+}
 
 
 def section_pruning(runs: dict, page: str) -> list[str]:
@@ -1161,6 +1162,12 @@ def section_pruning(runs: dict, page: str) -> list[str]:
         f" closed-question accuracy in brackets. Unpruned: final **{fmt(un['final'])}**"
         f" ({fmt(un['closed_accuracy'])})."
     )
+    if any(m in DIAGNOSTIC for m in methods):
+        about.append(
+            "\"FastV K=2's choice before the decoder\" is a diagnostic, not a pruner to run: the tokens FastV K=2 keeps"
+            " (layers 0 and 1 run on the whole prompt to choose them), cut from the prompt before the decoder as the"
+            " TokenSelector prunes, so that a worse choice can be told from a worse place to prune."
+        )
     for m in (m for m in methods if trained(m) and m != TRAINED):
         k = m.rsplit("-k", 1)[-1]
         about.append(
@@ -1257,6 +1264,87 @@ def section_pruning(runs: dict, page: str) -> list[str]:
         out[-2] = out[-2].replace("Command:", "Taught decoder's command:", 1)
         out += [provenance(other)[1].replace("Command:", "Neutral decoder's command:", 1), ""]
         out[-2] += f" Its plot: {other['result']['plot']}." if other["result"].get("plot") else ""
+    return out
+
+
+PEER_ROWS = (
+    "litevlm baseline",
+    "litevlm",
+    "llama.cpp f32",
+    "llama.cpp f16",
+    "llama.cpp q8_0",
+    "llama.cpp f32, litevlm tiles",
+)
+
+
+def peer_ratio(by: dict, a: str, b: str) -> float | None:
+    """Row b's mean e2e over row a's: how many times as fast a answers as b."""
+    if a in by and b in by and by[a].get("e2e_ms"):
+        return round(by[b]["e2e_ms"] / by[a]["e2e_ms"], 2)
+    return None
+
+
+def section_peers(run: dict | None) -> list[str]:
+    """litevlm beside llama.cpp (benchmarks/peers.py): one table of drive-hd's rows at each thread count, the ratios
+    the README quotes, the decode step beside llama.cpp's token, and the other models' ratios in a line."""
+    out = ["## Beside llama.cpp", ""]
+    if run is None:
+        return out + missing("llama.cpp beside litevlm", "python benchmarks/peers.py --models drive-hd,drive-tiny")
+    res = run["result"]
+    version = res["versions"].get("llama-cpp-python")
+    models = res["models"]
+    first = next(iter(models))
+    tiling = models[first].get("tiling", {})
+    mtmd, ours = tiling.get("llama.cpp", {}), tiling.get("litevlm", {})
+    out.append(
+        f"litevlm's baseline and LiteVLM beside llama.cpp (llama-cpp-python {version}, its mtmd library; the model"
+        " written by `litevlm convert --to gguf`) on the same held-out questions and image files, greedy, each timed"
+        " from the files to the last token, the rows taking turns question by question in one process."
+        f" `llama.cpp f32/f16/q8_0` read and tile the files as llama.cpp's own tools do: mtmd adds a thumbnail tile to"
+        f" every view, so their prompts hold {fmt(mtmd.get('visual_tokens'))} visual tokens where litevlm's baseline"
+        f" holds {fmt(ours.get('visual_tokens'))}; `llama.cpp f32, litevlm tiles` encodes litevlm's own tiles into"
+        " litevlm's prompt (the same visual tokens, the like-for-like row). `LiteVLM x` is the row's mean e2e over"
+        " LiteVLM's; agreement is the share of answers equal to the baseline's. llama.cpp keeps its default f16 KV"
+        " cache."
+    )
+    cols = ("config", "threads", "visual_tokens", "preprocess_ms", "encode_ms", "prompt_ms", "generate_ms")
+    cols += ("per_token_ms", "e2e_ms", "p50_e2e_ms", "LiteVLM x", "score", "agreement")
+    rows, ratios = [], []
+    for th, t in models[first]["threads"].items():
+        by = {r["config"]: r for r in t["rows"]}
+        for name in PEER_ROWS:
+            if name in by:
+                rows.append([*(by[name].get(c) for c in cols[:1]), th, *(by[name].get(c) for c in cols[2:10])])
+                rows[-1] += [times(peer_ratio(by, "litevlm", name)), by[name].get("score"), by[name].get("agreement")]
+        prof = t.get("decode_profile") or {}
+        f32 = by.get("llama.cpp f32", {}).get("llama_cpp", {})
+        ratios.append(
+            f"at {th} thread(s){' pinned' if t.get('pinned') else ''}: LiteVLM"
+            f" {times(peer_ratio(by, 'litevlm', 'llama.cpp f32'))} llama.cpp f32 and"
+            f" {times(peer_ratio(by, 'litevlm', 'llama.cpp q8_0'))} llama.cpp Q8_0 from images to answer, the"
+            f" baseline {times(peer_ratio(by, 'litevlm baseline', 'llama.cpp f32'))} llama.cpp f32 (on the same"
+            f" tiles {times(peer_ratio(by, 'litevlm baseline', 'llama.cpp f32, litevlm tiles'))}); a plain decode"
+            f" step {fmt(prof.get('step_ms'))} ms against llama.cpp f32's {fmt(f32.get('eval_ms_per_token'))} ms a"
+            " token"
+        )
+    out += ["", *table(list(cols), rows), "", f"{first}: " + "; ".join(ratios) + "."]
+    others = []
+    for model, m in list(models.items())[1:]:
+        for th, t in m["threads"].items():
+            by = {r["config"]: r for r in t["rows"]}
+            others.append(
+                f"{model} at {th} thread(s): LiteVLM {times(peer_ratio(by, 'litevlm', 'llama.cpp f32'))} llama.cpp"
+                f" f32, the baseline {times(peer_ratio(by, 'litevlm baseline', 'llama.cpp f32'))}"
+            )
+    if others:
+        out += ["", "; ".join(others) + "."]
+    m = run["machine"]
+    out += [
+        "",
+        f"Command: `{run['command']}`. Commit {run['commit']}, {run['date']}, {m['cpu']}, {run['seconds']} s;"
+        f" llama.cpp built with: {res['versions'].get('llama.cpp system', 'n/a')}.",
+        "",
+    ]
     return out
 
 
@@ -1772,6 +1860,17 @@ def glance(runs: dict) -> list[str]:
                     else f"- LiteVLM {paper} the baseline{on} by the paper's measure (stages only), {where}; from"
                     " images to answer (e2e): not in this run"
                 )
+    if "peers" in runs:
+        res = runs["peers"]["result"]
+        model = next(iter(res["models"]))
+        for th, t in res["models"][model]["threads"].items():
+            by = {r["config"]: r for r in t["rows"]}
+            lines.append(
+                f"- LiteVLM {times(peer_ratio(by, 'litevlm', 'llama.cpp f32'))} llama.cpp f32 and"
+                f" {times(peer_ratio(by, 'litevlm', 'llama.cpp q8_0'))} llama.cpp Q8_0 on {model} from images to"
+                f" answer, its baseline {times(peer_ratio(by, 'litevlm baseline', 'llama.cpp f32'))} llama.cpp f32,"
+                f" at {th} thread(s) (llama.cpp through llama-cpp-python {res['versions'].get('llama-cpp-python')})"
+            )
     if "drive_tiny_views" in runs:
         f = runs["drive_tiny_views"]["result"]["full"]
         lines.append(
@@ -1849,6 +1948,7 @@ def render(runs: dict) -> str:
         *header(runs),
         *section_bench(runs, "drive-hd", first=True),
         *before_after_line(runs.get("before_after_hd")),
+        *section_peers(runs.get("peers")),
         *section_frames(runs),
         *section_preprocess(runs.get("preprocess")),
         *section_explain(runs.get("explain_hd")),

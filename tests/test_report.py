@@ -84,6 +84,18 @@ def bench(threads: int, lite_speedup: float, lite_e2e: float | None = None) -> d
     }
 
 
+def peers_fixture() -> dict:
+    rows = [
+        {"config": "litevlm baseline", "visual_tokens": 768, "e2e_ms": 300.0, "p50_e2e_ms": 290.0, "score": 0.5},
+        {"config": "litevlm", "visual_tokens": 64, "e2e_ms": 60.0, "p50_e2e_ms": 40.0, "score": 0.52},
+        {"config": "llama.cpp f32", "visual_tokens": 1152, "e2e_ms": 400.0, "p50_e2e_ms": 380.0, "score": 0.5},
+    ]
+    return {
+        "versions": {"llama-cpp-python": "0.3.36"},
+        "models": {"drive-hd": {"threads": {"1": {"pinned": True, "rows": rows}}, "tiling": {}}},
+    }
+
+
 FIXTURES = {
     "bench_1thread": run_file(
         "bench_1thread",
@@ -528,6 +540,47 @@ def test_the_batch_page_shows_bench_batch_and_what_bounds_a_batched_step(tmp_pat
     assert "same answers 96/96" in page and "Command: `litevlm bench --batch 8`" in page
 
 
+def test_the_llama_cpp_section_and_glance_give_litevlm_against_each_peer_row(tmp_path, report):
+    def peer(config, e2e, tokens=768, **extra):
+        return {"config": config, "visual_tokens": tokens, "e2e_ms": e2e, "p50_e2e_ms": e2e, "score": 0.5, **extra}
+
+    rows = [
+        peer("litevlm baseline", 300.0),
+        peer("litevlm", 60.0, tokens=64, agreement=0.9),
+        peer("llama.cpp f32", 360.0, tokens=1152, agreement=0.5, llama_cpp={"eval_ms_per_token": 0.85}),
+        peer("llama.cpp q8_0", 240.0, tokens=1152, agreement=0.4),
+        peer("llama.cpp f32, litevlm tiles", 330.0, agreement=0.97),
+    ]
+    models = {
+        "drive-hd": {
+            "threads": {"1": {"pinned": True, "rows": rows, "decode_profile": {"step_ms": 0.9}}},
+            "tiling": {"litevlm": {"visual_tokens": 768}, "llama.cpp": {"visual_tokens": 1152}},
+        },
+        "drive-tiny": {
+            "threads": {
+                "2": {
+                    "pinned": False,
+                    "rows": [peer("litevlm baseline", 20.0), peer("litevlm", 10.0), peer("llama.cpp f32", 30.0)],
+                }
+            }
+        },  # fmt: skip
+    }
+    result = {"versions": {"llama-cpp-python": "0.3.36", "llama.cpp system": "AVX2 = 1"}, "models": models}
+    page = write(tmp_path, report, {**FIXTURES, "peers": run_file("peers", result, "python benchmarks/peers.py")})
+    assert (
+        "## Beside llama.cpp" in page and "prompts hold 1152 visual tokens where litevlm's baseline holds 768" in page
+    )
+    assert "| llama.cpp f32 | 1 | 1152 |" in page and "| **6.0x** | 0.5 | 0.5 |" in page
+    assert "LiteVLM **6.0x** llama.cpp f32 and **4.0x** llama.cpp Q8_0 from images to answer" in page
+    assert "the baseline **1.2x** llama.cpp f32 (on the same tiles **1.1x**)" in page
+    assert "a plain decode step 0.9 ms against llama.cpp f32's 0.85 ms a token" in page
+    assert "drive-tiny at 2 thread(s): LiteVLM **3.0x** llama.cpp f32, the baseline **1.5x**" in page
+    readme = (tmp_path / "README.md").read_text() if (tmp_path / "README.md").exists() else ""
+    glance = report.glance({"peers": run_file("peers", result, "python benchmarks/peers.py")})
+    assert any("LiteVLM **6.0x** llama.cpp f32 and **4.0x** llama.cpp Q8_0 on drive-hd" in line for line in glance)
+    assert readme == "" or "llama.cpp" in readme
+
+
 def test_the_scale_out_table_shows_one_and_two_replicas_side_by_side(tmp_path, report):
     def replicas(answered, rps, p50, p99, t50, t99):
         return {
@@ -770,7 +823,9 @@ def test_drive_hd_table1_comes_first_and_the_glance_names_both_models(tmp_path, 
     assert page.index("## Table 1") == hd  # drive-hd's tables are the first on the page
     frames, preprocess = page.index("## One frame, several questions"), page.index("## Reading and cutting a view")
     assert hd < frames < preprocess < tiny  # the frame rows and preprocessing next to drive-hd's Table 1
-    hd_part = page[hd:frames]
+    peers = page.index("## Beside llama.cpp")
+    assert hd < peers < frames  # litevlm beside llama.cpp right after drive-hd's Table 1
+    hd_part = page[hd:peers]
     for name in ("bench_hd_1thread", "bench_hd_default_threads"):
         run = hd_runs()[name]
         for r in run["result"]["rows"][:2]:
@@ -814,7 +869,7 @@ def test_drive_hd_not_measured_yet_shows_its_commands_and_no_figures(tmp_path, r
 def test_the_pruning_section_shows_every_method_and_says_which_is_best(tmp_path, report):
     runs = {**FIXTURES, "token_pruning_drive-hd": pruning_run("drive-hd")}
     page = write(tmp_path, report, runs)
-    sec = page[page.index("## Token pruning on drive-hd: ") : page.index("## Token pruning on drive-hd, every")]
+    sec = page[page.index("## Token pruning on drive-hd: ") : page.index("## Token pruning on drive-hd, the race")]
     assert "40 questions (22 closed) over the views each needs" in sec and "(89% of its tokens)" in sec
     assert "Unpruned: final **0.5433** (0.8636)." in sec
     assert "| method | r=0.1 | r=0.2 | r=0.5 |" in sec
@@ -849,7 +904,7 @@ def test_the_pruning_section_shows_every_method_and_says_which_is_best(tmp_path,
 def test_the_pruning_section_on_a_model_without_a_token_selector(tmp_path, report):
     runs = {**FIXTURES, "token_pruning_drive-hd": pruning_run("drive-hd", with_selector=False)}
     page = write(tmp_path, report, runs)
-    hd = page[page.index("## Token pruning on drive-hd") : page.index("## Token pruning on drive-hd, every")]
+    hd = page[page.index("## Token pruning on drive-hd") : page.index("## Token pruning on drive-hd, the race")]
     assert "| TokenSelector | absent | absent | absent |" in hd
     assert "TokenSelector: absent, drive-hd has no token_selector/ folder" in hd
     assert (
@@ -892,7 +947,7 @@ def test_each_difference_is_paired_with_its_interval_and_level_where_it_holds_ze
     for claim in ("beats", "leads", "wins", "scores best"):
         assert claim not in line
     page = write(tmp_path, report, {**FIXTURES, "token_pruning_drive-hd": run_file("token_pruning_drive-hd", res, "x")})
-    sec = page[page.index("## Token pruning on drive-hd: ") : page.index("## Token pruning on drive-hd, every")]
+    sec = page[page.index("## Token pruning on drive-hd: ") : page.index("## Token pruning on drive-hd, the race")]
     assert (
         "Standard errors over frames (a frame's questions taken together): unpruned final ± 0.0213, closed accuracy"
         " ± 0.0731. Each difference below is paired over the same questions, with its 95% interval from resampling"
@@ -926,7 +981,7 @@ def test_the_selectors_variant_inside_the_decoder_is_weighed_against_the_trainin
     )
     runs = {**FIXTURES, "token_pruning_drive-hd": run_file("token_pruning_drive-hd", res, "python x.py")}
     page = write(tmp_path, report, runs)
-    hd = page[page.index("## Token pruning on drive-hd") : page.index("## Token pruning on drive-hd, every")]
+    hd = page[page.index("## Token pruning on drive-hd") : page.index("## Token pruning on drive-hd, the race")]
     assert "| TokenSelector K=2 | 0.5201 (0.82) | 0.5102 (0.82) | 0.5 (0.82) |" in hd
     assert "TokenSelector K=2: the TokenSelector's own choice, made from the prompt before the decoder, applied" in hd
     assert "`--prune token-selector --keep R --prune-layer 2`" in hd
@@ -1007,17 +1062,19 @@ def test_drive_hd_on_every_held_out_question_has_its_own_pruning_page(tmp_path, 
     right after the 600-question one, saying what it is."""
     command = {b.name: b for b in report.benchmarks()}["token_pruning_drive-hd-all-questions"].command(None)
     assert command[command.index("--n") + 1] == "1688" and command[command.index("--timing-n") + 1] == "0"
+    methods = command[command.index("--methods") + 1].split(",")
+    assert methods == ["token-selector", "fastv-k2", "dart", "divprune", "cdpruner"]  # the selector and the strongest
     assert "--per-view" not in command and "--views" not in command
-    assert command[command.index("--r") + 1] == "0.1,0.2,0.3"
+    assert command[command.index("--r") + 1] == "0.1,0.2"
     res = pruning_result("drive-hd", with_selector=True)
     res["n"], res["timing_ms"] = 1688, {}
     name = "token_pruning_drive-hd-all-questions"
     runs = {**FIXTURES, "token_pruning_drive-hd": pruning_run("drive-hd"), name: run_file(name, res, "python x.py")}
     page = write(tmp_path, report, runs)
-    heading = "## Token pruning on drive-hd, every held-out question"
+    heading = "## Token pruning on drive-hd, the race on more questions"
     assert page.index("## Token pruning on drive-hd: ") < page.index(heading) < page.index("over all six views")
     sec = page[page.index(heading) : page.index("## Token pruning on drive-hd over all six views")]
-    assert "The strong methods on every question of the held-out split" in sec
+    assert "The race decided: the shipped TokenSelector against the four strongest training-free methods" in sec
     assert "1688 questions (22 closed) over the views each needs" in sec and "Timing, side by side" not in sec
     assert "- At r=0.1 (12.8 visual tokens kept), the TokenSelector scores 0.5011; the best training-free" in sec
 
@@ -1025,8 +1082,6 @@ def test_drive_hd_on_every_held_out_question_has_its_own_pruning_page(tmp_path, 
 def test_fastvs_choice_before_the_decoder_is_a_diagnostic_not_a_pruner_that_beats_the_selector(tmp_path, report):
     """fastv-k2-k0 scores above the TokenSelector here, yet it is no training-free pruner a user would run instead:
     the page names it beside FastV K=2 itself and never says it beats the selector."""
-    command = {b.name: b for b in report.benchmarks()}["token_pruning_drive-hd-all-questions"].command(None)
-    assert "fastv-k2-k0" in command[command.index("--methods") + 1].split(",")
     res = pruning_result("drive-hd", with_selector=True)
     res["n"], res["timing_ms"] = 1688, {}
     res["methods"].append("fastv-k2-k0")
@@ -1036,7 +1091,7 @@ def test_fastvs_choice_before_the_decoder_is_a_diagnostic_not_a_pruner_that_beat
     name = "token_pruning_drive-hd-all-questions"
     runs = {**FIXTURES, "token_pruning_drive-hd": pruning_run("drive-hd"), name: run_file(name, res, "python x.py")}
     page = write(tmp_path, report, runs)
-    heading = "## Token pruning on drive-hd, every held-out question"
+    heading = "## Token pruning on drive-hd, the race on more questions"
     sec = page[page.index(heading) : page.index("## Token pruning on drive-hd over all six views")]
     assert "is a diagnostic, not a pruner to run" in sec
     assert "| FastV K=2's choice before the decoder | 0.5999" in sec
@@ -1252,7 +1307,7 @@ def test_the_neutral_decoders_race_beside_the_taught_one(tmp_path, report):
         "token_pruning_drive-hd": run_file("token_pruning_drive-hd", before, cmd),  # before
     }
     page = write(tmp_path, report, runs)
-    every = page[page.index("## Token pruning on drive-hd, every held-out question, on both decoders") :]
+    every = page[page.index("## Token pruning on drive-hd, the race on more questions, on both decoders") :]
     every = every[: every.index("\n## ")]
     assert "| method | r=0.1 | r=0.2 | r=0.5 | neutral r=0.1 | neutral r=0.2 | neutral r=0.5 |" in every
     assert "| DivPrune | 0.5077 (0.8182) | 0.5007 (0.8282) | 0.5301 (0.8382) | 0.6 (0.8182) |" in every
@@ -1260,7 +1315,7 @@ def test_the_neutral_decoders_race_beside_the_taught_one(tmp_path, report):
     assert "Neutral decoder, at r=0.1 (12.8 visual tokens kept), the TokenSelector scores 0.4911; the best" in every
     assert "the best training-free method, DivPrune, 0.6 (+0.1089): not decided" in every
     assert f"Taught decoder's command: `{cmd}`" in every and f"Neutral decoder's command: `{ncmd}`" in every
-    assert "## Token pruning on drive-hd's neutral decoder, every held-out question" not in page
+    assert "## Token pruning on drive-hd's neutral decoder, the race on more questions" not in page
     neutral_page = page[page.index("## Token pruning on drive-hd's neutral decoder:") :]
     assert "The decoder is **neutral**" in neutral_page[: neutral_page.index("| method |")]
     shipped = page[page.index("## Token pruning on drive-hd:") : page.index("## Token pruning on drive-hd's neutral")]
@@ -1269,7 +1324,7 @@ def test_the_neutral_decoders_race_beside_the_taught_one(tmp_path, report):
     race = page[page.index("## The pruning race on both decoders") :]
     race = race[: race.index("\n## ")]
     assert (
-        "| every held-out question | 0.1 | TokenSelector 0.5011 | DART 0.5123 | -0.0112, not decided | TokenSelector"
+        "| more questions, the views each needs | 0.1 | TokenSelector 0.5011 | DART 0.5123 | -0.0112, not decided | TokenSelector"
         " 0.4911 | DivPrune 0.6 | -0.1089, not decided |" in race
     )
     assert "on the neutral decoder, of 4 rows: not decided in 4 (runs without per-question scores)" in race
@@ -1283,7 +1338,7 @@ def test_the_neutral_decoders_race_beside_the_taught_one(tmp_path, report):
     page = write(tmp_path / "paired", report, runs)
     race = page[page.index("## The pruning race on both decoders") :]
     race = race[: race.index("\n## ")]
-    row_ = next(x for x in race.splitlines() if x.startswith("| every held-out question | 0.1 |"))
+    row_ = next(x for x in race.splitlines() if x.startswith("| more questions, the views each needs | 0.1 |"))
     assert "| TokenSelector 0.5011 ± 0.0211 | DART 0.5123 ± 0.0211 | -0.0112 [" in row_ and "], level |" in row_
     assert row_.endswith("| DivPrune 0.6 ± 0.0211 | -0.1089 [-0.1089, -0.1089], training-free ahead |")
     assert "on the decoder taught its prunings, of 4 rows: level in 2, not decided in 2 (runs without" in race
