@@ -168,6 +168,10 @@ def benchmarks() -> list[Benchmark]:
         Benchmark(
             "serve_load", ["benchmarks/serve_load.py", "--model", MODEL], n=200, n_flag="--requests", pinned=False
         ),
+        # drive-hd's requests are mostly image decoding, vision and prefill: 48 a level
+        Benchmark(
+            "serve_load_hd", ["benchmarks/serve_load.py", "--model", HD], n=48, n_flag="--requests", pinned=False
+        ),
         # many answers at once: decode tokens/s by batch size, a frame's questions as one batch (pinned and not)
         Benchmark("batch_decode_hd", ["benchmarks/batch_decode.py", "--model", HD, "--threads", "1"]),
         Benchmark("batch_decode_hd_default_threads", ["benchmarks/batch_decode.py", "--model", HD], pinned=False),
@@ -1164,7 +1168,7 @@ def section_pruning(runs: dict, page: str) -> list[str]:
     )
     if any(m in DIAGNOSTIC for m in methods):
         about.append(
-            "\"FastV K=2's choice before the decoder\" is a diagnostic, not a pruner to run: the tokens FastV K=2 keeps"
+            '"FastV K=2\'s choice before the decoder" is a diagnostic, not a pruner to run: the tokens FastV K=2 keeps'
             " (layers 0 and 1 run on the whole prompt to choose them), cut from the prompt before the decoder as the"
             " TokenSelector prunes, so that a worse choice can be told from a worse place to prune."
         )
@@ -1510,7 +1514,7 @@ def section_batching(runs: dict) -> list[str]:
     ]
 
 
-def section_serve(run: dict | None) -> list[str]:
+def section_serve(run: dict | None, hd: dict | None = None) -> list[str]:
     out = ["## `litevlm serve` under load", ""]
     if run is None:
         return out + missing("the server under load", "python benchmarks/report.py --run --only serve_load")
@@ -1547,13 +1551,18 @@ def section_serve(run: dict | None) -> list[str]:
             for lv in v.values()
         )
         out.append(
-            f"Loopback only, one server process, streamed answers, the {res.get('config', 'baseline')} configuration,"
+            f"Loopback only, one server process, streamed answers, {Path(res.get('model', 'drive-tiny')).name}, the"
+            f" {res.get('config', 'baseline')} configuration,"
             f" view cache {'off' if res.get('view_cache_mb') == 0 else 'on'} ({', '.join(settings)}):"
             " a server answering one request at a time beside one batching"
             f" them, the same requests. {'. '.join(served)}. 5xx and answers differing from one at a time: {bad};"
             f" p99s and every level in {json_of('serve_load')}."
         )
-        return out + provenance(run)
+        out += provenance(run)
+        if hd is not None and isinstance(hd["result"].get("by_max_batch"), dict):
+            lines = section_serve(hd)[2:]  # its paragraph and provenance, under the same heading
+            out += [lines[0].replace(json_of("serve_load"), json_of("serve_load_hd")), *lines[1:]]
+        return out
     out += [
         "Loopback only, one server process, streamed answers; at each level that many clients send requests"
         f" back to back ({', '.join(settings)}). Latency is the whole request; time to first token is the first"
@@ -1963,7 +1972,7 @@ def render(runs: dict) -> str:
         *section_race(runs),
         *section_views(runs.get("view_selection")),
         *section_scores(runs),
-        *section_serve(runs.get("serve_load")),
+        *section_serve(runs.get("serve_load"), runs.get("serve_load_hd")),
         *section_batching(runs),
         *section_scale(runs.get("serve_replicas")),
         *section_dist(runs.get("dist_eval")),
