@@ -1324,8 +1324,8 @@ def test_the_neutral_decoders_race_beside_the_taught_one(tmp_path, report):
     race = page[page.index("## The pruning race on both decoders") :]
     race = race[: race.index("\n## ")]
     assert (
-        "| more questions, the views each needs | 0.1 | TokenSelector 0.5011 | DART 0.5123 | -0.0112, not decided | TokenSelector"
-        " 0.4911 | DivPrune 0.6 | -0.1089, not decided |" in race
+        "| more questions, the views each needs | 0.1 | TokenSelector 0.5011 | DART 0.5123 | -0.0112, not decided |"
+        " TokenSelector 0.4911 | DivPrune 0.6 | -0.1089, not decided |" in race
     )
     assert "on the neutral decoder, of 4 rows: not decided in 4 (runs without per-question scores)" in race
     for claim in ("beats", "leads", "wins"):
@@ -1404,3 +1404,35 @@ def test_the_step_costs_of_a_gpu_run_show_the_floor_the_goals_and_each_step(tmp_
     assert row(report, [result["rows"][0].get(c) for c in report.STEP_COST_COLUMNS]) in page
     assert "Left out: fp8-dynamic-per-row compiled: the time budget was spent." in page
     assert "Attention kernels: bf16 eager: decode efficient; bf16 compiled: decode efficient." in page
+
+
+def test_the_race_is_decided_on_fidelity_and_both_measures_separations_are_counted(tmp_path, report):
+    """Where the runs keep per-question scores, the race section decides the shipped TokenSelector against the
+    training-free method that loses the least likelihood, on fidelity's paired interval, and counts how many method
+    pairs at r <= 0.2 each measure separates. Here the selector's finals swing by frame (every final interval holds
+    zero) while its drop is a constant 0.02 below the others' (every fidelity interval excludes zero), except on the
+    neutral decoder, where DART's drop equals it (level)."""
+    taught = with_questions(pruning_result("drive-hd", True), noisy=("token-selector",), drops={"token-selector": 0.03})
+    neutral = with_questions(
+        pruning_result("drive-hd", True), noisy=("token-selector",), drops={"token-selector": 0.03, "dart": 0.03}
+    )
+    runs = {
+        **FIXTURES,
+        "token_pruning_drive-hd-all-questions": run_file("token_pruning_drive-hd-all-questions", taught, "x"),
+        "token_pruning_drive-hd-neutral-all-questions": run_file(
+            "token_pruning_drive-hd-neutral-all-questions", neutral, "y"
+        ),
+    }
+    page = write(tmp_path, report, runs)
+    race = page[page.index("## The pruning race on both decoders") :]
+    race = race[: race.index("\n## ")]
+    assert "**The race on fidelity.**" in race
+    assert (
+        "more questions, the views each needs, taught decoder, r = 0.1: the TokenSelector's drop 0.0300 against" in race
+    )
+    assert "difference -0.0200 [-0.0200, -0.0200]: **the TokenSelector ahead**" in race
+    neutral_01 = race[race.index("neutral decoder, r = 0.1") :].split(";")[0]
+    assert "DART's 0.0300" in neutral_01 and neutral_01.endswith(": level")
+    # 4 training-free methods (FastV K=2, DART, DivPrune, DivPrune per view) x r = 0.1, 0.2 x two decoders
+    assert "Of 16 method pairs at r <= 0.2" in race
+    assert "the final score's interval excludes zero in **0**, fidelity's in **14**" in race
