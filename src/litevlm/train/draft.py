@@ -43,6 +43,7 @@ from litevlm.data.drivelm import Sample
 from litevlm.dist import Dist, barrier, ddp, gather, shard
 from litevlm.errors import LiteVLMError
 from litevlm.spec.draft import DRAFT_SUBDIR, DraftConfig, DraftHead
+from litevlm.train.lineage import recipe_sources
 
 
 @dataclass
@@ -727,6 +728,7 @@ def train_draft(
         raise ValueError(f"passes must be at least 1 (1 = teacher forcing only), got {recipe.passes}")
     loaded = model if isinstance(model, Loaded) else load_model(model)
     check_out(loaded, out)
+    sources = recipe_sources(target=loaded.path)  # before the head is saved beside the model
     progress = progress and d.is_main
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
@@ -762,7 +764,13 @@ def train_draft(
         train_seconds=round(time.time() - t0 - gen_s, 1),
         parameters=head.num_parameters(),
     )
-    head.recipe = {**asdict(recipe), "target": loaded.path.name, "data": data or "synthetic", "answers": "target"}
+    head.recipe = {
+        **asdict(recipe),
+        "target": loaded.path.name,
+        "data": data or "synthetic",
+        "answers": "target",
+        "sources": sources,
+    }
     head.metrics = metrics
     metrics["loss_curve"] = [
         round(sum(h["reg"] + recipe.ce_weight * h["ce"] for h in hist[i : i + 50]) / len(hist[i : i + 50]), 4)

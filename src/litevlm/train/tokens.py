@@ -67,6 +67,7 @@ from litevlm.select.tokens import (
     view_grids,
     visual_index,
 )
+from litevlm.train.lineage import recipe_sources
 
 
 @dataclass
@@ -670,6 +671,7 @@ def train_token_selector(
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
     loaded = model_dir if isinstance(model_dir, Loaded) else load_model(model_dir)
+    sources = recipe_sources(model=loaded.path, init=recipe.init)  # before the selector is saved beside the model
     model = loaded.model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -824,7 +826,7 @@ def train_token_selector(
         "validation": {**before, "selector": after},
     }
     out = modules_dir(loaded, out_dir)
-    selector.save(out, recipe=asdict(recipe), extra={"training": meta})
+    selector.save(out, recipe={**asdict(recipe), "sources": sources}, extra={"training": meta})
     (out / "token_selector" / "train_log.json").write_text(json.dumps({"loss": losses, **meta}, indent=1))
     barrier(d)
     return out / "token_selector"

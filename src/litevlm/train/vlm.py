@@ -59,6 +59,7 @@ from litevlm.cameras import CAMERAS
 from litevlm.config import TextConfig, VisionConfig, VLMConfig, flag
 from litevlm.errors import LiteVLMError
 from litevlm.model.vlm import VLM, image_to_tiles, image_to_uint8_tiles, normalize_tiles
+from litevlm.train.lineage import recipe_sources, same_stage, source_of
 
 IGNORE = -100
 
@@ -1035,6 +1036,9 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
         raise LiteVLMError(f"token_drop_min_keep must lie in (0, 0.95], got {recipe.token_drop_min_keep}")
     if not recipe.token_drop_ratios or not all(0.0 < r <= 1.0 for r in recipe.token_drop_ratios):
         raise LiteVLMError(f"token_drop_ratios must be keep ratios in (0, 1], got {recipe.token_drop_ratios}")
+    # What it reads, named before training: `out` may be the folder it continues from.
+    sources = recipe_sources(init=recipe.init, token_drop_selector=recipe.token_drop_selector)
+    earlier = lineage_of(recipe.init) if recipe.init else []
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
     out = Path(out_dir)
@@ -1205,7 +1209,7 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
             if probe:
                 log["probe"].append({"step": step, **probe(model)})
                 bar.write(f"step {step}: closed accuracy (teacher-forced) {log['probe'][-1]}")
-            _save(model, tokenizer, out, recipe, step, log, t_start)
+            _save(model, tokenizer, out, recipe, step, log, t_start, sources, earlier)
             model.train()
             last_save = time.time()
             if step > recipe.vision_warmup + 20:  # re-plan at the mean pace so far: machine load changes
@@ -1238,11 +1242,12 @@ def train_vlm(out_dir: str | Path, recipe: VLMRecipe, progress: bool = True) -> 
     if probe:
         log["probe"].append({"step": step, **probe(model)})
         print(f"step {step}: closed accuracy (teacher-forced) {log['probe'][-1]}")
-    return _save(model, tokenizer, out, recipe, step, log, t_start)
+    return _save(model, tokenizer, out, recipe, step, log, t_start, sources, earlier)
 
 
 def lineage_of(checkpoint: str | Path) -> list[dict]:
-    """The training stages behind a checkpoint, oldest first: what `--init` chains accumulate."""
+    """The training stages behind a checkpoint, oldest first: what `--init` chains accumulate. Each names the folder
+    it was read from as given (`checkpoint`) and as found again (`source`, `litevlm.train.lineage`)."""
     path = Path(checkpoint) / "config.json"
     if not path.is_file():
         return []
@@ -1254,6 +1259,7 @@ def lineage_of(checkpoint: str | Path) -> list[dict]:
         earlier = lineage_of(recipe["init"]) if recipe.get("init") else []
     stage = {
         "checkpoint": str(checkpoint),
+        "source": source_of(checkpoint),  # the path may be a scratch folder, gone by the time anyone reads this
         "steps": meta.get("steps"),
         "train_seconds": meta.get("train_seconds"),
         "recipe": recipe,
@@ -1264,18 +1270,30 @@ def lineage_of(checkpoint: str | Path) -> list[dict]:
     return [*earlier, stage]
 
 
-def _save(model, tokenizer, out: Path, recipe: VLMRecipe, step: int, log: dict, t_start: float) -> Path:
+def _save(
+    model,
+    tokenizer,
+    out: Path,
+    recipe: VLMRecipe,
+    step: int,
+    log: dict,
+    t_start: float,
+    sources: dict[str, str],
+    lineage: list[dict],
+) -> Path:
+    """The checkpoint and its record: the recipe with `sources` (the folders it read, named as
+    `litevlm.train.lineage` names them), the run's figures and the `lineage` of the stages before it."""
     from litevlm.model.hf import save_native
 
     model.eval()
     losses = log["loss"]
     meta = {
-        "recipe": asdict(recipe),
+        "recipe": {**asdict(recipe), **({"sources": sources} if sources else {})},
         "steps": step,
         "train_seconds": round(time.time() - t_start, 1),
         "final_loss": float(np.mean(losses[-100:])) if losses else None,
         "looks_probe": log["probe"][-1:] or None,
-        "lineage": lineage_of(recipe.init) if recipe.init else [],
+        "lineage": lineage,
     }
     save_native(model, out, extra_meta=meta, dtype=STORE_DTYPES[recipe.store_dtype])
     tokenizer.save(out)
@@ -1331,7 +1349,7 @@ def average_checkpoints(out: str | Path, checkpoints: list[str | Path]) -> Path:
     stages = [lineage_of(c) for c in checkpoints]
     shared = []  # the stages all inputs have in common, oldest first
     for earlier in zip(*(s[:-1] for s in stages)):
-        if any(e != earlier[0] for e in earlier):
+        if not all(same_stage(e, earlier[0]) for e in earlier[1:]):  # a stage read from two folders is one stage
             break
         shared.append(earlier[0])
     meta = {
