@@ -583,16 +583,18 @@ class Pipeline:
         """`stream` of a question about `frame` (`Frame.stream`): e2e starts here."""
         return self._stream(self.start_answer(question, frame))
 
-    def start_answer(self, question: str, frame: Frame) -> Started:
+    def start_answer(self, question: str, frame: Frame, views: list[str] | None = None) -> Started:
         """A question about `frame` up to its prefill: checked, its views selected and encoded, its prompt made,
-        its visual tokens selected and the prompt in the model's cache (e2e starts here)."""
+        its visual tokens selected and the prompt in the model's cache (e2e starts here). views: the question's views
+        where the caller has selected them already (`answer_many`: the selection is then timed where it was made)."""
         t0 = time.perf_counter()
         self.check_question(question)
         timer = StageTimer(self.model.device, setup=lambda: self.backend.setup_ms)  # setup left out of the stages
         setup0 = self.backend.setup_ms
         before = (frame.encoded, frame.hits, frame.misses)
-        with timer("select_views"):
-            views = self.select_views(question)
+        if views is None:
+            with timer("select_views"):
+                views = self.select_views(question)
         reused = sum(c in frame.views for c in views)  # made for an earlier question of this frame
         with torch.no_grad():
             visual, counts = frame.visual(views, timer)
@@ -685,9 +687,13 @@ class Pipeline:
         it needs are checked before any is answered. A question's e2e runs from its own admission (its prefill's
         start) to its last token, or with `e2e_from_start` from the first admission. decoder: one made by
         `batch_decoder` to run on (its counters then tell the run's decode time and occupancy)."""
+        chosen = []  # each question's views, selected (and timed) once, here
         for q, frame in work:
             self.check_question(q)
-            frame.check_views(self.select_views(q))
+            t0 = time.perf_counter()
+            views = self.select_views(q)
+            chosen.append((views, (time.perf_counter() - t0) * 1e3))
+            frame.check_views(views)
         decoder = decoder or self.batch_decoder(max_batch)
         waiting = list(enumerate(work))
         t0 = time.perf_counter()
@@ -695,7 +701,9 @@ class Pipeline:
             while waiting or decoder.live:
                 while waiting and not decoder.full:
                     i, (q, frame) = waiting.pop(0)
-                    st = self.start_answer(q, frame)
+                    views, select_ms = chosen[i]
+                    st = self.start_answer(q, frame, views)
+                    st.timer.ms["select_views"] = select_ms
                     if e2e_from_start:
                         st.t0 = t0
                     seq = decoder.admit(st.prefilled, self.sampling, st.timer, tag=(i, st))
