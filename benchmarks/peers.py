@@ -93,18 +93,6 @@ def questions(data: str, frames: int, n: int) -> list:
     return load_data(data)[:n]
 
 
-def record(s, text: str) -> dict:
-    return {
-        "id": s.id,
-        "question": s.question,
-        "answer": text,
-        "gt": s.answer,
-        "tag": s.tag,
-        "closed": s.closed,
-        "frame": s.frame_id,
-    }
-
-
 def litevlm_row(pipe):
     """A function (sample) -> one measured answer of the pipeline, from the image files."""
 
@@ -187,10 +175,11 @@ def percentile(xs: list[float], q: float) -> float:
 
 def summarise(name: str, log: list[dict], samples: list, base: list[dict] | None) -> dict:
     """A row: means of each stage and of e2e (p50, p90 beside it), tokens, score, agreement with the baseline."""
+    from litevlm.eval.bench import answer_record
     from litevlm.eval.intervals import paired_difference
     from litevlm.eval.metrics import answered_right, closed_accuracy, score
 
-    records = [record(s, a["text"]) for s, a in zip(samples, log)]
+    records = [answer_record(s, a["text"]) for s, a in zip(samples, log)]
     e2e = [a["ms"]["e2e"] for a in log]
     decoded = sum(a["decoded"] for a in log)
     row = {
@@ -223,7 +212,7 @@ def summarise(name: str, log: list[dict], samples: list, base: list[dict] | None
         frames = [samples[i].frame_id for i in closed]
         if len(set(frames)) >= 2:
             right = [float(answered_right(records[i])) for i in closed]
-            base_right = [float(answered_right(record(samples[i], base[i]["text"]))) for i in closed]
+            base_right = [float(answered_right(answer_record(samples[i], base[i]["text"]))) for i in closed]
             row["closed_vs_baseline"] = paired_difference(right, base_right, frames).to_dict()
     return row
 

@@ -846,9 +846,27 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     _json_flag(p)
 
 
+def _bench_common(args, load: dict) -> dict:
+    """What every bench mode takes from the command line alike."""
+    from litevlm.presets import configs_named
+
+    return dict(
+        data=args.data,
+        images_root=args.images,
+        load=load,
+        n=args.n,
+        configs=configs_named(args.configs) if args.configs else None,
+        max_new_tokens=args.max_new_tokens,
+        warmup=args.warmup,
+        progress=not args.json,
+        backend=args.backend,
+        jsonl=args.jsonl,
+        scored=not args.no_score,
+    )
+
+
 def _run_batch_bench(args, load: dict) -> None:
     from litevlm.eval.bench import format_batch, run_batch_bench
-    from litevlm.presets import configs_named
 
     for flag, given in (
         ("--shape", args.shape),
@@ -859,21 +877,7 @@ def _run_batch_bench(args, load: dict) -> None:
     ):
         if given:
             raise LiteVLMError(f"--batch measures a real model's batched decoding on the CPU backends: drop {flag}")
-    result = run_batch_bench(
-        args.model,
-        data=args.data,
-        images_root=args.images,
-        load=load,
-        n=args.n,
-        configs=configs_named(args.configs) if args.configs else None,
-        batch=args.batch,
-        max_new_tokens=args.max_new_tokens,
-        warmup=args.warmup,
-        progress=not args.json,
-        backend=args.backend,
-        jsonl=args.jsonl,
-        scored=not args.no_score,
-    )
+    result = run_batch_bench(args.model, batch=args.batch, **_bench_common(args, load))
     print(format_batch(result))
     if args.json:
         _print_json(result)
@@ -882,7 +886,6 @@ def _run_batch_bench(args, load: dict) -> None:
 def run_bench_command(args) -> None:
     from litevlm.eval.bench import format_shares, format_table, plot, run_bench
     from litevlm.options import format_options
-    from litevlm.presets import configs_named
 
     if args.shape is None and not args.no_score:  # DriveLM's language score needs pycocoevalcap: checked now
         from litevlm.eval.metrics import language_scorers
@@ -895,22 +898,12 @@ def run_bench_command(args) -> None:
         return _run_batch_bench(args, load)
     result, per_question = run_bench(
         args.model,
-        data=args.data,
-        images_root=args.images,
-        load=load,
-        n=args.n,
         shape=args.shape,
-        configs=configs_named(args.configs) if args.configs else None,
         hf=not args.no_transformers,
-        max_new_tokens=args.max_new_tokens,
-        warmup=args.warmup,
-        progress=not args.json,
         cuda_graphs=args.cuda_graphs,
-        backend=args.backend,
-        jsonl=args.jsonl,
-        scored=not args.no_score,
         questions_per_frame=args.questions_per_frame,
         compile_steps=args.compile_steps,
+        **_bench_common(args, load),
     )
     if args.questions_per_frame > 1:
         from litevlm.eval.bench import format_frames

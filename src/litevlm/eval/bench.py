@@ -469,7 +469,7 @@ def _hf_runner(pipe, logs: dict[str, RowLog], max_new_tokens: int, share: bool =
                 preprocess=pre,
             )
             text = tok.decode([t for t in new if t != tok.eos_id]).strip()
-            logs[name].records.append(_record(s, text, len(CAMERAS)))
+            logs[name].records.append(answer_record(s, text, len(CAMERAS)))
             logs[name].precision = str(pipe.model.dtype).removeprefix("torch.")
 
     return run
@@ -508,8 +508,9 @@ class JsonLines:
         )
 
 
-def _record(s, text: str, views: int) -> dict:
-    return {
+def answer_record(s, text: str, views: int | None = None) -> dict:
+    """The scoring record of a sample answered with `text` (and the number of views it read, where given)."""
+    out = {
         "id": s.id,
         "question": s.question,
         "answer": text,
@@ -517,8 +518,8 @@ def _record(s, text: str, views: int) -> dict:
         "tag": s.tag,
         "closed": s.closed,
         "frame": s.frame_id,
-        "views": views,
     }
+    return out if views is None else out | {"views": views}
 
 
 def default_configs(shape: str | None, load: dict | None) -> dict[str, dict]:
@@ -628,7 +629,7 @@ def run_bench(
             if i < warmup:
                 continue
             log = logs[name]
-            log.add_answer(ans, wall, _record(s, ans.text, len(ans.views)))
+            log.add_answer(ans, wall, answer_record(s, ans.text, len(ans.views)))
             lines.answer(name, log, i - warmup, accept_lengths=list(ans.accept_lengths))
     for name, pipe in pipes.items():  # FP8 without FP8 kernels here: an accuracy row
         logs[name].emulated = emulated_precision(pipe.model)
@@ -741,7 +742,7 @@ def run_batch_bench(
             "p50_e2e_ms": round(percentile(e2e, 50), 2),
             "wall_s": round(wall, 3),
         }
-        records = [_record(s, a.text, len(a.views)) for s, a in zip(measured, answers)]
+        records = [answer_record(s, a.text, len(a.views)) for s, a in zip(measured, answers)]
         run["closed_accuracy"] = closed_accuracy(records)
         if scored:
             run["score"] = round(score(records)["final"] or 0.0, 4)
@@ -869,7 +870,7 @@ def _run_frames(pipes: dict, frames: list[list], warmup: int, progress: bool, li
                 if i < warmup:
                     continue
                 log = logs[name][mode]
-                log.add_answer(ans, wall, _record(s, ans.text, len(ans.views)))
+                log.add_answer(ans, wall, answer_record(s, ans.text, len(ans.views)))
                 encoded[name][mode] += ans.cache.get("encoded", 0)
                 reused[name][mode] += ans.cache.get("reused", 0)
                 lines.answer(f"{name} ({mode})", log, len(log.total) - 1)
