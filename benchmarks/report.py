@@ -512,17 +512,39 @@ def selection_line(result: dict) -> str | None:
     LiteVLM's score against the baseline's."""
     rows = {r["config"]: r for r in bench_rows(result)}
     lite, views, base = rows.get("litevlm"), rows.get("views + eagle"), rows.get("baseline")
-    if not lite or not views or not views.get("prefill_ms"):
+    if not lite:
         return None
-    line = (
-        f'Token selection takes the prefill of "views + eagle" from {fmt(views["prefill_ms"])} ms to'
-        f" {fmt(lite['prefill_ms'])} ms ({100 * lite['prefill_ms'] / views['prefill_ms']:.0f}%; LiteVLM's"
-        f" selection of views and tokens takes {fmt(lite.get('select_ms'))} ms)"
-    )
+    parts = []
+    if views and views.get("prefill_ms"):
+        parts.append(
+            f'Token selection takes the prefill of "views + eagle" from {fmt(views["prefill_ms"])} ms to'
+            f" {fmt(lite['prefill_ms'])} ms ({100 * lite['prefill_ms'] / views['prefill_ms']:.0f}%; LiteVLM's"
+            f" selection of views and tokens takes {fmt(lite.get('select_ms'))} ms)"
+        )
     if base and base.get("score") is not None and lite.get("score") is not None:
-        line += f"; LiteVLM scores {fmt(lite['score'])} against the baseline's {fmt(base['score'])}"
-        line += f" ({lite['score'] - base['score']:+.4f})"
-    return line + "."
+        line = f"LiteVLM scores {fmt(lite['score'])} against the baseline's {fmt(base['score'])}"
+        paired = lite.get("vs_baseline") or {}
+        if paired.get("final"):
+            line += f", {paired_text(paired['final'], 'LiteVLM', 'the baseline')}"
+            if paired.get("closed"):
+                line += f"; closed accuracy {paired_text(paired['closed'], 'LiteVLM', 'the baseline')}"
+        else:
+            line += f" ({lite['score'] - base['score']:+.4f}, no interval in this run)"
+        parts.append(line)
+    if not parts:
+        return None
+    return "; ".join(parts) + "."
+
+
+def paired_text(d: dict, a: str, b: str) -> str:
+    """A stored paired difference (`Paired.to_dict`): "difference +0.0247 [-0.0011, +0.0502] over 100 questions in
+    17 frames, level" (or "A ahead"), each side's standard error beside it."""
+    verdict = "level" if d["low"] <= 0.0 <= d["high"] else (f"{a} ahead" if d["diff"] > 0 else f"{b} ahead")
+    se = f" (standard errors {d['se_a']:.4f} and {d['se_b']:.4f})" if d.get("se_a") is not None else ""
+    return (
+        f"paired difference {d['diff']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]{se} over {d['n']} questions in"
+        f" {d['frames']} frames: {verdict}"
+    )
 
 
 def bf16_line(result: dict) -> str | None:

@@ -438,3 +438,35 @@ def test_the_bf16_matmul_rows_join_only_a_real_model_in_fp32_on_the_cpu(monkeypa
     assert list(default_configs(None, {"device": "cuda", "dtype": "bfloat16"})) == list(CONFIGS)
     assert list(default_configs(None, {"dtype": "bfloat16"})) == list(CONFIGS)
     assert list(default_configs("2b", None)) == list(CONFIGS)
+
+
+def test_each_row_is_paired_with_the_baseline_over_frames():
+    """A row whose answers equal the baseline's is level at exactly zero; one that answers every closed question
+    right where the baseline answers them all wrong is ahead on closed accuracy with an interval above zero."""
+    from types import SimpleNamespace
+
+    from litevlm.data.synthetic import make_frame
+    from litevlm.eval.bench import vs_baseline
+
+    records = []
+    for f in range(6):
+        frame = make_frame(1, f)
+        for qa in frame.qas:
+            records.append(
+                {"id": str(len(records)), "question": qa.question, "answer": "no", "gt": qa.answer}
+                | {"tag": [qa.tag], "closed": qa.closed, "frame": frame.frame_id}
+            )
+    right = [r | {"answer": r["gt"] if r["closed"] else r["answer"]} for r in records]
+    logs = {name: SimpleNamespace(records=recs) for name, recs in
+            (("baseline", records), ("same", [dict(r) for r in records]), ("right", right))}  # fmt: skip
+    paired = vs_baseline(logs)
+    same, better = paired["same"], paired["right"]
+    assert same["final"]["diff"] == 0.0 and same["final"]["low"] == 0.0 == same["final"]["high"]
+    assert same["closed"]["diff"] == 0.0 and same["closed"]["frames"] == 6
+    closed = sum(r["closed"] for r in records)
+    assert better["closed"]["n"] == closed and better["closed"]["low"] > 0.0
+    from litevlm.eval.metrics import answered_right
+
+    wrong_before = sum(r["closed"] and not answered_right(r) for r in records) / closed
+    assert better["closed"]["diff"] == pytest.approx(wrong_before)
+    assert better["final"]["diff"] > 0.0

@@ -1436,3 +1436,17 @@ def test_the_race_is_decided_on_fidelity_and_both_measures_separations_are_count
     # 4 training-free methods (FastV K=2, DART, DivPrune, DivPrune per view) x r = 0.1, 0.2 x two decoders
     assert "Of 16 method pairs at r <= 0.2" in race
     assert "the final score's interval excludes zero in **0**, fidelity's in **14**" in race
+
+
+def test_litevlm_against_the_baseline_is_read_with_its_interval(tmp_path, report):
+    runs = {**FIXTURES, **hd_runs()}
+    res = runs["bench_hd_1thread"]["result"]
+    lite = next(r for r in res["rows"] if r["config"] == "litevlm")
+    d = {"a": 0.55, "b": 0.53, "se_a": 0.021, "se_b": 0.02, "diff": 0.02, "low": -0.004, "high": 0.044}
+    lite["vs_baseline"] = {"final": d | {"n": 100, "frames": 17}, "closed": d | {"low": 0.01, "n": 40, "frames": 17}}
+    page = write(tmp_path, report, runs)
+    assert (
+        "paired difference +0.0200 [-0.0040, +0.0440] (standard errors 0.0210 and 0.0200) over 100 questions in" in page
+    )
+    assert "17 frames: level; closed accuracy paired difference +0.0200 [+0.0100, +0.0440]" in page
+    assert "40 questions in 17 frames: LiteVLM ahead" in page

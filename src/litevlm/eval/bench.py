@@ -648,6 +648,11 @@ def run_bench(
             row["closed_accuracy"] = closed_accuracy(log.records)
         rows.append(row)
         lines.write("row", **row)
+    if shape is None and scored and "baseline" in logs and logs["baseline"].records:
+        paired = vs_baseline(logs)
+        for r in rows:
+            if r["config"] in paired:
+                r["vs_baseline"] = paired[r["config"]]
     dev = next(iter(pipes.values())).model.device.type  # every row runs on one device
     per_question = {
         name: {"views": log.views, "vit": log.stages["vit"], "input_tokens": log.input_tokens}
@@ -675,6 +680,34 @@ def run_bench(
         },
         "peak_memory_mb": peak_memory_mb(dev),
     }, per_question
+
+
+def vs_baseline(logs: dict) -> dict[str, dict]:
+    """Each row against the baseline on the same questions: the paired difference of its DriveLM final (each
+    question's share of it, `litevlm.eval.per_question`) and of its closed-question accuracy, with 95% intervals
+    from resampling the frames (`litevlm.eval.intervals`)."""
+    from litevlm.eval.intervals import both_scored, paired_difference
+    from litevlm.eval.metrics import answered_right
+    from litevlm.eval.per_question import final_per_question
+
+    base = logs["baseline"].records
+    frames = [r["frame"] for r in base]
+    if len(set(frames)) < 2:
+        return {}
+    base_final = final_per_question(base)
+    base_right = [float(answered_right(r)) if r.get("closed") else None for r in base]
+    out = {}
+    for name, log in logs.items():
+        if name == "baseline" or len(log.records) != len(base):
+            continue
+        mine_right = [float(answered_right(r)) if r.get("closed") else None for r in log.records]
+        both = {}
+        for key, a, b in (("final", final_per_question(log.records), base_final), ("closed", mine_right, base_right)):
+            x, y, f = both_scored(a, b, frames)
+            if x:
+                both[key] = paired_difference(x, y, f).to_dict()
+        out[name] = both
+    return out
 
 
 def run_batch_bench(
