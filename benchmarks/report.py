@@ -438,9 +438,10 @@ def accuracy_line(r: dict) -> str:
     )
 
 
-def bench_tables(result: dict) -> list[str]:
-    """Table 1 of one run: the timed rows, then a line per accuracy row of an emulated precision (no times)."""
-    rows = bench_rows(result)
+def bench_tables(result: dict, only: tuple[str, ...] | None = None) -> list[str]:
+    """Table 1 of one run: the timed rows (`only` these configurations, where given), then a line per accuracy row of
+    an emulated precision (no times)."""
+    rows = [r for r in bench_rows(result) if only is None or r["config"] in only]
     header = [HEADERS.get(c, c) for c in BENCH_COLUMNS]
     out = table(header, [[r.get(c) for c in BENCH_COLUMNS] for r in rows if speed_figure(r)])
     out += [line for r in rows if not speed_figure(r) for line in ("", accuracy_line(r))]
@@ -586,7 +587,11 @@ def section_bench(runs: dict, model: str, first: bool) -> list[str]:
             continue
         # the two measures first, then the reading of the table: prompts, token selection, bf16
         notes = [x for x in (visual_share(res), selection_line(res), bf16_line(res)) if x]
-        out += [" ".join([measures_line(res), *notes]), "", *bench_tables(res)]
+        if model == "drive-tiny":  # the small model's table: the paper's path, every row in its JSON
+            others = "FastV, EAGLE alone, views + EAGLE, bf16, transformers"
+            notes.append(f"Its other rows ({others}) are in {json_of(name)}.")
+        only = TINY_ROWS if model == "drive-tiny" else None
+        out += [" ".join([measures_line(res), *notes]), "", *bench_tables(res, only)]
         out += provenance(run)
         plot = plot_of(run)
         if plot:
@@ -598,6 +603,7 @@ def section_bench(runs: dict, model: str, first: bool) -> list[str]:
     return out
 
 
+TINY_ROWS = ("baseline", "litevlm", "litevlm fp8")
 FRAMES = (("bench_hd_frames", "one pinned thread"), ("bench_hd_frames_default_threads", "the default threads"))
 FRAME_COLUMNS = [
     *("config", "mode", "questions_per_frame", "views_encoded_per_question", "views_reused_per_question"),
@@ -1390,16 +1396,15 @@ def section_peers(run: dict | None) -> list[str]:
             if name in by:
                 rows.append([*(by[name].get(c) for c in cols[:1]), th, *(by[name].get(c) for c in cols[2:10])])
                 rows[-1] += [times(peer_ratio(by, "litevlm", name)), by[name].get("score"), by[name].get("agreement")]
-        prof = t.get("decode_profile") or {}
         f32 = by.get("llama.cpp f32", {}).get("llama_cpp", {})
         ratios.append(
             f"at {th} thread(s){' pinned' if t.get('pinned') else ''}: LiteVLM"
             f" {times(peer_ratio(by, 'litevlm', 'llama.cpp f32'))} llama.cpp f32 and"
             f" {times(peer_ratio(by, 'litevlm', 'llama.cpp q8_0'))} llama.cpp Q8_0 from images to answer, the"
             f" baseline {times(peer_ratio(by, 'litevlm baseline', 'llama.cpp f32'))} llama.cpp f32 (on the same"
-            f" tiles {times(peer_ratio(by, 'litevlm baseline', 'llama.cpp f32, litevlm tiles'))}); a plain decode"
-            f" step {fmt(prof.get('step_ms'))} ms against llama.cpp f32's {fmt(f32.get('eval_ms_per_token'))} ms a"
-            " token"
+            f" tiles {times(peer_ratio(by, 'litevlm baseline', 'llama.cpp f32, litevlm tiles'))}); the baseline's"
+            f" plain decoding {fmt(by.get('litevlm baseline', {}).get('per_token_ms'))} ms a token against llama.cpp"
+            f" f32's {fmt(f32.get('eval_ms_per_token'))} (its own counter, f16 KV cache)"
         )
     out += ["", *table(list(cols), rows), "", f"{first}: " + "; ".join(ratios) + "."]
     others = []
