@@ -122,25 +122,17 @@ def litevlm_row(pipe):
 
 def llama_row(lc, pipe, max_new_tokens: int, same_tiles: bool = False):
     """A function (sample) -> one measured answer of llama.cpp: mtmd from the files, or on litevlm's tiles."""
-    import numpy as np
-
     from litevlm.cameras import CAMERAS
-    from litevlm.eval.llamacpp import MARKER
+    from litevlm.eval.llamacpp import MARKER, answer_on_tiles
     from litevlm.model.prompt import IMAGE_MARK
-    from litevlm.model.vlm import cut_images
 
     tok, cams = pipe.tokenizer, list(CAMERAS)
 
     def run(s) -> dict:
         paths = [s.images[c] for c in cams]
         if same_tiles:
-            t0 = time.perf_counter()
-            cut = cut_images(paths, pipe.format.tiling, pipe.cfg.vision.image_size)
-            layout = pipe.format.build(tok, s.question, cams, [len(t) * pipe.cfg.tokens_per_tile for t in cut])
-            pre = (time.perf_counter() - t0) * 1e3
-            spans = [(a, b) for _, a, b in layout.view_spans]
-            a = lc.answer_tiles(layout.ids, spans, np.concatenate(cut), max_new_tokens)
-            a.ms["e2e"] += pre
+            _, a = answer_on_tiles(lc, pipe, s.question, s.images, max_new_tokens)
+            pre = a.ms["preprocess"]
         else:
             pre = None
             a = lc.answer_files(pipe.format.render(s.question, cams).replace(IMAGE_MARK, MARKER), paths, max_new_tokens)

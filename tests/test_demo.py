@@ -159,3 +159,27 @@ def test_a_bad_out_is_refused_up_front(tiny_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):  # argparse: the two are exclusive
         main(["demo", "--baseline-only", "--litevlm-only"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_where_llama_cpp_is_installed_the_demo_adds_its_row(tmp_path, capsys):
+    """llama.cpp answers the round on the baseline's own tiles and prompt: its time, LiteVLM's ratio over it, and its
+    answers, which equal the baseline's here (drive-tiny in f32); --no-llama-cpp leaves the row out."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    result = run_demo("drive-tiny", out=str(tmp_path / "d.png"), n_questions=3, rounds=1)
+    peer = result["llama_cpp"]
+    assert peer["engine"].startswith("llama.cpp f32 (llama-cpp-python ") and peer["e2e_ms"] > 0
+    assert peer["litevlm_speedup"] == pytest.approx(peer["e2e_ms"] / result["e2e_ms"]["litevlm"], rel=0.01)
+    assert peer["same_as_baseline"] == 3
+    assert peer["answers"] == [r["answers"]["baseline"]["answer"] for r in result["questions"]]
+    assert "on the baseline's own tiles and prompt" in capsys.readouterr().out
+    assert "llama_cpp" not in run_demo("drive-tiny", out=str(tmp_path / "e.png"), n_questions=1, rounds=1,
+                                       llama_cpp=False)  # fmt: skip
+
+
+def test_a_model_gguf_cannot_express_leaves_llama_cpps_row_out_saying_why(full_model_dir, tmp_path, capsys):
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    result = run_demo(str(full_model_dir), out=str(tmp_path / "d.png"), n_questions=1, rounds=1)
+    assert "no GGUF name" in result["llama_cpp"]["skipped"]
+    assert "llama.cpp's row is left out: " in capsys.readouterr().out

@@ -91,6 +91,11 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
     only = p.add_mutually_exclusive_group()
     only.add_argument("--baseline-only", action="store_true", help="only the baseline (six views, plain decoding)")
     only.add_argument("--litevlm-only", action="store_true", help="only the LiteVLM configuration (--litevlm)")
+    p.add_argument(
+        "--no-llama-cpp",
+        action="store_true",
+        help="leave out llama.cpp's row (added where llama-cpp-python, the llamacpp extra, is installed)",
+    )
     _json_flag(p)
 
 
@@ -106,6 +111,7 @@ def run_demo(args) -> None:
         as_json=args.json,
         configs=configs,
         explain=args.explain,
+        llama_cpp=not args.no_llama_cpp,
     )
 
 

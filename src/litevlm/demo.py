@@ -193,9 +193,11 @@ def run_demo(
     configs: tuple[str, ...] = ("litevlm", "baseline"),
     rounds: int = 3,
     explain: str | Path | None = None,
+    llama_cpp: bool = True,
 ) -> dict:
     """explain: where the figure of one answer's kept tokens goes (a .png; default demo_explain.png beside the
-    picture)."""
+    picture). llama_cpp: where llama-cpp-python is installed (the `llamacpp` extra), llama.cpp answers the same
+    questions too (`peer_row`)."""
     from litevlm.data.synthetic import make_frame, render_views
     from litevlm.explain import check_out
     from litevlm.explain import explain as draw
@@ -264,11 +266,56 @@ def run_demo(
         "explain": str(explain_path),  # the figure of one answer's kept tokens
         "explained": {"config": shown, "question": questions[k].question},
     }
+    if llama_cpp and "baseline" in pipes:
+        from litevlm.eval.llamacpp import available
+
+        if available():
+            lite = e2e_ms.get("litevlm")
+            try:
+                result["llama_cpp"] = peer_row(model, pipes["baseline"], questions, images, rounds, rows, lite)
+            except LiteVLMError as e:  # a model GGUF cannot express: the demo goes on without the row, saying why
+                result["llama_cpp"] = {"skipped": str(e)}
     if as_json:
         print(json.dumps(result, separators=(",", ":")))
     else:
         print_demo(result)
     return result
+
+
+def peer_row(
+    model: str, base: Pipeline, questions, images, rounds: int, rows: list[dict], litevlm_e2e: float | None
+) -> dict:
+    """llama.cpp (llama-cpp-python, the model converted to an f32 GGUF in a temporary folder) answering the round's
+    questions on the baseline's own tiles and prompt (`litevlm.eval.llamacpp.answer_on_tiles`), greedy, `rounds`
+    times after one warm-up answer: its mean e2e from the images, its answers, how many equal the baseline's, and
+    how many times as fast LiteVLM answered."""
+    import tempfile
+
+    import llama_cpp as llama_cpp_module
+
+    from litevlm.eval.llamacpp import LlamaCpp, answer_on_tiles
+    from litevlm.model.gguf import write_gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        files = write_gguf(model, Path(tmp), "f32")
+        with LlamaCpp(files) as lc:
+            answer_on_tiles(lc, base, questions[0].question, images, base.max_new_tokens)  # warm-up, not timed
+            texts, e2e = [], []
+            for _ in range(rounds):
+                for qa in questions:
+                    text, a = answer_on_tiles(lc, base, qa.question, images, base.max_new_tokens)
+                    texts.append(text)
+                    e2e.append(a.ms["e2e"])
+    answers = texts[: len(questions)]
+    same = sum(a == r["answers"]["baseline"]["answer"] for a, r in zip(answers, rows))
+    mean = round(statistics.fmean(e2e), 3)
+    return {
+        "engine": f"llama.cpp f32 (llama-cpp-python {llama_cpp_module.__version__})",
+        "e2e_ms": mean,
+        "answers": answers,
+        "same_as_baseline": same,
+        "litevlm_speedup": round(mean / litevlm_e2e, 2) if litevlm_e2e else None,
+    }
 
 
 def _same(answer: str, truth: str) -> bool:
@@ -345,6 +392,15 @@ def print_demo(result: dict) -> None:
         print(
             f"\nLiteVLM answered {result['speedup']:.2f}x as fast as the baseline "
             "(the ratio of their mean totals, measured side by side)."
+        )
+    peer = result.get("llama_cpp")
+    if peer and "skipped" in peer:
+        print(f"\nllama.cpp's row is left out: {peer['skipped']}")
+    elif peer:
+        speed = f"; LiteVLM answered {peer['litevlm_speedup']:.2f}x as fast" if peer["litevlm_speedup"] else ""
+        print(
+            f"\n{peer['engine']}, on the baseline's own tiles and prompt: {peer['e2e_ms']:.2f} ms a question from the"
+            f" images{speed}; its answers equal the baseline's on {peer['same_as_baseline']} of {result['n']}."
         )
     shown = result["explained"]
     print(

@@ -296,3 +296,28 @@ class LlamaCpp:
         ms["generate"] = (time.perf_counter() - t) * 1e3
         ms["e2e"] = (time.perf_counter() - t0) * 1e3
         return PeerAnswer(tokens, {k: round(v, 3) for k, v in ms.items()}, pos, visual, self.perf())
+
+
+def available() -> bool:
+    """Whether llama-cpp-python (the `llamacpp` extra) and the `gguf` writer are installed here."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("llama_cpp", "gguf"))
+
+
+def answer_on_tiles(lc: LlamaCpp, pipe, question: str, images, max_new_tokens: int) -> tuple[str, PeerAnswer]:
+    """llama.cpp answering `question` about `images` (camera -> a file, an array or a PIL image) exactly as `pipe`'s
+    baseline prompt puts it: every view read and cut by litevlm (timed, in its e2e), its prompt ids, the tiles encoded
+    by mtmd and the embeddings decoded at litevlm's image placeholders -> (the answer's text, the PeerAnswer)."""
+    from litevlm.cameras import CAMERAS
+    from litevlm.model.vlm import cut_images
+
+    tok, cams = pipe.tokenizer, list(CAMERAS)
+    t0 = time.perf_counter()
+    cut = cut_images([images[c] for c in cams], pipe.format.tiling, pipe.cfg.vision.image_size)
+    layout = pipe.format.build(tok, question, cams, [len(t) * pipe.cfg.tokens_per_tile for t in cut])
+    pre = (time.perf_counter() - t0) * 1e3
+    a = lc.answer_tiles(layout.ids, [(s, e) for _, s, e in layout.view_spans], np.concatenate(cut), max_new_tokens)
+    a.ms["e2e"] += pre
+    a.ms["preprocess"] = pre
+    return tok.decode([t for t in a.tokens if t != tok.eos_id]).strip(), a
