@@ -73,6 +73,13 @@ def parse_args(argv=None):
     p.add_argument(
         "--no-same-tiles", dest="same_tiles", action="store_false", help="leave out llama.cpp on litevlm's own tiles"
     )
+    p.add_argument(
+        "--lookup",
+        type=int,
+        default=10,
+        help="llama-cpp-python's chat path with and without its prompt-lookup speculative decoding, drafting up to this"
+        " many tokens a step (f32; 0 leaves both rows out)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--gguf-dir", default=None, help="where the converted files go (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=1, help="the rows' shuffled order")
@@ -157,6 +164,20 @@ def llama_row(lc, pipe, max_new_tokens: int, same_tiles: bool = False):
     return run
 
 
+def chat_row(chat):
+    """A function (sample) -> one answer through llama-cpp-python's chat path (`LlamaChat`: its chat handler reads
+    and tiles the files, with or without prompt-lookup drafting): e2e only, the path times no stages."""
+    from litevlm.cameras import CAMERAS
+
+    def run(s) -> dict:
+        labelled = [(f"{c}: ", s.images[c]) for c in CAMERAS]
+        text, ms, new, prompt = chat.answer(labelled, s.question, chat.max_new_tokens)
+        return {"text": text, "input_tokens": prompt, "visual_tokens": None, "new_tokens": new, "decoded": 0,
+                "ms": {"e2e": ms}}  # fmt: skip
+
+    return run
+
+
 # ------------------------------------------------------------------------------------------------
 # Summaries
 # ------------------------------------------------------------------------------------------------
@@ -177,7 +198,7 @@ def summarise(name: str, log: list[dict], samples: list, base: list[dict] | None
     row = {
         "config": name,
         "questions": len(log),
-        "visual_tokens": statistics.mean(a["visual_tokens"] for a in log),
+        "visual_tokens": statistics.mean(a["visual_tokens"] for a in log) if log[0]["visual_tokens"] else None,
         "input_tokens": statistics.mean(a["input_tokens"] for a in log),
         "new_tokens": statistics.mean(a["new_tokens"] for a in log),
         **{f"{k}_ms": round(statistics.mean(a["ms"][k] for a in log), 3) for k in log[0]["ms"]},
@@ -288,6 +309,17 @@ def run_model(model: str, samples: list, a, gguf_dir: Path, default_threads: int
                     f"{name}, litevlm tiles": llama_row(lc, base, a.max_new_tokens, True)
                     for name, lc in engines.items()
                 }
+            chats = {}
+            if a.lookup > 0 and "f32" in files:
+                from litevlm.eval.llamacpp import LlamaChat
+
+                chats = {
+                    "llama.cpp f32, chat": LlamaChat(files["f32"], threads=th.n),
+                    f"llama.cpp f32, chat + lookup {a.lookup}": LlamaChat(files["f32"], threads=th.n, lookup=a.lookup),
+                }
+                for chat in chats.values():
+                    chat.max_new_tokens = a.max_new_tokens
+                rows |= {name: chat_row(chat) for name, chat in chats.items()}
             logs = {name: [] for name in rows}
             order, shuffler = list(rows), random.Random(a.seed)
             for i, s in enumerate(samples):
@@ -302,7 +334,7 @@ def run_model(model: str, samples: list, a, gguf_dir: Path, default_threads: int
                 for name in rows
             ]
             profile = decode_profile(base, counted[0]) if counted else None
-            for lc in engines.values():
+            for lc in [*engines.values(), *chats.values()]:
                 lc.close()
         out["threads"][str(th.n)] = {"pinned": th.pin, "rows": table, "decode_profile": profile}
     out["tiling"] = tiling(base, table)
@@ -395,9 +427,9 @@ def main(argv=None) -> int:
             print(f"{model}, {n} thread(s){' pinned' if block['pinned'] else ''}:")
             for row in block["rows"]:
                 print(
-                    f"  {row['config']:<30} e2e {row['e2e_ms']:>9.1f} ms  encode {row['encode_ms']:>8.1f}  "
-                    f"prompt {row['prompt_ms']:>8.1f}  per token {row['per_token_ms'] or 0:>7.2f}  "
-                    f"visual {row['visual_tokens']:>6.0f}  score {row['score']}  agree {row.get('agreement', '-')}"
+                    f"  {row['config']:<36} e2e {row['e2e_ms']:>9.1f} ms  encode {row.get('encode_ms') or 0:>8.1f}  "
+                    f"prompt {row.get('prompt_ms') or 0:>8.1f}  per token {row['per_token_ms'] or 0:>7.2f}  "
+                    f"visual {row['visual_tokens'] or 0:>6.0f}  score {row['score']}  agree {row.get('agreement', '-')}"
                 )
     saved = {
         "benchmark": "peers",

@@ -1364,6 +1364,21 @@ def peer_ratio(by: dict, a: str, b: str) -> float | None:
     return None
 
 
+def spec_text(by: dict) -> str:
+    """llama-cpp-python's chat path with its prompt-lookup speculative decoding (the only speculation it offers an
+    image prompt) beside the same path without it, and LiteVLM's ratio over the faster; "" where not run."""
+    plain = by.get("llama.cpp f32, chat")
+    spec = next((r for name, r in by.items() if name.startswith("llama.cpp f32, chat + lookup")), None)
+    if not plain or not spec:
+        return ""
+    best = min(plain["e2e_ms"], spec["e2e_ms"])
+    return (
+        f"; llama.cpp's speculative decoding for an image prompt (llama-cpp-python's chat path with prompt-lookup"
+        f" drafting, `{spec['config'].split(', ', 1)[1]}`) {fmt(spec['e2e_ms'])} ms against {fmt(plain['e2e_ms'])}"
+        f" without, LiteVLM {times(round(best / by['litevlm']['e2e_ms'], 2))} the faster"
+    )
+
+
 def section_peers(run: dict | None) -> list[str]:
     """litevlm beside llama.cpp (benchmarks/peers.py): one table of drive-hd's rows at each thread count, the ratios
     the README quotes, the decode step beside llama.cpp's token, and the other models' ratios in a line."""
@@ -1404,7 +1419,7 @@ def section_peers(run: dict | None) -> list[str]:
             f" baseline {times(peer_ratio(by, 'litevlm baseline', 'llama.cpp f32'))} llama.cpp f32 (on the same"
             f" tiles {times(peer_ratio(by, 'litevlm baseline', 'llama.cpp f32, litevlm tiles'))}); the baseline's"
             f" plain decoding {fmt(by.get('litevlm baseline', {}).get('per_token_ms'))} ms a token against llama.cpp"
-            f" f32's {fmt(f32.get('eval_ms_per_token'))} (its own counter, f16 KV cache)"
+            f" f32's {fmt(f32.get('eval_ms_per_token'))} (its own counter, f16 KV cache)" + spec_text(by)
         )
     out += ["", *table(list(cols), rows), "", f"{first}: " + "; ".join(ratios) + "."]
     others = []

@@ -300,3 +300,18 @@ def test_llama_cpp_pythons_chat_handler_answers_from_our_files(llama_cpp, tiny, 
         ours = lc.answer_files(text, [paths[c] for c in CAMERAS], 40)
     assert out["usage"]["prompt_tokens"] == ours.input_tokens
     assert out["choices"][0]["message"]["content"].strip() == tiny.tokenizer.decode(ours.tokens).strip()
+
+
+def test_llama_cpps_prompt_lookup_drafting_answers_as_its_plain_chat_path(llama_cpp, tiny, tiny_files, frame_files):
+    """The peers benchmark's speculative llama.cpp row (`LlamaChat` with prompt-lookup drafting) is lossless: the
+    same greedy answers and prompt as the chat path without it."""
+    from litevlm.eval.llamacpp import LlamaChat
+
+    paths, questions = frame_files
+    labelled = [(f"{cam}: ", paths[cam]) for cam in CAMERAS]
+    files = tiny_files["f32"]
+    with LlamaChat(files, threads=1) as plain, LlamaChat(files, threads=1, lookup=8) as drafted:
+        for q in questions[:3]:
+            a, _, new_a, prompt_a = plain.answer(labelled, q, 40)
+            b, _, new_b, prompt_b = drafted.answer(labelled, q, 40)
+            assert (a, new_a, prompt_a) == (b, new_b, prompt_b) and new_a > 0

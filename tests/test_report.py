@@ -550,6 +550,8 @@ def test_the_llama_cpp_section_and_glance_give_litevlm_against_each_peer_row(tmp
         peer("llama.cpp f32", 360.0, tokens=1152, agreement=0.5, llama_cpp={"eval_ms_per_token": 0.85}),
         peer("llama.cpp q8_0", 240.0, tokens=1152, agreement=0.4),
         peer("llama.cpp f32, litevlm tiles", 330.0, agreement=0.97),
+        peer("llama.cpp f32, chat", 370.0),
+        peer("llama.cpp f32, chat + lookup 10", 300.0),
     ]
     models = {
         "drive-hd": {
@@ -575,6 +577,7 @@ def test_the_llama_cpp_section_and_glance_give_litevlm_against_each_peer_row(tmp
     assert "the baseline **1.2x** llama.cpp f32 (on the same tiles **1.1x**)" in page
     assert "the baseline's plain decoding 0.9 ms a token against llama.cpp f32's 0.85 (its own counter" in page
     assert "drive-tiny at 2 thread(s): LiteVLM **3.0x** llama.cpp f32, the baseline **1.5x**" in page
+    assert "prompt-lookup drafting, `chat + lookup 10`) 300.0 ms against 370.0 without, LiteVLM **5.0x** the" in page
     readme = (tmp_path / "README.md").read_text() if (tmp_path / "README.md").exists() else ""
     glance = report.glance({"peers": run_file("peers", result, "python benchmarks/peers.py")})
     assert any("LiteVLM **6.0x** llama.cpp f32 and **4.0x** llama.cpp Q8_0 on drive-hd" in line for line in glance)

@@ -298,6 +298,62 @@ class LlamaCpp:
         return PeerAnswer(tokens, {k: round(v, 3) for k, v in ms.items()}, pos, visual, self.perf())
 
 
+class LlamaChat:
+    """llama-cpp-python's own high-level path for image questions: `Llama.create_chat_completion` with its mtmd chat
+    handler (the GGUF's chat template renders the prompt; mtmd reads and tiles the files as in `answer_files`), greedy.
+    With `lookup` > 0, its speculative decoding: `LlamaPromptLookupDecoding` drafts up to `lookup` tokens a step from
+    n-grams of the prompt and the answer so far, verified by the model (greedy output unchanged). The only
+    speculative decoding llama-cpp-python offers an image prompt: its `draft_model` runs inside the same generation
+    loop the chat handler's completion uses."""
+
+    def __init__(self, files, threads: int | None = None, lookup: int = 0, n_ctx: int = 4096, quiet: bool = True):
+        llama_cpp, _ = _bindings()
+        from llama_cpp.llama_chat_format import MTMDChatHandler
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self.threads = threads or os.cpu_count() or 1
+        self.handler = MTMDChatHandler(str(files.mmproj), verbose=not quiet, use_gpu=False)
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup > 0 else None
+        self.llm = llama_cpp.Llama(
+            str(files.text),
+            chat_handler=self.handler,
+            draft_model=draft,
+            n_ctx=n_ctx,
+            n_threads=self.threads,
+            n_threads_batch=self.threads,
+            n_gpu_layers=0,
+            verbose=not quiet,
+        )
+
+    def close(self) -> None:
+        self.llm.close()
+
+    def __enter__(self) -> LlamaChat:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def answer(self, labels_and_paths: list[tuple[str, object]], question: str, max_new_tokens: int):
+        """The question about the images (each after its text label, e.g. "CAM_FRONT: ") -> (the answer's text, the
+        wall ms from the files to the last token, the answer's tokens and the prompt's, by llama.cpp's count)."""
+        from pathlib import Path
+
+        content: list[dict] = []
+        for label, path in labels_and_paths:
+            image = {"type": "image_url", "image_url": {"url": Path(path).resolve().as_uri()}}
+            content += [{"type": "text", "text": label}, image, {"type": "text", "text": "\n"}]
+        content.append({"type": "text", "text": question})
+        t0 = time.perf_counter()
+        self.llm.reset()
+        out = self.llm.create_chat_completion(
+            [{"role": "user", "content": content}], temperature=0.0, max_tokens=max_new_tokens
+        )
+        ms = (time.perf_counter() - t0) * 1e3
+        usage = out["usage"]
+        return out["choices"][0]["message"]["content"].strip(), ms, usage["completion_tokens"], usage["prompt_tokens"]
+
+
 def available() -> bool:
     """Whether llama-cpp-python (the `llamacpp` extra) and the `gguf` writer are installed here."""
     import importlib.util
