@@ -125,7 +125,7 @@ def test_a_failed_build_publishes_nothing(fake_build, monkeypatch):
     assert fake_build.loaded == []
 
 
-def test_the_token_recipes_budget_starts_after_its_setup(monkeypatch):
+def test_the_token_recipes_budget_starts_after_its_setup(monkeypatch, tmp_path):
     """Loading the target and making its pipeline (a native build may take a minute) come before the clock starts:
     a setup that takes longer than the whole budget still leaves labelling its share of it."""
     import litevlm.models
@@ -135,7 +135,7 @@ def test_the_token_recipes_budget_starts_after_its_setup(monkeypatch):
     clock = types.SimpleNamespace(now=1000.0)
     monkeypatch.setattr(tokens, "time", types.SimpleNamespace(time=lambda: clock.now))
     model = torch.nn.Linear(2, 2)
-    loaded = types.SimpleNamespace(model=model, path=Path("fake"))
+    loaded = types.SimpleNamespace(model=model, path=tmp_path)  # a folder: the recipe records where it came from
     monkeypatch.setattr(litevlm.models, "load_model", lambda name: loaded)
 
     def slow_setup(loaded, **options):
