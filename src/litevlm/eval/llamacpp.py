@@ -318,6 +318,7 @@ class LlamaChat:
             str(files.text),
             chat_handler=self.handler,
             draft_model=draft,
+            logits_all=draft is not None,  # its scores buffer holds every position only when asked: a draft needs it
             n_ctx=n_ctx,
             n_threads=self.threads,
             n_threads_batch=self.threads,
