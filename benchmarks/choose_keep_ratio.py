@@ -67,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("selector", type=Path, help="the token_selector/ folder whose config.json gets the choice")
     ap.add_argument("--tolerance", type=float, default=0.005, help="how far below unpruned r may score")
     ap.add_argument("--dry-run", action="store_true", help="print the choice without writing it")
+    ap.add_argument(
+        "--data-made-by",
+        default=None,
+        metavar="CMD",
+        help="the command that makes the run's data (e.g. `litevlm data synth --seed 2 --frames 100`), recorded in"
+        " place of its folder, which names only where it lay on one machine",
+    )
     args = ap.parse_args(argv)
     cfg_path = args.selector / "config.json"
     if not cfg_path.is_file():
@@ -77,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     if run.get("selector", {}).get("reads", "layer0") != cfg["selector"].get("reads", "layer0"):
         raise SystemExit("the run measured a selector that reads another input than this one")
     record = {
-        "data": f"{run.get('data')} ({run.get('n')} questions, the views {run.get('views', 'needed')})",
+        "data": f"{args.data_made_by or run.get('data')} ({run.get('n')} questions, the views"
+        f" {run.get('views', 'needed')})",
         "commit": run.get("commit"),
         "unpruned_final": unpruned,
         "final_at_r": at,

@@ -177,6 +177,10 @@ def test_the_stored_keep_ratio_is_the_smallest_within_the_tolerance(tmp_path, be
     assert (sel / "config.json").stat().st_mode & 0o777 == 0o644  # readable as before, not the temporary file's 0600
     cfg = json.loads((sel / "config.json").read_text())
     assert cfg["selector"]["keep_ratio"] == 0.5 and cfg["keep_ratio_choice"]["final_at_r"]["0.4"] == 0.5079
+    assert cfg["keep_ratio_choice"]["data"].startswith("val (200 questions")  # the run's folder, as given
+    made = "litevlm data synth --seed 2 --frames 100"
+    assert choose.main([str(tmp_path / "run.txt"), str(sel), "--data-made-by", made]) == 0
+    assert json.loads((sel / "config.json").read_text())["keep_ratio_choice"]["data"].startswith(made + " (200")
     (sel / "config.json").write_text(json.dumps({"selector": {"keep_ratio": 0.3}}))  # reads layer 0
     with pytest.raises(SystemExit, match="another input"):
         choose.main([str(tmp_path / "run.txt"), str(sel)])
