@@ -183,6 +183,13 @@ def test_a_kernel_that_refuses_a_step_falls_through_to_the_next_on_the_list(monk
         assert_reordered_fp32(got, want, n=WIDTH)
 
     monkeypatch.setitem(attention.FUSED_KERNELS, "cpu", kernels)
+    twin, _ = twin_decodes_like_the_modules()
+    assert twin.kernels == {"decode": "flash", "verify": "flash", "prefill": "flash"}
+
+
+def twin_decodes_like_the_modules(before=lambda twin: None):
+    """A tiny model with a draft head answered on the modules, then on a cuda-twin made after them (before(twin) run
+    on it first): the twin's tokens, plain and speculative, must be the modules' -> (twin, the modules backend)."""
     model = cached(tiny_vlm(vocab=24))
     head = random_draft(model)
     embeds, pos = prompt(model, seed=3)
@@ -192,29 +199,22 @@ def test_a_kernel_that_refuses_a_step_falls_through_to_the_next_on_the_list(monk
         want = generate(ref, embeds, pos, 40, None).tokens
         want_spec = speculative_generate(ref, head, embeds, pos, 40, None, tree=tree).tokens
     twin = CudaBackend(model, head, tree_nodes=tree.total_tokens, twin=True, **BUCKETS)
+    before(twin)
     with torch.no_grad():
         assert generate(twin, embeds, pos, 40, None).tokens == want
         assert speculative_generate(twin, head, embeds, pos, 40, None, tree=tree).tokens == want_spec
-    assert twin.kernels == {"decode": "flash", "verify": "flash", "prefill": "flash"}
+    return twin, ref
 
 
 def test_the_twin_records_its_kernels_and_decodes_like_the_modules():
     """The cuda-twin on the CPU's fused kernel (a math fallback would raise under the pin): the modules' tokens,
     plain and speculative, token for token, and "flash" for every step kind."""
-    model = cached(tiny_vlm(vocab=24))
-    head = random_draft(model)
-    embeds, pos = prompt(model, seed=3)
-    tree = TreeConfig(top_k=2, depth=3, total_tokens=6)
-    ref = ModulesBackend(model, head)
-    with torch.no_grad():
-        want = generate(ref, embeds, pos, 40, None).tokens
-        want_spec = speculative_generate(ref, head, embeds, pos, 40, None, tree=tree).tokens
-    twin = CudaBackend(model, head, tree_nodes=tree.total_tokens, twin=True, **BUCKETS)
-    assert twin.kernels == {"decode": "flash", "verify": "flash"}  # the prefill's is chosen on its first prompt
-    with torch.no_grad():
-        assert generate(twin, embeds, pos, 40, None).tokens == want
-        spec = speculative_generate(twin, head, embeds, pos, 40, None, tree=tree)
-    assert spec.tokens == want_spec and twin.stats["eager_steps"] == 0
+
+    def before(twin):
+        assert twin.kernels == {"decode": "flash", "verify": "flash"}  # the prefill's is chosen on its first prompt
+
+    twin, ref = twin_decodes_like_the_modules(before)
+    assert twin.stats["eager_steps"] == 0
     assert twin.kernels == {"decode": "flash", "verify": "flash", "prefill": "flash"}
     assert ref.kernels is None
 
