@@ -5,6 +5,7 @@ once: its accepted run. The stage times come from events read at the end of the 
 
 import pytest
 import torch
+from test_spec import HostSyncs
 
 from litevlm import Pipeline
 from litevlm.data.synthetic import make_frame, render_views
@@ -17,41 +18,22 @@ QUESTIONS = (
 )
 
 
-class DeviceWaits:
-    """Counts the host's waits for the device while entered (see the module's docstring)."""
-
-    VALUE_READS = ("__int__", "__float__", "__bool__", "__index__", "item", "tolist")
-
-    def __init__(self, monkeypatch):
-        self.monkeypatch, self.count, self.seen = monkeypatch, 0, []
-
-    def _counting(self, owner, name: str, counts=lambda *a, **k: True) -> None:
-        original = getattr(owner, name)
-
-        def counted(*a, _original=original, _name=name, **k):
-            if counts(*a, **k):
-                self.count += 1
-                self.seen.append(_name)
-            return _original(*a, **k)
-
-        self.monkeypatch.setattr(owner, name, counted)
+class DeviceWaits(HostSyncs):
+    """Counts the host's waits for the device while entered (see the module's docstring): a tensor's value read
+    (`HostSyncs`), a `nonzero` without a size, and every synchronize."""
 
     def __enter__(self):
         import litevlm.model.backend as backend
         import litevlm.model.generate as generate
 
-        for name in self.VALUE_READS:
-            self._counting(torch.Tensor, name)
+        super().__enter__()
         sized = lambda *a, **k: "size" not in k  # noqa: E731 - nonzero_static's size makes it wait for nothing
-        self._counting(torch.Tensor, "nonzero", sized)
-        self._counting(torch, "nonzero", sized)
-        self._counting(torch.cuda, "synchronize")
-        self._counting(generate, "sync")
-        self._counting(backend, "_sync")
+        self.counting(torch.Tensor, "nonzero", sized)
+        self.counting(torch, "nonzero", sized)
+        self.counting(torch.cuda, "synchronize")
+        self.counting(generate, "sync")
+        self.counting(backend, "_sync")
         return self
-
-    def __exit__(self, *exc):
-        self.monkeypatch.undo()
 
 
 @pytest.fixture(scope="module")

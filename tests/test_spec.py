@@ -327,22 +327,29 @@ def test_a_chain_cut_by_its_value_ends_at_a_drafted_eos():
 
 
 class HostSyncs:
-    """Counts what reads a tensor's value on the host (int, float, bool, item, tolist) while it is entered."""
+    """Counts what reads a tensor's value on the host (int, float, bool, item, tolist) while it is entered; `seen`
+    names each read in order."""
 
     NAMES = ("__int__", "__float__", "__bool__", "__index__", "item", "tolist")
 
     def __init__(self, monkeypatch):
-        self.monkeypatch, self.count = monkeypatch, 0
+        self.monkeypatch, self.count, self.seen = monkeypatch, 0, []
+
+    def counting(self, owner, name: str, counts=lambda *a, **k: True) -> None:
+        """owner.name counted (where counts(its arguments)) while entered."""
+        original = getattr(owner, name)
+
+        def counted(*a, _original=original, **k):
+            if counts(*a, **k):
+                self.count += 1
+                self.seen.append(name)
+            return _original(*a, **k)
+
+        self.monkeypatch.setattr(owner, name, counted)
 
     def __enter__(self):
         for name in self.NAMES:
-            original = getattr(torch.Tensor, name)
-
-            def counted(t, *a, _original=original, **k):
-                self.count += 1
-                return _original(t, *a, **k)
-
-            self.monkeypatch.setattr(torch.Tensor, name, counted)
+            self.counting(torch.Tensor, name)
         return self
 
     def __exit__(self, *exc):
