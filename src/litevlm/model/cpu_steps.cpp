@@ -175,20 +175,24 @@ void row_product(const float* x, int64_t in, const float* w, int64_t out, float*
 // target's own steps keep fp32 `row_product`: their products stay exactly as they were.
 constexpr int64_t kPanelWidth = 64;
 
-// w (in, out) row-major fp32 -> (ceil(out / 64), in, 64) bf16, the columns past `out` zero.
-at::Tensor pack_panels_op(const at::Tensor& w) {
+// w (in, out) row-major fp32 -> (ceil(out / width), in, width) fp32 panels, each `width` columns contiguous over the
+// input, the columns past `out` zero.
+at::Tensor pack_columns(const at::Tensor& w, int64_t width, const char* op) {
   check_f32_contiguous(w, "a weight to pack");
-  TORCH_CHECK(w.dim() == 2, "litevlm_cpu: pack_panels takes an (in, out) weight");
-  const int64_t in = w.size(0), out = w.size(1), count = (out + kPanelWidth - 1) / kPanelWidth;
-  at::Tensor packed = at::zeros({count, in, kPanelWidth}, w.options());
+  TORCH_CHECK(w.dim() == 2, "litevlm_cpu: ", op, " takes an (in, out) weight");
+  const int64_t in = w.size(0), out = w.size(1), count = (out + width - 1) / width;
+  at::Tensor packed = at::zeros({count, in, width}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   for (int64_t p = 0; p < count; ++p) {
-    const int64_t cols = std::min(kPanelWidth, out - p * kPanelWidth);
-    for (int64_t k = 0; k < in; ++k) std::copy_n(src + k * out + p * kPanelWidth, cols, dst + (p * in + k) * kPanelWidth);
+    const int64_t cols = std::min(width, out - p * width);
+    for (int64_t k = 0; k < in; ++k) std::copy_n(src + k * out + p * width, cols, dst + (p * in + k) * width);
   }
-  return packed.to(at::kBFloat16);
+  return packed;
 }
+
+// w (in, out) row-major fp32 -> (ceil(out / 64), in, 64) bf16, the columns past `out` zero.
+at::Tensor pack_panels_op(const at::Tensor& w) { return pack_columns(w, kPanelWidth, "pack_panels").to(at::kBFloat16); }
 
 #if defined(__AVX512F__)
 constexpr bool kPanelsBuilt = true;
@@ -324,19 +328,7 @@ at::Tensor exact_product(const at::Tensor& base, const at::Tensor& x, const at::
 // product on the panels equals the one on the row-major weight bit for bit, at any row count.
 constexpr int64_t kPanel32 = 32;
 
-at::Tensor pack_panels32_op(const at::Tensor& w) {
-  check_f32_contiguous(w, "a weight to pack");
-  TORCH_CHECK(w.dim() == 2, "litevlm_cpu: pack_panels32 takes an (in, out) weight");
-  const int64_t in = w.size(0), out = w.size(1), count = (out + kPanel32 - 1) / kPanel32;
-  at::Tensor packed = at::zeros({count, in, kPanel32}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
-  for (int64_t p = 0; p < count; ++p) {
-    const int64_t cols = std::min(kPanel32, out - p * kPanel32);
-    for (int64_t k = 0; k < in; ++k) std::copy_n(src + k * out + p * kPanel32, cols, dst + (p * in + k) * kPanel32);
-  }
-  return packed;
-}
+at::Tensor pack_panels32_op(const at::Tensor& w) { return pack_columns(w, kPanel32, "pack_panels32"); }
 
 // R rows of y (row stride out; its `cols` columns that exist) += x (R, in) @ one panel (in, 32).
 template <int64_t R>
