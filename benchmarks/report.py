@@ -540,12 +540,11 @@ def selection_line(result: dict) -> str | None:
 def paired_text(d: dict, a: str, b: str) -> str:
     """A stored paired difference (`Paired.to_dict`): "difference +0.0247 [-0.0011, +0.0502] over 100 questions in
     17 frames, level" (or "A ahead"), each side's standard error beside it."""
-    verdict = "level" if d["low"] <= 0.0 <= d["high"] else (f"{a} ahead" if d["diff"] > 0 else f"{b} ahead")
-    se = f" (standard errors {d['se_a']:.4f} and {d['se_b']:.4f})" if d.get("se_a") is not None else ""
-    return (
-        f"paired difference {d['diff']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]{se} over {d['n']} questions in"
-        f" {d['frames']} frames: {verdict}"
-    )
+    from litevlm.eval.intervals import Paired
+
+    p = Paired(**{k: d[k] for k in ("a", "b", "se_a", "se_b", "diff", "low", "high", "n", "frames")})
+    se = f" (standard errors {p.se_a:.4f} and {p.se_b:.4f})" if p.se_a is not None else ""
+    return f"paired difference {interval(p)}{se} over {p.n} questions in {p.frames} frames: {side(p, a, b)}"
 
 
 def bf16_line(result: dict) -> str | None:
@@ -1604,7 +1603,7 @@ def section_batching(runs: dict) -> list[str]:
     ]
 
 
-def section_serve(run: dict | None, hd: dict | None = None) -> list[str]:
+def section_serve(run: dict | None, hd: dict | None = None, name: str = "serve_load") -> list[str]:
     out = ["## `litevlm serve` under load", ""]
     if run is None:
         return out + missing("the server under load", "python benchmarks/report.py --run --only serve_load")
@@ -1646,12 +1645,11 @@ def section_serve(run: dict | None, hd: dict | None = None) -> list[str]:
             f" view cache {'off' if res.get('view_cache_mb') == 0 else 'on'} ({', '.join(settings)}):"
             " a server answering one request at a time beside one batching"
             f" them, the same requests. {'. '.join(served)}. 5xx and answers differing from one at a time: {bad};"
-            f" p99s and every level in {json_of('serve_load')}."
+            f" p99s and every level in {json_of(name)}."
         )
         out += provenance(run)
         if hd is not None and isinstance(hd["result"].get("by_max_batch"), dict):
-            lines = section_serve(hd)[2:]  # its paragraph and provenance, under the same heading
-            out += [lines[0].replace(json_of("serve_load"), json_of("serve_load_hd")), *lines[1:]]
+            out += section_serve(hd, name="serve_load_hd")[2:]  # its paragraph and provenance, under one heading
         return out
     out += [
         "Loopback only, one server process, streamed answers; at each level that many clients send requests"
