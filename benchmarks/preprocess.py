@@ -84,17 +84,23 @@ def decode_ms(src, tiling: Tiling, size: int, reps: int) -> float:
 
 
 def score_both(model: str, data: str, n: int) -> dict:
+    """drive-hd's DriveLM final with each path, LiteVLM and the baseline, and each configuration's paired difference
+    (the new path less PIL's, over the same questions, its interval from resampling frames)."""
+    from litevlm.eval.bench import paired_rows
     from litevlm.eval.run import evaluate
     from litevlm.pipeline import Pipeline
     from litevlm.presets import LITEVLM
 
     out = {"model": model, "questions": n}
     for config, opts in (("litevlm", LITEVLM), ("baseline", {})):
+        records = {}
         for resample in ("fast", "pil"):
             pipe = Pipeline.from_pretrained(model, resample=resample, **opts)
             res = evaluate(pipe, data, limit=n, progress=False, gate=False, renormalise=True)
             out[f"{config}_{resample}"] = round(res["final"], 4)
+            records[resample] = res["records"]
         out[f"{config}_diff"] = round(out[f"{config}_fast"] - out[f"{config}_pil"], 4)
+        out[f"{config}_paired"] = paired_rows(records["fast"], records["pil"])
     return out
 
 

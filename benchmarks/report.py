@@ -509,8 +509,9 @@ def visual_share(result: dict) -> str | None:
 
 
 def selection_line(result: dict) -> str | None:
-    """What token selection does to the prefill (LiteVLM against "views + eagle", which differ by it alone) and
-    LiteVLM's score against the baseline's."""
+    """What token selection does to the prefill (LiteVLM against "views + eagle", which differ by it alone),
+    LiteVLM's score against the baseline's, and each paired row (`litevlm.eval.bench.PAIRS`: view selection, FP8,
+    bf16) against the row without its technique or precision."""
     rows = {r["config"]: r for r in bench_rows(result)}
     lite, views, base = rows.get("litevlm"), rows.get("views + eagle"), rows.get("baseline")
     if not lite:
@@ -532,6 +533,11 @@ def selection_line(result: dict) -> str | None:
         else:
             line += f" ({lite['score'] - base['score']:+.4f}, no interval in this run)"
         parts.append(line)
+    for row in rows.values():  # one technique or precision alone, each against the same pipeline without it
+        pair = row.get("vs_pair") or {}
+        if pair.get("final"):
+            name, other = row["config"], pair["against"]
+            parts.append(f'{pair["measures"]} ("{name}" less "{other}"), {paired_text(pair["final"], name, other)}')
     if not parts:
         return None
     return "; ".join(parts) + "."
@@ -761,8 +767,13 @@ def section_preprocess(run: dict | None) -> list[str]:
         sc = res.get(key)
         if sc:
             both = "; ".join(
-                f"{cfg} {fmt(sc.get(f'{cfg}_fast'))} with the new path, {fmt(sc.get(f'{cfg}_pil'))} with PIL's"
-                f" (difference {fmt(sc.get(f'{cfg}_diff'))})"
+                f"{cfg} {fmt(sc.get(f'{cfg}_fast'))} with the new path, {fmt(sc.get(f'{cfg}_pil'))} with PIL's ("
+                + (
+                    paired_text(sc[f"{cfg}_paired"]["final"], "the new path", "PIL's")
+                    if sc.get(f"{cfg}_paired", {}).get("final")
+                    else f"difference {fmt(sc.get(f'{cfg}_diff'))}, no interval in this run"
+                )
+                + ")"
                 for cfg in ("litevlm", "baseline")
                 if f"{cfg}_fast" in sc
             )

@@ -51,6 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--questions", type=int, default=4, help="questions per frame (frames x questions distinct requests)"
     )
+    p.add_argument(
+        "--image-format",
+        choices=("jpeg", "png"),
+        default="jpeg",
+        help="how the client encodes each camera image (a car's cameras, and nuScenes', deliver JPEG)",
+    )
     p.add_argument("--width", type=int, default=1600)
     p.add_argument("--height", type=int, default=900)
     p.add_argument("--seed", type=int, default=11, help="synthetic stream seed")
@@ -67,7 +73,8 @@ def make_cases(a) -> list[bytes]:
     bodies = []
     for f in range(a.frames):
         frame = make_frame(a.seed, f)
-        urls = {c: image_data_url(im) for c, im in render_views(frame, size=(a.width, a.height)).items()}
+        views = render_views(frame, size=(a.width, a.height))
+        urls = {c: image_data_url(im, a.image_format.upper()) for c, im in views.items()}
         for qa in frame.qas[: a.questions]:
             bodies.append(json.dumps({"model": "bench", "messages": [user_message(qa.question, urls)]}).encode())
     return bodies
@@ -268,6 +275,7 @@ def main(argv=None) -> int:
         "requests_per_level": a.requests,
         "max_queue": a.max_queue,
         "image_size": [a.width, a.height],
+        "image_format": a.image_format,
         "distinct_requests": len(bodies),
         "max_new_tokens": a.max_new_tokens,
         "host": f"{platform.machine()} {os.cpu_count()} cpus",
@@ -279,7 +287,7 @@ def main(argv=None) -> int:
     }
     print(
         f"litevlm serve under load: {a.requests} streamed requests per level, queue {a.max_queue}, "
-        f"{a.width}x{a.height} images, model {model_dir.name}, {result['host']}"
+        f"{a.width}x{a.height} {a.image_format} images, model {model_dir.name}, {result['host']}"
     )
     print(
         f"  {'batch':>5}  {'clients':>7}  {'p50 ms':>9}  {'p99 ms':>9}  {'TTFT p50':>9}  {'TTFT p99':>9}  "

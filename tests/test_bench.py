@@ -470,3 +470,35 @@ def test_each_row_is_paired_with_the_baseline_over_frames():
     wrong_before = sum(r["closed"] and not answered_right(r) for r in records) / closed
     assert better["closed"]["diff"] == pytest.approx(wrong_before)
     assert better["final"]["diff"] > 0.0
+
+
+def test_view_selection_fp8_and_bf16_are_each_paired_with_the_row_without_them():
+    """`vs_pairs` reads each technique or precision against the same pipeline without it: a row answering like its
+    pair is level at zero, one answering every closed question right is ahead; a pair missing a row is left out."""
+    from types import SimpleNamespace
+
+    from litevlm.data.synthetic import make_frame
+    from litevlm.eval.bench import PAIRS, vs_pairs
+
+    records = []
+    for f in range(5):
+        frame = make_frame(2, f)
+        for qa in frame.qas:
+            records.append(
+                {"id": str(len(records)), "question": qa.question, "answer": "no", "gt": qa.answer}
+                | {"tag": [qa.tag], "closed": qa.closed, "frame": frame.frame_id}
+            )
+    right = [r | {"answer": r["gt"] if r["closed"] else r["answer"]} for r in records]
+    logs = {
+        "eagle": SimpleNamespace(records=records),
+        "views + eagle": SimpleNamespace(records=right),
+        "litevlm": SimpleNamespace(records=records),
+        "litevlm fp8": SimpleNamespace(records=[dict(r) for r in records]),
+    }
+    pairs = vs_pairs(logs)
+    assert set(pairs) == {"views + eagle", "litevlm fp8"}  # no "litevlm bf16" row: no pair
+    views, fp8 = pairs["views + eagle"], pairs["litevlm fp8"]
+    assert views["against"] == "eagle" and views["measures"] == dict((a, c) for a, _, c in PAIRS)["views + eagle"]
+    assert views["closed"]["low"] > 0.0 and views["final"]["diff"] > 0.0
+    assert fp8["final"]["diff"] == 0.0 == fp8["final"]["low"] == fp8["final"]["high"]
+    assert fp8["final"]["frames"] == 5

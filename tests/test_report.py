@@ -1245,7 +1245,16 @@ def test_reading_and_cutting_a_view_has_its_table_and_the_score_with_both_resize
     assert (
         "DriveLM score on drive-hd, 600 held-out questions: litevlm 0.5426 with the new path, 0.5431 with PIL's" in sec
     )
-    assert "(difference -0.0005); baseline 0.5179 with the new path" in sec and f"Command: `{command}`" in sec
+    assert "(difference -0.0005, no interval in this run); baseline 0.5179 with the new path" in sec
+    assert f"Command: `{command}`" in sec
+    paired = preprocess_result()
+    d = {"a": 0.5426, "b": 0.5431, "se_a": 0.02, "se_b": 0.02, "diff": -0.0005, "low": -0.004, "high": 0.003}
+    paired["score"]["litevlm_paired"] = {"final": d | {"n": 600, "frames": 100}}
+    page = write(tmp_path / "paired", report, {**FIXTURES, "preprocess": run_file("preprocess", paired, command)})
+    assert (
+        "0.5431 with PIL's (paired difference -0.0005 [-0.0040, +0.0030] (standard errors 0.0200 and 0.0200) over 600"
+        " questions in 100 frames: level); baseline" in page
+    )
     run = run_file("preprocess", preprocess_result(score=False), command)
     page = write(tmp_path / "unscored", report, {**FIXTURES, "preprocess": run})
     assert "| raw frame |" in page and "DriveLM score on" not in page
@@ -1451,3 +1460,16 @@ def test_litevlm_against_the_baseline_is_read_with_its_interval(tmp_path, report
     )
     assert "17 frames: level; closed accuracy paired difference +0.0200 [+0.0100, +0.0440]" in page
     assert "40 questions in 17 frames: LiteVLM ahead" in page
+
+
+def test_fp8_is_read_against_the_row_without_it(tmp_path, report):
+    runs = {**FIXTURES, **hd_runs()}
+    res = runs["bench_hd_1thread"]["result"]
+    rows = {r["config"]: r for r in res["rows"]}
+    d = {"a": 0.5351, "b": 0.5355, "se_a": 0.02, "se_b": 0.02, "diff": -0.0004, "low": -0.003, "high": 0.002}
+    rows["litevlm fp8"]["vs_pair"] = {
+        "against": "litevlm", "measures": "FP8 against full precision", "final": d | {"n": 100, "frames": 7}
+    }  # fmt: skip
+    page = write(tmp_path, report, runs)
+    assert 'FP8 against full precision ("litevlm fp8" less "litevlm"), paired difference -0.0004' in page
+    assert "over 100 questions in 7 frames: level" in page

@@ -649,10 +649,12 @@ def run_bench(
         rows.append(row)
         lines.write("row", **row)
     if shape is None and scored and "baseline" in logs and logs["baseline"].records:
-        paired = vs_baseline(logs)
+        paired, pairs = vs_baseline(logs), vs_pairs(logs)
         for r in rows:
             if r["config"] in paired:
                 r["vs_baseline"] = paired[r["config"]]
+            if r["config"] in pairs:
+                r["vs_pair"] = pairs[r["config"]]
     dev = next(iter(pipes.values())).model.device.type  # every row runs on one device
     per_question = {
         name: {"views": log.views, "vit": log.stages["vit"], "input_tokens": log.input_tokens}
@@ -682,31 +684,61 @@ def run_bench(
     }, per_question
 
 
-def vs_baseline(logs: dict) -> dict[str, dict]:
-    """Each row against the baseline on the same questions: the paired difference of its DriveLM final (each
-    question's share of it, `litevlm.eval.per_question`) and of its closed-question accuracy, with 95% intervals
-    from resampling the frames (`litevlm.eval.intervals`)."""
+# The comparisons a bench run pairs besides each row against the baseline: (row, the row it is read against, what
+# the pair measures). Each is the row's one technique or precision alone: the same pipeline with and without it.
+PAIRS = (
+    ("views + eagle", "eagle", "view selection against all views"),
+    ("litevlm fp8", "litevlm", "FP8 against full precision"),
+    ("litevlm bf16", "litevlm", "bf16 against fp32"),
+)
+
+
+def paired_rows(a: list[dict], b: list[dict]) -> dict:
+    """Row a's records against row b's on the same questions (the same order): the paired difference of the DriveLM
+    final (each question's share of it, `litevlm.eval.per_question`) and of the closed-question accuracy, with 95%
+    intervals from resampling the frames (`litevlm.eval.intervals`); {} where the questions span fewer than two
+    frames."""
     from litevlm.eval.intervals import both_scored, paired_difference
-    from litevlm.eval.metrics import answered_right
     from litevlm.eval.per_question import final_per_question
 
-    base = logs["baseline"].records
-    frames = [r["frame"] for r in base]
-    if len(set(frames)) < 2:
+    frames = [r["frame"] for r in b]
+    if len(a) != len(b) or len(set(frames)) < 2:
         return {}
-    base_final = final_per_question(base)
-    base_right = [float(answered_right(r)) if r.get("closed") else None for r in base]
+    out = {}
+    for key, score in (("final", final_per_question), ("closed", _closed_right)):
+        x, y, f = both_scored(score(a), score(b), frames)
+        if x:
+            out[key] = paired_difference(x, y, f).to_dict()
+    return out
+
+
+def _closed_right(records: list[dict]) -> list[float | None]:
+    from litevlm.eval.metrics import answered_right
+
+    return [float(answered_right(r)) if r.get("closed") else None for r in records]
+
+
+def vs_baseline(logs: dict) -> dict[str, dict]:
+    """Each row against the baseline on the same questions (`paired_rows`)."""
+    base = logs["baseline"].records
     out = {}
     for name, log in logs.items():
-        if name == "baseline" or len(log.records) != len(base):
-            continue
-        mine_right = [float(answered_right(r)) if r.get("closed") else None for r in log.records]
-        both = {}
-        for key, a, b in (("final", final_per_question(log.records), base_final), ("closed", mine_right, base_right)):
-            x, y, f = both_scored(a, b, frames)
-            if x:
-                both[key] = paired_difference(x, y, f).to_dict()
-        out[name] = both
+        if name != "baseline":
+            both = paired_rows(log.records, base)
+            if both:
+                out[name] = both
+    return out
+
+
+def vs_pairs(logs: dict) -> dict[str, dict]:
+    """`PAIRS` where the run has both rows: {row: {"against": its other row, "measures": what, "final": ...,
+    "closed": ...}}."""
+    out = {}
+    for name, other, what in PAIRS:
+        if name in logs and other in logs:
+            both = paired_rows(logs[name].records, logs[other].records)
+            if both:
+                out[name] = {"against": other, "measures": what, **both}
     return out
 
 

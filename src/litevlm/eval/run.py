@@ -90,6 +90,7 @@ def evaluate(
         rec = {
             **record(s, ans.text),
             "category": s.category,
+            "frame": s.frame_id,  # a paired difference resamples the frames (`litevlm.eval.intervals`)
             "views": ans.views,
             "needed_views": list(s.views),
             "visual_tokens": ans.num_visual_tokens,
