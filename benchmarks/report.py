@@ -629,6 +629,11 @@ def frame_line(res: dict) -> str | None:
         f" {fmt(lite['answers_equal'])} ({res['questions']} questions in {res['frames']} frames,"
         f" {res['threads']} thread(s))."
     )
+    paired = (lite.get("vs_strangers") or {}).get("final")
+    if paired:
+        line += (
+            f" Its score against the same questions asked as strangers: {paired_text(paired, 'frame', 'strangers')}."
+        )
     bound = frame_bound(res)
     return line + (f" {bound}" if bound else "")
 
@@ -1653,7 +1658,8 @@ def section_serve(run: dict | None, hd: dict | None = None, name: str = "serve_l
         out.append(
             f"Loopback only, one server process, streamed answers, {Path(res.get('model', 'drive-tiny')).name}, the"
             f" {res.get('config', 'baseline')} configuration,"
-            f" view cache {'off' if res.get('view_cache_mb') == 0 else 'on'} ({', '.join(settings)}):"
+            f" view cache {'off' if res.get('view_cache_mb') == 0 else 'on'},"
+            f" {res.get('image_format', 'png').upper()} images ({', '.join(settings)}):"
             " a server answering one request at a time beside one batching"
             f" them, the same requests. {'. '.join(served)}. 5xx and answers differing from one at a time: {bad};"
             f" p99s and every level in {json_of(name)}."

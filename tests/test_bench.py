@@ -412,6 +412,9 @@ def test_frame_mode_answers_each_frame_as_strangers_and_through_one_frame_side_b
     for config in configs:
         alone, frame = rows[(config, "strangers")], rows[(config, "frame")]
         assert alone["answers_equal"] and frame["answers_equal"] and alone["score"] == frame["score"]
+        paired = frame["vs_strangers"]["final"]  # the same answers: exactly level, over both measured frames
+        assert paired["diff"] == paired["low"] == paired["high"] == 0.0 and paired["frames"] == 2
+        assert "vs_strangers" not in alone
         assert alone["views_encoded_per_question"] == alone["views"] and alone["views_reused_per_question"] == 0
         # each view of a frame is encoded once: what a question needs is encoded or reused
         assert frame["views_encoded_per_question"] + frame["views_reused_per_question"] == pytest.approx(frame["views"])

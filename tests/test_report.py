@@ -1208,6 +1208,17 @@ def test_the_frame_rows_are_a_table_with_litevlms_ratio_and_whether_the_answers_
     assert "the frame could reach **0.491** at best" in sec
     assert f"Command: `OMP_NUM_THREADS=1 {FRAMES_COMMAND}`" in sec and f"Command: `{FRAMES_COMMAND}`" in sec
     assert "Not measured" not in sec
+    assert "asked as strangers" not in sec  # a run without the pairing says nothing of it
+    paired = frames_result()
+    zero = {"a": 0.55, "b": 0.55, "se_a": 0.02, "se_b": 0.02, "diff": 0.0, "low": 0.0, "high": 0.0}
+    next(r for r in paired["frame_rows"] if (r["config"], r["mode"]) == ("litevlm", "frame"))["vs_strangers"] = {
+        "final": zero | {"n": 96, "frames": 16}
+    }
+    runs["bench_hd_frames"] = run_file("bench_hd_frames", paired, f"OMP_NUM_THREADS=1 {FRAMES_COMMAND}")
+    sec = write(tmp_path / "paired", report, runs)
+    assert (
+        "Its score against the same questions asked as strangers: paired difference +0.0000 [+0.0000, +0.0000]" in sec
+    )
 
 
 def test_a_frame_that_misses_the_goal_says_what_the_per_question_work_would_have_to_fall_to(report):

@@ -546,6 +546,59 @@ def test_teacher_attention_equals_rows_of_the_full_attention():
     torch.testing.assert_close(got, want / want.sum(), atol=1e-6, rtol=1e-5)
 
 
+def test_answer_saliency_is_the_loglik_gradient_of_each_tokens_attention_column():
+    """The saliency label against finite differences of the answer's log-likelihood, each visual token's attention
+    column biased by +-eps alone; and pruning the most salient tokens moves the answer's likelihood more than pruning
+    as many of the least salient (the label ranks what the answer needs)."""
+    from litevlm.train.tokens import answer_loglik, answer_saliency
+
+    model = tiny_vlm(layers=3).double()
+    embeds, positions, spans = tiny_prompt(model)
+    embeds = embeds.double()
+    answer = [30, 31, 32, 92]
+    n = len(spans) * TPV
+    got = answer_saliency(model, embeds, positions, spans, answer)
+    assert got.shape == (n,) and abs(float(got.sum()) - 1.0) < 1e-9 and bool((got >= 0).all())
+    eps = 1e-3  # the norms compute in fp32: a smaller step drowns in their rounding
+
+    def ll(bias):
+        with torch.no_grad():
+            return float(answer_loglik(model, embeds, positions, spans, answer, bias))
+
+    fd = torch.zeros(n, dtype=torch.float64)
+    for i in range(n):
+        step = torch.zeros(n, dtype=torch.float64)
+        step[i] = eps
+        fd[i] = (ll(step) - ll(-step)) / (2 * eps)
+    torch.testing.assert_close(got, fd.abs() / fd.abs().sum(), atol=2e-4, rtol=0.02)
+    base, k = ll(torch.zeros(n, dtype=torch.float64)), n // 4
+    order = got.argsort(descending=True)
+
+    def pruned(idx):
+        bias = torch.zeros(n, dtype=torch.float64)
+        bias[idx] = float("-inf")
+        return abs(ll(bias) - base)
+
+    assert pruned(order[:k]) > pruned(order[-k:])
+
+
+def test_a_label_mixes_attention_and_saliency_by_the_recipes_share():
+    from types import SimpleNamespace
+
+    from litevlm.train.tokens import TokenRecipe, answer_saliency, teacher_attention, teacher_label
+
+    model = tiny_vlm(layers=3)
+    embeds, positions, spans = tiny_prompt(model)
+    p = SimpleNamespace(embeds=embeds, positions=positions, view_spans=spans)
+    answer = [30, 31, 92]
+    attn = teacher_attention(model, embeds, positions, spans, answer, None, 0.5)
+    sal = answer_saliency(model, embeds, positions, spans, answer)
+    assert not torch.allclose(attn, sal)
+    torch.testing.assert_close(teacher_label(model, p, answer, TokenRecipe()), attn)
+    mixed = teacher_label(model, p, answer, TokenRecipe(saliency_weight=0.25))
+    torch.testing.assert_close(mixed, 0.75 * attn + 0.25 * sal)
+
+
 def test_box_prior_marks_the_boxed_cells():
     from litevlm.train.tokens import box_prior
 

@@ -956,6 +956,8 @@ def _run_frames(pipes: dict, frames: list[list], warmup: int, progress: bool, li
             )
             if scored:
                 row["score"] = round(score(log.records)["final"] or 0.0, 4)
+                if mode == "frame":  # the same questions answered as strangers: paired over the frames
+                    row["vs_strangers"] = paired_rows(log.records, modes["strangers"].records)
             row["closed_accuracy"] = closed_accuracy(log.records)
             rows.append(row)
             lines.write("row", **row)

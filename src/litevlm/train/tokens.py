@@ -122,6 +122,13 @@ class TokenRecipe:
         "from --answer-ratios, its gradient through a soft keep mask (0: the labels alone)",
     )
     answer_ratios: tuple[float, ...] = flag((0.2, 0.3, 0.4), "the keep ratios r the answer objective draws from")
+    saliency_weight: float = flag(
+        0.0,
+        "share of the teacher label taken from what the answer needs rather than from attention: each visual "
+        "token's |d log p(answer) / d b|, b a bias on that token's attention logits in every layer and head (the "
+        "first-order effect on the answer's likelihood of reading the token less; pruning it is b -> -inf), "
+        "normalised over the visual tokens (0: attention alone)",
+    )
     answer_temperature: float = flag(
         0.2, "softness of the answer objective's keep mask: sigmoid((score - threshold) / (T * the scores' std))"
     )
@@ -257,6 +264,48 @@ def teacher_attention(
     return acc / acc.sum()
 
 
+def answer_loglik(model, embeds, positions, view_spans, answer_ids: Sequence[int], bias: torch.Tensor) -> torch.Tensor:
+    """log p(answer | prompt), teacher-forced, with `bias` (N,) added to every attention logit that reads visual token
+    i (every layer and head): 0 reads the prompt as it is, -inf removes the token as pruning does."""
+    lm = model.language_model
+    t, dev = embeds.shape[1], embeds.device
+    answer_ids = list(answer_ids)
+    x, pos = with_answer(lm, embeds, positions, answer_ids[:-1])  # the last answer token predicts nothing
+    n = x.shape[1]
+    columns = torch.zeros(n, device=dev, dtype=bias.dtype).index_put((visual_index(view_spans, dev),), bias)
+    mask = (torch.full((n, n), float("-inf"), device=dev).triu(1) + columns[None, :]).to(embeds.dtype)[None, None]
+    logits = model.lm_head(lm(x, pos, mask=mask)[0, t - 1 :])  # the rows that predict each answer token
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    target = torch.tensor(answer_ids, device=dev)
+    return F.log_softmax(logits, -1).gather(1, target[:, None]).sum()
+
+
+def answer_saliency(model, embeds, positions, view_spans, answer_ids: Sequence[int]) -> torch.Tensor:
+    """(N,) distribution: how much the answer's log-likelihood (`answer_loglik`, the model frozen) moves with each
+    visual token's reading, |d log p(answer) / d b_i| at b = 0 (the first-order effect of reading token i less;
+    pruning it is b_i -> -inf), normalised over the visual tokens. One forward and one backward pass."""
+    n = int(visual_index(view_spans, embeds.device).numel())
+    with torch.enable_grad():
+        dtype = torch.float64 if embeds.dtype == torch.float64 else torch.float32
+        b = torch.zeros(n, device=embeds.device, dtype=dtype, requires_grad=True)
+        (grad,) = torch.autograd.grad(answer_loglik(model, embeds, positions, view_spans, answer_ids, b), b)
+    s = grad.abs()
+    total = s.sum()
+    return s / total if total > 0 else torch.full_like(s, 1.0 / max(1, n))
+
+
+def teacher_label(model, p, answer_ids: Sequence[int], recipe: TokenRecipe) -> torch.Tensor:
+    """The teacher part of a label (before the box prior): the full model's attention (`teacher_attention`), mixed
+    with `answer_saliency` at `recipe.saliency_weight`."""
+    attn = teacher_attention(
+        model, p.embeds, p.positions, p.view_spans, answer_ids, recipe.band, recipe.last_row_weight, recipe.row_norm
+    )
+    w = recipe.saliency_weight
+    if w <= 0:
+        return attn
+    return (1 - w) * attn + w * answer_saliency(model, p.embeds, p.positions, p.view_spans, answer_ids)
+
+
 def label(attn: torch.Tensor, prior: torch.Tensor, prior_weight: float) -> torch.Tensor:
     if prior.sum() <= 0:
         return attn
@@ -334,9 +383,7 @@ def build_items(pipe, recipe: TokenRecipe, frame_range: range, rng: random.Rando
             views = pick_views(rng, qa.views, recipe)
             p = frame_prompt(pipe, bank[-1], qa.question, views)
             answer = tokenizer.encode(qa.answer) + [tokenizer.eos_id]
-            attn = teacher_attention(
-                model, p.embeds, p.positions, p.view_spans, answer, recipe.band, recipe.last_row_weight, recipe.row_norm
-            ).cpu()
+            attn = teacher_label(model, p, answer, recipe).cpu()
             grids = view_grids(pipe.format.tiling, p.view_spans, model.cfg.tokens_per_tile)
             prior = box_prior(frame_boxes(frame, qa.question, qa.answer, qa.views), views, grid, grids)
             target = label(attn, prior, recipe.prior_weight)
@@ -414,6 +461,7 @@ def cache_key(loaded, data, images_root, recipe: TokenRecipe) -> str:
             "extra_view_prob",
             "teacher_answer",
             "answer_tokens",
+            "saliency_weight",
         )
     }
     model, data = Path(loaded.path).resolve(), Path(data).resolve()
@@ -470,18 +518,7 @@ def label_questions(pipe, groups, recipe: TokenRecipe, cache: LabelCache, deadli
         visual = encode_frame(pipe, load_images(todo[0][1], CAMERAS))
         for i, s in todo:
             p = frame_prompt(pipe, visual, s.question, question_views(s, recipe))
-            answer = answer_ids(pipe, p, s, recipe)
-            attn = teacher_attention(
-                pipe.model,
-                p.embeds,
-                p.positions,
-                p.view_spans,
-                answer,
-                recipe.band,
-                recipe.last_row_weight,
-                recipe.row_norm,
-            )
-            cache.put(i, attn.cpu())
+            cache.put(i, teacher_label(pipe.model, p, answer_ids(pipe, p, s, recipe), recipe).cpu())
     cache.flush()
     return left
 
@@ -665,6 +702,8 @@ def train_token_selector(
     recipe = recipe or TokenRecipe()
     if recipe.teacher_answer not in ("greedy", "reference"):
         raise LiteVLMError(f"teacher_answer must be greedy or reference; got {recipe.teacher_answer!r}")
+    if not 0.0 <= recipe.saliency_weight <= 1.0:
+        raise LiteVLMError(f"saliency_weight is a share of the label, within [0, 1]; got {recipe.saliency_weight}")
     if data is None and d.world_size > 1:
         raise LiteVLMError("under torchrun the recipe needs --data: synthetic frames are labelled in one process")
     samples = load_data(data, images_root) if data is not None else None  # checked before anything runs
