@@ -85,7 +85,7 @@ NEUTRAL_PRUNING = ("--r", "0.05,0.1,0.2,0.3", *HD_METHODS)
 # drive-hd on every question of the held-out split (1688), the shipped TokenSelector against the strongest
 # training-free methods at r = 0.1 and 0.2, untimed (the timing is the 600-question page's): the race is decided here,
 # on paired intervals, so more questions and fewer methods.
-HD_ALL_QUESTIONS = ("--r", "0.1,0.2", "--methods", "token-selector,fastv-k2,dart,divprune,cdpruner")
+HD_ALL_QUESTIONS = ("--r", "0.1,0.2", "--methods", "token-selector,token-selector-k2,fastv-k2,dart,divprune,cdpruner")
 HELDOUT_QUESTIONS = 1688
 BATCH_ARGV = ["litevlm", "bench", "--model", HD, "--data", HELDOUT, "--json", "--batch", "8", "--no-transformers"]
 FRAMES_ARGV = ["litevlm", "bench", "--model", HD, "--data", HELDOUT, "--json", "--questions-per-frame", "6"]
@@ -1105,6 +1105,9 @@ def race_cells(res: dict | None, r: float) -> tuple[str, str, str, str | None]:
     return *cells, f"{interval(p)}, {side(p, 'the TokenSelector', 'training-free')}", outcome
 
 
+INSIDE = "token-selector-k2"  # the TokenSelector's choice applied before decoder layer 2
+
+
 def decided_race(pairs: list) -> list[str]:
     """The shipped TokenSelector against every training-free method at r <= 0.2, on every run with per-question
     scores: the race decided on fidelity (the drop in the unpruned answer's log-likelihood, paired), the training-free
@@ -1132,11 +1135,18 @@ def decided_race(pairs: list) -> list[str]:
                 rival = min(known, key=lambda m: known[m].b)  # the training-free method that keeps the most
                 d = known[rival]
                 verdict = d.verdict("**the TokenSelector ahead**", f"**{pruning_label(res, rival)} ahead**")
-                lines.append(
+                line = (
                     f"{what}, {decoder} decoder, r = {r}: the TokenSelector's drop {d.a:.4f} against"
                     f" {pruning_label(res, rival)}'s {d.b:.4f} (the least of the training-free methods), difference"
                     f" {interval(d)}: {verdict}"
                 )
+                inside = paired(res, INSIDE, rival, r, "drop") if f"{INSIDE}@{r}" in res["scores"] else None
+                if inside is not None:  # the same choice where FastV and DART cut: what placement costs
+                    line += (
+                        f" (its choice applied before layer 2, which is not how it ships, {inside.a:.4f}:"
+                        f" {inside.verdict('ahead', 'behind')}, {interval(inside)})"
+                    )
+                lines.append(line)
     if not lines:
         return []
     return [
@@ -1356,8 +1366,8 @@ def section_pruning(runs: dict, page: str) -> list[str]:
     elif res.get("plot"):
         out[-2] += f" Its plot: {res['plot']}."
     if other is not None:
-        out[-2] = out[-2].replace("Command:", "Taught decoder's command:", 1)
-        out += [provenance(other)[1].replace("Command:", "Neutral decoder's command:", 1), ""]
+        out[-2] = out[-2].replace("Command:", "Taught decoder's command:", 1)  # both runs' provenance, one paragraph
+        out[-2] += " " + provenance(other)[1].replace("Command:", "Neutral decoder's command:", 1)
         out[-2] += f" Its plot: {other['result']['plot']}." if other["result"].get("plot") else ""
     return out
 

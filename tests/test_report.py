@@ -1064,7 +1064,8 @@ def test_drive_hd_on_every_held_out_question_has_its_own_pruning_page(tmp_path, 
     command = {b.name: b for b in report.benchmarks()}["token_pruning_drive-hd-all-questions"].command(None)
     assert command[command.index("--n") + 1] == "1688" and command[command.index("--timing-n") + 1] == "0"
     methods = command[command.index("--methods") + 1].split(",")
-    assert methods == ["token-selector", "fastv-k2", "dart", "divprune", "cdpruner"]  # the selector and the strongest
+    # the selector, its choice applied before layer 2 (where the training-free cutters prune), and the strongest
+    assert methods == ["token-selector", "token-selector-k2", "fastv-k2", "dart", "divprune", "cdpruner"]
     assert "--per-view" not in command and "--views" not in command
     assert command[command.index("--r") + 1] == "0.1,0.2"
     res = pruning_result("drive-hd", with_selector=True)
@@ -1434,8 +1435,13 @@ def test_the_race_is_decided_on_fidelity_and_both_measures_separations_are_count
     zero) while its drop is a constant 0.02 below the others' (every fidelity interval excludes zero), except on the
     neutral decoder, where DART's drop equals it (level)."""
     taught = with_questions(pruning_result("drive-hd", True), noisy=("token-selector",), drops={"token-selector": 0.03})
+    neutral = pruning_result("drive-hd", True)  # with the selector's choice applied before layer 2 too
+    neutral["methods"].insert(1, "token-selector-k2")
+    neutral["labels"]["token-selector-k2"] = "TokenSelector K=2"
+    for r, v in ((0.1, 0.5201), (0.2, 0.5102), (0.5, 0.5)):
+        neutral["scores"][f"token-selector-k2@{r}"] = scores(v, 0.82, 1.0)
     neutral = with_questions(
-        pruning_result("drive-hd", True), noisy=("token-selector",), drops={"token-selector": 0.03, "dart": 0.03}
+        neutral, noisy=("token-selector",), drops={"token-selector": 0.03, "dart": 0.03, "token-selector-k2": 0.02}
     )
     runs = {
         **FIXTURES,
@@ -1453,7 +1459,14 @@ def test_the_race_is_decided_on_fidelity_and_both_measures_separations_are_count
     )
     assert "difference -0.0200 [-0.0200, -0.0200]: **the TokenSelector ahead**" in race
     neutral_01 = race[race.index("neutral decoder, r = 0.1") :].split(";")[0]
-    assert "DART's 0.0300" in neutral_01 and neutral_01.endswith(": level")
+    assert "DART's 0.0300 (the least of the training-free methods), difference +0.0000 [+0.0000, +0.0000]: level" in (
+        neutral_01
+    )
+    # the same choice where DART cuts: 0.01 below DART's drop, said apart from the shipped placement's verdict
+    assert neutral_01.endswith(
+        " (its choice applied before layer 2, which is not how it ships, 0.0200: ahead, -0.0100 [-0.0100, -0.0100])"
+    )
+    assert "not how it ships" not in race[: race.index("neutral decoder, r = 0.1")]  # the taught run has no K=2
     # 4 training-free methods (FastV K=2, DART, DivPrune, DivPrune per view) x r = 0.1, 0.2 x two decoders
     assert "Of 16 method pairs at r <= 0.2" in race
     assert "the final score's interval excludes zero in **0**, fidelity's in **14**" in race
