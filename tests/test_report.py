@@ -1067,7 +1067,7 @@ def test_drive_hd_on_every_held_out_question_has_its_own_pruning_page(tmp_path, 
     # the selector, its choice applied before layer 2 (where the training-free cutters prune), and the strongest
     assert methods == ["token-selector", "token-selector-k2", "fastv-k2", "dart", "divprune", "cdpruner"]
     assert "--per-view" not in command and "--views" not in command
-    assert command[command.index("--r") + 1] == "0.1,0.2"
+    assert command[command.index("--r") + 1] == "0.05,0.1,0.2,0.3"
     res = pruning_result("drive-hd", with_selector=True)
     res["n"], res["timing_ms"] = 1688, {}
     name = "token_pruning_drive-hd-all-questions"
