@@ -443,23 +443,30 @@ def test_the_bf16_matmul_rows_join_only_a_real_model_in_fp32_on_the_cpu(monkeypa
     assert list(default_configs("2b", None)) == list(CONFIGS)
 
 
-def test_each_row_is_paired_with_the_baseline_over_frames():
-    """A row whose answers equal the baseline's is level at exactly zero; one that answers every closed question
-    right where the baseline answers them all wrong is ahead on closed accuracy with an interval above zero."""
-    from types import SimpleNamespace
-
+def answered_no(seed: int, frames: int) -> tuple[list[dict], list[dict]]:
+    """Scoring records of every question of `frames` synthetic frames, each answered "no" -> (those, the same with
+    every closed question answered right)."""
     from litevlm.data.synthetic import make_frame
-    from litevlm.eval.bench import vs_baseline
 
     records = []
-    for f in range(6):
-        frame = make_frame(1, f)
+    for f in range(frames):
+        frame = make_frame(seed, f)
         for qa in frame.qas:
             records.append(
                 {"id": str(len(records)), "question": qa.question, "answer": "no", "gt": qa.answer}
                 | {"tag": [qa.tag], "closed": qa.closed, "frame": frame.frame_id}
             )
-    right = [r | {"answer": r["gt"] if r["closed"] else r["answer"]} for r in records]
+    return records, [r | {"answer": r["gt"] if r["closed"] else r["answer"]} for r in records]
+
+
+def test_each_row_is_paired_with_the_baseline_over_frames():
+    """A row whose answers equal the baseline's is level at exactly zero; one that answers every closed question
+    right where the baseline answers them all wrong is ahead on closed accuracy with an interval above zero."""
+    from types import SimpleNamespace
+
+    from litevlm.eval.bench import vs_baseline
+
+    records, right = answered_no(seed=1, frames=6)
     logs = {name: SimpleNamespace(records=recs) for name, recs in
             (("baseline", records), ("same", [dict(r) for r in records]), ("right", right))}  # fmt: skip
     paired = vs_baseline(logs)
@@ -480,18 +487,9 @@ def test_view_selection_fp8_and_bf16_are_each_paired_with_the_row_without_them()
     pair is level at zero, one answering every closed question right is ahead; a pair missing a row is left out."""
     from types import SimpleNamespace
 
-    from litevlm.data.synthetic import make_frame
     from litevlm.eval.bench import PAIRS, vs_pairs
 
-    records = []
-    for f in range(5):
-        frame = make_frame(2, f)
-        for qa in frame.qas:
-            records.append(
-                {"id": str(len(records)), "question": qa.question, "answer": "no", "gt": qa.answer}
-                | {"tag": [qa.tag], "closed": qa.closed, "frame": frame.frame_id}
-            )
-    right = [r | {"answer": r["gt"] if r["closed"] else r["answer"]} for r in records]
+    records, right = answered_no(seed=2, frames=5)
     logs = {
         "eagle": SimpleNamespace(records=records),
         "views + eagle": SimpleNamespace(records=right),

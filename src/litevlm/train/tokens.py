@@ -264,6 +264,14 @@ def teacher_attention(
     return acc / acc.sum()
 
 
+def column_mask(n: int, view_spans, bias: torch.Tensor, dtype) -> torch.Tensor:
+    """(1, 1, n, n) additive mask over n tokens: causal, with bias[i] (N,) added to every logit that reads visual
+    token i (0 reads it as it is, a large negative number or -inf as pruning removes it)."""
+    dev = bias.device
+    columns = torch.zeros(n, device=dev, dtype=bias.dtype).index_put((visual_index(view_spans, dev),), bias)
+    return (torch.full((n, n), float("-inf"), device=dev).triu(1) + columns[None, :]).to(dtype)[None, None]
+
+
 def answer_loglik(model, embeds, positions, view_spans, answer_ids: Sequence[int], bias: torch.Tensor) -> torch.Tensor:
     """log p(answer | prompt), teacher-forced, with `bias` (N,) added to every attention logit that reads visual token
     i (every layer and head): 0 reads the prompt as it is, -inf removes the token as pruning does."""
@@ -271,9 +279,7 @@ def answer_loglik(model, embeds, positions, view_spans, answer_ids: Sequence[int
     t, dev = embeds.shape[1], embeds.device
     answer_ids = list(answer_ids)
     x, pos = with_answer(lm, embeds, positions, answer_ids[:-1])  # the last answer token predicts nothing
-    n = x.shape[1]
-    columns = torch.zeros(n, device=dev, dtype=bias.dtype).index_put((visual_index(view_spans, dev),), bias)
-    mask = (torch.full((n, n), float("-inf"), device=dev).triu(1) + columns[None, :]).to(embeds.dtype)[None, None]
+    mask = column_mask(x.shape[1], view_spans, bias, embeds.dtype)
     logits = model.lm_head(lm(x, pos, mask=mask)[0, t - 1 :])  # the rows that predict each answer token
     logits = logits if logits.dtype == torch.float64 else logits.float()
     target = torch.tensor(answer_ids, device=dev)
@@ -634,10 +640,7 @@ def answer_loss(
     rows = torch.arange(t - 1, n, device=dev)  # the rows that predict each answer token
     with torch.no_grad():
         full = F.log_softmax(model.lm_head(lm(x, pos)[:, rows]).float(), -1)
-    bias = torch.zeros(n, device=dev, dtype=torch.float32)
-    bias = bias.index_put((visual_index(view_spans, dev),), hard_keep_bias(scores, keep_ratio, temperature))
-    causal = torch.full((n, n), float("-inf"), device=dev).triu(1)
-    mask = (causal + bias[None, :]).to(embeds.dtype)[None, None]  # (1, 1, n, n)
+    mask = column_mask(n, view_spans, hard_keep_bias(scores, keep_ratio, temperature), embeds.dtype)
     pruned = F.log_softmax(model.lm_head(lm(x, pos, mask=mask)[:, rows]).float(), -1)
     return (full.exp() * (full - pruned)).sum(-1).mean()
 
